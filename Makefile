@@ -1,0 +1,34 @@
+# The README's two commands: `make quickstart` and `make test`. Both set up .venv/ on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# On the project's CPU machines this takes the CPU wheel that lies on disk; GPU users can override,
+# e.g. `make TORCH_SPEC='torch==2.13.0' install` on a CUDA machine gets the CUDA build from PyPI.
+TORCH_SPEC ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: install test lint quickstart bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+quickstart: $(STAMP)
+	$(PY) -m sgrpo.fit --config configs/quickstart.yaml
+
+bench: $(STAMP)
+	$(PY) benchmarks/estimators.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

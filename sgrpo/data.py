@@ -1,0 +1,56 @@
+"""The endless, resumable prompt stream of training: one item per training step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import IterableDataset
+
+from sgrpo.types import Example
+
+
+def identity_collate(batch):
+    """Keep a batch of ``Example`` objects as a plain list."""
+    return batch
+
+
+class StepBatches(IterableDataset):
+    """Yields this process's share of the prompts of each training step, from step ``start_step`` on.
+
+    The global order is a fresh seeded permutation of ``examples`` per epoch, read ``prompts_per_step``
+    at a time; step s takes global positions ``s*B .. s*B+B-1`` and process ``rank`` the ones with
+    ``position % world_size == rank``. The stream is a pure function of (seed, step), so resuming
+    at a step continues exactly where an uninterrupted run would be.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        prompts_per_step: int,
+        seed: int,
+        start_step: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not examples:
+            raise ValueError("the task's train split is empty")
+        self.examples = examples
+        self.prompts_per_step, self.seed, self.start_step = prompts_per_step, seed, start_step
+        self.rank, self.world_size = rank, world_size
+        self._perms: dict[int, list[int]] = {}
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.examples))
+        if epoch not in self._perms:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(len(self.examples), generator=generator).tolist()}
+        return self._perms[epoch][offset]
+
+    def __iter__(self) -> Iterator[list[Example]]:
+        step = self.start_step
+        while True:
+            first = step * self.prompts_per_step
+            positions = range(first + self.rank, first + self.prompts_per_step, self.world_size)
+            yield [self.examples[self._index(p)] for p in positions]
+            step += 1

@@ -1,0 +1,39 @@
+"""Evaluation maths: unbiased pass@k and accuracy by difficulty (pure functions of tensors)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def pass_at_k(num_correct: Tensor, num_samples: int, k: int) -> Tensor:
+    """Unbiased pass@k per prompt: ``1 - C(n - c, k) / C(n, k)`` (Chen et al., arXiv 2107.03374).
+
+    ``num_correct`` ``[B]`` counts of correct samples out of ``num_samples`` = n >= k. Evaluated as
+    ``1 - prod_{i=n-c+1}^{n} (1 - k / i)`` for stability.
+    """
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"k must be in [1, n={num_samples}], got {k}")
+    c = num_correct.to(torch.float64)
+    i = torch.arange(1, num_samples + 1, dtype=torch.float64)  # [n]
+    factors = torch.where(i > num_samples - c.unsqueeze(-1), 1 - k / i, torch.ones_like(i))  # [B, n]
+    return 1 - factors.prod(-1)
+
+
+def accuracy_by_difficulty(correct: Tensor, difficulties: Sequence[object]) -> dict[str, float]:
+    """Mean of ``correct`` ``[B, n]`` (per prompt, over samples) grouped by each prompt's difficulty."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    per_prompt = correct.float().mean(-1).tolist()
+    for acc, level in zip(per_prompt, difficulties, strict=True):
+        groups[str(level)].append(acc)
+    return {level: sum(v) / len(v) for level, v in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
+
+
+def _sort_key(level: str) -> tuple[int, float | str]:
+    try:
+        return (0, float(level))
+    except ValueError:
+        return (1, level)

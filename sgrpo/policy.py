@@ -1,0 +1,413 @@
+"""GRPOPolicy: the LightningModule that samples groups, scores them, estimates advantages and updates."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+
+from estimators import AdvantageEstimator, budget_mass, budget_shares
+from sgrpo.data import StepBatches, identity_collate
+from sgrpo.loss import AGGREGATIONS, Aggregation, clipped_surrogate, completion_logprobs, k3_kl, token_weights
+from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
+from sgrpo.rollout import HFRollout, RolloutEngine
+from sgrpo.types import Example, RolloutBatch
+from tasks.base import Task
+
+
+class GRPOPolicy(LightningModule):
+    """Group-relative policy optimisation with a pluggable advantage estimator (manual optimisation).
+
+    One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
+    completions each -> rewards ``[B, G]`` -> ``estimator`` -> clipped-surrogate updates, reusing the
+    rollout for ``ppo_epochs`` x ``num_minibatches`` optimiser steps. The loss aggregation is a
+    policy setting (spec/estimators.md §2.7), so two runs can differ in the estimator alone.
+    ``trainer.max_steps`` counts training steps (rollout batches). Rollout sampling is seeded from
+    ``(seed, step, rank)``, so a resumed run reproduces an uninterrupted one.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        task: Task,
+        estimator: AdvantageEstimator,
+        rollout: RolloutEngine | None = None,
+        group_size: int = 8,
+        prompts_per_step: int = 8,
+        ppo_epochs: int = 1,
+        num_minibatches: int = 1,
+        micro_batch_size: int | None = None,
+        aggregation: Aggregation = "token_mean",
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        kl_coef: float = 0.0,
+        mask_truncated: bool = False,
+        dynamic_sampling: bool = False,
+        max_grad_norm: float | None = 1.0,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        scheduler: LRSchedulerCallable | None = None,
+        val_samples: int = 4,
+        val_greedy: bool = False,
+        val_prompts_per_batch: int = 32,
+        logprob_chunk_size: int = 1024,
+        dtype: str = "float32",
+        seed: int = 0,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        _require(group_size >= 2, f"group_size must be >= 2 to compare completions, got {group_size}")
+        _require(prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        _require(ppo_epochs >= 1 and num_minibatches >= 1, "ppo_epochs and num_minibatches must be >= 1")
+        _require(micro_batch_size is None or micro_batch_size >= 1, "micro_batch_size must be >= 1 or null")
+        _require(aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        _require(
+            0 <= clip_low < 1 and clip_high >= 0, f"need 0 <= clip_low < 1, clip_high >= 0; got {clip_low}, {clip_high}"
+        )
+        _require(kl_coef >= 0, f"kl_coef must be >= 0 (0 loads no reference model), got {kl_coef}")
+        _require(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm must be > 0 or null")
+        _require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
+        _require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
+        self.automatic_optimization = False
+        self.model_path = model
+        self.task = task
+        self.estimator = estimator
+        self.rollout = rollout if rollout is not None else HFRollout()
+        self.group_size, self.prompts_per_step = group_size, prompts_per_step
+        self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
+        self.aggregation, self.clip_low, self.clip_high = aggregation, clip_low, clip_high
+        self.kl_coef, self.mask_truncated, self.dynamic_sampling = kl_coef, mask_truncated, dynamic_sampling
+        self.max_grad_norm = max_grad_norm
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
+        self.logprob_chunk_size, self.model_dtype, self.seed = logprob_chunk_size, dtype, seed
+        self.export_dir = export_dir
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
+        self.val_history: list[dict[str, Any]] = []
+        self._val_outputs: list[tuple[Tensor, list[object]]] = []
+        self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
+
+    # ------------------------------------------------------------------ setup
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = getattr(torch, self.model_dtype)
+        path = resolve_model_path(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+        if self.kl_coef > 0:
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            self.__dict__["_reference"] = reference.requires_grad_(False)
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.model.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer)}}
+
+    def on_fit_start(self) -> None:
+        if self.trainer.max_steps is None or self.trainer.max_steps < 0:
+            raise ValueError("set trainer.max_steps: the prompt stream is endless, steps bound the run")
+        if self.prompts_per_step % self.trainer.world_size:
+            raise ValueError(
+                f"prompts_per_step ({self.prompts_per_step}) must divide evenly over "
+                f"{self.trainer.world_size} processes"
+            )
+        if self._reference is not None:
+            self._reference.to(self.device)
+
+    def train_dataloader(self):
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer else (0, 1)
+        stream = StepBatches(
+            self.task.examples("train"), self.prompts_per_step, self.seed, self.rollout_step, rank, world
+        )
+        return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=identity_collate)
+
+    def val_dataloader(self):
+        examples = list(self.task.examples("validation"))
+        return torch.utils.data.DataLoader(examples, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
+
+    def transfer_batch_to_device(self, batch: list[Example], device, dataloader_idx: int) -> list[Example]:
+        return batch  # prompts are text; the rollout engine tokenizes them onto the model's device
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["sgrpo"] = {"rollout_step": self.rollout_step, "val_history": self.val_history}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("sgrpo", {})
+        self.rollout_step = state.get("rollout_step", 0)
+        self.val_history = state.get("val_history", [])
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, examples: list[Example], batch_idx: int) -> None:
+        started = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_mix(self.seed, self.rollout_step, self.global_rank))
+            rollout = self.rollout.generate(self.model, self.tokenizer, examples, self.group_size)
+        generated = time.perf_counter()
+        rewards, success, reward_log = self.score(examples, rollout)  # [B, G], [B, G]
+        advantages = self.estimator(rewards)  # [B, G]
+        keep = ~_constant(rewards) if self.dynamic_sampling else torch.ones_like(rewards[:, 0], dtype=torch.bool)
+        update_log = self.update(rollout, advantages, keep)
+        finished = time.perf_counter()
+        self.rollout_step += 1
+        lengths = rollout.completion_mask.sum(-1).float()
+        self._log_mean(
+            reward_log
+            | update_log
+            | {
+                "train/success_rate": success.float().mean(),
+                "train/advantage/mean": advantages.float().mean(),
+                "train/advantage/abs_mean": advantages.float().abs().mean(),
+                "train/zero_variance_groups": _constant(rewards).float().mean(),
+                "train/completion/length_mean": lengths.mean(),
+                "train/completion/truncated": rollout.truncated.float().mean(),
+                "train/time/rollout_s": torch.tensor(generated - started),
+                "train/time/step_s": torch.tensor(finished - started),
+                "train/throughput/rollout_tok_s": lengths.sum() / max(generated - started, 1e-9),
+            },
+            prog_bar=("train/reward", "train/success_rate"),
+        )
+        self.log_dict(
+            {"train/advantage/max": advantages.float().max(), "train/completion/length_max": lengths.max()},
+            sync_dist=True,
+            reduce_fx="max",
+        )
+        self.log("train/advantage/min", advantages.float().min(), sync_dist=True, reduce_fx="min")
+        mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
+        self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
+
+    def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Rewards and success flags ``[B, G]`` for a rollout, and the reward metrics to log."""
+        repeated = [ex for ex in examples for _ in range(self.group_size)]
+        result = self.task.reward.score(repeated, rollout.completions)
+        rewards = result.total.to(self.device, torch.float32).view(len(examples), self.group_size)
+        success = self.task.successes(repeated, rollout.completions).to(self.device).view_as(rewards)
+        log = {
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(-1).mean(),
+            "train/reward/failures": torch.tensor(float(result.failures)),
+        }
+        log |= {f"train/reward/{name}": values.float().mean() for name, values in result.parts.items()}
+        return rewards, success, log
+
+    def update(self, rollout: RolloutBatch, advantages: Tensor, keep_groups: Tensor) -> dict[str, Tensor]:
+        """``ppo_epochs`` x ``num_minibatches`` optimiser steps on one rollout; returns metrics to log.
+
+        ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others).
+        """
+        token_mask = rollout.completion_mask & keep_groups.repeat_interleave(rollout.group_size).unsqueeze(-1)
+        if self.mask_truncated:
+            token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
+        rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
+        adv_rows = advantages.reshape(-1)  # [N]
+        old_logp = rollout.logprobs
+        if old_logp is None and (self.ppo_epochs > 1 or self.num_minibatches > 1):
+            old_logp = self._logprobs(self.model, rollout, token_mask)
+        ref_logp = self._logprobs(self._reference, rollout, token_mask) if self.kl_coef > 0 else None
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        sums: dict[str, Tensor] = {}
+        generator = torch.Generator().manual_seed(_mix(self.seed, self.rollout_step, 1))
+        started = time.perf_counter()
+        for epoch in range(self.ppo_epochs):
+            order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)] if epoch else rows
+            for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
+                stats = self.accumulate_gradients(rollout, minibatch, token_mask, adv_rows, old_logp, ref_logp)
+                last = epoch == self.ppo_epochs - 1 and i == self.num_minibatches - 1
+                stats["grad_norm"] = self._clip_and_step(optimizer, scheduler, last)
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+        steps = self.ppo_epochs * self.num_minibatches
+        tokens = sums.pop("tokens").clamp_min(1.0)
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        return {
+            "train/loss": sums["loss"] / steps,
+            "train/grad_norm": sums["grad_norm"] / steps,
+            "train/clip/low": sums["clip_low"] / tokens,
+            "train/clip/high": sums["clip_high"] / tokens,
+            "train/kl": sums["kl"] / tokens,
+            "train/entropy": sums["entropy"] / tokens,
+            "train/throughput/update_tok_s": tokens / elapsed,
+        }
+
+    def accumulate_gradients(
+        self,
+        rollout: RolloutBatch,
+        rows: Tensor,
+        token_mask: Tensor,
+        advantages: Tensor,
+        old_logp: Tensor | None,
+        ref_logp: Tensor | None,
+    ) -> dict[str, Tensor]:
+        """Backward of the global-batch loss restricted to ``rows``, micro-batch by micro-batch.
+
+        The aggregation denominators are the counts of the whole mini-batch over all processes, so
+        the accumulated gradient does not depend on how the mini-batch is split. DDP averages
+        gradients over processes; the loss is multiplied by the world size to undo that.
+        """
+        counts = torch.stack([torch.tensor(float(len(rows))), token_mask[rows].sum().float().cpu()]).to(self.device)
+        num_seqs, num_tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        size = self.micro_batch_size or max(len(rows), 1)
+        chunks = list(rows.split(size))
+        max_chunks = int(
+            self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
+        )
+        scale = float(self.trainer.world_size)
+        stats = {
+            k: torch.zeros((), device=self.device) for k in ("loss", "clip_low", "clip_high", "kl", "entropy", "tokens")
+        }
+        for chunk in chunks:
+            batch = _trim(rollout, chunk, token_mask)
+            logp, entropy = completion_logprobs(
+                self.model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["mask"],
+                self.rollout.temperature,
+                self.logprob_chunk_size,
+                with_entropy=True,
+            )
+            t = logp.shape[1]
+            old = logp.detach() if old_logp is None else old_logp[chunk][:, :t]
+            per_token, low, high = clipped_surrogate(logp, old, advantages[chunk], self.clip_low, self.clip_high)
+            kl = k3_kl(logp, ref_logp[chunk][:, :t]) if ref_logp is not None else torch.zeros_like(logp)
+            per_token = per_token + self.kl_coef * kl if ref_logp is not None else per_token
+            weights = token_weights(batch["mask"], self.aggregation, num_seqs, num_tokens, self.rollout.max_new_tokens)
+            loss = (per_token * weights).sum()
+            self.manual_backward(loss * scale)
+            m = batch["mask"].float()
+            stats["loss"] += loss.detach()
+            stats["clip_low"] += (low.float() * m).sum()
+            stats["clip_high"] += (high.float() * m).sum()
+            stats["kl"] += (kl.detach() * m).sum()
+            stats["entropy"] += (entropy * m).sum()
+            stats["tokens"] += m.sum()
+        for _ in range(max_chunks - len(chunks)):  # keep DDP's collective backward calls in step
+            self.manual_backward(sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0)
+        return stats
+
+    def _clip_and_step(self, optimizer, scheduler, last: bool) -> Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        if self.max_grad_norm is not None and params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        if last:  # the step Lightning counts: trainer.global_step == training steps
+            optimizer.step()
+        else:
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        return norm.detach().to(self.device)
+
+    @torch.no_grad()
+    def _logprobs(self, model, rollout: RolloutBatch, token_mask: Tensor) -> Tensor:
+        pieces = []
+        for rows in torch.arange(rollout.input_ids.shape[0], device=token_mask.device).split(
+            self.micro_batch_size or 10**9
+        ):
+            lp, _ = completion_logprobs(
+                model,
+                rollout.input_ids[rows],
+                rollout.attention_mask[rows],
+                token_mask[rows],
+                self.rollout.temperature,
+                self.logprob_chunk_size,
+            )
+            pieces.append(lp)
+        return torch.cat(pieces)
+
+    def _log_mean(self, values: dict[str, Tensor], prog_bar: tuple[str, ...] = ()) -> None:
+        world = self.trainer.world_size if self._trainer else 1
+        for key, value in values.items():
+            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+            self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, examples: list[Example], batch_idx: int) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_mix(self.seed, batch_idx, self.global_rank, 7))
+            rollout = self.rollout.generate(
+                self.model, self.tokenizer, examples, self.val_samples, greedy=self.val_greedy
+            )
+        repeated = [ex for ex in examples for _ in range(self.val_samples)]
+        correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
+        self._val_outputs.append((correct.cpu(), [ex.difficulty for ex in examples]))
+
+    def on_validation_epoch_end(self) -> None:
+        outputs, self._val_outputs = self._val_outputs, []
+        if self.trainer.world_size > 1:
+            gathered: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, outputs)
+            outputs = [o for part in gathered for o in part]
+        if not outputs or self.trainer.sanity_checking:
+            return
+        correct = torch.cat([c for c, _ in outputs])  # [prompts, n]
+        levels = [lv for _, lvs in outputs for lv in lvs]
+        metrics = {
+            f"val/pass@{k}": pass_at_k(correct.sum(-1), self.val_samples, k).mean().item()
+            for k in range(1, self.val_samples + 1)
+        }
+        metrics["val/accuracy"] = correct.float().mean().item()
+        by_level = accuracy_by_difficulty(correct, levels)
+        metrics |= {f"val/accuracy/{level}": acc for level, acc in by_level.items()}
+        self.val_history.append(
+            {"step": self.rollout_step, "accuracy": metrics["val/accuracy"], "by_difficulty": by_level}
+        )
+        self.log_dict(metrics, prog_bar=False, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ export
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.export(Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model"))
+
+    def export(self, path: Path) -> Path:
+        """Save the policy with ``save_pretrained`` (loadable by transformers alone)."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        return path
+
+
+def resolve_model_path(path: str) -> str:
+    """A local folder (relative to the working directory or to the sgrpo checkout), else a hub id."""
+    for candidate in (Path(path).expanduser(), Path(__file__).resolve().parents[1] / path):
+        if candidate.is_dir():
+            return str(candidate)
+    return path
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _mix(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def _constant(rewards: Tensor) -> Tensor:
+    return rewards.amax(-1) == rewards.amin(-1)  # [B]
+
+
+def _trim(rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
+    """The rows' tensors without all-padding columns: left prompt padding and trailing completion padding."""
+    ids, attn, mask = rollout.input_ids[rows], rollout.attention_mask[rows], token_mask[rows]
+    p = rollout.prompt_length
+    first = int(attn[:, :p].any(0).long().argmax()) if p else 0
+    t = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
+    return {"input_ids": ids[:, first : p + t], "attention_mask": attn[:, first : p + t], "mask": mask[:, :t]}

@@ -1,0 +1,110 @@
+"""End-of-run report: accuracy by difficulty (first -> last validation) and a PNG of the training curves."""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from estimators import BUCKETS
+
+
+def accuracy_table(history: list[dict[str, Any]]) -> str:
+    """Markdown table of accuracy per difficulty: the first validation against the last."""
+    if len(history) < 2:
+        return "(need a validation before and after training for the table: set --validate_before true)"
+    first, last = history[0], history[-1]
+    lines = [
+        f"| difficulty | step {first['step']} (base) | step {last['step']} (trained) | change |",
+        "|---|---|---|---|",
+    ]
+    for level, before in first["by_difficulty"].items():
+        after = last["by_difficulty"].get(level, float("nan"))
+        lines.append(f"| {level} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} pts |")
+    levels = list(first["by_difficulty"])
+    mean_before = sum(first["by_difficulty"].values()) / len(levels)
+    mean_after = sum(last["by_difficulty"].get(k, 0.0) for k in levels) / len(levels)
+    lines.append(
+        f"| mean over levels | {mean_before:.1%} | {mean_after:.1%} | {100 * (mean_after - mean_before):+.1f} pts |"
+    )
+    return "\n".join(lines)
+
+
+def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """``metrics.csv`` of Lightning's CSVLogger as ``{key: [(step, value), ...]}``."""
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    series[key].append((step, float(value)))
+    return series
+
+
+def plot_curves(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
+    """Reward and success rate, validation accuracy per difficulty, and L1 budget shares over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for key, label in (("train/reward", "reward (mean)"), ("train/success_rate", "success rate")):
+        if key in series:
+            steps, values = zip(*series[key])
+            axes[0].plot(steps, _smooth(values), label=label)
+    axes[0].set(title="training reward", xlabel="training step", ylabel="value (10-step moving mean)")
+    for key in sorted(k for k in series if k.startswith("val/accuracy")):
+        steps, values = zip(*series[key])
+        name = "all levels" if key == "val/accuracy" else f"difficulty {key.rsplit('/', 1)[-1]}"
+        axes[1].plot(steps, values, marker="o", label=name, linewidth=2.5 if key == "val/accuracy" else 1.2)
+    axes[1].set(title="validation accuracy", xlabel="training step", ylabel="accuracy", ylim=(0, 1))
+    for bucket in BUCKETS:
+        key = f"train/budget/l1/{bucket}"
+        if key in series and any(v > 0 for _, v in series[key]):
+            steps, values = zip(*series[key])
+            axes[2].plot(steps, _smooth(values), label=bucket.replace("_", "-"))
+    axes[2].set(
+        title="gradient budget (L1 share of |A|) by group success rate",
+        xlabel="training step",
+        ylabel="share (10-step moving mean)",
+        ylim=(0, 1),
+    )
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(policy, trainer) -> None:
+    """Print the accuracy table and save ``curves.png`` in the run folder."""
+    root = Path(trainer.default_root_dir)
+    table = accuracy_table(policy.val_history)
+    (root / "report.md").write_text(table + "\n")
+    print("\nValidation accuracy by difficulty\n" + table)
+    metrics = Path(trainer.logger.log_dir) / "metrics.csv" if trainer.logger else None
+    if metrics is not None and metrics.exists():
+        png = plot_curves(
+            read_metrics(metrics),
+            root / "curves.png",
+            title=f"{type(policy.estimator).__name__} on {type(policy.task).__name__}",
+        )
+        print(f"curves: {png}")
+    print(f"trained model: {root / 'hf_model'}\nrun folder: {root}")
+
+
+def _smooth(values, window: int = 10) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        acc = acc[-window:]
+        out.append(sum(acc) / len(acc))
+    return out

@@ -1,0 +1,150 @@
+"""Rollout engines: sample G completions per prompt and package them as a ``RolloutBatch``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from sgrpo.types import Example, Messages, RolloutBatch
+
+
+def render_prompt(tokenizer, prompt: str | Messages) -> str:
+    """Raw text stays as is; chat messages go through the tokenizer's chat template (a plain one if none)."""
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in prompt]
+    return "\n\n".join(turns) + "\n\nAssistant:"
+
+
+def completion_mask_until_eos(ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """``ids`` ``[N, T]`` -> (mask ``[N, T]`` of tokens up to and including the first EOS, truncated ``[N]``)."""
+    is_eos = torch.isin(ids, torch.as_tensor(list(eos_ids), device=ids.device))  # [N, T]
+    seen_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS tokens strictly before each position
+    return seen_before == 0, ~is_eos.any(-1)
+
+
+_TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated")
+
+
+class RolloutEngine(ABC):
+    """Generates ``group_size`` completions for each example; rows are ordered ``b * G + g``."""
+
+    max_new_tokens: int
+    temperature: float
+
+    @abstractmethod
+    def generate(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
+    ) -> RolloutBatch: ...
+
+
+class HFRollout(RolloutEngine):
+    """transformers ``generate`` with KV cache, left padding and mask-derived position ids.
+
+    Samples at ``temperature`` with optional ``top_p`` / ``top_k`` and stops each row at EOS or
+    ``max_new_tokens``. Rows are generated ``max_batch_rows`` at a time to bound memory. Sampling
+    log-probs are not returned (``RolloutBatch.logprobs`` is None): the policy recomputes them only
+    when an update is off-policy.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_batch_rows: int = 512,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be > 0 (use greedy validation for argmax), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0 or max_batch_rows < 1:
+            raise ValueError(f"top_k must be >= 0 and max_batch_rows >= 1, got {top_k}, {max_batch_rows}")
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.max_batch_rows = max_batch_rows
+
+    def generate(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
+    ) -> RolloutBatch:
+        with torch.inference_mode():
+            batch = self._sample(model, tokenizer, examples, group_size, greedy)
+        # inference tensors cannot enter autograd (the update embeds these ids): make normal copies
+        return dataclasses.replace(batch, **{k: getattr(batch, k).clone() for k in _TENSOR_FIELDS})
+
+    def _sample(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool
+    ) -> RolloutBatch:
+        device = next(model.parameters()).device
+        texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        prompt_ids = enc["input_ids"].repeat_interleave(group_size, 0).to(device)  # [N, P]
+        prompt_mask = enc["attention_mask"].repeat_interleave(group_size, 0).to(device)  # [N, P]
+        eos = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        was_training = model.training
+        model.eval()
+        try:
+            pieces = [
+                self._generate_rows(
+                    model,
+                    prompt_ids[i : i + self.max_batch_rows],
+                    prompt_mask[i : i + self.max_batch_rows],
+                    eos,
+                    pad,
+                    greedy,
+                )
+                for i in range(0, prompt_ids.shape[0], self.max_batch_rows)
+            ]
+        finally:
+            model.train(was_training)
+        width = max(p.shape[1] for p in pieces)
+        ids = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces])  # [N, T]
+        mask, truncated = completion_mask_until_eos(ids, eos)
+        length = int(mask.sum(-1).max())
+        ids, mask = ids[:, :length], mask[:, :length]
+        ids = ids.masked_fill(~mask, pad)
+        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return RolloutBatch(
+            input_ids=torch.cat([prompt_ids, ids], 1),
+            attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+            completion_mask=mask,
+            completions=completions,
+            truncated=truncated,
+            group_size=group_size,
+        )
+
+    def _generate_rows(self, model, ids: Tensor, mask: Tensor, eos: list[int], pad: int, greedy: bool) -> Tensor:
+        sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=not greedy,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            use_cache=True,
+            **sampling,
+        )
+        return out[:, ids.shape[1] :]
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer and the model's generation_config define no eos_token_id; set one")
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]

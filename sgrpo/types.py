@@ -1,0 +1,67 @@
+"""The typed objects that cross module boundaries: one prompt (``Example``) and one rollout batch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+#: a chat prompt: [{"role": "system" | "user" | "assistant", "content": str}, ...]
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of a task.
+
+    ``prompt`` is raw text (fed to the model as is) or chat messages (rendered with the tokenizer's
+    chat template, or a plain template when it has none). ``answer`` is the reference the reward and
+    the success test compare against. ``difficulty`` drives per-difficulty metrics (DeepMath's
+    AoPS rating, a synthetic task's level); ``metadata`` carries anything else (topic, id, ...).
+    """
+
+    prompt: str | Messages
+    answer: str
+    difficulty: float | int | str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """G sampled completions for each of B prompts; row ``b * G + g`` is completion g of prompt b.
+
+    N = B * G rows; P = prompt length (left-padded), T = completion length (right-padded).
+    """
+
+    input_ids: Tensor  # [N, P + T] long: prompt tokens then completion tokens
+    attention_mask: Tensor  # [N, P + T] long: 1 on real tokens (prompt and completion)
+    completion_mask: Tensor  # [N, T] bool: generated tokens, up to and including EOS
+    completions: list[str]  # N decoded completions, special tokens removed
+    truncated: Tensor  # [N] bool: stopped by max_new_tokens before EOS
+    group_size: int  # G
+    logprobs: Tensor | None = None  # [N, T] float32 sampling log-probs, 0 on padding (engines that have them)
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.completion_mask.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        return self.input_ids.shape[0] // self.group_size
+
+    def __post_init__(self) -> None:
+        n, total = self.input_ids.shape
+        t = self.completion_mask.shape[1]
+        if self.group_size < 1 or n % self.group_size:
+            raise ValueError(f"rows ({n}) must be a multiple of group_size ({self.group_size})")
+        bad_logprobs = self.logprobs is not None and self.logprobs.shape != (n, t)
+        if self.attention_mask.shape != (n, total) or bad_logprobs or t > total:
+            raise ValueError(
+                f"inconsistent RolloutBatch shapes: input_ids {tuple(self.input_ids.shape)}, attention_mask "
+                f"{tuple(self.attention_mask.shape)}, completion_mask {tuple(self.completion_mask.shape)}, "
+                f"logprobs {None if self.logprobs is None else tuple(self.logprobs.shape)}"
+            )
+        if len(self.completions) != n or self.truncated.shape != (n,):
+            raise ValueError(f"need {n} completions and truncated flags, got {len(self.completions)}")

@@ -1,0 +1,187 @@
+"""Warm-start the quickstart model: a tiny char-level Llama, briefly supervised on the synthetic ``sort`` task.
+
+The SFT phase is stopped early on purpose (spec/tasks.md §6): the model should solve short prompts
+often and long ones rarely, so RL has headroom and a wide spread of per-prompt success rates.
+Teacher forcing on ``prompt + answer + <eos>`` with the loss on the answer and ``<eos>`` only.
+
+Regenerate the shipped asset (deterministic from the seed on a given machine, well under a minute)::
+
+    python -m sgrpo.warmstart --out sgrpo/assets/quickstart_model --seed 0
+
+It writes the model and tokenizer in HF format (safetensors) and ``warmstart.json`` with the recipe,
+the training losses and the per-level accuracy (greedy and sampled at temperature 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.types import Example
+
+DEFAULT_OUT = Path(__file__).parent / "assets" / "quickstart_model"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines the warm-started weights (with the machine's float arithmetic)."""
+
+    seed: int = 0
+    levels: tuple[int, ...] = (3, 5, 7)  # sort lengths n, drawn uniformly
+    steps: int = 60
+    batch_size: int = 64
+    lr: float = 3e-3
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+
+
+def sort_examples(levels: Sequence[int], count: int, rng: random.Random) -> list[Example]:
+    """``count`` sort prompts (``s:3142=`` -> ``1234``) with lengths drawn uniformly from ``levels``."""
+    out = []
+    for _ in range(count):
+        n = rng.choice(list(levels))
+        digits = "".join(rng.choice("0123456789") for _ in range(n))
+        out.append(Example(prompt=f"s:{digits}=", answer="".join(sorted(digits)), difficulty=n))
+    return out
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counted from each row's first real token, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> dict[str, Tensor]:
+    """Left-padded ``prompt + answer + <eos>`` ids with labels (-100 except on answer and ``<eos>``)."""
+    rows, targets = [], []
+    for ex in examples:
+        prompt = tokenizer.encode(str(ex.prompt), add_special_tokens=False)
+        answer = tokenizer.encode(ex.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        targets.append([-100] * len(prompt) + answer)
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # [B, L]
+    labels = torch.full((len(rows), width), -100)  # [B, L]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, L]
+    for i, (row, target) in enumerate(zip(rows, targets, strict=True)):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        labels[i, width - len(row) :] = torch.tensor(target)
+        mask[i, width - len(row) :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": position_ids(mask)}
+
+
+def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> list[float]:
+    """Run the SFT phase in place; returns the loss of every step."""
+    rng = random.Random(recipe.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(recipe.steps):
+        batch = sft_batch(tokenizer, sort_examples(recipe.levels, recipe.batch_size, rng))
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def accuracy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], sample: bool
+) -> float:
+    """Exact-match rate of ``generate`` (left padding; greedy, or sampled at temperature 1)."""
+    enc = tokenizer([str(ex.prompt) for ex in examples], return_tensors="pt", padding=True)
+    max_new = max(len(ex.answer) for ex in examples) + 1
+    kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    out = model.generate(**enc, max_new_tokens=max_new, **kwargs)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(text == ex.answer for text, ex in zip(texts, examples, strict=True)) / len(examples)
+
+
+def evaluate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, prompts: int = 200
+) -> dict[str, dict[int, float]]:
+    """Per-level accuracy on fresh prompts (a seed distinct from training), greedy and sampled."""
+    rng = random.Random(recipe.seed + 10_000)
+    torch.manual_seed(recipe.seed + 10_000)
+    result: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}
+    for n in recipe.levels:
+        examples = sort_examples([n], prompts, rng)
+        for mode in result:
+            result[mode][n] = accuracy(model, tokenizer, examples, sample=mode == "sampled")
+    return result
+
+
+def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 200) -> dict:
+    """Build, warm-start, evaluate and save the model at ``out``; returns what ``warmstart.json`` holds."""
+    torch.set_num_threads(2)
+    start = time.perf_counter()
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(
+        tokenizer,
+        hidden_size=recipe.hidden_size,
+        num_layers=recipe.num_layers,
+        num_heads=recipe.num_heads,
+        seed=recipe.seed,
+    )
+    torch.manual_seed(recipe.seed)
+    losses = train(model, tokenizer, recipe)
+    train_s = time.perf_counter() - start
+    acc = evaluate(model, tokenizer, recipe, eval_prompts) if eval_prompts else {}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    report = {
+        "task": "sort",
+        "recipe": asdict(recipe),
+        "params": sum(p.numel() for p in model.parameters()),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "losses": [round(x, 4) for x in losses],
+        "eval_prompts_per_level": eval_prompts,
+        "accuracy": acc,
+        "train_seconds": round(train_s, 2),
+        "total_seconds": round(time.perf_counter() - start, 2),
+    }
+    (out / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    for f in fields(Recipe):
+        default = getattr(Recipe, f.name)
+        if isinstance(default, tuple):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, nargs="+", default=list(default))
+        else:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+    args = vars(parser.parse_args(argv))
+    out, eval_prompts = args.pop("out"), args.pop("eval_prompts")
+    recipe = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    report = warm_start(out, recipe, eval_prompts)
+    print(
+        f"params {report['params']:,}  loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}  "
+        f"train {report['train_seconds']} s  total {report['total_seconds']} s"
+    )
+    for mode, by_level in report["accuracy"].items():
+        print(f"{mode:8s}" + "  ".join(f"n={n}: {a:.3f}" for n, a in by_level.items()))
+    print(f"saved to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Tasks: datasets of ``Example`` s with a reward and a success test, one file per task."""
+
+from tasks.base import SPLITS, Reward, RewardResult, SampleReward, Task, WeightedSum
+from tasks.deepmath import DeepMath
+from tasks.gsm8k import GSM8K
+from tasks.mathgrade import MathVerifyReward, NumericMatch, grade_math
+from tasks.meetingbank import MeetingBank
+from tasks.poetry import PoetryClassification, PoetryWriting
+from tasks.similarity import Bleu, ChrF, EditSimilarity, ExactMatch, RougeL, TextSimilarity
+from tasks.synthetic import SyntheticTask
+from tasks.text import ReferenceText, ReferenceTextTask
+
+__all__ = [
+    "SPLITS",
+    "Bleu",
+    "ChrF",
+    "DeepMath",
+    "EditSimilarity",
+    "ExactMatch",
+    "GSM8K",
+    "MathVerifyReward",
+    "MeetingBank",
+    "NumericMatch",
+    "PoetryClassification",
+    "PoetryWriting",
+    "ReferenceText",
+    "ReferenceTextTask",
+    "Reward",
+    "RewardResult",
+    "SampleReward",
+    "RougeL",
+    "SyntheticTask",
+    "Task",
+    "TextSimilarity",
+    "WeightedSum",
+    "grade_math",
+]

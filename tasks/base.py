@@ -1,0 +1,253 @@
+"""The task and reward interfaces: datasets of ``Example`` s, rewards, and a success test.
+
+A ``Reward`` scores N completions (``examples[i]`` is the prompt of ``completions[i]``; the caller
+repeats each example G times) and never crashes a run: a scoring call that raises or times out is
+scored as a wrong answer and counted in ``RewardResult.failures``. A ``Task`` holds its reward and a
+separate ``success`` test, so accuracy means the same whatever reward shaping a run uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from sgrpo.types import Example
+from tasks.pool import get_pool
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+
+#: affine maps of a raw score in [0, 1]: "01" keeps it, "pm1" maps {0, 1} to {-1, +1} (2r - 1)
+Scale = Literal["01", "pm1"]
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Rewards of N completions, with each component and the count of failed scorings."""
+
+    total: Tensor  # [N] float32: the training reward
+    parts: dict[str, Tensor]  # name -> [N] float32: each reward function's own (unweighted) value
+    failures: int = 0  # scorings that raised or timed out and were scored as wrong
+    counts: dict[str, int] = field(default_factory=dict)  # labelled outcomes, e.g. "no_box" -> 3
+
+    def __post_init__(self) -> None:
+        if self.total.dim() != 1 or self.total.dtype != torch.float32:
+            raise ValueError(f"total must be a 1-D float32 tensor, got {self.total.dtype} {tuple(self.total.shape)}")
+        for name, part in self.parts.items():
+            if part.shape != self.total.shape:
+                raise ValueError(f"part {name!r} has shape {tuple(part.shape)}, total {tuple(self.total.shape)}")
+
+
+class Reward(ABC):
+    """A reward function: ``score(examples, completions)`` -> ``RewardResult``; calling it gives the total."""
+
+    name: str = "reward"
+
+    @abstractmethod
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+        """Score ``completions[i]`` as an answer to ``examples[i]``."""
+
+    def __call__(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
+        """The training reward, ``[N]`` float32."""
+        return self.score(examples, completions).total
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+def check_batch(examples: Sequence[Example], completions: Sequence[str]) -> None:
+    """Raise if the batch is not one completion (a ``str``) per example."""
+    if len(examples) != len(completions):
+        raise ValueError(f"need one completion per example, got {len(completions)} for {len(examples)}")
+    for text in completions:
+        if not isinstance(text, str):
+            raise TypeError(f"completions must be strings, got {type(text).__name__}")
+
+
+class SampleReward(Reward):
+    """A reward scored one completion at a time by ``score_one`` -> a raw value in [0, 1].
+
+    ``score_one`` may also return ``(value, label)``; labels are counted in ``RewardResult.counts``.
+    A call that raises, returns a non-finite value or one outside [0, 1] scores 0 and is counted as a
+    failure. With ``workers > 0`` calls run in a shared process pool with a ``timeout`` (seconds) per
+    call, so a call that hangs is also scored 0 and counted (the reward must then be picklable); with
+    ``workers = 0`` they run in the caller's process and ``timeout`` is not enforced.
+    The raw value r is mapped by ``scale``: "01" gives r, "pm1" gives 2r - 1 (a failure gives -1).
+    """
+
+    def __init__(self, scale: Scale = "01", name: str | None = None, workers: int = 0, timeout: float = 10.0) -> None:
+        if scale not in ("01", "pm1"):
+            raise ValueError(f"scale must be '01' or 'pm1', got {scale!r}")
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0 (0 scores in this process), got {workers}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.scale = scale
+        self.name = name or type(self).name
+        self.workers = workers
+        self.timeout = timeout
+
+    @abstractmethod
+    def score_one(self, example: Example, completion: str) -> float | tuple[float, str]:
+        """Raw score in [0, 1] of one completion (optionally with a label to count)."""
+
+    def raw_scores(self, examples: Sequence[Example], completions: Sequence[str]) -> tuple[list[float], int, dict]:
+        """Unscaled values in [0, 1], the number of failures, and the label counts."""
+        check_batch(examples, completions)
+        calls = list(zip(examples, completions, strict=True))
+        if self.workers:
+            outcomes = get_pool(self.workers).run(self.score_one, calls, self.timeout)
+            results = [(o.value, "") if o.ok else (None, o.error) for o in outcomes]
+        else:
+            results = [_call_safely(self.score_one, call) for call in calls]
+        values, failures, counts = [], 0, {}
+        for value, error in results:
+            value, label = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+            if error or not _valid(value):
+                failures += 1
+                self._warn_once(error or f"score_one returned {value!r}, not a number in [0, 1]")
+                value = 0.0
+            if label:
+                counts[label] = counts.get(label, 0) + 1
+            values.append(float(value))
+        return values, failures, counts
+
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+        values, failures, counts = self.raw_scores(examples, completions)
+        total = torch.tensor(values, dtype=torch.float32)  # [N]
+        if self.scale == "pm1":
+            total = 2.0 * total - 1.0
+        return RewardResult(total, {self.name: total}, failures, counts)
+
+    def _warn_once(self, error: str) -> None:
+        if not getattr(self, "_warned", False):
+            log.warning(
+                "reward %r: a scoring failed and was scored as wrong (%s); further ones are only counted",
+                self.name,
+                error,
+            )
+            self._warned = True
+
+
+def _call_safely(fn, args: tuple) -> tuple[object, str]:
+    try:
+        return fn(*args), ""
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _valid(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and -1e-6 <= value <= 1 + 1e-6
+
+
+class WeightedSum(Reward):
+    """``total = sum_k weights[k] * rewards[k].total``; ``parts`` keeps every component unweighted.
+
+    Failures and label counts are summed over the components (labels are prefixed with the
+    component's name). Component names must be unique, since they key ``parts``.
+    """
+
+    name = "weighted_sum"
+
+    def __init__(self, rewards: list[Reward], weights: list[float] | None = None, name: str = "weighted_sum") -> None:
+        if not rewards:
+            raise ValueError("rewards must hold at least one Reward")
+        weights = [1.0] * len(rewards) if weights is None else list(weights)
+        if len(weights) != len(rewards):
+            raise ValueError(f"weights needs one number per reward: {len(weights)} for {len(rewards)} rewards")
+        names = [r.name for r in rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward names must be unique (they key the logged parts), got {names}; set name=...")
+        self.rewards = list(rewards)
+        self.weights = weights
+        self.name = name
+
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+        check_batch(examples, completions)
+        total = torch.zeros(len(completions), dtype=torch.float32)  # [N]
+        parts: dict[str, Tensor] = {}
+        failures, counts = 0, {}
+        for reward, weight in zip(self.rewards, self.weights, strict=True):
+            result = reward.score(examples, completions)
+            total += weight * result.total
+            parts.update(result.parts)
+            failures += result.failures
+            counts.update({f"{reward.name}/{k}": v for k, v in result.counts.items()})
+        return RewardResult(total, parts, failures, counts)
+
+
+class Task(ABC):
+    """A dataset of ``Example`` s per split (train / validation / test), a reward, and a success test.
+
+    Subclasses implement ``load(split)`` (called once per split, then cached) and ``success``.
+    ``max_train_examples`` / ``max_eval_examples`` keep the first examples of the train split /
+    of the validation and test splits.
+    """
+
+    def __init__(
+        self, reward: Reward, max_train_examples: int | None = None, max_eval_examples: int | None = None
+    ) -> None:
+        if not isinstance(reward, Reward):
+            raise TypeError(f"reward must be a Reward, got {type(reward).__name__}")
+        for key, value in (
+            ("max_train_examples", max_train_examples),
+            ("max_eval_examples", max_eval_examples),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1 or None (no limit), got {value}")
+        self.reward = reward
+        self.max_train_examples = max_train_examples
+        self.max_eval_examples = max_eval_examples
+        self._cache: dict[str, list[Example]] = {}
+
+    def examples(self, split: str) -> Sequence[Example]:
+        """The examples of ``split``, one of "train", "validation", "test"."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        if split not in self._cache:
+            limit = self.max_train_examples if split == "train" else self.max_eval_examples
+            self._cache[split] = list(self.load(split))[:limit]
+        return self._cache[split]
+
+    @abstractmethod
+    def load(self, split: str) -> Sequence[Example]:
+        """All examples of ``split`` (a valid split name)."""
+
+    @abstractmethod
+    def success(self, example: Example, completion: str) -> bool:
+        """Is ``completion`` a correct answer to ``example``? Independent of the reward's shaping."""
+
+    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
+        """``[N]`` bool: ``success`` of each pair; a test that raises counts as not successful."""
+        check_batch(examples, completions)
+        out = [
+            bool(value) for value, _ in (_call_safely(self.success, c) for c in zip(examples, completions, strict=True))
+        ]
+        return torch.tensor(out, dtype=torch.bool)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+def fill(template: str, **fields: object) -> str:
+    """Replace each ``{name}`` in ``template`` by ``fields[name]`` (other braces, as in LaTeX, stay)."""
+    for key, value in fields.items():
+        template = template.replace("{" + key + "}", str(value))
+    return template
+
+
+def check_template(template: str, required: Sequence[str], field: str = "template") -> None:
+    """Raise unless ``template`` holds every ``{name}`` placeholder of ``required``."""
+    missing = [name for name in required if "{" + name + "}" not in template]
+    if missing:
+        raise ValueError(f"{field} must contain the placeholder(s) {', '.join('{' + m + '}' for m in missing)}")

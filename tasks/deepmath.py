@@ -1,0 +1,133 @@
+"""DeepMath-103K (arXiv 2504.11456): hard math problems with verifiable final answers."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from sgrpo.types import Example
+from tasks.base import Reward, Task
+from tasks.data import SplitTable, check_size
+from tasks.mathgrade import MathVerifyReward
+
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+_COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")
+
+
+class DeepMath(Task):
+    """DeepMath: chat prompt (system ``SYSTEM_PROMPT`` + the question) -> ``final_answer``.
+
+    Reads ``zwhe99/DeepMath-103K`` (hub id) or local files in its schema (``question, final_answer,
+    difficulty, topic``), or in the ``trl-lib/DeepMath-103K`` schema (``prompt`` = list of
+    ``{content, role}``, ``solution``; the last user message is the question, there is no difficulty).
+    The hub set has only a train split: ``validation_size`` / ``test_size`` rows (a count or a
+    fraction) are held out of it with ``seed``. ``test_path`` instead reads the test split from another
+    source (e.g. ``trl-lib/DeepMath-103K``, whose test rows are also in zwhe99's train): its questions
+    are removed from train and validation, and its rows get their difficulty from ``path`` by question.
+
+    Reward (default ``MathVerifyReward``): 1 if math-verify finds the last ``\\boxed{}`` after
+    ``</think>`` equal to ``final_answer``, else 0. Success is that same check on the {0, 1} scale,
+    whatever reward is configured. ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5).
+    """
+
+    def __init__(
+        self,
+        path: str = "zwhe99/DeepMath-103K",
+        validation_size: int | float = 0.01,
+        test_size: int | float = 0,
+        test_path: str | None = None,
+        seed: int = 0,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        reward: Reward | None = None,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+    ) -> None:
+        super().__init__(reward or MathVerifyReward(), max_train_examples, max_eval_examples)
+        check_size(validation_size, "validation_size")
+        check_size(test_size, "test_size")
+        if test_path is not None and test_size:
+            raise ValueError(f"set either test_path or test_size, not both (test_size={test_size!r})")
+        self.path, self.test_path, self.seed, self.system_prompt = path, test_path, seed, system_prompt
+        sizes = {"validation": validation_size, "test": test_size}
+        self._table = SplitTable(path, columns=_COLUMNS, sizes=sizes, seed=seed)
+        self._test_table = None if test_path is None else SplitTable(test_path, columns=_COLUMNS, field="test_path")
+        self.grader = _success_grader(self.reward)
+
+    def load(self, split: str) -> Sequence[Example]:
+        if self._test_table is None:
+            return self._examples(self._table, split)
+        test_split = "test" if "test" in self._test_table.splits() else "train"
+        test = self._examples(self._test_table, test_split)
+        if split == "test":
+            main_rows = [
+                row for s in ("train", "validation") if s in self._table.splits() for row in self._table.rows(s)
+            ]
+            known = {_normal(row.get("question", "")): row.get("difficulty") for row in main_rows}
+            return [_with_difficulty(e, known.get(_question(e))) for e in test]
+        held_out = {_question(e) for e in test}
+        return [e for e in self._examples(self._table, split) if _question(e) not in held_out]
+
+    def _examples(self, table: SplitTable, split: str) -> list[Example]:
+        rows = table.rows(split)
+        schemas = ({"question", "final_answer"}, {"prompt", "solution"})
+        if not all(any(s <= row.keys() for s in schemas) for row in rows):
+            raise ValueError(
+                f"{table.path!r} has columns {table.source_columns}; expected the DeepMath schema (question, "
+                f"final_answer, difficulty, topic) or the trl-lib one (prompt, solution)"
+            )
+        return [self._example(row, table.path) for row in rows]
+
+    def _example(self, row: Mapping, source: str) -> Example:
+        if "question" in row:
+            question, answer = row["question"], row["final_answer"]
+        else:
+            question, answer = _last_user_message(row["prompt"], source), row["solution"]
+        difficulty = row.get("difficulty")
+        messages = [{"role": "user", "content": str(question)}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return Example(
+            prompt=messages,
+            answer=str(answer).strip(),
+            difficulty=None if difficulty in (None, "") else float(difficulty),
+            metadata={"topic": row.get("topic") or "", "source": source},
+        )
+
+    def success(self, example: Example, completion: str) -> bool:
+        return bool(self.successes([example], [completion])[0])
+
+    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
+        """``[N]`` bool: math-verify says the answer is right (graded in the worker pool)."""
+        return self.grader.score(examples, completions).total > 0.5
+
+
+def _success_grader(reward: Reward) -> MathVerifyReward:
+    """The reward's math-verify settings on the {0, 1} scale, or the defaults for another reward."""
+    if not isinstance(reward, MathVerifyReward):
+        return MathVerifyReward(name="success")
+    grader = copy.copy(reward)
+    grader.scale, grader.name = "01", "success"
+    return grader
+
+
+def _last_user_message(messages: object, source: str) -> str:
+    users = [m.get("content", "") for m in messages or [] if isinstance(m, Mapping) and m.get("role") == "user"]
+    if not users:
+        raise ValueError(f"{source}: a 'prompt' holds no user message: {messages!r}")
+    return users[-1]
+
+
+def _normal(question: str) -> str:
+    return " ".join(str(question).split())
+
+
+def _question(example: Example) -> str:
+    return _normal(example.prompt[-1]["content"])
+
+
+def _with_difficulty(example: Example, difficulty: object) -> Example:
+    if example.difficulty is not None or difficulty in (None, ""):
+        return example
+    return Example(example.prompt, example.answer, float(difficulty), example.metadata)

@@ -1,0 +1,73 @@
+"""GSM8K (``openai/gsm8k``, config ``main``: question, answer): grade-school word problems."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from sgrpo.types import Example
+from tasks.base import Reward, Task, check_template, fill
+from tasks.data import SplitTable, check_size
+from tasks.mathgrade import NumericMatch
+
+TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def gold_answer(solution: str) -> str:
+    """The number after ``####`` in a GSM8K solution, commas removed: ``"... #### 1,710"`` -> ``"1710"``."""
+    if "####" not in solution:
+        raise ValueError(f"a GSM8K answer must end with '#### <number>', got {solution[-80:]!r}")
+    return solution.split("####")[-1].strip().replace(",", "")
+
+
+class GSM8K(Task):
+    """GSM8K: chat prompt (the question + ``TEMPLATE``'s instruction) -> the number after ``####``.
+
+    The hub set has train (7,473) and test (1,319) splits; ``validation_size`` rows (a count or a
+    fraction) are held out of train with ``seed``, and ``test_size`` likewise when the source has no
+    test split (a single local file is a train split). Reward (default ``NumericMatch()``): the last
+    number of the last ``\\boxed{}`` (else of the text) equals the gold number; swap in
+    ``MathVerifyReward(require_box=False)`` for sympy equivalence. Success: ``NumericMatch``.
+    ``Example.difficulty`` is the number of reasoning steps (lines before ``####``) of the solution.
+    """
+
+    def __init__(
+        self,
+        path: str = "openai/gsm8k",
+        config: str | None = "main",
+        template: str = TEMPLATE,
+        system_prompt: str | None = None,
+        validation_size: int | float = 0.05,
+        test_size: int | float = 0,
+        seed: int = 0,
+        reward: Reward | None = None,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+    ) -> None:
+        super().__init__(reward or NumericMatch(), max_train_examples, max_eval_examples)
+        check_template(template, ["question"])
+        check_size(validation_size, "validation_size")
+        check_size(test_size, "test_size")
+        self.path, self.template, self.system_prompt, self.seed = path, template, system_prompt, seed
+        sizes = {"validation": validation_size, "test": test_size}
+        self._table = SplitTable(path, config, ("question", "answer"), ("question", "answer"), sizes, seed)
+        self.checker = NumericMatch(name="success")
+
+    def load(self, split: str) -> Sequence[Example]:
+        return [self._example(row) for row in self._table.rows(split)]
+
+    def _example(self, row: Mapping) -> Example:
+        solution = str(row["answer"])
+        steps = sum(1 for line in solution.split("####")[0].splitlines() if line.strip())
+        messages = [{"role": "user", "content": fill(self.template, question=str(row["question"]).strip())}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return Example(messages, gold_answer(solution), steps, {"solution": solution})
+
+    def success(self, example: Example, completion: str) -> bool:
+        return bool(self.successes([example], [completion])[0])
+
+    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
+        """``[N]`` bool: the response's number equals the gold number."""
+        return self.checker.score(examples, completions).total > 0.5

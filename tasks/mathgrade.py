@@ -1,0 +1,126 @@
+"""Math answer checking: the last ``\\boxed{}`` graded by math-verify, and a cheap numeric check.
+
+``grade_math`` follows the DeepMath recipe (spec tasks.md §1.3): grade only the text after
+``</think>``, compare the last box with the gold answer by math-verify with the gold FIRST (``verify``
+is asymmetric). A cheap normalised string comparison runs first: it settles exact spellings without
+sympy and is the only check for Yes/No answers (math-verify parses "Yes" as the product E*s*y).
+math-verify times out with ``signal.alarm``, so ``MathVerifyReward`` grades in worker processes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from math_verify import parse, verify
+
+from sgrpo.types import Example
+from tasks.base import SampleReward, Scale
+from tasks.similarity import strip_think
+
+_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[,;:! ]|\\q?quad|\\left|\\right|\s+|\$")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_YES_NO = {"yes", "no"}
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    open_brace = text.find("{", start)
+    if open_brace < 0:
+        return None
+    depth = 0
+    for i in range(open_brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_brace + 1 : i]
+    return None  # unbalanced: the box was cut off
+
+
+def normalize_answer(text: str) -> str:
+    """A spelling-insensitive form: no spaces, ``$``, ``\\left``, ``\\text{}``; ``\\dfrac`` -> ``\\frac``."""
+    text = _TEXT_WRAPPERS.sub(r"\1", text)
+    text = _SPACING.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return text.rstrip(".")
+
+
+def grade_math(gold: str, response: str, require_box: bool = True, timeout: int = 5) -> tuple[float, str]:
+    """1.0 if ``response`` answers ``gold``, else 0.0, with a label for the outcome.
+
+    Labels: "correct", "wrong", "no_box" (no ``\\boxed{}`` after the think block) and "unparsed"
+    (math-verify extracted nothing from the answer). ``require_box=False`` grades the whole answer
+    text when there is no box. Raises if the gold answer itself does not parse (a data problem).
+    ``timeout`` bounds each math-verify call (seconds; main thread only, else it is disabled).
+    """
+    answer = strip_think(response)
+    box = last_boxed(answer)
+    if box is None and require_box:
+        return 0.0, "no_box"
+    target, reference = normalize_answer(answer if box is None else box), normalize_answer(gold)
+    if reference.lower() in _YES_NO:  # case-insensitive string check only
+        return (1.0, "correct") if target.lower() == reference.lower() else (0.0, "wrong")
+    if target == reference:
+        return 1.0, "correct"
+    seconds = timeout if threading.current_thread() is threading.main_thread() else None
+    gold_parsed = parse(f"${gold}$", parsing_timeout=seconds)
+    if not gold_parsed:
+        raise ValueError(f"gold answer {gold!r} does not parse")
+    predicted = parse(answer if box is None else f"\\boxed{{{box}}}", parsing_timeout=seconds)
+    if not predicted:
+        return 0.0, "unparsed"
+    correct = verify(gold_parsed, predicted, timeout_seconds=seconds)
+    return (1.0, "correct") if correct else (0.0, "wrong")
+
+
+class MathVerifyReward(SampleReward):
+    """Binary reward: math-verify equivalence of the last ``\\boxed{}`` with ``Example.answer``.
+
+    Graded in ``workers`` processes with an outer ``timeout`` per answer (a timeout, an exception or a
+    gold answer that does not parse scores 0 and counts as a failure; a hung pool is restarted).
+    ``RewardResult.counts`` holds "no_box" and "unparsed" (scored 0, not failures), "correct", "wrong".
+    DeepMath's authors use ``scale="pm1"``; {0, 1} is the canonical scale here.
+    """
+
+    name = "math_verify"
+
+    def __init__(
+        self,
+        require_box: bool = True,
+        scale: Scale = "01",
+        name: str | None = None,
+        workers: int = 2,
+        timeout: float = 10.0,
+    ) -> None:
+        super().__init__(scale=scale, name=name, workers=workers, timeout=timeout)
+        self.require_box = require_box
+
+    def score_one(self, example: Example, completion: str) -> tuple[float, str]:
+        inner = max(1, int(self.timeout / 3))  # parse gold, parse answer, verify: all within the outer limit
+        return grade_math(example.answer, completion, self.require_box, inner)
+
+
+def numeric_answer(text: str) -> float | None:
+    """The number a response gives: the last number in its last ``\\boxed{}``, else in the text."""
+    text = strip_think(text)
+    box = last_boxed(text)
+    numbers = _NUMBER.findall((text if box is None else box).replace(",", "").replace("$", ""))
+    return float(numbers[-1]) if numbers else None
+
+
+class NumericMatch(SampleReward):
+    """Binary reward without sympy: the response's number (``numeric_answer``) equals the gold number.
+
+    Equal means ``|x - gold| <= 1e-6 * max(1, |gold|)``. Commas and ``$`` are ignored.
+    """
+
+    name = "numeric_match"
+
+    def score_one(self, example: Example, completion: str) -> tuple[float, str]:
+        value = numeric_answer(completion)
+        if value is None:
+            return 0.0, "no_number"
+        gold = float(example.answer.replace(",", ""))
+        return (1.0, "correct") if abs(value - gold) <= 1e-6 * max(1.0, abs(gold)) else (0.0, "wrong")

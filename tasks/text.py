@@ -1,0 +1,92 @@
+"""Reference-text tasks: a prompt, a reference text, a similarity reward and a separate success test."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from sgrpo.types import Example, Messages
+from tasks.base import Reward, Task, check_batch
+from tasks.data import SplitTable
+from tasks.similarity import ChrF, ExactMatch, TextSimilarity
+
+
+class ReferenceTextTask(Task):
+    """Base class: rows of a table -> ``Example(prompt, answer=reference)``, scored by text similarity.
+
+    Subclasses give ``required_columns`` (and ``optional_columns``) and ``make_example(row)``.
+    Splits the source lacks are held out of its train rows with ``seed`` (``validation_size``,
+    ``test_size``: a count or a fraction).
+    ``chat=True`` wraps the prompt text as one user message; ``False`` feeds it as raw text.
+    Success: ``success_metric(completion, reference) >= success_threshold`` on [0, 1]; the default,
+    ``ExactMatch(normalize=True)`` with threshold 1, is normalised exact match.
+    """
+
+    required_columns: tuple[str, ...] = ()
+    optional_columns: tuple[str, ...] = ()  # read when present
+
+    def __init__(
+        self,
+        path: str,
+        reward: Reward,
+        config: str | None = None,
+        validation_size: int | float = 0.1,
+        test_size: int | float = 0.1,
+        seed: int = 0,
+        chat: bool = True,
+        success_metric: TextSimilarity | None = None,
+        success_threshold: float = 1.0,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+    ) -> None:
+        super().__init__(reward, max_train_examples, max_eval_examples)
+        if not 0.0 < success_threshold <= 1.0:
+            raise ValueError(f"success_threshold must be in (0, 1], got {success_threshold}")
+        self.path, self.seed, self.chat = path, seed, chat
+        self.success_metric = success_metric or ExactMatch(normalize=True)
+        self.success_threshold = success_threshold
+        sizes = {"validation": validation_size, "test": test_size}
+        columns = (self.required_columns + self.optional_columns) or None
+        self._table = SplitTable(path, config, columns, self.required_columns, sizes, seed)
+
+    def load(self, split: str) -> Sequence[Example]:
+        return [self.make_example(row) for row in self._table.rows(split)]
+
+    @abstractmethod
+    def make_example(self, row: Mapping) -> Example:
+        """The example of one row (its columns are checked)."""
+
+    def as_prompt(self, text: str) -> str | Messages:
+        """``text`` as one user message (``chat``) or as is."""
+        return [{"role": "user", "content": text}] if self.chat else text
+
+    def success(self, example: Example, completion: str) -> bool:
+        return bool(self.successes([example], [completion])[0])
+
+    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
+        """``[N]`` bool: similarity to the reference >= ``success_threshold`` (failed scorings: False)."""
+        check_batch(examples, completions)
+        values, _, _ = self.success_metric.raw_scores(examples, completions)
+        return torch.tensor(values) >= self.success_threshold - 1e-9  # [N]
+
+
+class ReferenceText(ReferenceTextTask):
+    """Any table with a prompt column and a reference column; reward ``ChrF()`` by default."""
+
+    def __init__(
+        self,
+        path: str,
+        prompt_field: str = "prompt",
+        reference_field: str = "reference",
+        reward: Reward | None = None,
+        **kwargs,
+    ) -> None:
+        self.required_columns = (prompt_field, reference_field)
+        self.prompt_field, self.reference_field = prompt_field, reference_field
+        super().__init__(path, reward or ChrF(), **kwargs)
+
+    def make_example(self, row: Mapping) -> Example:
+        return Example(self.as_prompt(str(row[self.prompt_field])), str(row[self.reference_field]).strip())

@@ -1,0 +1,82 @@
+"""The `python -m sgrpo.fit` entry: a smoke fit of configs/tiny.yaml, resume, and config errors."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sgrpo.fit import main
+from sgrpo.tiny import ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def fit(root: Path, model_dir: str, *extra: str):
+    args = ["--config", TINY, f"--trainer.default_root_dir={root}", f"--model.model={model_dir}",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", *extra]
+    return main(args)
+
+
+def metrics(root: Path) -> list[dict[str, str]]:
+    rows = []
+    for path in sorted((root / "lightning_logs").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            rows += [r for r in csv.DictReader(f) if r.get("train/reward")]
+    return rows
+
+
+def test_tiny_fit_logs_checkpoints_and_exports(tmp_path, model_dir):
+    cli = fit(tmp_path, model_dir, "--trainer.max_steps=3")
+    rows = metrics(tmp_path)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert {"train/reward", "train/success_rate", "train/budget/l1/hard", "train/budget/l2/near_solved",
+            "train/clip/low", "train/entropy", "train/throughput/rollout_tok_s"} <= set(rows[0])
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert list(tmp_path.glob("lightning_logs/version_0/config.yaml"))
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model")
+    policy = cli.model.model
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, policy(ids).logits, atol=1e-6)
+    trained = dict(policy.named_parameters())
+    initial = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())  # it learned something
+
+
+def test_resume_continues_and_reproduces_the_uninterrupted_run(tmp_path, model_dir):
+    keys = ("train/reward", "train/loss", "train/grad_norm", "train/completion/length_mean")
+    fit(tmp_path / "full", model_dir, "--trainer.max_steps=4", "--trainer.val_check_interval=100")
+    fit(tmp_path / "cut", model_dir, "--trainer.max_steps=2", "--trainer.val_check_interval=100")
+    fit(tmp_path / "cut", model_dir, "--trainer.max_steps=4", "--trainer.val_check_interval=100", "--ckpt_path=last")
+    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    assert [int(r["step"]) for r in cut] == [0, 1, 2, 3]  # resumed at step 2 (the 3rd), not 0
+    for a, b in zip(full, cut, strict=True):
+        for key in keys:
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+@pytest.mark.parametrize(("arg", "needle"), [("--model.grup_size=8", "grup_size"),
+                                             ("--model.group_size=1", "group_size")])
+def test_bad_config_fails_fast_naming_the_key(arg, needle, tmp_path):
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "sgrpo.fit", "--config", TINY, arg,
+                           "--model.model=/nonexistent/model", f"--trainer.default_root_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode != 0
+    assert needle in done.stderr
+    assert "/nonexistent/model" not in done.stderr  # it failed before trying to load the model
+    assert time.perf_counter() - started < 60

@@ -1,0 +1,121 @@
+"""The policy's gradient against hand-derived references (spec T17) and its invariance to batch splitting."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from estimators import GRPO, DrGRPO, SoftmaxGRPO
+from sgrpo.loss import AGGREGATIONS, position_ids_from_mask
+from sgrpo.tiny import ensure_tiny_model
+from tests.engine_helpers import EXAMPLES, FixedRollout, FixedTask, GradCapture, PresetReward, fixed_batch, run_steps
+
+G, MAX_NEW = 4, 6
+PROMPTS = [ex.prompt for ex in EXAMPLES[:4]]
+# group 0 mixed, group 1 constant (no gradient), group 2 one success, group 3 graded
+REWARDS = {
+    PROMPTS[0]: [1.0, 0.0, 1.0, 0.0],
+    PROMPTS[1]: [1.0, 1.0, 1.0, 1.0],
+    PROMPTS[2]: [0.0, 0.0, 0.0, 1.0],
+    PROMPTS[3]: [0.2, 0.9, 0.5, 0.0],
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir):
+    return fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+
+
+def make_policy(model_dir, batch, estimator, **kwargs) -> GradCapture:
+    task = FixedTask(PresetReward(REWARDS), EXAMPLES[:4])
+    defaults = dict(
+        group_size=G, prompts_per_step=4, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), seed=0
+    )
+    return GradCapture(str(model_dir), task, estimator, FixedRollout(batch, PROMPTS, MAX_NEW), **(defaults | kwargs))
+
+
+def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten() for _, g in sorted(grads.items())])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_t17_seq_sum_const_gradient_is_the_reinforce_sum(model_dir, batch):
+    """At ratio 1, kl 0, seq_sum_const: grad = -sum_i A_i grad log pi(o_i) / (N * L_max)."""
+    estimator = SoftmaxGRPO(temperature=0.5)
+    policy = make_policy(model_dir, batch, estimator, aggregation="seq_sum_const")
+    run_steps(policy)
+    got = flat(policy.captured[0])
+
+    rewards = torch.tensor([REWARDS[p] for p in PROMPTS])  # [B, G]
+    adv = estimator(rewards).reshape(-1)  # [N]
+    assert torch.all(adv.view(4, G)[1] == 0)  # the constant group has exactly zero advantage
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    p, t = batch.prompt_length, batch.completion_mask.shape[1]
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids_from_mask(batch.attention_mask),
+    ).logits[:, p - 1 : -1]
+    token_logp = logits.log_softmax(-1).gather(-1, batch.input_ids[:, p:].unsqueeze(-1)).squeeze(-1)
+    seq_logp = (token_logp * batch.completion_mask).sum(-1)  # [N] log pi(o_i)
+    n = batch.input_ids.shape[0]
+    (-(adv.float() * seq_logp).sum() / (n * MAX_NEW)).backward(retain_graph=True)
+    want = flat({name: q.grad for name, q in model.named_parameters()})
+    assert rel_err(got, want) < 1e-6
+
+    # constant groups add nothing: the same sum without group 1's rows gives the same gradient
+    model.zero_grad()
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[G : 2 * G] = False
+    (-(adv.float() * seq_logp)[keep].sum() / (n * MAX_NEW)).backward()
+    assert rel_err(got, flat({name: q.grad for name, q in model.named_parameters()})) < 1e-6
+    assert t <= MAX_NEW
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation):
+    grads = []
+    for micro in (None, 4):  # 16 rows in one piece, then in 4 micro-batches
+        policy = make_policy(model_dir, batch, GRPO(), aggregation=aggregation, micro_batch_size=micro)
+        run_steps(policy)
+        grads.append(flat(policy.captured[0]))
+    assert grads[0].norm() > 0
+    assert rel_err(grads[1], grads[0]) < 1e-6
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, tmp_path):
+    policy = make_policy(model_dir, batch, DrGRPO(), aggregation=aggregation)
+    run_steps(policy)
+    single = flat(policy.captured[0])
+
+    out = tmp_path / "grads.pt"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    script = Path(__file__).with_name("ddp_grad_worker.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), aggregation, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((tmp_path / "grads.json").read_text())
+    assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8]
+    assert rel_err(flat(torch.load(out)), single) < 1e-6

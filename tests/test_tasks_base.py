@@ -1,0 +1,153 @@
+"""Reward / Task interfaces: failures scored 0 and counted, scales, weighted sums, splits."""
+
+import math
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from sgrpo.types import Example
+from tasks import EditSimilarity, ExactMatch, RewardResult, SampleReward, Task, WeightedSum
+from tasks.base import fill
+from tasks.pool import WorkerPool
+
+
+class Scripted(SampleReward):
+    """Scores a completion by what it says: a number, "raise", "hang", "nan", or "big"."""
+
+    name = "scripted"
+
+    def score_one(self, example, completion):
+        if completion == "raise":
+            raise RuntimeError("boom")
+        if completion == "hang":
+            time.sleep(60)
+        if completion == "nan":
+            return math.nan
+        if completion == "big":
+            return 3.0
+        if completion == "labelled":
+            return 0.5, "half"
+        return float(completion)
+
+
+def _batch(*completions):
+    return [Example("q", "a")] * len(completions), list(completions)
+
+
+def test_in_process_failures_score_zero_and_are_counted():
+    result = Scripted().score(*_batch("1", "raise", "0.25", "nan", "big", "labelled"))
+    assert result.total.tolist() == [1.0, 0.0, 0.25, 0.0, 0.0, 0.5]
+    assert result.failures == 3  # raise, nan, 3.0 outside [0, 1]
+    assert result.counts == {"half": 1}
+    assert result.total.dtype == torch.float32 and set(result.parts) == {"scripted"}
+
+
+def test_pool_hang_and_raise_score_zero_and_pool_recovers():
+    reward = Scripted(workers=1, timeout=0.5)
+    start = time.perf_counter()
+    result = reward.score(*_batch("1", "hang", "0.5", "raise", "1"))
+    elapsed = time.perf_counter() - start
+    assert result.total.tolist() == [1.0, 0.0, 0.5, 0.0, 1.0]
+    assert result.failures == 2
+    assert elapsed < 10  # the 60 s sleep was cut at 0.5 s and the pool restarted
+    assert reward.score(*_batch("0.75")).total.tolist() == [0.75]  # the restarted pool works
+
+
+def test_pool_keeps_results_that_arrived_before_a_restart():
+    pool = WorkerPool(2)
+    try:
+        outcomes = pool.run(time.sleep, [(0.0,), (30.0,), (0.0,), (0.0,)], timeout=0.5)
+        assert [o.ok for o in outcomes] == [True, False, True, True]
+        assert "timeout" in outcomes[1].error and pool.restarts == 1
+    finally:
+        pool.close()
+
+
+def test_scale_pm1_maps_binary_rewards_and_failures_to_minus_one():
+    # {0, 1} -> {-1, +1}; a failure is a wrong answer: -1
+    result = Scripted(scale="pm1").score(*_batch("1", "0", "raise"))
+    assert result.total.tolist() == [1.0, -1.0, -1.0]
+    examples = [Example("s:21=", "12")] * 2
+    assert ExactMatch(scale="pm1")(examples, ["12", "21"]).tolist() == [1.0, -1.0]
+
+
+def test_weighted_sum_keeps_unweighted_parts_and_sums_failures():
+    examples = [Example("s:321=", "123")] * 3
+    completions = ["123", "132", "raise"]
+    exact, edit = ExactMatch(), EditSimilarity()
+    result = WeightedSum([exact, edit, Scripted()], [1.0, 0.5, 2.0]).score(examples, ["123", "132", "1"])
+    # edit: "132" vs "123" is 2 substitutions of 3 chars -> 1/3; "1" vs "123": 2 insertions -> 1/3
+    assert torch.allclose(result.parts["edit"], torch.tensor([1.0, 1 / 3, 1 / 3]))
+    assert result.parts["exact_match"].tolist() == [1.0, 0.0, 0.0]
+    # total = 1 * exact + 0.5 * edit + 2 * scripted (scripted reads "123" -> 123 invalid -> 0, "1" -> 1)
+    assert torch.allclose(result.total, torch.tensor([1.5, 0.5 / 3, 0.5 / 3 + 2.0]))
+    assert result.failures == 2  # "123" and "132" are not numbers in [0, 1]
+    failing = WeightedSum([Scripted(), Scripted(name="other")]).score(examples, completions)
+    assert failing.failures == 2 * 3  # 123, 132 out of range; "raise"
+
+
+def test_weighted_sum_validation():
+    with pytest.raises(ValueError, match="unique"):
+        WeightedSum([ExactMatch(), ExactMatch()])
+    with pytest.raises(ValueError, match="one number per reward"):
+        WeightedSum([ExactMatch()], [1.0, 2.0])
+
+
+def test_reward_validation_names_the_fix():
+    with pytest.raises(ValueError, match="scale must be '01' or 'pm1'"):
+        ExactMatch(scale="11")
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        ExactMatch(timeout=0)
+    with pytest.raises(ValueError, match="one completion per example"):
+        ExactMatch()([Example("q", "a")], ["a", "b"])
+    with pytest.raises(ValueError, match="1-D float32"):
+        RewardResult(torch.zeros(2, dtype=torch.float64), {})
+
+
+class Toy(Task):
+    def load(self, split):
+        return [Example(f"{split}{i}", str(i)) for i in range(5)]
+
+    def success(self, example, completion):
+        if completion == "raise":
+            raise RuntimeError("boom")
+        return completion == example.answer
+
+
+def test_task_splits_limits_and_robust_successes():
+    task = Toy(ExactMatch(), max_train_examples=2, max_eval_examples=3)
+    assert [e.prompt for e in task.examples("train")] == ["train0", "train1"]
+    assert len(task.examples("validation")) == len(task.examples("test")) == 3
+    with pytest.raises(ValueError, match="unknown split 'dev'; use one of train, validation, test"):
+        task.examples("dev")
+    examples = task.examples("train")
+    assert task.successes(examples, ["0", "raise"]).tolist() == [True, False]
+    with pytest.raises(ValueError, match="max_train_examples must be >= 1"):
+        Toy(ExactMatch(), max_train_examples=0)
+
+
+def test_fill_leaves_latex_braces():
+    assert fill("{question} in \\boxed{}", question="1+1") == "1+1 in \\boxed{}"
+
+
+def test_restart_works_when_the_parent_traps_sigterm():
+    # Lightning installs a SIGTERM handler; forked workers must still die on the pool's terminate()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    pool = WorkerPool(1)
+    try:
+        outcomes = pool.run(time.sleep, [(30.0,), (0.0,)], timeout=0.5)
+        assert [o.ok for o in outcomes] == [False, True]
+    finally:
+        pool.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_scoring_from_a_thread():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(Scripted(workers=1).score(*_batch("1", "raise"))))
+    thread.start()
+    thread.join(30)
+    assert results[0].total.tolist() == [1.0, 0.0] and results[0].failures == 1
