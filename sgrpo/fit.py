@@ -70,11 +70,14 @@ def resolve_ckpt_path(ckpt_path: str | None, root: Path) -> str | None:
     return str(last)
 
 
-def main(args: list[str] | None = None) -> SgrpoCLI:
-    """Parse (every key, type and class checked before any model loads), then fit."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def parse(args: list[str] | None = None) -> SgrpoCLI:
+    """Parse and instantiate (trainer, policy, task, estimator, rollout) without loading any model.
+
+    Every key, type and class is checked here; a constructor's check (group_size, temperature, ...)
+    exits with its message, which names the key.
+    """
     try:
-        cli = SgrpoCLI(
+        return SgrpoCLI(
             GRPOPolicy,
             run=False,
             args=args,
@@ -89,9 +92,15 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
                 "default_root_dir": "runs/default",
             },
         )
-    except ValueError as err:  # a constructor's check (group_size, temperature, ...): the message names the key
+    except ValueError as err:
         print(f"error: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def main(args: list[str] | None = None) -> SgrpoCLI:
+    """Parse, then fit (resuming from ``--ckpt_path``), then report if asked."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cli = parse(args)
     trainer, policy, config = cli.trainer, cli.model, cli.config
     root = Path(trainer.default_root_dir)
     for callback in trainer.checkpoint_callbacks:

@@ -27,15 +27,17 @@ def completion_logprobs(
     attention_mask: Tensor,
     completion_mask: Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
+    chunk_mib: float = 128.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
 
     ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are
     ``lm_head(h) / temperature`` (the sampling distribution before top-k/top-p). The LM head runs
-    only on completion tokens, ``chunk_size`` tokens at a time under activation checkpointing, so
-    neither the forward nor the backward ever holds ``[N, T, vocab]`` logits. Padding gets 0.
+    only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
+    logits in ``chunk_mib`` MiB) under activation checkpointing, so neither the forward nor the
+    backward ever holds ``[N, T, vocab]`` logits. Padding gets 0.
     """
     t = completion_mask.shape[1]
     decoder, head = model.get_decoder(), model.get_output_embeddings()
@@ -45,6 +47,8 @@ def completion_logprobs(
         position_ids=position_ids_from_mask(attention_mask[:, :-1]),
     ).last_hidden_state[:, -t:]  # [N, T, H]: the state before each completion token
     mask = completion_mask.bool()
+    if chunk_size is None:
+        chunk_size = max(1, int(chunk_mib * 2**20) // (4 * head.weight.shape[0]))
     h = hidden[mask]  # [M, H]
     targets = input_ids[:, -t:][mask]  # [M]
     pieces = [

@@ -54,7 +54,7 @@ class GRPOPolicy(LightningModule):
         val_samples: int = 4,
         val_greedy: bool = False,
         val_prompts_per_batch: int = 32,
-        logprob_chunk_size: int = 1024,
+        logits_chunk_mib: float = 128.0,
         dtype: str = "float32",
         seed: int = 0,
         export_dir: str | None = None,
@@ -84,7 +84,7 @@ class GRPOPolicy(LightningModule):
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
-        self.logprob_chunk_size, self.model_dtype, self.seed = logprob_chunk_size, dtype, seed
+        self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.export_dir = export_dir
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
@@ -273,7 +273,7 @@ class GRPOPolicy(LightningModule):
                 batch["attention_mask"],
                 batch["mask"],
                 self.rollout.temperature,
-                self.logprob_chunk_size,
+                chunk_mib=self.logits_chunk_mib,
                 with_entropy=True,
             )
             t = logp.shape[1]
@@ -321,7 +321,7 @@ class GRPOPolicy(LightningModule):
                 rollout.attention_mask[rows],
                 token_mask[rows],
                 self.rollout.temperature,
-                self.logprob_chunk_size,
+                chunk_mib=self.logits_chunk_mib,
             )
             pieces.append(lp)
         return torch.cat(pieces)

@@ -25,8 +25,15 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def fit(root: Path, model_dir: str, *extra: str):
-    args = ["--config", TINY, f"--trainer.default_root_dir={root}", f"--model.model={model_dir}",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", *extra]
+    args = [
+        "--config",
+        TINY,
+        f"--trainer.default_root_dir={root}",
+        f"--model.model={model_dir}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        *extra,
+    ]
     return main(args)
 
 
@@ -42,8 +49,15 @@ def test_tiny_fit_logs_checkpoints_and_exports(tmp_path, model_dir):
     cli = fit(tmp_path, model_dir, "--trainer.max_steps=3")
     rows = metrics(tmp_path)
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
-    assert {"train/reward", "train/success_rate", "train/budget/l1/hard", "train/budget/l2/near_solved",
-            "train/clip/low", "train/entropy", "train/throughput/rollout_tok_s"} <= set(rows[0])
+    assert {
+        "train/reward",
+        "train/success_rate",
+        "train/budget/l1/hard",
+        "train/budget/l2/near_solved",
+        "train/clip/low",
+        "train/entropy",
+        "train/throughput/rollout_tok_s",
+    } <= set(rows[0])
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert list(tmp_path.glob("lightning_logs/version_0/config.yaml"))
 
@@ -69,13 +83,27 @@ def test_resume_continues_and_reproduces_the_uninterrupted_run(tmp_path, model_d
             assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-7), (a["step"], key)
 
 
-@pytest.mark.parametrize(("arg", "needle"), [("--model.grup_size=8", "grup_size"),
-                                             ("--model.group_size=1", "group_size")])
+@pytest.mark.parametrize(
+    ("arg", "needle"), [("--model.grup_size=8", "grup_size"), ("--model.group_size=1", "group_size")]
+)
 def test_bad_config_fails_fast_naming_the_key(arg, needle, tmp_path):
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "sgrpo.fit", "--config", TINY, arg,
-                           "--model.model=/nonexistent/model", f"--trainer.default_root_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sgrpo.fit",
+            "--config",
+            TINY,
+            arg,
+            "--model.model=/nonexistent/model",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode != 0
     assert needle in done.stderr
     assert "/nonexistent/model" not in done.stderr  # it failed before trying to load the model

@@ -39,6 +39,10 @@ CONFIGS = [
     },
     {"class_path": "tasks.PoetryWriting", "init_args": {"path": F + "poetry.jsonl", "test_size": 0.4}},
     {"class_path": "tasks.MeetingBank", "init_args": {"path": F + "meetingbank.jsonl", "test_size": 2}},
+    {
+        "class_path": "tasks.ReferenceText",
+        "init_args": {"path": F + "poetry.jsonl", "prompt_field": "poem name", "reference_field": "author"},
+    },
 ]
 
 

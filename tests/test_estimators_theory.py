@@ -1,0 +1,555 @@
+"""Theory tests: limits (T7, T8, T14), stability (T9), exact expected updates (T11, T13, T15), the
+large-group weight and objective of SoftmaxGRPO, and the theory a user's new estimator inherits.
+
+References are spec/estimators.md §2-§4 and check_estimators_output.txt §B, §C2, §E, §H.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import pytest
+import torch
+
+from estimators import ESTIMATORS, GRPO, RLOO, AdvantageEstimator, DrGRPO, MaxRL, SoftmaxGRPO
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+F64 = torch.float64
+P_GRID = [0.0, 1e-3, 0.05, 0.25, 0.5, 0.75, 0.95, 0.999, 1.0]
+
+
+def all_binary_groups(g: int) -> torch.Tensor:
+    """All 2^G binary reward vectors of size G, float64 [2^G, G]."""
+    codes = torch.arange(2**g).unsqueeze(1)
+    return ((codes >> torch.arange(g)) & 1).to(F64)
+
+
+# ---------------------------------------------------------------------------------------------
+# T7, T8, T14: temperature limits
+# ---------------------------------------------------------------------------------------------
+
+
+def test_t7_low_temperature_is_maxrl_on_every_binary_group():
+    """T7 / must-show: SoftmaxGRPO(tau = 1e-3) equals MaxRL() (practical) on every binary group of size
+    2..16, to 1e-12: A = G/K - 1 on successes, -1 on failures, 0 when K = 0 or K = G."""
+    soft, maxrl = SoftmaxGRPO(temperature=1e-3), MaxRL()
+    for g in range(2, 17):
+        r = all_binary_groups(g)
+        a_soft, a_max = soft(r), maxrl(r)
+        assert (a_soft - a_max).abs().max().item() <= 1e-12, g
+    # hand check, G = 4, K = 1: MaxRL gives 4/1 - 1 = 3 and -1, -1, -1
+    torch.testing.assert_close(soft(torch.tensor([[0.0, 1.0, 0.0, 0.0]], dtype=F64)),
+                               torch.tensor([[-1.0, 3.0, -1.0, -1.0]], dtype=F64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("g", [2, 5, 16, 64])
+def test_t7_scalar_rewards_hard_max_limit(g):
+    """T7: with scalar rewards and gap/tau >= 40 the advantage is the hard max: G/#argmax - 1 on the
+    argmax set, -1 elsewhere (1e-12). Rewards on a 2-decimal grid (gap >= 0.01), tau = 2.5e-4."""
+    gen = torch.Generator().manual_seed(g)
+    r = torch.randint(0, 101, (400, g), generator=gen).to(F64) / 100
+    r[:50] = torch.randint(95, 101, (50, g), generator=gen).to(F64) / 100  # many tied maxima
+    a = SoftmaxGRPO(2.5e-4)(r)
+    top = r == r.amax(-1, keepdim=True)
+    n_top = top.sum(-1, keepdim=True).to(F64)
+    expected = torch.where(top, g / n_top - 1, -1.0)
+    torch.testing.assert_close(a, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("tau", [1e2, 1e3, 1e4, 1e5, 1e6])
+def test_t8_high_temperature_is_drgrpo_over_tau(tau):
+    """T8: |tau A - (r - mean)| <= range^2 / tau for tau >= 10 range (range 1); the error is the
+    second-order term ((r - mean)^2 - Var)/(2 tau) (measured ~0.21/tau in §B), up to O(1/tau^2)."""
+    gen = torch.Generator().manual_seed(0)
+    r = torch.rand(500, 8, generator=gen, dtype=F64)
+    r[:, 0], r[:, 1] = 0.0, 1.0  # range exactly 1
+    c = DrGRPO()(r)  # r - mean
+    err = tau * SoftmaxGRPO(tau)(r) - c
+    assert err.abs().max().item() <= 1.0 / tau
+    second_order = (c.square() - c.square().mean(-1, keepdim=True)) / (2 * tau)
+    assert (err - second_order).abs().max().item() <= 1.0 / tau**2
+    assert err.abs().max().item() >= 0.1 / tau  # the bound is sharp: the error really is O(1/tau)
+    # scale_by_tau gives Dr.GRPO itself in the limit
+    scaled = SoftmaxGRPO(tau, scale_by_tau=True)(r)
+    assert (scaled - c).abs().max().item() <= 1.0 / tau
+
+
+def test_t14_limits_of_the_weight():
+    """T14: c_G at tau = 0.002 equals MaxRL practical (1e-9 relative); tau c_G at tau = 1e4 equals
+    G - 1 (1e-2). §B: at G = 8, 48.26603263 vs 48.26603263 (p = .05) and tau c = 7.000236."""
+    p = torch.tensor(P_GRID, dtype=F64)
+    for g in (2, 3, 8, 16, 32):
+        cold, maxrl = SoftmaxGRPO(0.002).population_weight(p, g), MaxRL().population_weight(p, g)
+        torch.testing.assert_close(cold, maxrl, rtol=1e-9, atol=0)
+        hot = 1e4 * SoftmaxGRPO(1e4).population_weight(p, g)
+        torch.testing.assert_close(hot, torch.full_like(hot, g - 1.0), rtol=0, atol=1e-2)
+    assert SoftmaxGRPO(0.002).population_weight(0.05, 8).item() == pytest.approx(48.26603263, abs=1e-8)
+    assert 1e4 * SoftmaxGRPO(1e4).population_weight(0.05, 8).item() == pytest.approx(7.000236, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# T9: stability against a high-precision reference
+# ---------------------------------------------------------------------------------------------
+
+
+def mp_softmax_advantages(rewards: list[float], tau: float) -> list[float]:
+    """G exp(r_i/tau) / sum_j exp(r_j/tau) - 1 in 60-digit arithmetic (floats convert exactly)."""
+    with mpmath.workdps(60):
+        x = [mpmath.mpf(v) / mpmath.mpf(tau) for v in rewards]
+        top = max(x)
+        e = [mpmath.exp(v - top) for v in x]
+        mean = mpmath.fsum(e) / len(e)
+        return [float(v / mean - 1) for v in e]
+
+
+def stability_rows(g: int, scale: float, tau: float, gen: torch.Generator) -> torch.Tensor:
+    """Rewards with |r| <= scale: uniform, binary, signed, and offset groups sitting near +-scale with
+    a spread of 0.5 tau or 5 tau (the cases where forming r/tau first would lose the differences)."""
+    u = torch.rand(5, g, generator=gen, dtype=F64)
+    rows = [
+        u[0] * scale,
+        (u[1] > 0.5).to(F64) * scale,
+        (2 * u[2] - 1) * scale,
+        scale - 0.5 * tau * u[3] if 0.5 * tau < scale else u[3] * scale,
+        -scale + 5 * tau * u[4] if 5 * tau < scale else -u[4] * scale,
+    ]
+    return torch.stack(rows)
+
+
+def test_t9_stability_against_mpmath():
+    """T9: finite outputs and normwise relative error max|A - A*| / max|A*| <= 1e-12 against a 60-digit
+    reference, for tau in [1e-4, 1e8], |r| <= 1e6, G in [2, 1024]."""
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for g in (2, 3, 8, 64, 1024):
+        for tau in (1e-4, 1e-2, 0.3, 1.0, 30.0, 1e4, 1e8):
+            for scale in (1.0, 1e6):
+                r = stability_rows(g, scale, tau, gen)
+                if g == 1024:
+                    r = r[[0, 3]]  # keep the 60-digit reference to a few seconds
+                a = SoftmaxGRPO(tau)(r)
+                assert torch.isfinite(a).all()
+                for row in range(r.shape[0]):
+                    if r[row].amax() == r[row].amin():
+                        continue
+                    ref = torch.tensor(mp_softmax_advantages(r[row].tolist(), tau), dtype=F64)
+                    err = ((a[row] - ref).abs().max() / ref.abs().max()).item()
+                    worst = max(worst, err)
+                    assert err <= 1e-12, (g, tau, scale, row, err)
+    assert worst > 0  # the reference is independent: some rounding is always visible
+
+
+def test_t9_extremes_stay_finite():
+    """Overflowing r/tau (1e300 / 1e-4) and tiny spreads at huge magnitude stay finite and exact."""
+    r = torch.tensor([[1e300, -1e300, 0.0], [1e6, 1e6 + 1e-9, 1e6 - 1e-9], [-1e6, 1e6, 1e6]], dtype=F64)
+    for tau in (1e-4, 1.0, 1e8):
+        a = SoftmaxGRPO(tau)(r)
+        assert torch.isfinite(a).all()
+        assert (a >= -1).all() and (a <= 2).all()
+    a = SoftmaxGRPO(1e-4)(r)
+    torch.testing.assert_close(a[0], torch.tensor([2.0, -1.0, -1.0], dtype=F64), rtol=0, atol=0)
+    torch.testing.assert_close(a[2], torch.tensor([-1.0, 0.5, 0.5], dtype=F64), rtol=0, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------
+# T11: closed forms of spec §4.3 against the generic lemma (binomial sum over the estimator)
+# ---------------------------------------------------------------------------------------------
+
+
+def binom_pmf(n: int, p: float) -> list[float]:
+    """P(K = k), k = 0..n, with exact integer binomial coefficients (independent of the library)."""
+    return [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
+
+
+def closed_delta(est: AdvantageEstimator, g: int) -> list[float]:
+    """Delta(k) = a_+(k+1) - a_-(k), k = 0..G-1, from spec §4.3."""
+    ks = range(g)
+    if isinstance(est, GRPO):
+        pop = [math.sqrt((g - 1 - k) / (k + 1)) + math.sqrt(k / (g - k)) for k in ks]
+        return pop if est.std == "population" else [d * math.sqrt((g - 1) / g) for d in pop]
+    if isinstance(est, DrGRPO):
+        return [(g - 1) / g] * g
+    if isinstance(est, RLOO):
+        return [1.0] * g
+    if isinstance(est, MaxRL):
+        return [g / (k + 1) - (k == 0 and est.variant == "practical") for k in ks]
+    if isinstance(est, SoftmaxGRPO):
+        ib = math.exp(-1 / est.temperature)  # overflow-free form with ib = e^(-1/tau)
+        return [
+            g / (g * ib + (k + 1) * (1 - ib)) - (1.0 if k == 0 else g * ib / (g * ib + k * (1 - ib))) for k in ks
+        ]
+    raise AssertionError(type(est))
+
+
+def closed_weight(est: AdvantageEstimator, g: int, p: float) -> float:
+    """c_G(p) in closed form where one exists (spec §4.3), else G E_k[Delta(k)], k ~ Bin(G-1, p)."""
+    if isinstance(est, DrGRPO):
+        return g - 1.0
+    if isinstance(est, RLOO):
+        return float(g)
+    if isinstance(est, MaxRL):
+        order = g - 1 if est.variant == "practical" else g
+        return g * order if p == 0 else g * (1 - (1 - p) ** order) / p
+    return g * sum(w * d for w, d in zip(binom_pmf(g - 1, p), closed_delta(est, g)))
+
+
+def closed_objective(est: AdvantageEstimator, g: int, p: float) -> float:
+    """F_G(p) with F_G(0) = 0 (spec §4.2-4.3)."""
+    if isinstance(est, DrGRPO):
+        return (g - 1) * p
+    if isinstance(est, RLOO):
+        return g * p
+    if isinstance(est, MaxRL):
+        order = g - 1 if est.variant == "practical" else g
+        return g * sum((1 - (1 - p) ** j) / j for j in range(1, order + 1))  # G sum pass@j / j
+    if isinstance(est, SoftmaxGRPO):
+        # Phi_tau(K) = sum_{j<=K} G lam/(1 + j lam) - K lam/(1 + K lam), lam = (beta-1)/G, overflow-free
+        ib = math.exp(-1 / est.temperature)
+
+        def phi(k: int) -> float:
+            head = sum(g * (1 - ib) / (g * ib + j * (1 - ib)) for j in range(1, k + 1))
+            return head - k * (1 - ib) / (g * ib + k * (1 - ib))
+
+        return sum(w * phi(k) for k, w in enumerate(binom_pmf(g, p)))
+    # GRPO: E_K[Phi(K)], Phi(K) = sum_{k<K} Delta(k)
+    delta = closed_delta(est, g)
+    return sum(w * sum(delta[:k]) for k, w in enumerate(binom_pmf(g, p)))
+
+
+THEORY_CASES = [
+    GRPO("population", eps=0.0),
+    GRPO("sample", eps=0.0),
+    DrGRPO(),
+    RLOO(),
+    MaxRL("practical"),
+    MaxRL("cv_unbiased"),
+    MaxRL("nocv"),
+    SoftmaxGRPO(0.05),
+    SoftmaxGRPO(0.25),
+    SoftmaxGRPO(1.0),
+    SoftmaxGRPO(4.0),
+    SoftmaxGRPO(100.0),
+]
+
+
+@pytest.mark.parametrize("est", THEORY_CASES, ids=repr)
+def test_t11_closed_forms_match_the_lemma(est):
+    """T11: Delta(k), c_G(p) and F_G(p) of the implementation equal the §4.3 closed forms (1e-10 rel)."""
+    p = torch.tensor(P_GRID, dtype=F64)
+    for g in (2, 3, 5, 8, 16, 64):
+        torch.testing.assert_close(est.binary_deltas(g), torch.tensor(closed_delta(est, g), dtype=F64),
+                                   rtol=1e-10, atol=1e-300)
+        c = torch.tensor([closed_weight(est, g, q) for q in P_GRID], dtype=F64)
+        torch.testing.assert_close(est.population_weight(p, g), c, rtol=1e-10, atol=1e-300)
+        f = torch.tensor([closed_objective(est, g, q) for q in P_GRID], dtype=F64)
+        torch.testing.assert_close(est.population_objective(p, g), f, rtol=1e-10, atol=1e-300)
+
+
+def test_t11_endpoint_closed_forms():
+    """c(0+), c(1-) of spec §4.3 at G = 16 (1e-10 relative)."""
+    g, ends = 16, torch.tensor([0.0, 1.0], dtype=F64)
+    expect = {
+        GRPO("population", eps=0.0): [g * math.sqrt(g - 1)] * 2,
+        GRPO("sample", eps=0.0): [(g - 1) * math.sqrt(g)] * 2,
+        DrGRPO(): [g - 1.0] * 2,
+        RLOO(): [float(g)] * 2,
+        MaxRL("practical"): [g * (g - 1.0), float(g)],
+        MaxRL("cv_unbiased"): [g * g * 1.0, float(g)],
+    }
+    for tau in (0.25, 1.0, 2.0):
+        bm1 = math.expm1(1 / tau)  # beta - 1
+        expect[SoftmaxGRPO(tau)] = [g * (g - 1) * bm1 / (g + bm1), g * (g - 1) * bm1 / (1 + (g - 1) * (bm1 + 1))]
+    for est, values in expect.items():
+        torch.testing.assert_close(est.population_weight(ends, g), torch.tensor(values, dtype=F64), rtol=1e-10,
+                                   atol=0)
+
+
+@pytest.mark.parametrize("est", [GRPO(), *THEORY_CASES[2:7], SoftmaxGRPO(0.5)], ids=repr)
+def test_t11_objective_derivative_is_the_weight(est):
+    """d/dp F_G(p) = c_G(p) (central finite difference, h = 1e-5, 1e-7 relative), F_G(0) = 0."""
+    p = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9], dtype=F64)
+    h = 1e-5
+    for g in (2, 8, 16):
+        fd = (est.population_objective(p + h, g) - est.population_objective(p - h, g)) / (2 * h)
+        torch.testing.assert_close(fd, est.population_weight(p, g), rtol=1e-7, atol=0)
+        assert est.population_objective(0.0, g).item() == 0.0
+
+
+#: output file §C2: F_G(p)/G at G = 8, 64, 1024 and the limit log E[e^(r/tau)] = log(1 - p + p e^(1/tau))
+TABLE_C2 = [
+    (0.25, 0.1, [0.53245, 1.49105, 1.82423], 1.85000),
+    (0.25, 0.5, [1.72088, 2.95421, 3.29861], 3.32500),
+    (0.25, 0.9, [2.28762, 3.52549, 3.87025], 3.89667),
+    (1.00, 0.1, [0.11842, 0.15290, 0.15820], 0.15857),
+    (1.00, 0.5, [0.50507, 0.60511, 0.61917], 0.62011),
+    (1.00, 0.9, [0.79460, 0.91680, 0.93358], 0.93470),
+]
+
+
+@pytest.mark.parametrize(("tau", "p", "per_g", "limit"), TABLE_C2)
+def test_objective_tends_to_the_log_mgf(tau, p, per_g, limit):
+    """F_G(p)/G -> log E[e^(r/tau)] (§C2, 5 decimals), the limit from large_group_objective. By hand at
+    tau = 1, p = 1/2: log((1 + e)/2) = 0.62011."""
+    est = SoftmaxGRPO(tau)
+    for g, value in zip((8, 64, 1024), per_g):
+        assert est.population_objective(p, g).item() / g == pytest.approx(value, abs=2e-5)
+    law = est.large_group_objective(torch.tensor([0.0, 1.0]), torch.tensor([1 - p, p], dtype=F64))
+    assert law.item() == pytest.approx(limit, abs=2e-5)
+    assert law.item() == pytest.approx(math.log(1 - p + p * math.exp(1 / tau)), rel=1e-14)
+    scaled = SoftmaxGRPO(tau, scale_by_tau=True)
+    assert scaled.large_group_objective(torch.tensor([0.0, 1.0]), torch.tensor([1 - p, p])).item() == (
+        pytest.approx(tau * law.item(), rel=1e-6)
+    )
+
+
+def test_large_group_objective_validation():
+    est = SoftmaxGRPO(1.0)
+    with pytest.raises(ValueError, match="shape"):
+        est.large_group_objective(torch.tensor([0.0, 1.0]), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="sum to 1"):
+        est.large_group_objective(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.6]))
+    with pytest.raises(ValueError, match="standardize"):
+        SoftmaxGRPO(1.0, standardize=True).large_group_weight(0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# large-group weight of SoftmaxGRPO (spec §5 second table, §4.3)
+# ---------------------------------------------------------------------------------------------
+
+LARGE_G_TABLE = {
+    0.25: [14.5651, 3.7222, 1.9281, 1.3010, 1.0324],
+    0.5: [4.8422, 2.4599, 1.5232, 1.1031, 0.9037],
+    1.0: [1.5823, 1.2020, 0.9242, 0.7508, 0.6528],
+    2.0: [0.6283, 0.5582, 0.4898, 0.4364, 0.4014],
+}
+P5 = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=F64)
+
+
+@pytest.mark.parametrize("tau", sorted(LARGE_G_TABLE))
+def test_large_group_weight_table(tau):
+    """§5 large-G table (1e-4); by hand at tau = 1, p = 1/2: (e - 1)/(1 + (e - 1)/2) = 0.92423."""
+    est = SoftmaxGRPO(tau)
+    w = est.large_group_weight(P5)
+    torch.testing.assert_close(w, torch.tensor(LARGE_G_TABLE[tau], dtype=F64), rtol=0, atol=1e-4)
+    assert SoftmaxGRPO(tau, scale_by_tau=True).large_group_weight(0.5).item() == pytest.approx(tau * w[2].item())
+
+
+@pytest.mark.parametrize("tau", [0.25, 1.0, 2.0])
+def test_population_weight_per_rollout_tends_to_large_group_weight(tau):
+    """c_G(p)/G -> (beta - 1)/(1 + p (beta - 1)) with an O(1/G) error."""
+    est = SoftmaxGRPO(tau)
+    w = est.large_group_weight(P5)
+    errs = [((est.population_weight(P5, g) / g - w).abs() / w).max().item() for g in (64, 256, 1024)]
+    assert errs[2] <= 0.01
+    assert errs[2] < errs[1] / 3 < errs[0] / 9  # roughly 1/G
+
+
+@pytest.mark.parametrize("tau", [0.25, 0.5, 1.0, 2.0])
+def test_softmax_weight_is_bounded_and_decreasing(tau):
+    """0 < c_G(p)/G < e^(1/tau) - 1 for all p, G; strictly decreasing in p for G >= 3, constant at G = 2;
+    never above MaxRL practical (§3.2c, §4.3). GRPO's sup c_G/G = sqrt(G-1) is unbounded, for contrast."""
+    est = SoftmaxGRPO(tau)
+    p = torch.linspace(0, 1, 401, dtype=F64)
+    bound = math.expm1(1 / tau)
+    for g in (2, 3, 8, 64, 256):
+        c = est.population_weight(p, g)
+        assert (c > 0).all() and (c / g < bound).all()
+        if g == 2:
+            torch.testing.assert_close(c, torch.full_like(c, c[0].item()), rtol=1e-12, atol=0)
+        else:
+            assert (c.diff() < 0).all()
+        assert (c <= MaxRL().population_weight(p, g) * (1 + 1e-12)).all()
+    grpo_end = GRPO("population", eps=0.0).population_weight(1.0, 256).item() / 256
+    assert grpo_end == pytest.approx(math.sqrt(255), rel=1e-10) and grpo_end > 15
+
+
+# ---------------------------------------------------------------------------------------------
+# T13: Monte Carlo on a single-token Bernoulli-logit policy
+# ---------------------------------------------------------------------------------------------
+
+MC_CASES = [
+    GRPO(),
+    GRPO("population"),
+    DrGRPO(),
+    RLOO(),
+    MaxRL("practical"),
+    MaxRL("cv_unbiased"),
+    MaxRL("nocv"),
+    SoftmaxGRPO(0.25),
+    SoftmaxGRPO(1.0),
+]
+
+
+def test_t13_monte_carlo_matches_exact_weight():
+    """T13: with one token and logit theta, s_i = r_i - p and grad p = p(1-p), so
+    mean over groups of sum_i A_i (r_i - p) / (p(1-p)) estimates c_G(p). M = 60,000 groups per cell,
+    G in {4, 8, 16}, p in {.05, .25, .5, .75, .95}; each cell within 5 SE + 0.1%."""
+    m = 60_000
+    gen = torch.Generator().manual_seed(2608)
+    ps = P5.repeat_interleave(m).unsqueeze(1)  # [5M, 1]
+    worst = 0.0
+    for g in (4, 8, 16):
+        r = (torch.rand(5 * m, g, generator=gen, dtype=F64) < ps).to(F64)
+        score = (r - ps) / (ps * (1 - ps))  # [5M, G]
+        for est in MC_CASES:
+            u = (est(r) * score).sum(-1).view(5, m)
+            mean, se = u.mean(-1), u.std(-1) / math.sqrt(m)
+            exact = est.population_weight(P5, g)
+            z = (mean - exact).abs() / (5 * se + 1e-3 * exact.abs())
+            worst = max(worst, z.max().item())
+            assert (z <= 1).all(), (repr(est), g, mean.tolist(), exact.tolist(), se.tolist())
+    assert worst > 0.05  # the statistic is live (identical zeros would pass trivially)
+
+
+# ---------------------------------------------------------------------------------------------
+# T15: scalar rewards, exact finite-G field by multinomial enumeration
+# ---------------------------------------------------------------------------------------------
+
+LEVELS = torch.tensor([0.0, 0.5, 1.0], dtype=F64)
+THETA = torch.tensor([0.3, -0.2, 0.0], dtype=F64)
+TAU = 0.5
+
+
+def compositions3(n: int) -> torch.Tensor:
+    """All (n0, n1, n2) >= 0 with n0 + n1 + n2 = n, int64 [C, 3]."""
+    n0, n1 = torch.meshgrid(torch.arange(n + 1), torch.arange(n + 1), indexing="ij")
+    keep = n0 + n1 <= n
+    n0, n1 = n0[keep], n1[keep]
+    return torch.stack([n0, n1, n - n0 - n1], dim=1)
+
+
+def exact_scalar_field(est: AdvantageEstimator, g: int, q: torch.Tensor, drop_below: float = 0.0):
+    """E[sum_i A_i grad log pi(y_i)] wrt the 3 logits: J g with J = diag(q) - q q^T and
+    g_j = G E[A_1 | r_1 = v_j], the other G-1 rewards multinomial(q). A_1 comes from the estimator's own
+    __call__ on every composition of the others; compositions of probability < drop_below are skipped
+    (their total mass is bounded and returned)."""
+    comps = compositions3(g - 1)
+    log_pmf = (math.lgamma(g) - torch.lgamma(comps.to(F64) + 1).sum(-1)
+               + (comps.to(F64) * q.log()).sum(-1))
+    pmf = log_pmf.exp()
+    keep = pmf >= drop_below
+    dropped = pmf[~keep].sum().item()
+    comps, pmf = comps[keep], pmf[keep]
+    others = LEVELS.repeat(len(comps)).repeat_interleave(comps.flatten()).view(len(comps), g - 1)
+    weights = torch.empty(3, dtype=F64)
+    for j in range(3):
+        groups = torch.cat([LEVELS[j].expand(len(comps), 1), others], dim=1)
+        weights[j] = g * (est(groups)[:, 0] * pmf).sum()
+    jac = torch.diag(q) - torch.outer(q, q)
+    return jac @ weights, dropped
+
+
+def log_mgf_gradient(est: SoftmaxGRPO) -> torch.Tensor:
+    """grad_theta log E[e^(r/tau)] via autograd through the library's large_group_objective."""
+    theta = THETA.clone().requires_grad_(True)
+    est.large_group_objective(LEVELS, torch.softmax(theta, 0)).backward()
+    return theta.grad
+
+
+def test_t15_exact_scalar_field_matches_monte_carlo():
+    """T15: at G = 8 the enumerated field equals Monte Carlo within 5 SE per component
+    (output file §E: exact E[U] = [-2.217994, -0.255718, 2.473713])."""
+    est, g, m = SoftmaxGRPO(TAU), 8, 200_000
+    q = torch.softmax(THETA, 0)
+    exact, dropped = exact_scalar_field(est, g, q)
+    assert dropped == 0.0
+    torch.testing.assert_close(exact, torch.tensor([-2.217994, -0.255718, 2.473713], dtype=F64), rtol=0,
+                               atol=1e-6)
+    gen = torch.Generator().manual_seed(15)
+    y = torch.multinomial(q, m * g, replacement=True, generator=gen).view(m, g)
+    a = est(LEVELS[y])  # [M, G]
+    score = torch.nn.functional.one_hot(y, 3).to(F64) - q  # grad_theta log softmax(theta)[y]
+    u = (a.unsqueeze(-1) * score).sum(1)  # [M, 3]
+    mean, se = u.mean(0), u.std(0) / math.sqrt(m)
+    assert ((mean - exact).abs() <= 5 * se).all(), (mean, exact, se)
+
+
+def test_t15_large_group_field_is_the_log_mgf_gradient():
+    """T15: ||E[U]/G - grad log E e^(r/tau)|| / ||grad log E e^(r/tau)|| decays like ~0.9/G and is
+    <= 0.02 at G = 256 (§E: 0.28166, 0.059110, 0.013946, 0.0034373 at G = 4, 16, 64, 256); the same
+    holds for tau-scaled advantages against grad[tau log E e^(r/tau)]."""
+    q = torch.softmax(THETA, 0)
+    est, scaled = SoftmaxGRPO(TAU), SoftmaxGRPO(TAU, scale_by_tau=True)
+    target, scaled_target = log_mgf_gradient(est), log_mgf_gradient(scaled)
+    torch.testing.assert_close(scaled_target, TAU * target)
+    expected = {4: 0.28166, 16: 0.059110, 64: 0.013946, 256: 0.0034373}
+    for g, rel in expected.items():
+        # at G = 256 skip the compositions of probability < 1e-16: at most 32,896 of them, mass < 4e-12
+        field, dropped = exact_scalar_field(est, g, q, drop_below=1e-16 if g == 256 else 0.0)
+        assert dropped < 1e-11
+        err = ((field / g - target).norm() / target.norm()).item()
+        assert err == pytest.approx(rel, rel=1e-3), g
+    assert err <= 0.02
+    field, _ = exact_scalar_field(scaled, 256, q, drop_below=1e-16)
+    assert ((field / 256 - scaled_target).norm() / scaled_target.norm()).item() <= 0.02
+
+
+# ---------------------------------------------------------------------------------------------
+# a new estimator gets the theory for free
+# ---------------------------------------------------------------------------------------------
+
+
+class HalfRLOO(AdvantageEstimator):
+    """Half the leave-one-out advantage: A_i = (r_i - mean_{j != i} r_j) / 2.
+
+    Delta(k) = 1/2 for every k, so c_G(p) = G/2 and F_G(p) = G p / 2.
+    """
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        g = rewards.shape[-1]
+        others = (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
+        return (rewards - others) / 2
+
+
+class UnsolvedPenaltyRLOO(AdvantageEstimator):
+    """RLOO, plus -1 for every member of an all-zero group (a group-level, K-dependent term).
+
+    Only Delta(0) changes: a_-(0) = -1, so Delta(0) = 1 + 1 = 2. Then
+    c_G(p) = G (1 + (1-p)^(G-1)) and F_G(p) = G p + 1 - (1-p)^G (F' = c, F(0) = 0).
+    """
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        g = rewards.shape[-1]
+        loo = rewards - (rewards.sum(-1, keepdim=True) - rewards) / (g - 1)
+        unsolved = (rewards == 0).all(-1, keepdim=True)
+        return torch.where(unsolved, -1.0, loo)
+
+
+@pytest.mark.parametrize("g", [2, 5, 8, 32])
+def test_new_estimator_inherits_the_exact_theory(g):
+    """A class defined here, outside ESTIMATORS, needs only _advantages for population_weight and
+    population_objective to match its closed form (1e-12 relative)."""
+    assert HalfRLOO not in ESTIMATORS and UnsolvedPenaltyRLOO not in ESTIMATORS
+    p = torch.tensor(P_GRID, dtype=F64)
+    half = HalfRLOO()
+    torch.testing.assert_close(half.population_weight(p, g), torch.full_like(p, g / 2), rtol=1e-12, atol=0)
+    torch.testing.assert_close(half.population_objective(p, g), g * p / 2, rtol=1e-12, atol=0)
+    pen = UnsolvedPenaltyRLOO()
+    torch.testing.assert_close(pen.population_weight(p, g), g * (1 + (1 - p) ** (g - 1)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(pen.population_objective(p, g), g * p + 1 - (1 - p) ** g, rtol=1e-12, atol=1e-15)
+    # the group-level term changes c_G: at p -> 0 the penalty doubles RLOO's weight (2G vs G)
+    assert pen.population_weight(0.0, g).item() == pytest.approx(2 * RLOO().population_weight(0.0, g).item())
+
+
+def test_new_estimator_inherits_validation_and_masks():
+    """The base class owns input checks, dtype handling and masks for a new estimator as well."""
+    est = HalfRLOO()
+    with pytest.raises(ValueError, match="finite"):
+        est(torch.tensor([[0.0, math.nan]]))
+    with pytest.raises(ValueError, match="G must be >= 2"):
+        est(torch.zeros(3, 1))
+    r = torch.tensor([[1.0, 0.0, 0.0, math.nan]], dtype=torch.float32)
+    mask = torch.tensor([[True, True, True, False]])
+    a = est(r, mask=mask)
+    assert a.dtype == torch.float32
+    # three valid members: A = (1 - 0)/2, (0 - 1/2)/2, (0 - 1/2)/2, masked-out 0
+    torch.testing.assert_close(a, torch.tensor([[0.5, -0.25, -0.25, 0.0]]))
