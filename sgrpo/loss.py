@@ -40,12 +40,8 @@ def completion_logprobs(
     backward ever holds ``[N, T, vocab]`` logits. Padding gets 0.
     """
     t = completion_mask.shape[1]
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(
-        input_ids=input_ids[:, :-1],
-        attention_mask=attention_mask[:, :-1],
-        position_ids=position_ids_from_mask(attention_mask[:, :-1]),
-    ).last_hidden_state[:, -t:]  # [N, T, H]: the state before each completion token
+    hidden = final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # [N, T, H]
+    head = model.get_output_embeddings()
     mask = completion_mask.bool()
     if chunk_size is None:
         chunk_size = max(1, int(chunk_mib * 2**20) // (4 * head.weight.shape[0]))
@@ -72,6 +68,28 @@ def completion_logprobs(
         if entropy is not None:
             entropy = entropy.masked_scatter(mask, torch.cat([p[1] for p in pieces]))
     return logp, entropy
+
+
+def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The decoder's last hidden states ``[N, S, H]``, through the model's own forward.
+
+    The root forward runs (so wrappers such as FSDP2 gather the root's parameters, and keep them
+    gathered until backward) with logits for the last position only; a hook on the decoder hands
+    back its output.
+    """
+    captured: list[Tensor] = []
+    handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            logits_to_keep=1,
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def _token_logprobs(

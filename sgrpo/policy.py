@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class GRPOPolicy(LightningModule):
         val_prompts_per_batch: int = 32,
         logits_chunk_mib: float = 128.0,
         dtype: str = "float32",
+        activation_checkpointing: bool = False,
         seed: int = 0,
         export_dir: str | None = None,
     ) -> None:
@@ -85,7 +87,7 @@ class GRPOPolicy(LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
-        self.export_dir = export_dir
+        self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
@@ -103,9 +105,13 @@ class GRPOPolicy(LightningModule):
         path = resolve_model_path(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+        if self.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.kl_coef > 0:
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
             self.__dict__["_reference"] = reference.requires_grad_(False)
+        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+            shard_model(self.model, self.device_mesh["data_parallel"])
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.model.parameters())
@@ -125,7 +131,8 @@ class GRPOPolicy(LightningModule):
             self._reference.to(self.device)
 
     def train_dataloader(self):
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer else (0, 1)
+        layout = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        rank, world = layout.get("rank", 0), self._data_parallel_size()
         stream = StepBatches(
             self.task.examples("train"), self.prompts_per_step, self.seed, self.rollout_step, rank, world
         )
@@ -261,7 +268,7 @@ class GRPOPolicy(LightningModule):
         max_chunks = int(
             self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
         )
-        scale = float(self.trainer.world_size)
+        scale = float(self._data_parallel_size())
         stats = {
             k: torch.zeros((), device=self.device) for k in ("loss", "clip_low", "clip_high", "kl", "entropy", "tokens")
         }
@@ -285,19 +292,22 @@ class GRPOPolicy(LightningModule):
             loss = (per_token * weights).sum()
             self.manual_backward(loss * scale)
             m = batch["mask"].float()
-            stats["loss"] += loss.detach()
+            stats["loss"] += loss.detach() * scale  # the global loss once averaged over processes
             stats["clip_low"] += (low.float() * m).sum()
             stats["clip_high"] += (high.float() * m).sum()
             stats["kl"] += (kl.detach() * m).sum()
             stats["entropy"] += (entropy * m).sum()
             stats["tokens"] += m.sum()
-        for _ in range(max_chunks - len(chunks)):  # keep DDP's collective backward calls in step
-            self.manual_backward(sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0)
+        for _ in range(max_chunks - len(chunks)):  # keep every process's collectives in step (DDP, FSDP)
+            dummy = torch.full((1, 1), self.tokenizer.pad_token_id or 0, device=self.device)
+            self.manual_backward(self.model(input_ids=dummy).logits.sum() * 0.0)
         return stats
 
     def _clip_and_step(self, optimizer, scheduler, last: bool) -> Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded (DTensor) gradients, reduced over shards
+            norm = norm.full_tensor()
         if self.max_grad_norm is not None and params:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         if last:  # the step Lightning counts: trainer.global_step == training steps
@@ -367,16 +377,43 @@ class GRPOPolicy(LightningModule):
 
     # ------------------------------------------------------------------ export
     def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.export(Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model"))
+        state = None
+        if self.device_mesh is not None:  # gather the shards (a collective: every process takes part)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    def export(self, path: Path) -> Path:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.trainer.is_global_zero:
+            self.export(Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model"), state)
+
+    def export(self, path: Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Save the policy with ``save_pretrained`` (loadable by transformers alone)."""
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        self.model.save_pretrained(path, state_dict=state_dict)
+        # FSDP2 swaps in a subclass named FSDP<Model>: record the model's own class
+        base = next(c for c in type(self.model).__mro__ if not c.__name__.startswith("FSDP"))
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = [base.__name__]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
         return path
+
+    def _data_parallel_size(self) -> int:
+        layout = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(layout.get("num_replicas", 1))
+
+
+def shard_model(model: torch.nn.Module, mesh) -> None:
+    """FSDP2 ``fully_shard`` each transformer block (``model._no_split_modules``), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no transformer blocks (_no_split_modules) to shard")
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def resolve_model_path(path: str) -> str:

@@ -79,7 +79,8 @@ class HFRollout(RolloutEngine):
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch:
-        with torch.inference_mode():
+        # FSDP2 reuses its gathered-parameter buffers across modes: inference tensors would poison them
+        with torch.no_grad() if hasattr(model, "unshard") else torch.inference_mode():
             batch = self._sample(model, tokenizer, examples, group_size, greedy)
         # inference tensors cannot enter autograd (the update embeds these ids): make normal copies
         return dataclasses.replace(batch, **{k: getattr(batch, k).clone() for k in _TENSOR_FIELDS})

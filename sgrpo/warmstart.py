@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -28,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
+from tasks.synthetic import SyntheticTask
 
 DEFAULT_OUT = Path(__file__).parent / "assets" / "quickstart_model"
 
@@ -44,16 +44,6 @@ class Recipe:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-
-
-def sort_examples(levels: Sequence[int], count: int, rng: random.Random) -> list[Example]:
-    """``count`` sort prompts (``s:3142=`` -> ``1234``) with lengths drawn uniformly from ``levels``."""
-    out = []
-    for _ in range(count):
-        n = rng.choice(list(levels))
-        digits = "".join(rng.choice("0123456789") for _ in range(n))
-        out.append(Example(prompt=f"s:{digits}=", answer="".join(sorted(digits)), difficulty=n))
-    return out
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -80,14 +70,27 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": position_ids(mask)}
 
 
-def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> list[float]:
-    """Run the SFT phase in place; returns the loss of every step."""
-    rng = random.Random(recipe.seed)
+def make_task(recipe: Recipe, eval_prompts: int = 200) -> SyntheticTask:
+    """The ``sort`` task whose train split feeds SFT in order and whose validation split is evaluated."""
+    return SyntheticTask(
+        kind="sort",
+        levels=list(recipe.levels),
+        num_train=recipe.steps * recipe.batch_size,
+        num_validation=eval_prompts * len(recipe.levels),
+        num_test=0,
+        seed=recipe.seed,
+    )
+
+
+def train(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], recipe: Recipe
+) -> list[float]:
+    """Run the SFT phase in place on consecutive batches of ``examples``; returns every step's loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     model.train()
     losses = []
-    for _ in range(recipe.steps):
-        batch = sft_batch(tokenizer, sort_examples(recipe.levels, recipe.batch_size, rng))
+    for step in range(recipe.steps):
+        batch = sft_batch(tokenizer, examples[step * recipe.batch_size : (step + 1) * recipe.batch_size])
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -98,29 +101,28 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Re
 
 
 @torch.no_grad()
-def accuracy(
+def completions(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], sample: bool
-) -> float:
-    """Exact-match rate of ``generate`` (left padding; greedy, or sampled at temperature 1)."""
+) -> list[str]:
+    """Decoded ``generate`` outputs (left padding; greedy, or sampled at temperature 1 as RL samples)."""
     enc = tokenizer([str(ex.prompt) for ex in examples], return_tensors="pt", padding=True)
-    max_new = max(len(ex.answer) for ex in examples) + 1
-    kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
-    out = model.generate(**enc, max_new_tokens=max_new, **kwargs)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return sum(text == ex.answer for text, ex in zip(texts, examples, strict=True)) / len(examples)
+    mode = {"do_sample": True, "temperature": 1.0, "top_p": 1.0} if sample else {"do_sample": False}
+    out = model.generate(**enc, max_new_tokens=max(len(ex.answer) for ex in examples) + 1, **mode)
+    return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def evaluate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, prompts: int = 200
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: SyntheticTask, seed: int = 0
 ) -> dict[str, dict[int, float]]:
-    """Per-level accuracy on fresh prompts (a seed distinct from training), greedy and sampled."""
-    rng = random.Random(recipe.seed + 10_000)
-    torch.manual_seed(recipe.seed + 10_000)
+    """Success rate per level on the task's validation split, greedy and sampled (seeded)."""
+    torch.manual_seed(seed)
+    model.eval()
     result: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}
-    for n in recipe.levels:
-        examples = sort_examples([n], prompts, rng)
-        for mode in result:
-            result[mode][n] = accuracy(model, tokenizer, examples, sample=mode == "sampled")
+    for n in task.levels:
+        examples = [ex for ex in task.examples("validation") if ex.difficulty == n]
+        for mode, by_level in result.items():
+            texts = completions(model, tokenizer, examples, sample=mode == "sampled")
+            by_level[n] = task.successes(examples, texts).float().mean().item()
     return result
 
 
@@ -128,6 +130,7 @@ def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 2
     """Build, warm-start, evaluate and save the model at ``out``; returns what ``warmstart.json`` holds."""
     torch.set_num_threads(2)
     start = time.perf_counter()
+    task = make_task(recipe, eval_prompts)
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(
         tokenizer,
@@ -136,22 +139,19 @@ def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 2
         num_heads=recipe.num_heads,
         seed=recipe.seed,
     )
-    torch.manual_seed(recipe.seed)
-    losses = train(model, tokenizer, recipe)
+    losses = train(model, tokenizer, task.examples("train"), recipe)
     train_s = time.perf_counter() - start
-    acc = evaluate(model, tokenizer, recipe, eval_prompts) if eval_prompts else {}
+    acc = evaluate(model, tokenizer, task, recipe.seed) if eval_prompts else {}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     report = {
-        "task": "sort",
+        "task": repr(task),
         "recipe": asdict(recipe),
         "params": sum(p.numel() for p in model.parameters()),
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
         "losses": [round(x, 4) for x in losses],
-        "eval_prompts_per_level": eval_prompts,
+        "eval": f"{eval_prompts} validation prompts per level; sampled = temperature 1.0, seed {recipe.seed}",
         "accuracy": acc,
         "train_seconds": round(train_s, 2),
         "total_seconds": round(time.perf_counter() - start, 2),

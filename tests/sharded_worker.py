@@ -1,0 +1,82 @@
+"""Run by test_sharded.py in a fresh interpreter: Lightning launches the second process itself.
+
+sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY]   one update of the fixed batch, results to OUT_DIR
+sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from estimators import GRPO  # noqa: E402
+from sgrpo.loss import completion_logprobs  # noqa: E402
+from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps  # noqa: E402
+from tests.test_policy_gradients import MAX_NEW, G, make_policy  # noqa: E402
+
+PROBE = torch.tensor([[16, 15, 6, 4, 7, 14, 5, 6, 7, 2]])  # "s:314=" then a 4-token completion
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def update(model_dir: str, out: str, strategy: str = "sharded") -> None:
+    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+    policy = make_policy(model_dir, batch, GRPO(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    if strategy == "sharded":
+        trainer = run_steps(
+            policy, devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        )
+        local = sum(p.to_local().numel() for p in policy.model.parameters())
+        counts = [torch.zeros(1) for _ in range(2)]
+        torch.distributed.all_gather(counts, torch.tensor([float(local)]))
+        state = full_state(policy.model)
+    else:
+        trainer = run_steps(policy)
+        counts = [torch.tensor([float(sum(p.numel() for p in policy.model.parameters()))])]
+        state = policy.model.state_dict()
+    if trainer.is_global_zero:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(out) / "params.pt")
+        info = {
+            "loss": float(trainer.callback_metrics["train/loss"]),
+            "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
+            "local_params": [int(c.item()) for c in counts],
+            "total_params": sum(v.numel() for k, v in state.items()),
+        }
+        (Path(out) / "info.json").write_text(json.dumps(info))
+
+
+def fit(root: str, model_dir: str, steps: str, resume: str = "") -> None:
+    from sgrpo.fit import main
+
+    args = [
+        "--config",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--config",
+        str(REPO / "tests/fixtures/sharded_cpu.yaml"),
+        f"--model.model={model_dir}",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.max_steps={steps}",
+        "--trainer.val_check_interval=100",
+        "--trainer.enable_progress_bar=false",
+    ]
+    cli = main(args + (["--ckpt_path=last"] if resume else []))
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(cli.model.model, PROBE, torch.ones_like(PROBE), mask)
+    if cli.trainer.is_global_zero:
+        torch.save(logp, Path(root) / "probe_logprobs.pt")
+
+
+if __name__ == "__main__":
+    {"update": update, "fit": fit}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,70 @@
+"""FSDP2 through Lightning's ModelParallelStrategy on 2 CPU processes (gloo): equivalence, fit, resume, export."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sgrpo.loss import completion_logprobs
+from sgrpo.tiny import ensure_tiny_model
+from tests.sharded_worker import PROBE, update
+
+WORKER = Path(__file__).with_name("sharded_worker.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def launch(*args: str, cwd: Path) -> None:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(WORKER), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_sharded_update_equals_single_process_update(model_dir, tmp_path):
+    update(model_dir, str(tmp_path / "single"), "single")
+    launch("update", model_dir, str(tmp_path / "sharded"), "sharded", cwd=tmp_path)
+    one = json.loads((tmp_path / "single" / "info.json").read_text())
+    two = json.loads((tmp_path / "sharded" / "info.json").read_text())
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    # each process holds about half of the parameters
+    assert sum(two["local_params"]) == one["local_params"][0]
+    assert all(abs(n / one["local_params"][0] - 0.5) < 0.02 for n in two["local_params"])
+    a = torch.load(tmp_path / "single" / "params.pt")
+    b = torch.load(tmp_path / "sharded" / "params.pt")
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert not torch.equal(a[name], initial[name]) or "norm" in name  # the update moved the weights
+        assert (a[name] - b[name]).norm() <= 1e-5 * a[name].norm(), name
+
+
+def test_sharded_fit_resumes_and_exports(model_dir, tmp_path):
+    root = tmp_path / "run"
+    launch("fit", str(root), model_dir, "3", cwd=tmp_path)
+    checkpoint = root / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
+    launch("fit", str(root), model_dir, "5", "last", cwd=tmp_path)
+    steps = []
+    for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
+        with open(path) as f:
+            steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
+    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3
+    exported = AutoModelForCausalLM.from_pretrained(root / "hf_model")
+    with torch.no_grad():
+        logp, _ = completion_logprobs(exported, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))
+    assert torch.allclose(logp, torch.load(root / "probe_logprobs.pt"), atol=1e-6)
+    assert json.loads((root / "hf_model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
