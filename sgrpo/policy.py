@@ -16,6 +16,7 @@ from estimators import AdvantageEstimator, budget_mass, budget_shares
 from sgrpo.data import StepBatches, identity_collate
 from sgrpo.loss import AGGREGATIONS, Aggregation, clipped_surrogate, completion_logprobs, k3_kl, token_weights
 from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
+from sgrpo.modeling import resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.types import Example, RolloutBatch
 from tasks.base import Task
@@ -122,10 +123,10 @@ class GRPOPolicy(LightningModule):
     def on_fit_start(self) -> None:
         if self.trainer.max_steps is None or self.trainer.max_steps < 0:
             raise ValueError("set trainer.max_steps: the prompt stream is endless, steps bound the run")
-        if self.prompts_per_step % self.trainer.world_size:
+        if self.prompts_per_step % self._data_parallel_size():
             raise ValueError(
                 f"prompts_per_step ({self.prompts_per_step}) must divide evenly over "
-                f"{self.trainer.world_size} processes"
+                f"{self._data_parallel_size()} data-parallel processes"
             )
         if self._reference is not None:
             self._reference.to(self.device)
@@ -166,29 +167,30 @@ class GRPOPolicy(LightningModule):
         update_log = self.update(rollout, advantages, keep)
         finished = time.perf_counter()
         self.rollout_step += 1
-        lengths = rollout.completion_mask.sum(-1).float()
+        timing = {"rollout_s": generated - started, "step_s": finished - started}
+        self._log_step(rollout, rewards, success, advantages, reward_log | update_log, timing)
+
+    def _log_step(self, rollout, rewards, success, advantages, logs: dict[str, Tensor], timing: dict[str, float]):
+        lengths = rollout.completion_mask.sum(-1).float()  # [N]
+        advantages = advantages.float()
         self._log_mean(
-            reward_log
-            | update_log
+            logs
             | {
                 "train/success_rate": success.float().mean(),
-                "train/advantage/mean": advantages.float().mean(),
-                "train/advantage/abs_mean": advantages.float().abs().mean(),
+                "train/advantage/mean": advantages.mean(),
+                "train/advantage/abs_mean": advantages.abs().mean(),
                 "train/zero_variance_groups": _constant(rewards).float().mean(),
                 "train/completion/length_mean": lengths.mean(),
                 "train/completion/truncated": rollout.truncated.float().mean(),
-                "train/time/rollout_s": torch.tensor(generated - started),
-                "train/time/step_s": torch.tensor(finished - started),
-                "train/throughput/rollout_tok_s": lengths.sum() / max(generated - started, 1e-9),
+                "train/time/rollout_s": torch.tensor(timing["rollout_s"]),
+                "train/time/step_s": torch.tensor(timing["step_s"]),
+                "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             },
             prog_bar=("train/reward", "train/success_rate"),
         )
-        self.log_dict(
-            {"train/advantage/max": advantages.float().max(), "train/completion/length_max": lengths.max()},
-            sync_dist=True,
-            reduce_fx="max",
-        )
-        self.log("train/advantage/min", advantages.float().min(), sync_dist=True, reduce_fx="min")
+        maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
+        self.log_dict(maxima, sync_dist=True, reduce_fx="max")
+        self.log("train/advantage/min", advantages.min(), sync_dist=True, reduce_fx="min")
         mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
         self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
 
@@ -317,6 +319,7 @@ class GRPOPolicy(LightningModule):
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
+        self.rollout.on_weights_updated(self.model)
         return norm.detach().to(self.device)
 
     @torch.no_grad()
@@ -401,27 +404,6 @@ class GRPOPolicy(LightningModule):
     def _data_parallel_size(self) -> int:
         layout = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(layout.get("num_replicas", 1))
-
-
-def shard_model(model: torch.nn.Module, mesh) -> None:
-    """FSDP2 ``fully_shard`` each transformer block (``model._no_split_modules``), then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    block_names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} names no transformer blocks (_no_split_modules) to shard")
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def resolve_model_path(path: str) -> str:
-    """A local folder (relative to the working directory or to the sgrpo checkout), else a hub id."""
-    for candidate in (Path(path).expanduser(), Path(__file__).resolve().parents[1] / path):
-        if candidate.is_dir():
-            return str(candidate)
-    return path
 
 
 def _require(condition: bool, message: str) -> None:

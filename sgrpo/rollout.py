@@ -44,6 +44,9 @@ class RolloutEngine(ABC):
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch: ...
 
+    def on_weights_updated(self, model: nn.Module) -> None:  # noqa: B027 (an optional hook)
+        """Called after every optimiser step; engines that keep their own copy of the weights sync here."""
+
 
 class HFRollout(RolloutEngine):
     """transformers ``generate`` with KV cache, left padding and mask-derived position ids.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 from lightning.pytorch import Trainer
 
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout, RolloutEngine
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.types import Example, RolloutBatch
 from tasks.base import Reward, RewardResult, Task
 
@@ -103,11 +104,9 @@ def run_steps(policy: GRPOPolicy, steps: int = 1, root=None, **trainer_kwargs) -
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        default_root_dir=root,
+        default_root_dir=root or tempfile.mkdtemp(prefix="sgrpo-test-"),  # the HF export lands there
     )
     trainer = Trainer(**(kwargs | trainer_kwargs))
     trainer.fit(policy)
     return trainer
 
-
-__all__ = ["build_char_tokenizer", "build_tiny_llama", "ensure_tiny_model"]
