@@ -44,11 +44,7 @@ def budget_mass(advantages: Tensor, group_success_rate: Tensor) -> Tensor:
 def budget_shares(mass: Tensor) -> dict[str, Tensor]:
     """Normalise ``budget_mass`` to shares keyed ``l1/<bucket>`` and ``l2/<bucket>`` (0 if no mass)."""
     shares = mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
-    return {
-        f"{norm}/{name}": shares[i, j]
-        for i, norm in enumerate(("l1", "l2"))
-        for j, name in enumerate(BUCKETS)
-    }
+    return {f"{norm}/{name}": shares[i, j] for i, norm in enumerate(("l1", "l2")) for j, name in enumerate(BUCKETS)}
 
 
 def gradient_budget(advantages: Tensor, group_success_rate: Tensor) -> dict[str, Tensor]:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from estimators.base import AdvantageEstimator
+from estimators.base import AdvantageEstimator, first_member_offsets
 
 
 class DrGRPO(AdvantageEstimator):
@@ -17,7 +16,7 @@ class DrGRPO(AdvantageEstimator):
     """
 
     def _advantages(self, rewards: Tensor) -> Tensor:
-        rmin, rmax = torch.aminmax(rewards, dim=-1, keepdim=True)  # [B, 1]
-        # a float mean of equal values can miss them by an ulp: centre constant groups on their value
-        mean = torch.where(rmax == rmin, rmax, rewards.mean(-1, keepdim=True))
-        return rewards - mean
+        # centred on the first member (shift invariance): a constant group is exactly 0 - 0 = 0,
+        # where a float mean of equal values could miss them by an ulp
+        d = first_member_offsets(rewards)  # [B, G]
+        return d.sub_(d.mean(-1, keepdim=True))

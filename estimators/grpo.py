@@ -8,15 +8,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from estimators.base import AdvantageEstimator
+from estimators.base import AdvantageEstimator, first_member_offsets
 
 
 class GRPO(AdvantageEstimator):
     """GRPO: ``A_i = (r_i - mean(r)) / (std(r) + eps)`` (arXiv 2402.03300).
 
     ``std="sample"`` (Bessel, ddof 1) is the default, as torch's ``std`` in TRL, verl and oat;
-    ``"population"`` uses ddof 0. Constant groups get exactly 0 (detected, not left to the
-    arithmetic, which would divide float noise by eps). Large-group weight 1/sqrt(p(1-p)).
+    ``"population"`` uses ddof 0. Constant groups get exactly 0: the rewards are first offset by
+    the group's first member, which makes a constant group exact zeros (a float mean of equal values
+    can miss them by an ulp, and dividing that noise by eps would not give 0). Large-group weight
+    1/sqrt(p(1-p)).
     """
 
     def __init__(self, std: Literal["sample", "population"] = "sample", eps: float = 1e-6) -> None:
@@ -29,12 +31,13 @@ class GRPO(AdvantageEstimator):
 
     def _advantages(self, rewards: Tensor) -> Tensor:
         g = rewards.shape[-1]
-        rmin, rmax = torch.aminmax(rewards, dim=-1, keepdim=True)  # [B, 1]
-        constant = rmax == rmin
-        # a constant group is centred on its own value, so its numerator is exactly +0
-        mean = torch.where(constant, rmax, rewards.mean(-1, keepdim=True))
-        centred = rewards - mean  # [B, G]
+        # centred via the first member (shift invariance): a constant group is exact zeros here,
+        # so its numerator is exactly 0 (a float mean of equal values can miss them by an ulp)
+        centred = first_member_offsets(rewards)  # [B, G]
+        centred.sub_(centred.mean(-1, keepdim=True))
         ddof = 1 if self.std == "sample" else 0
-        std = torch.linalg.vector_norm(centred, dim=-1, keepdim=True) / math.sqrt(g - ddof)
-        inv_scale = torch.where(constant, 0.0, 1 / (std + self.eps))  # eps = 0 would give 1/0 there
-        return centred.mul_(inv_scale)
+        scale = torch.linalg.vector_norm(centred, dim=-1, keepdim=True).div_(math.sqrt(g - ddof))
+        scale.add_(self.eps)
+        if self.eps == 0:
+            scale.masked_fill_(scale == 0, math.inf)  # constant groups: 0 / inf = 0, not 0 / 0
+        return centred.div_(scale)

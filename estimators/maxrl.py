@@ -33,8 +33,8 @@ class MaxRL(AdvantageEstimator):
         self.variant = variant
 
     def _advantages(self, rewards: Tensor) -> Tensor:
-        rmin, rmax = torch.aminmax(rewards, dim=-1, keepdim=True)  # [B, 1]
-        constant = rmax == rmin
+        rmax = rewards.amax(-1, keepdim=True)  # [B, 1]
+        constant = rmax == rewards.amin(-1, keepdim=True)
         unsolved = rmax == 0  # rewards >= 0, so mu = 0 exactly for these (all-zero) groups
         mu = rewards.mean(-1, keepdim=True)
         # A = offset + r / divisor per group, in one fused pass; r / inf = +0 (rewards >= 0)

@@ -6,6 +6,7 @@ arXiv 2503.20783). Nothing here knows about trainers, configs or estimators.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -147,3 +148,30 @@ def token_weights(
     if mode == "seq_sum_const":
         return m / (max(num_sequences, 1.0) * max_new_tokens)
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+
+
+def tis_weights(trainer_logp: Tensor, vllm_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weights ``min(exp(logp_trainer - logp_vllm), cap)``, ``[N, T]`` float32.
+
+    ``trainer_logp``: the trainer's log-probs of the sampled tokens at the weights that sampled them
+    (the "old" log-probs); ``vllm_logp``: the engine's. The weights correct the surrogate for the
+    engine's numerics differing from the trainer's; they carry no gradient and are 0 off ``mask``.
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    if trainer_logp.shape != vllm_logp.shape or mask.shape != vllm_logp.shape:
+        raise ValueError(f"shapes differ: {tuple(trainer_logp.shape)}, {tuple(vllm_logp.shape)}, {tuple(mask.shape)}")
+    log_ratio = (trainer_logp.detach().float() - vllm_logp.detach().float()).clamp(max=math.log(cap))
+    return torch.where(mask.bool(), log_ratio.exp(), torch.zeros_like(log_ratio))
+
+
+def logprob_mismatch(trainer_logp: Tensor, vllm_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the engine's log-probs are from the trainer's on the sampled tokens (means over ``mask``).
+
+    ``kl``: k3 estimate of KL(vllm || trainer), ``exp(-d) - 1 + d`` with ``d = logp_vllm - logp_trainer``;
+    ``abs_diff``: mean ``|d|``.
+    """
+    d = (vllm_logp.detach().float() - trainer_logp.detach().float())[mask.bool()]
+    if d.numel() == 0:
+        return {"kl": d.new_zeros(()), "abs_diff": d.new_zeros(())}
+    return {"kl": (torch.expm1(-d) + d).mean(), "abs_diff": d.abs().mean()}

@@ -14,7 +14,16 @@ from torch import Tensor
 
 from estimators import AdvantageEstimator, budget_mass, budget_shares
 from sgrpo.data import StepBatches, identity_collate
-from sgrpo.loss import AGGREGATIONS, Aggregation, clipped_surrogate, completion_logprobs, k3_kl, token_weights
+from sgrpo.loss import (
+    AGGREGATIONS,
+    Aggregation,
+    clipped_surrogate,
+    completion_logprobs,
+    k3_kl,
+    logprob_mismatch,
+    tis_weights,
+    token_weights,
+)
 from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
 from sgrpo.modeling import resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
@@ -218,9 +227,19 @@ class GRPOPolicy(LightningModule):
             token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
         rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
         adv_rows = advantages.reshape(-1)  # [N]
-        old_logp = rollout.logprobs
-        if old_logp is None and (self.ppo_epochs > 1 or self.num_minibatches > 1):
-            old_logp = self._logprobs(self.model, rollout, token_mask)
+        behaviour_logp = rollout.logprobs  # the sampler's own log-probs (vLLM); None when it is the trainer's model
+        old_logp = None  # on-policy single step: the current log-probs, detached, serve (no second forward)
+        if behaviour_logp is not None or self.ppo_epochs > 1 or self.num_minibatches > 1:
+            old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the sampling weights
+        is_weights, mismatch = None, {}
+        if behaviour_logp is not None:
+            mismatch = {
+                f"train/rollout/mismatch_{k}": v
+                for k, v in logprob_mismatch(old_logp, behaviour_logp, token_mask).items()
+            }
+            if self.rollout.importance_sampling_cap is not None:
+                is_weights = tis_weights(old_logp, behaviour_logp, token_mask, self.rollout.importance_sampling_cap)
+                mismatch["train/rollout/tis_weight_mean"] = is_weights.sum() / token_mask.sum().clamp_min(1)
         ref_logp = self._logprobs(self._reference, rollout, token_mask) if self.kl_coef > 0 else None
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
@@ -230,7 +249,9 @@ class GRPOPolicy(LightningModule):
         for epoch in range(self.ppo_epochs):
             order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)] if epoch else rows
             for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
-                stats = self.accumulate_gradients(rollout, minibatch, token_mask, adv_rows, old_logp, ref_logp)
+                stats = self.accumulate_gradients(
+                    rollout, minibatch, token_mask, adv_rows, old_logp, ref_logp, is_weights
+                )
                 last = epoch == self.ppo_epochs - 1 and i == self.num_minibatches - 1
                 stats["grad_norm"] = self._clip_and_step(optimizer, scheduler, last)
                 for key, value in stats.items():
@@ -246,7 +267,7 @@ class GRPOPolicy(LightningModule):
             "train/kl": sums["kl"] / tokens,
             "train/entropy": sums["entropy"] / tokens,
             "train/throughput/update_tok_s": tokens / elapsed,
-        }
+        } | mismatch
 
     def accumulate_gradients(
         self,
@@ -256,6 +277,7 @@ class GRPOPolicy(LightningModule):
         advantages: Tensor,
         old_logp: Tensor | None,
         ref_logp: Tensor | None,
+        is_weights: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Backward of the global-batch loss restricted to ``rows``, micro-batch by micro-batch.
 
@@ -288,6 +310,8 @@ class GRPOPolicy(LightningModule):
             t = logp.shape[1]
             old = logp.detach() if old_logp is None else old_logp[chunk][:, :t]
             per_token, low, high = clipped_surrogate(logp, old, advantages[chunk], self.clip_low, self.clip_high)
+            if is_weights is not None:  # TIS: x min(pi_old / pi_sampler, C) per token, a constant
+                per_token = per_token * is_weights[chunk][:, :t]
             kl = k3_kl(logp, ref_logp[chunk][:, :t]) if ref_logp is not None else torch.zeros_like(logp)
             per_token = per_token + self.kl_coef * kl if ref_logp is not None else per_token
             weights = token_weights(batch["mask"], self.aggregation, num_seqs, num_tokens, self.rollout.max_new_tokens)
@@ -319,7 +343,6 @@ class GRPOPolicy(LightningModule):
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
-        self.rollout.on_weights_updated(self.model)
         return norm.detach().to(self.device)
 
     @torch.no_grad()

@@ -38,14 +38,13 @@ class RolloutEngine(ABC):
 
     max_new_tokens: int
     temperature: float
+    #: cap C of truncated importance sampling when the batch carries the sampler's own log-probs (None: none)
+    importance_sampling_cap: float | None = None
 
     @abstractmethod
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch: ...
-
-    def on_weights_updated(self, model: nn.Module) -> None:  # noqa: B027 (an optional hook)
-        """Called after every optimiser step; engines that keep their own copy of the weights sync here."""
 
 
 class HFRollout(RolloutEngine):
@@ -96,7 +95,7 @@ class HFRollout(RolloutEngine):
         enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         prompt_ids = enc["input_ids"].repeat_interleave(group_size, 0).to(device)  # [N, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(group_size, 0).to(device)  # [N, P]
-        eos = _eos_ids(model, tokenizer)
+        eos = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         was_training = model.training
         model.eval()
@@ -145,7 +144,7 @@ class HFRollout(RolloutEngine):
         return out[:, ids.shape[1] :]
 
 
-def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
+def eos_ids(model: nn.Module, tokenizer) -> list[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id

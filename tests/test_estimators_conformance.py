@@ -3,8 +3,10 @@
 The suite is parametrised over the export list, so a new estimator is covered by adding it to
 ``ESTIMATORS``. Classes whose constructor needs arguments, or that deviate from a property on
 purpose (MaxRL's ``cv_unbiased`` / ``nocv`` on constant groups, MaxRL's lack of shift invariance),
-are declared in the tables below; anything not declared is held to the default: zero-sum, exact
-zeros on constant groups, shift invariance, and signed rewards.
+are declared in the helpers below; anything not declared is held to the default: zero-sum, exact
+zeros on constant groups, shift invariance, and signed rewards (unless the class sets
+``requires_nonnegative_rewards``). A class that does not declare how it scales is skipped by the
+scale-covariance test only.
 """
 
 from __future__ import annotations

@@ -47,8 +47,12 @@ def test_t7_low_temperature_is_maxrl_on_every_binary_group():
         a_soft, a_max = soft(r), maxrl(r)
         assert (a_soft - a_max).abs().max().item() <= 1e-12, g
     # hand check, G = 4, K = 1: MaxRL gives 4/1 - 1 = 3 and -1, -1, -1
-    torch.testing.assert_close(soft(torch.tensor([[0.0, 1.0, 0.0, 0.0]], dtype=F64)),
-                               torch.tensor([[-1.0, 3.0, -1.0, -1.0]], dtype=F64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        soft(torch.tensor([[0.0, 1.0, 0.0, 0.0]], dtype=F64)),
+        torch.tensor([[-1.0, 3.0, -1.0, -1.0]], dtype=F64),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("g", [2, 5, 16, 64])
@@ -112,16 +116,18 @@ def mp_softmax_advantages(rewards: list[float], tau: float) -> list[float]:
 
 
 def stability_rows(g: int, scale: float, tau: float, gen: torch.Generator) -> torch.Tensor:
-    """Rewards with |r| <= scale: uniform, binary, signed, and offset groups sitting near +-scale with
-    a spread of 0.5 tau or 5 tau (the cases where forming r/tau first would lose the differences)."""
-    u = torch.rand(5, g, generator=gen, dtype=F64)
-    rows = [
-        u[0] * scale,
-        (u[1] > 0.5).to(F64) * scale,
-        (2 * u[2] - 1) * scale,
-        scale - 0.5 * tau * u[3] if 0.5 * tau < scale else u[3] * scale,
-        -scale + 5 * tau * u[4] if 5 * tau < scale else -u[4] * scale,
-    ]
+    """Rewards with |r| <= scale: uniform, binary and signed groups, and offset groups sitting near
+    +-scale or inside with a spread of exactly k tau for k in {0.05, 0.07, 0.5, 5} (both sides of
+    the implementation's exp/expm1 switch at 1/16, and the cases where forming r/tau first would lose
+    the differences)."""
+    u = torch.rand(7, g, generator=gen, dtype=F64)
+    u[:, 0], u[:, -1] = 0.0, 1.0  # pin the spread of the offset rows
+    rows = [u[0] * scale, (u[1] > 0.5).to(F64) * scale, (2 * u[2] - 1) * scale]
+    for row, (k, base) in enumerate(((0.05, 0.3), (0.07, -0.7), (0.5, 1.0), (5.0, -1.0)), start=3):
+        if k * tau < scale / 4:
+            rows.append(base * scale - k * tau * u[row] * (1 if base > 0 else -1))
+        else:
+            rows.append((2 * u[row] - 1) * scale)
     return torch.stack(rows)
 
 
@@ -135,7 +141,7 @@ def test_t9_stability_against_mpmath():
             for scale in (1.0, 1e6):
                 r = stability_rows(g, scale, tau, gen)
                 if g == 1024:
-                    r = r[[0, 3]]  # keep the 60-digit reference to a few seconds
+                    r = r[[0, 4, 6]]  # keep the 60-digit reference to a few seconds
                 a = SoftmaxGRPO(tau)(r)
                 assert torch.isfinite(a).all()
                 for row in range(r.shape[0]):
@@ -184,9 +190,7 @@ def closed_delta(est: AdvantageEstimator, g: int) -> list[float]:
         return [g / (k + 1) - (k == 0 and est.variant == "practical") for k in ks]
     if isinstance(est, SoftmaxGRPO):
         ib = math.exp(-1 / est.temperature)  # overflow-free form with ib = e^(-1/tau)
-        return [
-            g / (g * ib + (k + 1) * (1 - ib)) - (1.0 if k == 0 else g * ib / (g * ib + k * (1 - ib))) for k in ks
-        ]
+        return [g / (g * ib + (k + 1) * (1 - ib)) - (1.0 if k == 0 else g * ib / (g * ib + k * (1 - ib))) for k in ks]
     raise AssertionError(type(est))
 
 
@@ -246,8 +250,9 @@ def test_t11_closed_forms_match_the_lemma(est):
     """T11: Delta(k), c_G(p) and F_G(p) of the implementation equal the §4.3 closed forms (1e-10 rel)."""
     p = torch.tensor(P_GRID, dtype=F64)
     for g in (2, 3, 5, 8, 16, 64):
-        torch.testing.assert_close(est.binary_deltas(g), torch.tensor(closed_delta(est, g), dtype=F64),
-                                   rtol=1e-10, atol=1e-300)
+        torch.testing.assert_close(
+            est.binary_deltas(g), torch.tensor(closed_delta(est, g), dtype=F64), rtol=1e-10, atol=1e-300
+        )
         c = torch.tensor([closed_weight(est, g, q) for q in P_GRID], dtype=F64)
         torch.testing.assert_close(est.population_weight(p, g), c, rtol=1e-10, atol=1e-300)
         f = torch.tensor([closed_objective(est, g, q) for q in P_GRID], dtype=F64)
@@ -269,8 +274,7 @@ def test_t11_endpoint_closed_forms():
         bm1 = math.expm1(1 / tau)  # beta - 1
         expect[SoftmaxGRPO(tau)] = [g * (g - 1) * bm1 / (g + bm1), g * (g - 1) * bm1 / (1 + (g - 1) * (bm1 + 1))]
     for est, values in expect.items():
-        torch.testing.assert_close(est.population_weight(ends, g), torch.tensor(values, dtype=F64), rtol=1e-10,
-                                   atol=0)
+        torch.testing.assert_close(est.population_weight(ends, g), torch.tensor(values, dtype=F64), rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("est", [GRPO(), *THEORY_CASES[2:7], SoftmaxGRPO(0.5)], ids=repr)
@@ -433,8 +437,7 @@ def exact_scalar_field(est: AdvantageEstimator, g: int, q: torch.Tensor, drop_be
     __call__ on every composition of the others; compositions of probability < drop_below are skipped
     (their total mass is bounded and returned)."""
     comps = compositions3(g - 1)
-    log_pmf = (math.lgamma(g) - torch.lgamma(comps.to(F64) + 1).sum(-1)
-               + (comps.to(F64) * q.log()).sum(-1))
+    log_pmf = math.lgamma(g) - torch.lgamma(comps.to(F64) + 1).sum(-1) + (comps.to(F64) * q.log()).sum(-1)
     pmf = log_pmf.exp()
     keep = pmf >= drop_below
     dropped = pmf[~keep].sum().item()
@@ -462,8 +465,7 @@ def test_t15_exact_scalar_field_matches_monte_carlo():
     q = torch.softmax(THETA, 0)
     exact, dropped = exact_scalar_field(est, g, q)
     assert dropped == 0.0
-    torch.testing.assert_close(exact, torch.tensor([-2.217994, -0.255718, 2.473713], dtype=F64), rtol=0,
-                               atol=1e-6)
+    torch.testing.assert_close(exact, torch.tensor([-2.217994, -0.255718, 2.473713], dtype=F64), rtol=0, atol=1e-6)
     gen = torch.Generator().manual_seed(15)
     y = torch.multinomial(q, m * g, replacement=True, generator=gen).view(m, g)
     a = est(LEVELS[y])  # [M, G]

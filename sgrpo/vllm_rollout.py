@@ -1,0 +1,403 @@
+"""vLLM rollout engine: one colocated vLLM engine per training process, given the policy's weights before each rollout.
+
+Each process owns a vLLM ``LLM`` on its own GPU (``distributed_executor_backend="external_launcher"``,
+the per-rank colocate layout of TRL and verl), generates the completions of its own prompts, and is
+refreshed from the policy's parameters at the start of every ``generate`` call (full or FSDP2-sharded
+parameters, gathered one tensor at a time). vLLM is a GPU extra (``pip install -e '.[vllm]'``): it is
+imported on first use only, so configs naming this engine parse and instantiate on any machine.
+
+The pure pieces (request building, output conversion, parameter names, the TIS weights) are module
+functions with CPU tests; the engine calls them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from sgrpo.rollout import RolloutEngine, eos_ids, render_prompt
+from sgrpo.types import Example, RolloutBatch
+
+INSTALL_HINT = "pip install -e '.[vllm]'"
+
+#: module-path components added by wrappers: torch.compile, FSDP1, activation-checkpoint wrappers
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def import_vllm():
+    """The ``vllm`` module, or an ImportError that names the install command."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            f"VLLMRollout needs vLLM, a GPU extra that is not installed here ({err}). Install it with "
+            f"`{INSTALL_HINT}` on a CUDA machine, or use sgrpo.rollout.HFRollout."
+        ) from err
+    return vllm
+
+
+# ---------------------------------------------------------------------------------------------- requests
+def prompt_token_ids(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
+    """Token ids of each rendered prompt, without special tokens added (the same ids HFRollout feeds)."""
+    texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def sampling_kwargs(
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop_token_ids: Sequence[int],
+    greedy: bool = False,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one prompt's group.
+
+    ``logprobs=0`` returns the log-prob of the sampled token only. Greedy decoding asks for one
+    completion (``n=1``, temperature 0): vLLM's greedy samples are identical copies, so the output
+    conversion repeats that one completion ``group_size`` times instead of decoding it G times.
+    """
+    kwargs: dict[str, Any] = {
+        "n": 1 if greedy else group_size,
+        "max_tokens": max_new_tokens,
+        "stop_token_ids": list(stop_token_ids),
+        "logprobs": 0,
+    }
+    if greedy:
+        return kwargs | {"temperature": 0.0}
+    return kwargs | {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def rollout_batch_from_outputs(
+    outputs: Sequence[Any], group_size: int, pad_id: int, tokenizer=None, device: torch.device | None = None
+) -> RolloutBatch:
+    """vLLM ``RequestOutput`` s (one per prompt, in prompt order) -> ``RolloutBatch`` with rows ``b * G + g``.
+
+    Reads ``RequestOutput.prompt_token_ids`` and ``.outputs`` (``CompletionOutput`` s with ``.index``,
+    ``.token_ids``, ``.logprobs``, ``.finish_reason``, ``.text``). A request with one completion
+    (greedy) fills its whole group. vLLM stops at EOS and keeps it in ``token_ids``, so every
+    generated token is in the completion mask; ``finish_reason == "length"`` marks truncation.
+    Texts are decoded by ``tokenizer`` (skipping special tokens, as HFRollout does), or taken from
+    ``.text`` without one. Log-probs are those of the sampled tokens, 0 on padding.
+    """
+    prompts, completions, logprobs, truncated, texts = [], [], [], [], []
+    for request in outputs:
+        samples = sorted(request.outputs, key=lambda c: c.index)
+        if not samples or group_size % len(samples):
+            raise ValueError(f"a request returned {len(samples)} completions for a group of {group_size}")
+        for sample in samples:
+            ids = list(sample.token_ids)
+            row_logprobs = _sampled_logprobs(sample.logprobs, ids)
+            for _ in range(group_size // len(samples)):
+                prompts.append(torch.tensor(list(request.prompt_token_ids), dtype=torch.long))
+                completions.append(torch.tensor(ids, dtype=torch.long))
+                logprobs.append(row_logprobs)
+                truncated.append(sample.finish_reason == "length")
+                texts.append(sample.text)
+    if tokenizer is not None:
+        texts = tokenizer.batch_decode([c.tolist() for c in completions], skip_special_tokens=True)
+    pad = nn.utils.rnn.pad_sequence
+    prompt_ids = pad(prompts, batch_first=True, padding_value=pad_id, padding_side="left")  # [N, P]
+    completion_ids = pad(completions, batch_first=True, padding_value=pad_id)  # [N, T]
+    if completion_ids.shape[1] == 0:  # every completion empty: keep one (masked) column
+        completion_ids = torch.full((len(completions), 1), pad_id, dtype=torch.long)
+    p, t = prompt_ids.shape[1], completion_ids.shape[1]
+    prompt_len = torch.tensor([len(x) for x in prompts])  # [N]
+    completion_len = torch.tensor([len(x) for x in completions])  # [N]
+    prompt_mask = torch.arange(p) >= (p - prompt_len).unsqueeze(-1)  # [N, P]
+    completion_mask = torch.arange(t) < completion_len.unsqueeze(-1)  # [N, T]
+    sampled = None
+    if all(lp is not None for lp in logprobs):
+        sampled = torch.zeros(len(completions), t, dtype=torch.float32)  # [N, T]
+        for row, lp in enumerate(logprobs):
+            sampled[row, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, completion_ids], 1).to(device),
+        attention_mask=torch.cat([prompt_mask, completion_mask], 1).long().to(device),
+        completion_mask=completion_mask.to(device),
+        completions=list(texts),
+        truncated=torch.tensor(truncated, dtype=torch.bool).to(device),
+        group_size=group_size,
+        logprobs=None if sampled is None else sampled.to(device),
+    )
+
+
+def _sampled_logprobs(steps: Sequence[Any] | None, ids: list[int]) -> list[float] | None:
+    """``CompletionOutput.logprobs`` (per step: {token id: Logprob}) -> the sampled tokens' log-probs."""
+    if steps is None:
+        return None
+    if len(steps) != len(ids):
+        raise ValueError(f"{len(steps)} log-prob steps for {len(ids)} generated tokens")
+    return [float(step[token].logprob) for step, token in zip(steps, ids)]
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def hf_parameter_name(name: str) -> str:
+    """A trainer parameter name -> the HF checkpoint name vLLM's ``load_weights`` expects.
+
+    Drops the path components that wrappers insert (``_orig_mod`` of torch.compile,
+    ``_fsdp_wrapped_module`` of FSDP1, ``_checkpoint_wrapped_module``) and leading ``module.``
+    (DDP). FSDP2 (``fully_shard``) keeps the names.
+    """
+    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(HF checkpoint name, full tensor) for each parameter of ``model``, lazily, one at a time.
+
+    DTensor values (FSDP2 shards, tensor parallelism) are gathered with ``full_tensor()`` as they
+    are reached: a collective, so every process must iterate in step. The output embedding is
+    skipped when the input embedding is tied to it (vLLM shares the tensor and ignores it).
+    """
+    config = getattr(_unwrap(model), "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for raw_name, param in model.named_parameters():
+        name = hf_parameter_name(raw_name)
+        if tied and name == "lm_head.weight":
+            continue
+        value = param.detach()
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        yield name, value
+
+
+def weight_chunks(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
+    chunk: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, value in weights:
+        nbytes = value.numel() * value.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, value))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The innermost module below DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+# ---------------------------------------------------------------------------------------------- TIS
+# ---------------------------------------------------------------------------------------------- engine
+class VLLMRollout(RolloutEngine):
+    """Rollouts from a colocated vLLM engine, one per training process (GPU extra).
+
+    Each process builds ``vllm.LLM(model.name_or_path, distributed_executor_backend="external_launcher")``
+    on its GPU at its first ``generate`` and keeps it. Every ``generate``:
+      1. wakes the engine's weights (with ``sleep``), copies the policy's current parameters into
+         them (``engine_weights``: HF names, FSDP2 shards gathered one tensor at a time, in chunks of
+         ``weight_chunk_mib``), resets vLLM's prefix cache, then wakes the KV cache;
+      2. samples G completions per prompt (``n = G``; per-request seeds drawn from torch's RNG,
+         which GRPOPolicy seeds from (seed, step, rank), so a resumed run draws the same seeds);
+      3. sleeps (level 1: weights to CPU, KV cache freed) so training gets the memory back.
+    Syncing at the start of ``generate`` instead of after each optimiser step gives the same
+    samples (the engine is only read there) without waking the engine during the update.
+
+    Log-probs are vLLM's ``processed_logprobs`` (after temperature, and after top-k/top-p when those
+    are set) of the sampled tokens: the behaviour policy's. ``importance_sampling_cap`` C asks the
+    policy for truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): per-token loss x ``min(pi_old / pi_vllm, C)``,
+    with pi_old the trainer's log-probs at the sampling weights (``tis_weights``); null disables it.
+
+    ``tensor_parallel_size`` > 1 splits each engine over consecutive processes (it must divide the
+    number of processes); the group's processes pool their prompts and each keeps its own rows.
+    Sleep level 2 (discard weights instead of offloading them) is not used: vLLM issue 29341
+    reports garbage outputs after a level-2 wake unless weights are reloaded from disk.
+    ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``max_num_seqs``, ``enable_prefix_caching``).
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        sleep: bool = True,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16",
+        importance_sampling_cap: float | None = 2.0,
+        seed: int = 0,
+        seed_per_request: bool = True,
+        enforce_eager: bool = False,
+        weight_chunk_mib: float = 512.0,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        checks = [
+            (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+            (math.isfinite(temperature) and temperature > 0, f"temperature must be > 0, got {temperature}"),
+            (0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}"),
+            (top_k >= 0, f"top_k must be >= 0 (0 disables it), got {top_k}"),
+            (
+                0 < gpu_memory_utilization <= 1,
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}",
+            ),
+            (tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}"),
+            (max_model_len is None or max_model_len > max_new_tokens, "max_model_len must exceed max_new_tokens"),
+            (importance_sampling_cap is None or importance_sampling_cap > 0, "importance_sampling_cap must be > 0"),
+            (weight_chunk_mib > 0, f"weight_chunk_mib must be > 0, got {weight_chunk_mib}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.gpu_memory_utilization, self.sleep = gpu_memory_utilization, sleep
+        self.tensor_parallel_size, self.max_model_len, self.dtype = tensor_parallel_size, max_model_len, dtype
+        self.importance_sampling_cap, self.seed, self.seed_per_request = importance_sampling_cap, seed, seed_per_request
+        self.enforce_eager, self.weight_chunk_mib = enforce_eager, weight_chunk_mib
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self._llm = None
+        self._asleep = False
+        self._tp_group = None
+        self._names_checked = False
+
+    def generate(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
+    ) -> RolloutBatch:
+        vllm = import_vllm()
+        eos = eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        prompts = prompt_token_ids(tokenizer, examples)
+        longest = max((len(p) for p in prompts), default=0)
+        if self.max_model_len is not None and longest >= self.max_model_len:
+            raise ValueError(f"a prompt has {longest} tokens, max_model_len is {self.max_model_len}: raise it")
+        draw = self.seed_per_request and not greedy
+        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist() if draw else [None] * len(prompts)
+        llm = self._engine(model)
+        if self._asleep:
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
+            llm.wake_up(tags=["weights"])
+        self.sync_weights(model)
+        if self._asleep:
+            llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        prompts, seeds, rows = self._pool_group(prompts, seeds)
+        params = [
+            vllm.SamplingParams(
+                **sampling_kwargs(
+                    group_size=group_size,
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    top_k=self.top_k,
+                    stop_token_ids=eos,
+                    greedy=greedy,
+                    seed=seed,
+                )
+            )
+            for seed in seeds
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[rows]
+        if self.sleep:
+            llm.sleep(level=1)
+            self._asleep = True
+        device = next(model.parameters()).device
+        return rollout_batch_from_outputs(outputs, group_size, pad, tokenizer, device)
+
+    @torch.no_grad()
+    def sync_weights(self, model: nn.Module) -> None:
+        """Copy ``model``'s current parameters into the engine, chunk by chunk, then reset the prefix cache.
+
+        With FSDP2 every process must call this together (each parameter is all-gathered). The first
+        call checks that every engine parameter received a value.
+        """
+        llm = self._engine(model)
+        loaded: set[str] = set()
+        for chunk in weight_chunks(engine_weights(model), int(self.weight_chunk_mib * 2**20)):
+            for names in llm.apply_model(lambda engine_model, chunk=chunk: engine_model.load_weights(chunk)):
+                loaded |= set(names or ())
+        if not self._names_checked and loaded:  # models whose load_weights reports nothing are not checked
+            expected = llm.apply_model(lambda engine_model: [n for n, _ in engine_model.named_parameters()])[0]
+            missing = sorted(set(expected) - loaded)
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} vLLM parameters got no value from the policy, e.g. {missing[:5]}: the "
+                    "policy's parameter names do not map to this model's checkpoint names (see hf_parameter_name)"
+                )
+        self._names_checked = True
+        llm.reset_prefix_cache()
+
+    def _engine(self, model: nn.Module):
+        if self._llm is not None:
+            return self._llm
+        vllm = import_vllm()
+        path = getattr(_unwrap(model), "name_or_path", "")
+        if not path:
+            raise ValueError("VLLMRollout loads the engine from the policy's folder or hub id (model.name_or_path)")
+        env = launcher_env()
+        os.environ.update(env)
+        rank, world, tp = int(env["RANK"]), int(env["WORLD_SIZE"]), self.tensor_parallel_size
+        if world % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world})")
+        if tp > 1:  # a collective: every process builds its engine at the same step
+            groups = [list(range(start, start + tp)) for start in range(0, world, tp)]
+            self._tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+        self._llm = vllm.LLM(
+            model=path,
+            dtype=self.dtype,
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len,
+            enable_sleep_mode=self.sleep,
+            enforce_eager=self.enforce_eager,
+            distributed_executor_backend="external_launcher",
+            seed=self.seed + rank // tp,  # one seed per engine; the processes of a TP group must agree
+            logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
+            **self.engine_kwargs,
+        )
+        return self._llm
+
+    def _pool_group(self, prompts: list[list[int]], seeds: list) -> tuple[list[list[int]], list, slice]:
+        """With tensor parallelism, every process of a group feeds the group's prompts; ``rows`` are its own."""
+        if self._tp_group is None:
+            return prompts, seeds, slice(0, len(prompts))
+        parts: list[Any] = [None] * self.tensor_parallel_size
+        torch.distributed.all_gather_object(parts, (prompts, seeds), group=self._tp_group)
+        start = sum(len(p) for p, _ in parts[: torch.distributed.get_rank(self._tp_group)])
+        pooled = [x for p, _ in parts for x in p], [x for _, s in parts for x in s]
+        return *pooled, slice(start, start + len(prompts))
+
+
+def launcher_env() -> dict[str, str]:
+    """The variables vLLM's external launcher reads, from the running process group (or a lone process)."""
+    dist = torch.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    local = os.environ.get("LOCAL_RANK") or str(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": local,
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

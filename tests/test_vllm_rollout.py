@@ -1,0 +1,504 @@
+"""VLLMRollout on CPU without vLLM: requests, output conversion, parameter names, TIS, the engine's call sequence.
+
+vLLM's outputs are mirrored by stand-ins with the documented fields (vllm.outputs, 0.10-0.31):
+  RequestOutput.prompt_token_ids: list[int]; RequestOutput.outputs: list[CompletionOutput]
+  CompletionOutput.index: int, .text: str, .token_ids: list[int], .finish_reason: "stop" | "length" | None,
+      .logprobs: list[dict[int, Logprob]] | None  (one dict per generated token; logprobs=0 -> the sampled one)
+  Logprob.logprob: float, .rank: int | None, .decoded_token: str | None
+When vLLM imports, ``test_real_vllm_types`` repeats the conversion with its own classes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from sgrpo.loss import completion_logprobs, logprob_mismatch, tis_weights
+from sgrpo.rollout import HFRollout, completion_mask_until_eos
+from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
+from sgrpo.types import Example
+from sgrpo.vllm_rollout import (
+    INSTALL_HINT,
+    VLLMRollout,
+    engine_weights,
+    hf_parameter_name,
+    prompt_token_ids,
+    rollout_batch_from_outputs,
+    sampling_kwargs,
+    weight_chunks,
+)
+from tasks.base import Reward, RewardResult
+
+REPO = Path(__file__).resolve().parents[1]
+EOS, PAD = 2, 0  # the char tokenizer: <pad> 0, <bos> 1, <eos> 2, "0".."9" -> 3..12, "+" 13, "=" 14, ":" 15, "s" 16
+
+
+def logprob(value: float) -> SimpleNamespace:
+    return SimpleNamespace(logprob=value, rank=1, decoded_token=None)
+
+
+def completion(index, token_ids, logprobs, finish_reason, text="") -> SimpleNamespace:
+    steps = None if logprobs is None else [{t: logprob(v)} for t, v in zip(token_ids, logprobs)]
+    return SimpleNamespace(index=index, text=text, token_ids=token_ids, logprobs=steps, finish_reason=finish_reason)
+
+
+def request(prompt_token_ids, outputs) -> SimpleNamespace:
+    return SimpleNamespace(prompt_token_ids=prompt_token_ids, outputs=outputs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+# ---------------------------------------------------------------------------------------------- requests
+def test_prompt_ids_are_hf_rollouts_ids_and_sampling_kwargs(tokenizer):
+    examples = [Example(prompt="s:31=", answer="13"), Example(prompt="s:4=", answer="4")]
+    assert prompt_token_ids(tokenizer, examples) == [[16, 15, 6, 4, 14], [16, 15, 7, 14]]  # no <bos> added
+    common = {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "stop_token_ids": (EOS,)}
+    assert sampling_kwargs(group_size=4, seed=11, **common) == {
+        "n": 4, "max_tokens": 8, "stop_token_ids": [EOS], "logprobs": 0,
+        "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 11,
+    }  # fmt: skip
+    # greedy: one argmax completion per prompt (the conversion repeats it G times), no seed, no top-k/top-p
+    assert sampling_kwargs(group_size=4, greedy=True, seed=11, **common) == {
+        "n": 1, "max_tokens": 8, "stop_token_ids": [EOS], "logprobs": 0, "temperature": 0.0,
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def two_requests():
+    """Prompt A = ids [4, 5, 6] ("123"), prompt B = [7] ("4"); G = 2, completions listed out of index order."""
+    a = request([4, 5, 6], [completion(1, [9, 9, 9], [-1.0, -2.0, -3.0], "length", "666"),
+                            completion(0, [8, EOS], [-0.5, -0.1], "stop", "5")])  # fmt: skip
+    b = request([7], [completion(0, [EOS], [-0.2], "stop", ""), completion(1, [10, 11, EOS], [-0.3] * 3, "stop", "78")])
+    return [a, b]
+
+
+def test_outputs_become_a_left_and_right_padded_batch(tokenizer):
+    batch = rollout_batch_from_outputs(two_requests(), group_size=2, pad_id=PAD, tokenizer=tokenizer)
+    # P = 3 (longest prompt), T = 3 (longest completion); rows b*G+g with g = CompletionOutput.index
+    assert batch.input_ids.tolist() == [
+        [4, 5, 6, 8, EOS, PAD],
+        [4, 5, 6, 9, 9, 9],
+        [PAD, PAD, 7, EOS, PAD, PAD],
+        [PAD, PAD, 7, 10, 11, EOS],
+    ]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1] * 6, [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.completion_mask.tolist() == [[True, True, False], [True] * 3, [True, False, False], [True] * 3]
+    assert batch.truncated.tolist() == [False, True, False, False]  # finish_reason == "length"
+    assert batch.completions == ["5", "666", "", "78"]  # decoded without <eos>
+    assert batch.logprobs.dtype == torch.float32
+    expected = torch.tensor([[-0.5, -0.1, 0.0], [-1.0, -2.0, -3.0], [-0.2, 0.0, 0.0], [-0.3] * 3])  # 0 on padding
+    assert torch.allclose(batch.logprobs, expected)
+    assert batch.group_size == 2 and batch.prompt_length == 3 and batch.num_groups == 2
+
+
+def test_outputs_without_tokenizer_or_logprobs_and_greedy_groups():
+    requests = [request([4], [completion(0, [8, EOS], None, "stop", "5")])]  # greedy: n = 1 fills the group
+    batch = rollout_batch_from_outputs(requests, group_size=3, pad_id=PAD)
+    assert batch.completions == ["5", "5", "5"] and batch.logprobs is None
+    assert batch.input_ids.tolist() == [[4, 8, EOS]] * 3
+    with pytest.raises(ValueError, match="2 completions for a group of 3"):
+        rollout_batch_from_outputs([request([4], [completion(i, [8], None, "stop") for i in range(2)])], 3, PAD)
+
+
+def test_conversion_reproduces_hf_rollouts_batch(model_dir):
+    """HFRollout's rows re-expressed as vLLM outputs convert back to the same tensors and texts."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = build_char_tokenizer()
+    examples = [Example(prompt="s:9175=", answer="1579"), Example(prompt="s:31=", answer="13")]
+    torch.manual_seed(0)
+    hf = HFRollout(max_new_tokens=6).generate(model, tokenizer, examples, group_size=3)
+    p, requests = hf.prompt_length, []
+    for b in range(2):
+        rows = range(3 * b, 3 * b + 3)
+        prompt = hf.input_ids[3 * b, :p][hf.attention_mask[3 * b, :p].bool()].tolist()
+        outs = [
+            completion(g, hf.input_ids[r, p:][hf.completion_mask[r]].tolist(), None,
+                       "length" if hf.truncated[r] else "stop")
+            for g, r in enumerate(rows)
+        ]  # fmt: skip
+        requests.append(request(prompt, outs))
+    batch = rollout_batch_from_outputs(requests, group_size=3, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(batch, field), getattr(hf, field)), field
+    assert batch.completions == hf.completions
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def test_hf_parameter_names_drop_wrapper_components():
+    assert hf_parameter_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert hf_parameter_name("module.model.norm.weight") == "model.norm.weight"  # DDP
+    assert hf_parameter_name("_orig_mod.model.norm.weight") == "model.norm.weight"  # torch.compile
+    assert hf_parameter_name("module._orig_mod.lm_head.weight") == "lm_head.weight"
+    assert (
+        hf_parameter_name("_fsdp_wrapped_module.model.layers.1._fsdp_wrapped_module._checkpoint_wrapped_module.mlp.w")
+        == "model.layers.1.mlp.w"
+    )  # FSDP1 + activation checkpointing
+
+
+def test_engine_weights_of_a_tied_model_skip_lm_head_and_see_through_wrappers(tokenizer):
+    model = build_tiny_llama(tokenizer)  # tie_word_embeddings=True
+    state = model.state_dict()
+    assert "lm_head.weight" in state  # the tied alias is in the state dict; vLLM shares the tensor instead
+    expected = {k: v for k, v in state.items() if k != "lm_head.weight"}
+
+    class DDPLike(nn.Module):  # DistributedDataParallel's naming: the model under ``module``
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    for wrapped in (model, DDPLike(model), torch.compile(model), DDPLike(torch.compile(model))):
+        got = dict(engine_weights(wrapped))
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_engine_weights_of_an_untied_model_include_lm_head(tokenizer):
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    names = [name for name, _ in engine_weights(model)]
+    assert names == list(model.state_dict()) and "lm_head.weight" in names
+
+
+def test_engine_weights_gather_fsdp2_shards(tokenizer):
+    """FSDP2 parameters are DTensors: each is gathered with full_tensor() (one process, gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this interpreter")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = build_tiny_llama(tokenizer)
+        expected = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert all(hasattr(p, "full_tensor") for p in model.parameters())
+        got = dict(engine_weights(model))
+        assert got.keys() == expected.keys()
+        assert all(type(v) is torch.Tensor and torch.equal(v, expected[k]) for k, v in got.items())
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_weight_chunks_bound_bytes():
+    pairs = [(f"w{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 1])]  # float32: 40, 40, 120, 20, 4 B
+    chunks = [[name for name, _ in chunk] for chunk in weight_chunks(pairs, max_bytes=80)]
+    assert chunks == [["w0", "w1"], ["w2"], ["w3", "w4"]]  # 80 | 120 (alone: larger than the bound) | 24
+
+
+# ---------------------------------------------------------------------------------------------- TIS
+def test_tis_weights_and_mismatch_by_hand():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5]])
+    vllm = torch.tensor([[-1.5, -1.0, -0.5]])
+    mask = torch.tensor([[True, True, False]])
+    # log-ratio trainer - vllm = [0.5, -1.0, (masked)]: exp -> [1.6487 capped to 1.5, 0.3679], 0 off the mask
+    weights = tis_weights(trainer, vllm, mask, cap=1.5)
+    assert torch.allclose(weights, torch.tensor([[1.5, math.exp(-1.0), 0.0]]))
+    assert torch.allclose(tis_weights(trainer, vllm, mask, cap=10.0), torch.tensor([[math.exp(0.5), math.exp(-1), 0]]))
+    # d = vllm - trainer = [-0.5, 1.0]: k3 = exp(-d) - 1 + d = [0.148721, 0.367879] -> mean 0.258300
+    stats = logprob_mismatch(trainer, vllm, mask)
+    assert stats["kl"].item() == pytest.approx(0.2583, abs=1e-4)
+    assert stats["abs_diff"].item() == pytest.approx(0.75)
+    trainer_with_grad = trainer.clone().requires_grad_()
+    assert not tis_weights(trainer_with_grad, vllm, mask, 2.0).requires_grad  # a constant factor of the loss
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        tis_weights(trainer, vllm, mask, cap=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def test_constructor_checks_and_lazy_import(monkeypatch, tokenizer):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as on a machine without it
+    engine = VLLMRollout(max_new_tokens=4)  # constructing needs no vLLM
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm\]'") as err:
+        engine.generate(build_tiny_llama(tokenizer), tokenizer, [Example(prompt="s:1=", answer="1")], 2)
+    assert INSTALL_HINT in str(err.value)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        VLLMRollout(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="max_model_len must exceed"):
+        VLLMRollout(max_new_tokens=64, max_model_len=32)
+
+
+class FakeLLM:
+    """Stands in for ``vllm.LLM``: records calls, holds an HF model as the engine's, samples by rule.
+
+    Completion g of a request: tokens [3 + (seed + g) % 10, <eos>] for even g; max_tokens tokens of "1"
+    (truncated) for odd g; the k-th token's log-prob is -0.1 * (k + 1).
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.path, self.kwargs, self.events = model, kwargs, []
+        self.engine_model = AutoModelForCausalLM.from_pretrained(model)
+        params = dict(self.engine_model.named_parameters())
+
+        def load_weights(weights):
+            names = set()
+            for name, value in weights:
+                params[name].data.copy_(value)
+                names.add(name)
+            self.events.append("load")
+            return names
+
+        self.engine_model.load_weights = load_weights
+
+    def apply_model(self, func):
+        return [func(self.engine_model)]
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.events.append("generate")
+        self.params = sampling_params
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params):
+            outs = []
+            for g in range(params.n):
+                ids = [3 + (getattr(params, "seed", 0) + g) % 10, EOS] if g % 2 == 0 else [4] * params.max_tokens
+                lps = [-0.1 * (k + 1) for k in range(len(ids))]
+                outs.append(completion(g, ids, lps, "stop" if g % 2 == 0 else "length"))
+            outputs.append(request(prompt["prompt_token_ids"], outs))
+        return outputs
+
+    def sleep(self, level):
+        self.events.append(f"sleep{level}")
+
+    def wake_up(self, tags=None):
+        self.events.append(f"wake:{','.join(tags)}")
+
+    def reset_prefix_cache(self):
+        self.events.append("reset")
+
+
+class SamplingLLM(FakeLLM):
+    """A faithful stand-in: samples from its own (synced) weights and reports their log-probs, as vLLM does."""
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.events.append("generate")
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params):
+            ids = torch.tensor([prompt["prompt_token_ids"]] * params.n)  # [n, P]
+            torch.manual_seed(params.seed)
+            out = self.engine_model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=params.temperature,
+                top_k=0, max_new_tokens=params.max_tokens, eos_token_id=params.stop_token_ids, pad_token_id=PAD,
+            )  # fmt: skip
+            mask, truncated = completion_mask_until_eos(out[:, ids.shape[1] :], params.stop_token_ids)  # [n, T]
+            attention = torch.cat([torch.ones_like(ids), mask.long()], 1)
+            lp, _ = completion_logprobs(self.engine_model, out, attention, mask, params.temperature)
+            new = out[:, ids.shape[1] :]
+            outs = [
+                completion(g, new[g][mask[g]].tolist(), lp[g][mask[g]].tolist(), "length" if truncated[g] else "stop")
+                for g in range(params.n)
+            ]
+            outputs.append(request(prompt["prompt_token_ids"], outs))
+        return outputs
+
+
+def install_fake_vllm(llm_class) -> types.ModuleType:
+    module = types.ModuleType("vllm")
+    module.LLM = llm_class
+    module.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
+    sys.modules["vllm"] = module
+    return module
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # restored after the test
+    module = install_fake_vllm(FakeLLM)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the engine exports RANK/WORLD_SIZE/...: keep them local
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    return module
+
+
+def test_generate_syncs_weights_sleeps_and_wakes_in_order(fake_vllm, model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = build_char_tokenizer()
+    examples = [Example(prompt="s:31=", answer="13"), Example(prompt="s:402=", answer="024")]
+    engine = VLLMRollout(max_new_tokens=3, temperature=0.8, gpu_memory_utilization=0.4, seed=5)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # the policy moved away from the checkpoint the engine loaded
+    torch.manual_seed(0)
+    batch = engine.generate(model, tokenizer, examples, group_size=2)
+    llm = engine._llm
+    assert llm.path == model_dir and llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert llm.kwargs["enable_sleep_mode"] and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert llm.kwargs["seed"] == 5 and llm.kwargs["gpu_memory_utilization"] == 0.4 and llm.kwargs["dtype"] == "bfloat16"
+    assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"  # a lone process
+    assert llm.events == ["load", "reset", "generate", "sleep1"]  # new engine: awake, no wake-up
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert all(torch.equal(llm.engine_model.state_dict()[k], v) for k, v in expected.items())
+    params = llm.params
+    settings = [(p.n, p.max_tokens, p.temperature, p.logprobs, p.stop_token_ids) for p in params]
+    assert settings == [(2, 3, 0.8, 0, [EOS])] * 2
+    torch.manual_seed(0)
+    assert [p.seed for p in params] == torch.randint(2**31 - 1, (2,)).tolist()  # drawn from torch's RNG
+    # rows: prompt b, completion g; even g stop at <eos>, odd g run to max_new_tokens
+    assert batch.completion_mask.tolist() == [[True, True, False], [True] * 3] * 2
+    assert batch.truncated.tolist() == [False, True, False, True]
+    assert torch.allclose(batch.logprobs[1], torch.tensor([-0.1, -0.2, -0.3]))
+    assert batch.completions[1] == "111"
+
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2.0)  # an optimiser step
+    llm.events.clear()
+    greedy = engine.generate(model, tokenizer, examples[:1], group_size=3, greedy=True)
+    assert llm.events == ["wake:weights", "load", "reset", "wake:kv_cache", "generate", "sleep1"]
+    assert torch.equal(llm.engine_model.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+    assert llm.params[0].n == 1 and llm.params[0].temperature == 0.0
+    assert greedy.input_ids.shape[0] == 3 and len(set(greedy.completions)) == 1  # one argmax completion, 3 rows
+
+
+def test_sync_reports_engine_parameters_left_without_a_value(fake_vllm, model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    engine = VLLMRollout(max_new_tokens=2, sleep=False)
+    llm = engine._engine(model)
+    llm.engine_model.register_parameter("extra", nn.Parameter(torch.zeros(1)))  # a parameter the policy lacks
+    with pytest.raises(RuntimeError, match=r"1 vLLM parameters got no value.*'extra'"):
+        engine.sync_weights(model)
+
+
+class Parity(Reward):
+    """1 if a completion's first character has an odd code point: a binary reward with variance for a random model."""
+
+    name = "parity"
+
+    def score(self, examples, completions) -> RewardResult:
+        total = torch.tensor([float(ord((c or "0")[0]) % 2) for c in completions], dtype=torch.float32)
+        return RewardResult(total, {self.name: total})
+
+
+def fit_with_engine(model_dir: str, out: str) -> None:
+    """Run in a fresh interpreter by the test below: 2 steps of GRPOPolicy, FSDP2 (1 process, gloo), SamplingLLM."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from tasks.synthetic import SyntheticTask
+
+    llm_class = type("RecordingSamplingLLM", (SamplingLLM,), {})
+    install_fake_vllm(llm_class)
+    task = SyntheticTask(kind="sort", levels=[3], num_train=16, num_validation=0, num_test=0, reward=Parity())
+    policy = GRPOPolicy(model=model_dir, task=task, estimator=GRPO(), rollout=VLLMRollout(max_new_tokens=4),
+                        group_size=4, prompts_per_step=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))  # fmt: skip
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(data_parallel_size=1,
+                      tensor_parallel_size=1), max_steps=2, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=out)  # fmt: skip
+    trainer.fit(policy)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/rollout/")}
+    engine, model = policy.rollout, policy.model
+    sharded = all(hasattr(p, "full_tensor") for p in model.parameters())  # before a forward leaves the root unsharded
+    batch = engine.generate(model, policy.tokenizer, list(task.examples("train"))[:2], 4)  # syncs the last update
+    trained = dict(engine_weights(model))  # FSDP2 shards gathered
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    engine_params = dict(engine._llm.engine_model.named_parameters())
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    info = {
+        "sharded": sharded,
+        "moved": any(not torch.equal(v, initial[k]) for k, v in trained.items()),
+        "engine_equals_trainer": all(torch.equal(engine_params[k], v) for k, v in trained.items()),
+        "events": engine._llm.events,
+        "kl": logprob_mismatch(logp, batch.logprobs, batch.completion_mask)["kl"].item(),
+        "logged": logged,  # the policy's TIS metrics, once it applies the correction
+    }
+    Path(out, "info.json").write_text(json.dumps(info))
+
+
+@pytest.mark.slow
+def test_fit_with_the_engine_under_fsdp2(model_dir, tmp_path):
+    """GRPOPolicy + VLLMRollout (on a sampling stand-in for vllm.LLM) + FSDP2: the engine follows the policy."""
+    code = f"from tests.test_vllm_rollout import fit_with_engine; fit_with_engine({model_dir!r}, {str(tmp_path)!r})"
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["sharded"] and info["moved"] and info["engine_equals_trainer"]
+    step = ["wake:weights", "load", "reset", "wake:kv_cache", "generate", "sleep1"]
+    assert info["events"] == ["load", "reset", "generate", "sleep1"] + step * 2  # 2 training steps, then one more
+    assert info["kl"] < 1e-6  # the engine's log-probs are the trainer's: the TIS weights would all be 1
+    for key, value in info["logged"].items():  # train/rollout/mismatch_kl, .../mismatch_abs_diff, .../tis_weight_mean
+        assert value == pytest.approx(1.0 if key.endswith("tis_weight_mean") else 0.0, abs=1e-5), key
+
+
+def test_real_vllm_types(tokenizer):
+    vllm = pytest.importorskip("vllm")
+    from vllm.outputs import CompletionOutput
+
+    try:
+        from vllm.logprobs import Logprob
+    except ImportError:  # older releases
+        from vllm.sequence import Logprob
+    kwargs = sampling_kwargs(group_size=2, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
+                             stop_token_ids=[EOS], seed=3)  # fmt: skip
+    params = vllm.SamplingParams(**kwargs)
+    assert (params.n, params.max_tokens, params.logprobs, params.seed) == (2, 4, 0, 3)
+    outs = [
+        CompletionOutput(index=i, text="", token_ids=ids, cumulative_logprob=None,
+                         logprobs=[{t: Logprob(logprob=-0.5)} for t in ids], finish_reason=reason)
+        for i, (ids, reason) in enumerate([([8, EOS], "stop"), ([9, 9, 9, 9], "length")])
+    ]  # fmt: skip
+    batch = rollout_batch_from_outputs([request([4, 5], outs)], 2, PAD, tokenizer)
+    assert batch.completions == ["5", "6666"] and batch.truncated.tolist() == [False, True]
+    assert batch.logprobs.tolist() == [[-0.5, -0.5, 0.0, 0.0], [-0.5] * 4]
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def test_vllm_rollout_is_named_in_yaml_and_instantiated_without_vllm(monkeypatch, model_dir, tmp_path):
+    from sgrpo.fit import parse
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.chdir(REPO)
+    raw = yaml.safe_load((REPO / "configs/tiny.yaml").read_text())
+    raw["model"]["rollout"] = {
+        "class_path": "sgrpo.vllm_rollout.VLLMRollout",
+        "init_args": {"max_new_tokens": 8, "gpu_memory_utilization": 0.25, "importance_sampling_cap": None},
+    }
+    config = tmp_path / "vllm.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    cli = parse(["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"])
+    rollout = cli.model.rollout
+    assert isinstance(rollout, VLLMRollout) and rollout._llm is None
+    assert (rollout.max_new_tokens, rollout.gpu_memory_utilization, rollout.importance_sampling_cap) == (8, 0.25, None)
+    raw["model"]["rollout"]["init_args"]["gpu_memory_utilisation"] = 0.3  # a typo fails at parse time
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(SystemExit):
+        parse(["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("name", ["scale_deepmath_8gpu.yaml", "scale_deepmath_multinode.yaml"])
+def test_scale_configs_keep_the_deepmath_model_task_and_estimator(name):
+    reference = yaml.safe_load((REPO / "configs/deepmath_softmax.yaml").read_text())["model"]
+    raw = yaml.safe_load((REPO / "configs" / name).read_text())
+    for key in ("model", "task", "estimator"):
+        assert raw["model"][key] == reference[key], key
+    assert raw["model"]["rollout"]["class_path"] == "sgrpo.vllm_rollout.VLLMRollout"
+    assert raw["trainer"]["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
