@@ -51,10 +51,10 @@ def plot_curves(series: dict[str, list[tuple[int, float]]], path: Path, title: s
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for key, label in (("train/reward", "reward (mean)"), ("train/success_rate", "success rate")):
+    for key, label, style in (("train/reward", "reward (mean)", "-"), ("train/success_rate", "success rate", "--")):
         if key in series:
             steps, values = zip(*series[key])
-            axes[0].plot(steps, _smooth(values), label=label)
+            axes[0].plot(steps, _smooth(values), style, label=label)
     axes[0].set(title="training reward", xlabel="training step", ylabel="value (10-step moving mean)")
     for key in sorted(k for k in series if k.startswith("val/accuracy")):
         steps, values = zip(*series[key])
