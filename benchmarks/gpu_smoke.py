@@ -187,8 +187,7 @@ def sync_checks(policy, model_dir: Path, size: dict, autocast) -> dict:
     """Engine vs trainer after training: one parameter, and the sampled tokens' log-probs (trainer in ``autocast``)."""
     from transformers import AutoModelForCausalLM
 
-    from sgrpo.loss import completion_logprobs
-    from sgrpo.vllm_rollout import logprob_mismatch, tis_weights
+    from sgrpo.loss import completion_logprobs, logprob_mismatch, tis_weights
 
     engine, model = policy.rollout, policy.model
     examples = list(policy.task.examples("train"))[: size["prompts"]]
