@@ -288,7 +288,7 @@ class GRPOPolicy(LightningModule):
         counts = torch.stack([torch.tensor(float(len(rows))), token_mask[rows].sum().float().cpu()]).to(self.device)
         num_seqs, num_tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         size = self.micro_batch_size or max(len(rows), 1)
-        chunks = list(rows.split(size))
+        chunks = list(rows.split(size)) if len(rows) else []  # no rows (all groups dropped): no forward
         max_chunks = int(
             self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
         )

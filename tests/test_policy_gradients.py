@@ -119,3 +119,51 @@ def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregati
     info = json.loads((tmp_path / "grads.json").read_text())
     assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8]
     assert rel_err(flat(torch.load(out)), single) < 1e-6
+
+
+def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch):
+    # group 1 is constant: with dynamic sampling the update equals one over groups 0, 2, 3 alone
+    policy = make_policy(model_dir, batch, GRPO(), dynamic_sampling=True)
+    trainer = run_steps(policy)
+    assert float(trainer.callback_metrics["train/zero_variance_groups"]) == 0.25
+    kept = [0, 2, 3]
+    rows = torch.tensor([g * G + j for g in kept for j in range(G)])
+    sub = type(batch)(
+        batch.input_ids[rows],
+        batch.attention_mask[rows],
+        batch.completion_mask[rows],
+        [batch.completions[i] for i in rows.tolist()],
+        batch.truncated[rows],
+        G,
+    )
+    prompts = [PROMPTS[g] for g in kept]
+    examples = [ex for ex in EXAMPLES[:4] if ex.prompt in prompts]
+    reference = GradCapture(
+        str(model_dir),
+        FixedTask(PresetReward(REWARDS), examples),
+        GRPO(),
+        FixedRollout(sub, prompts, MAX_NEW),
+        group_size=G,
+        prompts_per_step=3,
+        max_grad_norm=None,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+    )
+    run_steps(reference)
+    assert rel_err(flat(policy.captured[0]), flat(reference.captured[0])) < 1e-6
+
+
+def test_a_batch_of_only_constant_groups_makes_an_empty_update(model_dir, batch):
+    task = FixedTask(PresetReward({p: [1.0] * G for p in PROMPTS}), EXAMPLES[:4])
+    policy = GradCapture(
+        str(model_dir),
+        task,
+        GRPO(),
+        FixedRollout(batch, PROMPTS, MAX_NEW),
+        group_size=G,
+        prompts_per_step=4,
+        dynamic_sampling=True,
+        micro_batch_size=3,
+    )
+    trainer = run_steps(policy)
+    assert float(trainer.callback_metrics["train/grad_norm"]) == 0.0
+    assert float(trainer.callback_metrics["train/zero_variance_groups"]) == 1.0
