@@ -167,3 +167,35 @@ def test_a_batch_of_only_constant_groups_makes_an_empty_update(model_dir, batch)
     trainer = run_steps(policy)
     assert float(trainer.callback_metrics["train/grad_norm"]) == 0.0
     assert float(trainer.callback_metrics["train/zero_variance_groups"]) == 1.0
+
+
+def test_ppo_epochs_and_minibatches_take_several_optimiser_steps_per_training_step(model_dir, batch):
+    policy = make_policy(
+        model_dir,
+        batch,
+        GRPO(),
+        ppo_epochs=2,
+        num_minibatches=2,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        clip_low=0.1,
+        clip_high=0.1,
+    )
+    trainer = run_steps(policy, steps=2)
+    assert len(policy.captured) == 8  # 2 training steps x 2 epochs x 2 mini-batches
+    assert trainer.global_step == 2  # max_steps counts training steps (rollout batches)
+    assert policy.rollout_step == 2
+    # later mini-batches are off-policy: the ratio moved, so some tokens hit the clip
+    metrics = trainer.callback_metrics
+    assert float(metrics["train/clip/low"]) + float(metrics["train/clip/high"]) > 0
+
+
+def test_kl_to_a_frozen_reference(model_dir, batch):
+    # step 1: policy == reference, so k3 = 0 and its gradient vanishes: same gradient as kl_coef 0
+    plain = make_policy(model_dir, batch, GRPO())
+    run_steps(plain)
+    with_kl = make_policy(model_dir, batch, GRPO(), kl_coef=0.5, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    trainer = run_steps(with_kl, steps=2)
+    assert rel_err(flat(with_kl.captured[0]), flat(plain.captured[0])) < 1e-6
+    assert float(trainer.callback_metrics["train/kl"]) > 0  # step 2: the policy has moved away
+    assert "_reference" not in dict(with_kl.named_modules())  # not trained, not checkpointed
+    assert not any(k.startswith("_reference") for k in with_kl.state_dict())
