@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from sgrpo.policy import GRPOPolicy
@@ -37,6 +37,18 @@ class RunCheckpoint(ModelCheckpoint):
             filename="step{step}",
             auto_insert_metric_name=False,
         )
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, labelled in training steps, showing reward and success rate."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "train"
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return {key.removeprefix("train/"): value for key, value in items.items()}
 
 
 class SgrpoCLI(LightningCLI):
@@ -85,7 +97,7 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
             parser_kwargs={"parser_mode": "omegaconf"},
             save_config_kwargs={"overwrite": True},
             trainer_defaults={
-                "callbacks": [RunCheckpoint()],
+                "callbacks": [RunCheckpoint(), StepProgressBar()],
                 "log_every_n_steps": 1,
                 "num_sanity_val_steps": 0,
                 "check_val_every_n_epoch": None,
