@@ -52,6 +52,14 @@ class StepProgressBar(RichProgressBar):
 
 
 class SgrpoCLI(LightningCLI):
+    def instantiate_trainer(self, **kwargs):
+        """Lightning's trainer, with sgrpo's progress bar unless ``trainer.enable_progress_bar`` is false."""
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        if config.get("enable_progress_bar") is not False:
+            callbacks.append(StepProgressBar())
+        return self._instantiate_trainer(config, callbacks)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--ckpt_path",
@@ -97,7 +105,7 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
             parser_kwargs={"parser_mode": "omegaconf"},
             save_config_kwargs={"overwrite": True},
             trainer_defaults={
-                "callbacks": [RunCheckpoint(), StepProgressBar()],
+                "callbacks": [RunCheckpoint()],
                 "log_every_n_steps": 1,
                 "num_sanity_val_steps": 0,
                 "check_val_every_n_epoch": None,
