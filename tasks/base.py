@@ -36,7 +36,7 @@ class RewardResult:
     total: Tensor  # [N] float32: the training reward
     parts: dict[str, Tensor]  # name -> [N] float32: each reward function's own (unweighted) value
     failures: int = 0  # scorings that raised or timed out and were scored as wrong
-    counts: dict[str, int] = field(default_factory=dict)  # labelled outcomes, e.g. "no_box" -> 3
+    counts: dict[str, int] = field(default_factory=dict)  # labelled outcomes, e.g. "no_box" -> 3, "timeout" -> 1
 
     def __post_init__(self) -> None:
         if self.total.dim() != 1 or self.total.dtype != torch.float32:
@@ -78,9 +78,10 @@ class SampleReward(Reward):
 
     ``score_one`` may also return ``(value, label)``; labels are counted in ``RewardResult.counts``.
     A call that raises, returns a non-finite value or one outside [0, 1] scores 0 and is counted as a
-    failure. With ``workers > 0`` calls run in a shared process pool with a ``timeout`` (seconds) per
-    call, so a call that hangs is also scored 0 and counted (the reward must then be picklable); with
-    ``workers = 0`` they run in the caller's process and ``timeout`` is not enforced.
+    failure, labelled "timeout" (it timed out or raised ``TimeoutError``) or "error". With
+    ``workers > 0`` calls run in a shared process pool with a ``timeout`` (seconds) per call, so a call
+    that hangs is also scored 0 and counted (the reward must then be picklable); with ``workers = 0``
+    they run in the caller's process and ``timeout`` is not enforced.
     The raw value r is mapped by ``scale``: "01" gives r, "pm1" gives 2r - 1 (a failure gives -1).
     """
 
@@ -115,7 +116,7 @@ class SampleReward(Reward):
             if error or not _valid(value):
                 failures += 1
                 self._warn_once(error or f"score_one returned {value!r}, not a number in [0, 1]")
-                value = 0.0
+                value, label = 0.0, "timeout" if error.startswith(("timeout", "TimeoutError")) else "error"
             if label:
                 counts[label] = counts.get(label, 0) + 1
             values.append(float(value))

@@ -4,15 +4,24 @@ A source's own splits are used as they are (hub splits; in a folder, files named
 such as ``train-00000-of-00001.parquet`` or ``test.json``; a single file is a "train" split). A split
 the source lacks is carved from its train rows with a fixed seed, so splits are deterministic and
 disjoint. ``datasets.load_dataset`` is used for hub ids only; local files need no network.
+
+Every row is checked when the source is read against the task's ``Schema`` (columns it must have, and
+checks on their values, such as a non-blank answer); a bad row of a local file raises ``ValueError``
+naming the file, the row (the line of a jsonl file; 1-based) and the column, with a hint on the fix.
+Hub rows whose values fail a check are dropped with a warning (a hub copy cannot be edited); a hub
+dataset that lacks a column still raises.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
+import math
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +36,100 @@ _SPLIT_NAMES = {
 }
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
+log = logging.getLogger(__name__)
+
 Row = dict[str, Any]
+#: a check on one value: "" if it is fine, else what is wrong with it ("is empty")
+Check = Callable[[Any], str]
+#: where row i of a file is, for error messages: "line 7", "row 3 (line 10)", "row 3"
+Locate = Callable[[int], str]
+
+
+def is_blank(value: Any) -> bool:
+    """None, NaN, or an empty / whitespace-only string or an empty list."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    return isinstance(value, (list, tuple, dict)) and not value
+
+
+def not_blank(value: Any) -> str:
+    """The ``Check`` of a column that must hold something (an answer, a reference)."""
+    return f"is empty ({value!r})" if is_blank(value) else ""
+
+
+def number_or_blank(value: Any) -> str:
+    """The ``Check`` of an optional numeric column (a difficulty rating)."""
+    if is_blank(value):
+        return ""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return f"is not a number ({value!r})"
+    return ""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What every row of a source needs: the ``required`` columns, and ``checks`` on column values.
+
+    ``name`` (e.g. "the DeepMath schema") and ``hint`` (how to fix a source that lacks a column, e.g.
+    "set reference_field=") go into error messages.
+    """
+
+    required: tuple[str, ...]
+    checks: Mapping[str, Check] = field(default_factory=dict)
+    name: str = ""
+    hint: str = ""
+
+    def describe(self) -> str:
+        columns = ", ".join(self.required)
+        return f"{self.name} ({columns})" if self.name else f"the columns {columns}"
+
+
+def check_rows(
+    rows: list[Row],
+    names: Sequence[str],
+    schemas: Sequence[Schema],
+    source: str,
+    locate: Locate,
+    drop: bool = False,
+) -> list[Row]:
+    """``rows`` of ``source`` if they all fit its schema, else ``ValueError`` at the first that does not.
+
+    The schema is the first of ``schemas`` whose required columns are all among ``names`` (the source's
+    columns), else the closest one, so the error names a column the source lacks. With ``drop`` (hub
+    data, which the user cannot edit) rows whose values fail a check are dropped with a warning instead.
+    """
+    if not schemas:
+        return rows
+    present = set(names)
+    schema = max(schemas, key=lambda s: (set(s.required) <= present, len(present & set(s.required))))
+    expected = " or ".join(s.describe() for s in schemas)
+    kept, dropped = [], []
+    for index, row in enumerate(rows):
+        for column in schema.required:
+            if column not in row:
+                where = f"{source}, {locate(index)}, column {column!r}"
+                if column in present:
+                    raise ValueError(f"{where}: missing in this row (other rows have it); add it or remove the row")
+                hint = f"; {schema.hint}" if schema.hint else ""
+                raise ValueError(
+                    f"{where}: missing; the source has columns {sorted(present)}; expected {expected}{hint}"
+                )
+        problems = [(column, check(row[column])) for column, check in schema.checks.items() if column in row]
+        problem = next(((column, text) for column, text in problems if text), None)
+        if problem is None:
+            kept.append(row)
+            continue
+        message = f"{source}, {locate(index)}, column {problem[0]!r}: {problem[1]}"
+        if not drop:
+            raise ValueError(f"{message}; fix or remove that row")
+        dropped.append(message)
+    if dropped:
+        log.warning("dropped %d of %d rows that fail the checks; the first: %s", len(dropped), len(rows), dropped[0])
+    return kept
 
 
 def check_size(value: int | float, field: str) -> None:
@@ -61,48 +163,81 @@ def check_source(path: str, field: str = "path") -> str:
 
 def read_file(path: str | Path, columns: Sequence[str] | None = None) -> tuple[list[Row], list[str]]:
     """The rows of one local file (keeping only ``columns``, those present, when given) and its columns."""
+    rows, names, _ = read_rows(path, columns)
+    return rows, names
+
+
+def read_rows(path: str | Path, columns: Sequence[str] | None = None) -> tuple[list[Row], list[str], Locate]:
+    """``read_file`` and where each row is in the file: "line 7" (jsonl), "row 3 (line 10)" (csv), "row 3"."""
     path = Path(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         names = pq.read_schema(path).names
         keep = None if columns is None else [c for c in columns if c in names]
-        return pq.read_table(path, columns=keep).to_pylist(), names
+        return pq.read_table(path, columns=keep).to_pylist(), names, _row_number
     if path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            rows, names = list(reader), list(reader.fieldnames or [])
+        rows, names, locate = _read_csv(path)
     else:
-        rows = _read_json(path)
+        rows, locate = _read_json(path)
         names = sorted({key for row in rows for key in row})
     if columns is not None:
         rows = [{k: row[k] for k in columns if k in row} for row in rows]
-    return rows, names
+    return rows, names, locate
 
 
-def _read_json(path: Path) -> list[Row]:
+def _row_number(index: int) -> str:
+    return f"row {index + 1}"
+
+
+def _read_csv(path: Path) -> tuple[list[Row], list[str], Locate]:
+    # csv.DictReader, plus the line each record starts on (a quoted field may span lines); a short
+    # record lacks its last columns instead of holding None
+    rows, starts, header, line = [], [], None, 0
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        for record in reader:
+            start, line = line + 1, reader.line_num
+            if not record:
+                continue
+            if header is None:
+                header = record
+                continue
+            rows.append(dict(zip(header, record)))
+            starts.append(start)
+    return rows, list(header or []), lambda i: f"row {i + 1} (line {starts[i]})"
+
+
+def _read_json(path: Path) -> tuple[list[Row], Locate]:
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
-        return json.loads(text)
-    rows = []
+        rows, locate = json.loads(text), _row_number
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, row {index + 1}: expected a JSON object, got {type(row).__name__}")
+        return rows, locate
+    rows, lines = [], []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not a JSON object per line ({err})") from err
-    if not all(isinstance(row, dict) for row in rows):
-        raise ValueError(f"{path}: expected JSON objects (one per line, or a list of them)")
-    return rows
+            if not isinstance(rows[-1], dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(rows[-1]).__name__}")
+            lines.append(number)
+    return rows, lambda i: f"line {lines[i]}"
 
 
 class SplitTable:
     """Rows per split of one source, read on first use; missing splits carved from train by ``seed``.
 
     ``sizes`` maps "validation" / "test" to the rows held out of train when the source lacks that
-    split (a count, or a fraction of the train rows). ``columns`` are kept (those present);
-    every row must have the ``required`` ones. Carved rows come in a seeded random order; the
-    train rows left keep the source's order.
+    split (a count, or a fraction of the train rows). ``columns`` are kept (those present).
+    Every row must fit ``schema`` (one ``Schema``, or alternatives: each file is held to the one it
+    fits); a bad row of a file raises ``ValueError`` naming the file, the row and the column (a hub row
+    with a bad value is dropped with a warning). Carved rows come in a seeded random order; the train
+    rows left keep the source's order.
     """
 
     def __init__(
@@ -110,13 +245,14 @@ class SplitTable:
         path: str,
         config: str | None = None,
         columns: Sequence[str] | None = None,
-        required: Sequence[str] = (),
+        schema: Schema | Sequence[Schema] = (),
         sizes: Mapping[str, int | float] | None = None,
         seed: int = 0,
         field: str = "path",
     ) -> None:
         self.kind = check_source(path, field)
-        self.path, self.config, self.columns, self.required, self.seed = path, config, columns, required, seed
+        self.path, self.config, self.columns, self.seed = path, config, columns, seed
+        self.schemas: list[Schema] = [schema] if isinstance(schema, Schema) else list(schema)
         self.source_columns: list[str] = []  # every column of the source, known once it is read
         self.sizes = dict(sizes or {})
         for split, size in self.sizes.items():
@@ -126,7 +262,7 @@ class SplitTable:
     def splits(self) -> list[str]:
         """The splits this table has (native or carved); reads the source on first use."""
         if self._rows is None:
-            self._rows = self._carve(self._checked(self._read_native()))
+            self._rows = self._carve(self._read_native())
         return sorted(self._rows)
 
     def rows(self, split: str) -> list[Row]:
@@ -138,19 +274,9 @@ class SplitTable:
             )
         return self._rows[split]
 
-    def _checked(self, native: dict[str, list[Row]]) -> dict[str, list[Row]]:
-        for split, rows in native.items():
-            for index, row in enumerate(rows):
-                missing = [c for c in self.required if c not in row]
-                if missing:
-                    raise ValueError(
-                        f"{self.path!r} ({split} row {index}) lacks column(s) {missing}; the source has "
-                        f"{self.source_columns}; expected {list(self.required)}"
-                    )
-        return native
-
     def _read(self, file: str | Path) -> list[Row]:
-        rows, names = read_file(file, self.columns)
+        rows, names, locate = read_rows(file, self.columns)
+        rows = check_rows(rows, names, self.schemas, str(file), locate)
         self.source_columns = sorted(set(self.source_columns) | set(names))
         return rows
 
@@ -180,10 +306,12 @@ class SplitTable:
             if split is None or split in out:
                 continue
             data = datasets.load_dataset(self.path, self.config, split=name)
-            self.source_columns = sorted(set(self.source_columns) | set(data.column_names))
+            names = data.column_names
+            self.source_columns = sorted(set(self.source_columns) | set(names))
             if self.columns is not None:
-                data = data.select_columns([c for c in self.columns if c in data.column_names])
-            out[split] = data.to_list()
+                data = data.select_columns([c for c in self.columns if c in names])
+            locate = lambda i, name=name: f"split {name!r} row {i + 1}"  # noqa: E731
+            out[split] = check_rows(data.to_list(), names, self.schemas, self.path, locate, drop=True)
         return out
 
     def _carve(self, native: dict[str, list[Row]]) -> dict[str, list[Row]]:

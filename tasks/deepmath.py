@@ -9,11 +9,31 @@ from torch import Tensor
 
 from sgrpo.types import Example
 from tasks.base import Reward, Task
-from tasks.data import SplitTable, check_size
+from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
 from tasks.mathgrade import MathVerifyReward
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")
+
+
+def prompt_problem(value: object) -> str:
+    """The data ``Check`` of a trl-lib ``prompt``: "" if it holds a user message with content."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, Mapping) for m in value):
+        return f"is not a list of {{role, content}} messages ({str(value)[:80]!r})"
+    if not any(m.get("role") == "user" and str(m.get("content") or "").strip() for m in value):
+        return "holds no user message with content"
+    return ""
+
+
+#: the two accepted row layouts: zwhe99/DeepMath-103K's, and trl-lib/DeepMath-103K's
+SCHEMAS = (
+    Schema(
+        ("question", "final_answer"),
+        {"question": not_blank, "final_answer": not_blank, "difficulty": number_or_blank},
+        "the DeepMath schema",
+    ),
+    Schema(("prompt", "solution"), {"prompt": prompt_problem, "solution": not_blank}, "the trl-lib schema"),
+)
 
 
 class DeepMath(Task):
@@ -26,6 +46,8 @@ class DeepMath(Task):
     fraction) are held out of it with ``seed``. ``test_path`` instead reads the test split from another
     source (e.g. ``trl-lib/DeepMath-103K``, whose test rows are also in zwhe99's train): its questions
     are removed from train and validation, and its rows get their difficulty from ``path`` by question.
+    Rows are checked at load (``SCHEMAS``): a file row without a question or answer, or with a blank one,
+    raises ``ValueError`` naming the file, the row and the column.
 
     Reward (default ``MathVerifyReward``): 1 if math-verify finds the last ``\\boxed{}`` after
     ``</think>`` equal to ``final_answer``, else 0. Success is that same check on the {0, 1} scale,
@@ -51,8 +73,10 @@ class DeepMath(Task):
             raise ValueError(f"set either test_path or test_size, not both (test_size={test_size!r})")
         self.path, self.test_path, self.seed, self.system_prompt = path, test_path, seed, system_prompt
         sizes = {"validation": validation_size, "test": test_size}
-        self._table = SplitTable(path, columns=_COLUMNS, sizes=sizes, seed=seed)
-        self._test_table = None if test_path is None else SplitTable(test_path, columns=_COLUMNS, field="test_path")
+        self._table = SplitTable(path, columns=_COLUMNS, schema=SCHEMAS, sizes=sizes, seed=seed)
+        self._test_table = (
+            None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
+        )
         self.grader = _success_grader(self.reward)
 
     def load(self, split: str) -> Sequence[Example]:
@@ -70,14 +94,7 @@ class DeepMath(Task):
         return [e for e in self._examples(self._table, split) if _question(e) not in held_out]
 
     def _examples(self, table: SplitTable, split: str) -> list[Example]:
-        rows = table.rows(split)
-        schemas = ({"question", "final_answer"}, {"prompt", "solution"})
-        if not all(any(s <= row.keys() for s in schemas) for row in rows):
-            raise ValueError(
-                f"{table.path!r} has columns {table.source_columns}; expected the DeepMath schema (question, "
-                f"final_answer, difficulty, topic) or the trl-lib one (prompt, solution)"
-            )
-        return [self._example(row, table.path) for row in rows]
+        return [self._example(row, table.path) for row in table.rows(split)]  # rows checked against SCHEMAS
 
     def _example(self, row: Mapping, source: str) -> Example:
         if "question" in row:

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from sgrpo.types import Example
 from tasks.base import Reward, Task, check_template, fill
-from tasks.data import SplitTable, check_size
+from tasks.data import Schema, SplitTable, check_size, is_blank, not_blank
 from tasks.mathgrade import NumericMatch
 
 TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -19,6 +19,23 @@ def gold_answer(solution: str) -> str:
     if "####" not in solution:
         raise ValueError(f"a GSM8K answer must end with '#### <number>', got {solution[-80:]!r}")
     return solution.split("####")[-1].strip().replace(",", "")
+
+
+def solution_problem(value: object) -> str:
+    """The data ``Check`` of the answer column: "" for a solution ending in ``#### <number>``."""
+    if is_blank(value):
+        return f"is empty ({value!r})"
+    if "####" not in str(value):
+        return "has no final '#### <number>' line"
+    gold = gold_answer(str(value))
+    try:
+        float(gold)
+    except ValueError:
+        return f"has no number after '####' ({gold!r})"
+    return ""
+
+
+SCHEMA = Schema(("question", "answer"), {"question": not_blank, "answer": solution_problem}, "the GSM8K schema")
 
 
 class GSM8K(Task):
@@ -51,7 +68,7 @@ class GSM8K(Task):
         check_size(test_size, "test_size")
         self.path, self.template, self.system_prompt, self.seed = path, template, system_prompt, seed
         sizes = {"validation": validation_size, "test": test_size}
-        self._table = SplitTable(path, config, ("question", "answer"), ("question", "answer"), sizes, seed)
+        self._table = SplitTable(path, config, ("question", "answer"), SCHEMA, sizes, seed)
         self.checker = NumericMatch(name="success")
 
     def load(self, split: str) -> Sequence[Example]:

@@ -26,6 +26,7 @@ class MeetingBank(ReferenceTextTask):
     """
 
     required_columns = ("summary", "transcript")
+    nonblank_columns = ("summary",)
     optional_columns = ("id", "uid")
 
     def __init__(

@@ -68,6 +68,7 @@ class PoetryClassification(ReferenceTextTask):
         if label not in CLASSIFY_TEMPLATES:
             raise ValueError(f"label must be one of {sorted(CLASSIFY_TEMPLATES)}, got {label!r}")
         self.label, self.choices = label, choices
+        self.nonblank_columns = ("content", label)
         self.template = CLASSIFY_TEMPLATES[label] if template is None else template
         check_template(self.template, ["content"])
         super().__init__(
@@ -103,6 +104,7 @@ class PoetryWriting(ReferenceTextTask):
     """
 
     required_columns = _COLUMNS
+    nonblank_columns = ("content",)
 
     def __init__(
         self,

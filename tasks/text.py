@@ -10,14 +10,16 @@ from torch import Tensor
 
 from sgrpo.types import Example, Messages
 from tasks.base import Reward, Task, check_batch
-from tasks.data import SplitTable
+from tasks.data import Schema, SplitTable, not_blank
 from tasks.similarity import ChrF, ExactMatch, TextSimilarity
 
 
 class ReferenceTextTask(Task):
     """Base class: rows of a table -> ``Example(prompt, answer=reference)``, scored by text similarity.
 
-    Subclasses give ``required_columns`` (and ``optional_columns``) and ``make_example(row)``.
+    Subclasses give ``required_columns`` (and ``optional_columns``), ``nonblank_columns`` (those of
+    them that must hold text: a row with a blank reference fails at load, naming file, row and column)
+    and ``make_example(row)``.
     Splits the source lacks are held out of its train rows with ``seed`` (``validation_size``,
     ``test_size``: a count or a fraction).
     ``chat=True`` wraps the prompt text as one user message; ``False`` feeds it as raw text.
@@ -27,6 +29,8 @@ class ReferenceTextTask(Task):
 
     required_columns: tuple[str, ...] = ()
     optional_columns: tuple[str, ...] = ()  # read when present
+    nonblank_columns: tuple[str, ...] = ()  # required columns that must not be empty or whitespace
+    column_hint: str = ""  # how to fix a source that lacks a required column (goes into the error)
 
     def __init__(
         self,
@@ -50,7 +54,8 @@ class ReferenceTextTask(Task):
         self.success_threshold = success_threshold
         sizes = {"validation": validation_size, "test": test_size}
         columns = (self.required_columns + self.optional_columns) or None
-        self._table = SplitTable(path, config, columns, self.required_columns, sizes, seed)
+        schema = Schema(self.required_columns, {c: not_blank for c in self.nonblank_columns}, hint=self.column_hint)
+        self._table = SplitTable(path, config, columns, schema, sizes, seed)
 
     def load(self, split: str) -> Sequence[Example]:
         return [self.make_example(row) for row in self._table.rows(split)]
@@ -85,6 +90,8 @@ class ReferenceText(ReferenceTextTask):
         **kwargs,
     ) -> None:
         self.required_columns = (prompt_field, reference_field)
+        self.nonblank_columns = (reference_field,)
+        self.column_hint = "set prompt_field= and reference_field= to the columns that hold them"
         self.prompt_field, self.reference_field = prompt_field, reference_field
         super().__init__(path, reward or ChrF(), **kwargs)
 

@@ -41,7 +41,7 @@ def test_in_process_failures_score_zero_and_are_counted():
     result = Scripted().score(*_batch("1", "raise", "0.25", "nan", "big", "labelled"))
     assert result.total.tolist() == [1.0, 0.0, 0.25, 0.0, 0.0, 0.5]
     assert result.failures == 3  # raise, nan, 3.0 outside [0, 1]
-    assert result.counts == {"half": 1}
+    assert result.counts == {"half": 1, "error": 3}  # failures are labelled too
     assert result.total.dtype == torch.float32 and set(result.parts) == {"scripted"}
 
 
@@ -51,7 +51,7 @@ def test_pool_hang_and_raise_score_zero_and_pool_recovers():
     result = reward.score(*_batch("1", "hang", "0.5", "raise", "1"))
     elapsed = time.perf_counter() - start
     assert result.total.tolist() == [1.0, 0.0, 0.5, 0.0, 1.0]
-    assert result.failures == 2
+    assert result.failures == 2 and result.counts == {"timeout": 1, "error": 1}
     assert elapsed < 10  # the 60 s sleep was cut at 0.5 s and the pool restarted
     assert reward.score(*_batch("0.75")).total.tolist() == [0.75]  # the restarted pool works
 

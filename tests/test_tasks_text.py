@@ -128,7 +128,7 @@ def test_generic_reference_text(tmp_path):
     assert len(task.examples("train")) == 3 and len(task.examples("validation")) == 1
     ex = task.examples("train")[0]
     assert ex.prompt == [{"role": "user", "content": f"say {ex.answer}"}]
-    with pytest.raises(ValueError, match=r"lacks column\(s\) \['a'\]; the source has \['answer', 'q'\]"):
+    with pytest.raises(ValueError, match=r"line 1, column 'a': missing; the source has columns \['answer', 'q'\]"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"q": "x", "answer": "y"}))
         ReferenceText(str(bad), prompt_field="q", reference_field="a", validation_size=0, test_size=0).examples("train")

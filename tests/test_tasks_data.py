@@ -1,0 +1,187 @@
+"""Every file-based loader fails at load on a row that lacks a column or has an empty answer, naming the
+file, the row (the line of a jsonl file, 1-based) and the column, with a hint on the fix."""
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tasks import GSM8K, DeepMath, MeetingBank, PoetryClassification, PoetryWriting, ReferenceText
+from tasks.data import SplitTable, check_rows, read_rows
+from tasks.deepmath import SCHEMAS
+from tasks.gsm8k import SCHEMA as GSM8K_SCHEMA
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (FIXTURES / name).read_text().splitlines() if line.strip()]
+
+
+DEEPMATH = [{k: r[k] for k in ("question", "final_answer", "difficulty", "topic")} for r in _rows("deepmath.jsonl")]
+TRL = _rows("deepmath_trl_test.jsonl")
+GSM = _rows("gsm8k.jsonl")
+POEMS = _rows("poetry.jsonl")
+MEETINGS = _rows("meetingbank.jsonl")
+PAIRS = [{"prompt": f"say {w}", "reference": w} for w in ("red", "green", "blue")]
+
+
+def _edit(rows: list[dict], index: int, **changes) -> list[dict]:
+    """A copy of ``rows`` with row ``index`` changed; a change to ``None`` drops the column."""
+    rows = [dict(r) for r in rows]
+    for key, value in changes.items():
+        if value is None:
+            rows[index].pop(key)
+        else:
+            rows[index][key] = value
+    return rows
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    if path.suffix == ".csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(POEMS[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:  # jsonl, with a blank line after the first row: locations are file lines, not row indices
+        lines = [json.dumps(r) for r in rows]
+        path.write_text("\n".join(lines[:1] + [""] + lines[1:]) + "\n")
+
+
+def _deepmath(path):
+    return DeepMath(path=path, validation_size=0)
+
+
+def _poetry_type(path):
+    return PoetryClassification(path=path, validation_size=0, test_size=0)
+
+
+def _poetry_age(path):
+    return PoetryClassification(path=path, label="age", validation_size=0, test_size=0)
+
+
+def _poetry_writing(path):
+    return PoetryWriting(path=path, validation_size=0, test_size=0)
+
+
+def _meetingbank(path):
+    return MeetingBank(path=path)
+
+
+def _reference(path):
+    return ReferenceText(path, validation_size=0, test_size=0)
+
+
+def _gsm8k(path):
+    return GSM8K(path=path, validation_size=0)
+
+
+# (id, task factory, file name, rows, location in the message, column, words of the message)
+CASES = [
+    ("deepmath-missing", _deepmath, "dm.jsonl", _edit(DEEPMATH, 2, final_answer=None), "line 4", "final_answer",
+     "missing in this row"),
+    ("deepmath-blank", _deepmath, "dm.jsonl", _edit(DEEPMATH, 1, final_answer="   "), "line 3", "final_answer",
+     "is empty"),
+    ("deepmath-null", _deepmath, "dm.jsonl", _edit(DEEPMATH, 0, final_answer=[]), "line 1", "final_answer",
+     "is empty"),
+    ("deepmath-no-column", _deepmath, "dm.jsonl", [{"problem": "1+1", "answer": "2"}], "line 1", "question",
+     "expected the DeepMath schema (question, final_answer) or the trl-lib schema (prompt, solution)"),
+    ("deepmath-difficulty", _deepmath, "dm.jsonl", _edit(DEEPMATH, 4, difficulty="hard"), "line 6", "difficulty",
+     "is not a number"),
+    ("deepmath-parquet", _deepmath, "dm.parquet", _edit(DEEPMATH, 3, final_answer=""), "row 4", "final_answer",
+     "is empty"),
+    ("deepmath-json-list", _deepmath, "dm.json", _edit(DEEPMATH, 1, question=None), "row 2", "question",
+     "missing in this row"),
+    ("trl-missing", _deepmath, "trl.jsonl", _edit(TRL, 1, solution=None), "line 3", "solution",
+     "missing in this row"),
+    ("trl-blank", _deepmath, "trl.jsonl", _edit(TRL, 2, solution="\n"), "line 4", "solution", "is empty"),
+    ("trl-no-user", _deepmath, "trl.jsonl", _edit(TRL, 0, prompt=[{"role": "system", "content": "hi"}]), "line 1",
+     "prompt", "holds no user message"),
+    ("gsm8k-missing", _gsm8k, "gsm.jsonl", _edit(GSM, 1, answer=None), "line 3", "answer", "missing in this row"),
+    ("gsm8k-no-hashes", _gsm8k, "gsm.jsonl", _edit(GSM, 0, answer="It is 27."), "line 1", "answer",
+     "has no final '#### <number>' line"),
+    ("gsm8k-empty-after", _gsm8k, "gsm.jsonl", _edit(GSM, 2, answer="So.\n####  "), "line 4", "answer",
+     "has no number after '####'"),
+    ("poetry-type-blank", _poetry_type, "poems.csv", _edit(POEMS, 2, type=" "), "row 3 (line 10)", "type",
+     "is empty"),
+    ("poetry-age-blank", _poetry_age, "poems.csv", _edit(POEMS, 1, age=""), "row 2 (line 6)", "age", "is empty"),
+    ("poetry-content-blank", _poetry_writing, "poems.jsonl", _edit(POEMS, 3, content=""), "line 5", "content",
+     "is empty"),
+    ("poetry-missing", _poetry_writing, "poems.jsonl", _edit(POEMS, 4, author=None), "line 6", "author",
+     "missing in this row"),
+    ("meetingbank-missing", _meetingbank, "mb.jsonl", _edit(MEETINGS, 3, summary=None), "line 5", "summary",
+     "missing in this row"),
+    ("meetingbank-blank", _meetingbank, "mb.jsonl", _edit(MEETINGS, 0, summary="\t"), "line 1", "summary",
+     "is empty"),
+    ("reference-blank", _reference, "pairs.jsonl", _edit(PAIRS, 2, reference=" "), "line 4", "reference",
+     "is empty"),
+    ("reference-no-column", _reference, "pairs.jsonl", [{"prompt": "x", "answer": "y"}], "line 1", "reference",
+     "set prompt_field= and reference_field="),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("factory", "name", "rows", "where", "column", "words"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_a_bad_row_fails_at_load_naming_file_row_and_column(tmp_path, factory, name, rows, where, column, words):
+    path = tmp_path / name
+    _write(path, rows)
+    task = factory(str(path))  # reading is lazy: the first split asked for loads the file
+    with pytest.raises(ValueError) as info:
+        task.examples("train")
+    message = str(info.value)
+    assert message.startswith(f"{path}, {where}, column {column!r}: "), message
+    assert words in message
+    assert re.search(r"(fix or remove that row|add it or remove the row|expected )", message)
+
+
+def test_the_fixtures_pass_and_csv_rows_know_their_lines():
+    rows, names, locate = read_rows(FIXTURES / "poetry.csv")
+    assert len(rows) == 5 and names == list(POEMS[0])
+    assert [locate(i) for i in range(3)] == ["row 1 (line 2)", "row 2 (line 6)", "row 3 (line 10)"]  # 4-line poems
+    for factory, name in [(_deepmath, "deepmath.jsonl"), (_deepmath, "deepmath_trl_test.jsonl"),
+                          (_gsm8k, "gsm8k.jsonl"), (_poetry_type, "poetry.csv"), (_poetry_writing, "poetry.jsonl"),
+                          (_meetingbank, "meetingbank.jsonl")]:  # fmt: skip
+        assert factory(str(FIXTURES / name)).examples("train")
+
+
+def test_a_short_csv_record_lacks_its_last_columns(tmp_path):
+    path = tmp_path / "short.csv"
+    path.write_text('author,content,poem name,age,type\nA,"x\ny",T,Modern,Love\nB,z,U\n')
+    with pytest.raises(ValueError, match=r"short.csv, row 2 \(line 4\), column 'age': missing in this row"):
+        _poetry_type(str(path)).examples("train")
+
+
+def test_a_test_path_file_is_checked_too(tmp_path):
+    path = tmp_path / "test.jsonl"
+    _write(path, _edit(TRL, 1, solution=""))
+    task = DeepMath(path=str(FIXTURES / "deepmath.jsonl"), validation_size=1, test_path=str(path))
+    with pytest.raises(ValueError, match=re.escape(f"{path}, line 3, column 'solution': is empty")):
+        task.examples("test")
+
+
+def test_a_folder_names_the_bad_file(tmp_path):
+    _write(tmp_path / "train.jsonl", GSM[:3])
+    _write(tmp_path / "test.jsonl", _edit(GSM[3:], 1, answer="#### 12 apples"))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'test.jsonl'}, line 3, column 'answer': has no")):
+        SplitTable(str(tmp_path), schema=GSM8K_SCHEMA).splits()
+
+
+def test_hub_rows_with_bad_values_are_dropped_with_a_warning(caplog):
+    rows = _edit(DEEPMATH, 1, final_answer="")
+    rows[3]["final_answer"] = None  # an Arrow null
+    locate = lambda i: f"split 'train' row {i + 1}"  # noqa: E731
+    kept = check_rows(rows, list(DEEPMATH[0]), SCHEMAS, "owner/name", locate, drop=True)
+    assert [r["question"] for r in kept] == [DEEPMATH[i]["question"] for i in (0, 2, 4)]
+    assert "dropped 2 of 5 rows" in caplog.text
+    assert "the first: owner/name, split 'train' row 2, column 'final_answer': is empty" in caplog.text
+    with pytest.raises(ValueError, match="owner/name, split 'train' row 1, column 'question': missing; the source"):
+        check_rows([{"problem": "x"}], ["problem"], SCHEMAS, "owner/name", locate, drop=True)  # no column: raises
