@@ -1,0 +1,701 @@
+"""Head-to-head: the real training loop, one run per estimator x seed, same everything else.
+
+Every run is ``python -m sgrpo.fit --config configs/quickstart.yaml`` (the warm-started char Llama of
+``sgrpo/assets/quickstart_model`` on the synthetic sort task, levels 3/5/7; 16 prompts x 8 completions
+per step, AdamW lr 3e-4, binary exact-match reward, token-mean aggregation) with only these changed:
+``--model.estimator`` (the estimator under test), ``--seed_everything=S --model.seed=S`` (data order,
+rollout and validation sampling), ``--trainer.max_steps`` (``--steps``), the validation interval
+(``--val-every``) and ``--model.val_samples`` (``--val-samples``); the model validates before training
+too. Runs go ``--jobs`` at a time (default 2), each in its own subprocess: a crash is contained (its
+log stays in the run folder, the next run goes on), and a re-run skips every run whose
+``result.json`` exists, so an interrupted benchmark resumes where it stopped and more seeds can be
+added later (``--seeds 0 1 2 3 4`` reuses seeds 0-2).
+
+Estimators are class paths with JSON init args, so a new estimator joins without a code change::
+
+    --estimators estimators.GRPO 'estimators.SoftmaxGRPO:{"temperature": 0.25}' mymodule.HalfRLOO
+
+or a YAML/JSON file holding a list of ``{class_path, init_args}``. The default roster is GRPO,
+Dr.GRPO, MaxRL (practical) and SoftmaxGRPO (tau = 0.5), 3 seeds each.
+
+Budget, measured on a project 2-core CPU machine shared with other jobs (load average about 4): the
+default 12 runs of 200 steps took 9.6 and 11.4 min of wall clock (two invocations, identical
+numbers), two at a time with one torch thread each (1.0 to 2.3 min per run). One thread per run
+(``--threads 1``) matters: under that load a run with two OpenMP threads took a median 1.03 s per
+training step against 0.15 s with one, and a whole 200-step quickstart run took 11.5 min with two.
+
+Outputs in ``--out`` (default ``benchmarks/results/head_to_head``): one folder per run,
+``<estimator>/seed<S>/``, with ``lightning_logs/version_0/metrics.csv``, ``log.txt``, ``hf_model/``
+(checkpoints are deleted once the run finished) and ``result.json`` (initial and final accuracy per
+difficulty, pass@k, every validation, wall time); and the report: ``report.md`` (final accuracy per
+difficulty with 95 % t-intervals over seeds, the best estimator and its seed-paired difference against
+the runner-up and GRPO, pass@k, gradient budget shares, run times) with ``accuracy_by_difficulty.png``,
+``accuracy_curves.png``, ``pass_at_k.png`` and ``budget_shares.png``.
+
+    python benchmarks/head_to_head.py [--steps 200] [--seeds 0 1 2] [--estimators SPEC ...] [--jobs 2]
+    python benchmarks/head_to_head.py --report-only          # rebuild the report from finished runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]  # shadows `estimators`
+sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks._common import HelpFormatter, markdown_table, save_figure, t_interval, use_agg_backend  # noqa: E402
+from benchmarks._common import write_markdown as _write_markdown  # noqa: E402
+from sgrpo.report import read_metrics  # noqa: E402
+
+DEFAULT_OUT = _ROOT / "benchmarks" / "results" / "head_to_head"
+DEFAULT_CONFIG = _ROOT / "configs" / "quickstart.yaml"
+DEFAULT_ESTIMATORS = (
+    "estimators.GRPO",
+    "estimators.DrGRPO",
+    'estimators.MaxRL:{"variant": "practical"}',
+    'estimators.SoftmaxGRPO:{"temperature": 0.5}',
+)
+COLORS = {"GRPO": "#d62728", "DrGRPO": "#ff7f0e", "RLOO": "#8c564b", "MaxRL": "#000000", "SoftmaxGRPO": "#2171b5"}
+OTHER_COLORS = ("#2ca02c", "#9467bd", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+BUDGET_BUCKETS = ("hard", "mid_hard", "half", "mid_easy", "near_solved")
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """An estimator as the CLI takes it: a class path and its init args."""
+
+    class_path: str
+    init_args: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.class_path.rsplit(".", 1)[-1]
+
+    @property
+    def label(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.init_args.items())
+        return f"{self.name}({args})" if args else self.name
+
+    @property
+    def slug(self) -> str:
+        """A folder name: ``SoftmaxGRPO_temperature-0.5``."""
+        parts = [self.name] + [f"{k}-{v}" for k, v in self.init_args.items()]
+        return re.sub(r"[^A-Za-z0-9_.=-]+", "", "_".join(parts))
+
+    def cli_value(self) -> str:
+        return json.dumps({"class_path": self.class_path, "init_args": self.init_args})
+
+    def check(self) -> None:
+        """Import and build the estimator here, so a typo fails before any run starts."""
+        from estimators import AdvantageEstimator
+
+        module, _, name = self.class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise SystemExit(
+                f"error: cannot import {self.class_path} ({err}); its module must be importable from the "
+                "current folder or PYTHONPATH"
+            ) from None
+        if not (isinstance(cls, type) and issubclass(cls, AdvantageEstimator)):
+            raise SystemExit(f"error: {self.class_path} is not an AdvantageEstimator subclass")
+        cls(**self.init_args)
+
+
+def parse_estimators(items: list[str]) -> list[EstimatorSpec]:
+    """``module.Class``, ``module.Class:{json init args}`` or a YAML/JSON file of ``{class_path, init_args}``."""
+    specs = []
+    for item in items:
+        if item.endswith((".yaml", ".yml", ".json")) and Path(item).is_file():
+            import yaml
+
+            entries = yaml.safe_load(Path(item).read_text())
+            specs += [EstimatorSpec(e["class_path"], dict(e.get("init_args") or {})) for e in entries]
+            continue
+        path, sep, raw = item.partition(":")
+        try:
+            init_args = json.loads(raw) if sep else {}
+        except json.JSONDecodeError as err:
+            raise SystemExit(
+                f"error: init args of {item!r} are not JSON ({err}); write e.g. "
+                "'estimators.SoftmaxGRPO:{\"temperature\": 0.5}'"
+            ) from None
+        specs.append(EstimatorSpec(path, init_args))
+    if len({s.slug for s in specs}) != len(specs):
+        raise SystemExit("error: two estimators share a name; give them different init args")
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------- running
+def fit_command(spec: EstimatorSpec, seed: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable, "-m", "sgrpo.fit", "--config", str(args.config),
+        f"--model.estimator={spec.cli_value()}",
+        f"--seed_everything={seed}", f"--model.seed={seed}",
+        f"--trainer.default_root_dir={run_dir}",
+        f"--trainer.max_steps={args.steps}", f"--trainer.val_check_interval={args.val_every}",
+        f"--model.val_samples={args.val_samples}",
+        "--validate_before=true", "--report=false",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        *shlex.split(args.extra),
+    ]  # fmt: skip
+
+
+def validations(metrics_csv: Path, val_every: int) -> list[dict]:
+    """Every validation of a run from its ``metrics.csv``, in order: accuracy per difficulty and pass@k.
+
+    Each validation is one CSV row holding ``val/accuracy``. Its ``step`` column is 0 for the one
+    before training and N - 1 after N steps (so with ``val_every`` 1 two rows share step 0); the
+    history counts training steps done instead: 0, ``val_every``, 2 ``val_every``, ... as ``val_history``.
+    """
+    with open(metrics_csv, newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("val/accuracy")]
+    history = []
+    for i, row in enumerate(rows):
+        levels = {k.rsplit("/", 1)[-1]: float(v) for k, v in row.items() if k.startswith("val/accuracy/") and v}
+        passes = {k.rsplit("@", 1)[-1]: float(v) for k, v in row.items() if k.startswith("val/pass@") and v}
+        history.append({
+            "step": i * val_every,
+            "by_difficulty": dict(sorted(levels.items(), key=lambda kv: _level_key(kv[0]))),
+            "pass_at_k": dict(sorted(passes.items(), key=lambda kv: int(kv[0]))),
+            "mean_over_levels": sum(levels.values()) / max(len(levels), 1),
+        })  # fmt: skip
+    return history
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write, so lines of parallel runs do not interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """What a finished run must share with this invocation to be reused."""
+    return {
+        "config": _rel(args.config),
+        "steps": args.steps,
+        "val_every": args.val_every,
+        "val_samples": args.val_samples,
+        "extra": args.extra,
+    }
+
+
+def run_one(spec: EstimatorSpec, seed: int, args: argparse.Namespace, threads: int) -> dict | None:
+    """Train one run in a subprocess (or reuse its ``result.json``); None if it failed."""
+    run_dir = args.out / spec.slug / f"seed{seed}"
+    result_path = run_dir / "result.json"
+    if result_path.exists():
+        say(f"[skip] {spec.label} seed {seed}: {result_path} exists")
+        return json.loads(result_path.read_text())
+    if run_dir.exists():  # an unfinished run (no result.json): start it again from scratch
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    say(f"[run]  {spec.label} seed {seed} -> {run_dir}")
+    started = time.perf_counter()
+    with open(run_dir / "log.txt", "w") as log:
+        rc = subprocess.run(
+            fit_command(spec, seed, run_dir, args), cwd=_ROOT, env=env, stdout=log, stderr=log
+        ).returncode
+    wall = time.perf_counter() - started
+    metrics_csv = run_dir / "lightning_logs" / "version_0" / "metrics.csv"
+    history = validations(metrics_csv, args.val_every) if rc == 0 and metrics_csv.exists() else []
+    if rc != 0 or len(history) != args.steps // args.val_every + 1:
+        tail = (run_dir / "log.txt").read_text().splitlines()[-15:]
+        say(f"[fail] {spec.label} seed {seed} (exit {rc}); log {run_dir / 'log.txt'}:\n  " + "\n  ".join(tail))
+        return None
+    result = {
+        "estimator": spec.label, "class_path": spec.class_path, "init_args": spec.init_args, "seed": seed,
+        **run_settings(args), "wall_s": round(wall, 1), "threads": threads, "jobs": args.jobs,
+        "initial": history[0], "final": history[-1], "history": history,
+    }  # fmt: skip
+    result_path.write_text(json.dumps(result, indent=1) + "\n")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 8 MB a run; the trained policy stays in hf_model/
+    first, last = history[0]["mean_over_levels"], history[-1]["mean_over_levels"]
+    say(f"[done] {spec.label} seed {seed}: {wall:.0f} s, mean accuracy over levels {first:.1%} -> {last:.1%}")
+    return result
+
+
+def run_all(specs: list[EstimatorSpec], args: argparse.Namespace) -> dict[str, dict[int, dict]]:
+    """Seed-major order (every estimator's seed 0 first), so a cut-short benchmark is still paired."""
+    jobs = [(spec, seed) for seed in args.seeds for spec in specs]
+    results: dict[str, dict[int, dict]] = {s.label: {} for s in specs}
+    settings = run_settings(args)
+    for spec, seed in jobs:  # a finished run is reused only if it was trained as this invocation would
+        path = args.out / spec.slug / f"seed{seed}" / "result.json"
+        if path.exists() and any(json.loads(path.read_text()).get(k, v) != v for k, v in settings.items()):
+            raise SystemExit(
+                f"error: {path} was made with other settings than {settings}; "
+                "use another --out, or delete that run folder to run it again"
+            )
+    if args.report_only:
+        for spec, seed in jobs:
+            path = args.out / spec.slug / f"seed{seed}" / "result.json"
+            if path.exists():
+                results[spec.label][seed] = json.loads(path.read_text())
+        return results
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        outcomes = pool.map(lambda job: run_one(*job, args, args.threads), jobs)
+        for (spec, seed), result in zip(jobs, outcomes):
+            if result is not None:
+                results[spec.label][seed] = result
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def ci(values: list[float]) -> tuple[float, float]:
+    """Mean and 95 % t half-width (nan for one value)."""
+    mean, half = t_interval(torch.tensor(values, dtype=torch.float64))
+    return float(mean), float(half)
+
+
+def fmt(values: list[float], sign: bool = False) -> str:
+    """``61.2 % ± 3.4``: percent, mean ± 95 % half-width (no interval for one value)."""
+    if not values:
+        return "-"
+    mean, half = ci(values)
+    return f"{100 * mean:{'+' if sign else ''}.1f} %" + ("" if math.isnan(half) else f" ± {100 * half:.1f}")
+
+
+def final_means(runs: dict[int, dict]) -> dict[int, float]:
+    return {seed: r["final"]["mean_over_levels"] for seed, r in runs.items()}
+
+
+def mean_over_levels(result: dict) -> float:
+    return result["final"]["mean_over_levels"]
+
+
+def paired(a: dict[int, dict], b: dict[int, dict], metric=mean_over_levels) -> tuple[float, float, int]:
+    """Mean and 95 % t half-width of the seed-paired difference a - b of ``metric(result)`` (default: final
+    mean accuracy over levels), over the seeds both finished."""
+    diffs = [metric(a[s]) - metric(b[s]) for s in sorted(set(a) & set(b))]
+    if not diffs:
+        return math.nan, math.nan, 0
+    mean, half = ci(diffs)
+    return mean, half, len(diffs)
+
+
+def compare(best: str, other: str, results: dict[str, dict[int, dict]], role: str) -> str:
+    mean, half, n = paired(results[best], results[other])
+    if n == 0:
+        return f"- Against {role} {other}: no seed finished for both, no comparison."
+    text = f"- Against {role} {other}: {100 * mean:+.1f} pts (paired over {n} seed{'s' * (n > 1)}"
+    if math.isnan(half):
+        return text + "; one seed, so no confidence interval: not a test)."
+    lo, hi = 100 * (mean - half), 100 * (mean + half)
+    verdict = (
+        "the interval excludes 0: a significant difference at 95 %"
+        if lo > 0 or hi < 0
+        else "the interval includes 0: no significant difference"
+    )
+    return text + f", 95 % CI [{lo:+.1f}, {hi:+.1f}] pts): {verdict}."
+
+
+def overlap(a: list[float], b: list[float]) -> bool | None:
+    (ma, ha), (mb, hb) = ci(a), ci(b)
+    if math.isnan(ha) or math.isnan(hb):
+        return None
+    return ma - ha <= mb + hb and mb - hb <= ma + ha
+
+
+def conclusion(results: dict[str, dict[int, dict]], specs: list[EstimatorSpec]) -> str:
+    """The best estimator by final mean accuracy over levels, against the runner-up and against GRPO."""
+    means = {lab: list(final_means(runs).values()) for lab, runs in results.items() if runs}
+    if not means:
+        return "No run finished: nothing to compare."
+    ranked = sorted(means, key=lambda lab: -ci(means[lab])[0])
+    best, n = ranked[0], len(means[ranked[0]])
+    interval = f"mean ± 95 % CI half-width over {n} seeds" if n > 1 else "one seed, no CI"
+    lines = [f"**Best: {best}**, final mean accuracy over levels {fmt(means[best])} ({interval})."]
+    if len(ranked) > 1:
+        runner = ranked[1]
+        if ci(means[best])[0] == ci(means[runner])[0]:
+            lines[0] += f" It is tied with {runner}: the ranking between them is arbitrary."
+        lines.append(compare(best, runner, results, "the runner-up"))
+        both = overlap(means[best], means[runner])
+        if both is not None:
+            lines.append(
+                f"- The per-estimator 95 % CIs of {best} and {runner} " + ("overlap." if both else "do not overlap.")
+            )
+    grpo = next((s.label for s in specs if s.name == "GRPO" and not s.init_args and s.label in means), None)
+    if grpo == best:
+        lines.append("- GRPO, the baseline, is itself the best.")
+    elif grpo is not None and grpo == ranked[1]:
+        lines.append("- GRPO, the baseline, is the runner-up (comparison above).")
+    elif grpo is not None:
+        lines.append(compare(best, grpo, results, "the GRPO baseline"))
+    spread = [ci(means[lab]) for lab in ranked]
+    defined = len(ranked) > 1 and all(not math.isnan(h) for _, h in spread)
+    if defined and max(m - h for m, h in spread) <= min(m + h for m, h in spread):
+        lines.append("- All estimators' 95 % CIs overlap: at this budget the seeds do not separate them.")
+    base = [r["initial"]["mean_over_levels"] for r in base_runs(results)]
+    if len(base) > 1:
+        low, high = 100 * min(base), 100 * max(base)
+        lines.append(f"- Validation noise alone: the base model scores {low:.1f} to {high:.1f} % over the seeds "
+                     "(same model, different validation sampling seeds).")  # fmt: skip
+    return "\n".join(lines)
+
+
+def reference_table(results, specs) -> tuple[str, str]:
+    """Seed-paired differences of every estimator against GRPO (or the first estimator when GRPO is absent)."""
+    ref = next((s for s in specs if s.name == "GRPO" and not s.init_args and results[s.label]), None)
+    ref = ref or next((s for s in specs if results[s.label]), None)
+    if ref is None:
+        return "", "no run finished"
+    k = _ks(results)[-1]
+    metrics = {
+        "mean over levels": mean_over_levels,
+        **{f"level {lv}": (lambda r, lv=lv: r["final"]["by_difficulty"][lv]) for lv in _levels(results)},
+        f"pass@{k}": lambda r: r["final"]["pass_at_k"][k],
+    }
+    rows = []
+    for spec in specs:
+        if spec == ref or not results[spec.label]:
+            continue
+        cells = []
+        for metric in metrics.values():
+            mean, half, n = paired(results[spec.label], results[ref.label], metric)
+            star = " \\*" if abs(mean) > half else ""  # False for a nan half-width (one seed)
+            cells.append(
+                "-" if n == 0 else f"{100 * mean:+.1f}" + ("" if math.isnan(half) else f" ± {100 * half:.1f}{star}")
+            )
+        rows.append([spec.label, *cells])
+    note = (
+        "\n\n\\* the 95 % CI excludes 0; among this many comparisons a few are expected by chance alone. "
+        "pass@1 is not repeated: it is the overall accuracy, the mean over levels when levels are balanced."
+    )
+    return ref.label, markdown_table(["estimator", *(f"Δ {m}" for m in metrics)], rows) + note
+
+
+# ---------------------------------------------------------------------------------------------- report
+def line_styles(specs: list[EstimatorSpec]) -> dict[str, dict]:
+    """Colour (fixed for the shipped estimators) and a distinct dash pattern per estimator, so curves
+    that coincide stay visible."""
+    styles, dashes = {}, ("-", "--", "-.", ":")
+    for i, spec in enumerate(specs):
+        first = next(s for s in specs if s.name == spec.name) == spec
+        color = COLORS[spec.name] if first and spec.name in COLORS else OTHER_COLORS[i % len(OTHER_COLORS)]
+        styles[spec.label] = {"color": color, "ls": dashes[i % len(dashes)], "label": spec.label}
+    return styles
+
+
+def headline_table(results, specs) -> tuple[str, list[str]]:
+    levels = _levels(results)
+    header = ["estimator", "mean over levels", "change from base", *(f"level {lv}" for lv in levels), "seeds"]
+    base = base_runs(results)
+    rows = [["base model (step 0)", fmt([r["initial"]["mean_over_levels"] for r in base]), "",
+             *(fmt([r["initial"]["by_difficulty"][lv] for r in base]) for lv in levels), len(base)]]  # fmt: skip
+    for spec in specs:
+        runs = list(results[spec.label].values())
+        if not runs:
+            rows.append([spec.label, "(no finished run)", "", *("" for _ in levels), 0])
+            continue
+        change = [r["final"]["mean_over_levels"] - r["initial"]["mean_over_levels"] for r in runs]
+        rows.append([spec.label, fmt([r["final"]["mean_over_levels"] for r in runs]),
+                     fmt(change, sign=True).replace(" %", " pts"),
+                     *(fmt([r["final"]["by_difficulty"][lv] for r in runs]) for lv in levels), len(runs)])  # fmt: skip
+    return markdown_table(header, rows), levels
+
+
+def pass_table(results, specs) -> str:
+    ks = _ks(results)
+    rows = [[s.label, *(fmt([r["final"]["pass_at_k"][k] for r in results[s.label].values()]) for k in ks)]
+            for s in specs if results[s.label]]  # fmt: skip
+    return markdown_table(["estimator", *(f"pass@{k}" for k in ks)], rows)
+
+
+def budget_series(run_dir: Path, bucket: str) -> list[tuple[int, float]]:
+    series = read_metrics(run_dir / "lightning_logs" / "version_0" / "metrics.csv")
+    return series.get(f"train/budget/l1/{bucket}", [])
+
+
+def budget_table(results, specs, out: Path) -> str:
+    rows = []
+    for spec in specs:
+        seeds = list(results[spec.label])
+        if not seeds:
+            continue
+        cells = []
+        for bucket in BUDGET_BUCKETS:
+            means = [sum(v for _, v in pts) / len(pts) for s in seeds
+                     if (pts := budget_series(out / spec.slug / f"seed{s}", bucket))]  # fmt: skip
+            cells.append(fmt(means))
+        rows.append([spec.label, *cells])
+    return markdown_table(["estimator", *(b.replace("_", "-") for b in BUDGET_BUCKETS)], rows)
+
+
+def write_report(results, specs, args) -> Path:
+    table, levels = headline_table(results, specs)
+    ref_label, ref_table = reference_table(results, specs)
+    walls = [r["wall_s"] for runs in results.values() for r in runs.values()]
+    steps_done = sorted({r["steps"] for runs in results.values() for r in runs.values()})
+    setup = (
+        f"`{_rel(args.config)}` with only the estimator and the seed changed; {args.steps} training steps "
+        f"(validation every {args.val_every} steps and before training), `val_samples={args.val_samples}`, "
+        f"seeds {', '.join(map(str, args.seeds))}"
+        + (f", extra arguments `{args.extra}`" if args.extra else "")
+        + f". Runs finished: {len(walls)} of {len(specs) * len(args.seeds)}"
+        + (f" (steps {steps_done})" if steps_done and steps_done != [args.steps] else "")
+        + "."
+    )
+    sections = [
+        "## Setup\n\n" + setup + " Cells are mean ± 95 % t-interval half-width over seeds (percent; "
+        "\"pts\" = percentage points). Accuracy is the validation success rate averaged over "
+        f"{args.val_samples} samples per prompt; the headline is its mean over difficulty levels.",
+        "## Headline: final validation accuracy\n\n" + table,
+        "## Conclusion\n\n" + conclusion(results, specs) + "\n\nDifferences are paired by seed: runs with the "
+        "same seed share the initial model (the same for every seed), the training prompt order and the "
+        "validation sampling seeds; every run is validated on the same prompts.",
+        f"## Paired differences against {ref_label} (percentage points, mean ± 95 % CI over seeds)\n\n"
+        + ref_table,
+        "## pass@k at the end of training\n\n" + pass_table(results, specs),
+        "## Gradient budget: L1 share of |A| by group success rate, mean over training\n\n"
+        + budget_table(results, specs, args.out),
+        "## Run time\n\n" + run_time(results, args),
+        "## Figures\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plot_all(results, specs, levels, args)),
+    ]  # fmt: skip
+    return _write_markdown(args.out / "report.md", "Head-to-head: estimators on the quickstart task", sections)
+
+
+def run_time(results, args) -> str:
+    runs = [r for per_seed in results.values() for r in per_seed.values()]
+    if not runs:
+        return "No run finished."
+    walls = [r["wall_s"] for r in runs]
+    layouts = sorted({f"{r.get('jobs', '?')} at a time, {r['threads']} torch thread(s) each" for r in runs})
+    text = (
+        f"{len(walls)} runs, {sum(walls) / 60:.1f} min of run time in all (mean {sum(walls) / len(walls) / 60:.1f} "
+        f"min per run; {'; '.join(layouts)})."
+    )
+    if not args.report_only:
+        text += f" This invocation took {(time.perf_counter() - args.started) / 60:.1f} min of wall clock"
+        text += " (finished runs it skipped cost nothing)."
+    return text  # fmt: skip
+
+
+def plot_all(results, specs, levels, args) -> list[Path]:
+    if not any(results.values()):
+        return []
+    use_agg_backend()
+    shown = [s for s in specs if results[s.label]]
+    colors = line_styles(specs)
+    return [
+        plot_final(results, shown, colors, levels, args.out / "accuracy_by_difficulty.png"),
+        plot_curves(results, shown, colors, levels, args.out / "accuracy_curves.png"),
+        plot_pass(results, shown, colors, args.out / "pass_at_k.png"),
+        plot_budget(results, shown, colors, args.out, args.out / "budget_shares.png"),
+    ]
+
+
+def plot_final(results, shown, colors, levels, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    groups = [*levels, "mean"]
+    fig, ax = plt.subplots(figsize=(max(7, 1.9 * len(groups) + 0.4 * len(shown)), 4.6))
+    width = 0.8 / len(shown)
+    base = base_runs(results)
+    for j, key in enumerate(groups):
+        value = sum(_acc(r["initial"], key) for r in base) / len(base)
+        ax.hlines(
+            value, j - 0.42, j + 0.42, colors="grey", linestyles=":", lw=2, label="base model" if j == 0 else None
+        )
+    for i, spec in enumerate(shown):
+        runs = list(results[spec.label].values())
+        stats = [ci([_acc(r["final"], key) for r in runs]) for key in groups]
+        x = [j - 0.4 + width * (i + 0.5) for j in range(len(groups))]
+        err = [0 if math.isnan(h) else h for _, h in stats]
+        bar = {"color": colors[spec.label]["color"], "label": spec.label, "ecolor": "0.55", "capsize": 3}
+        ax.bar(x, [m for m, _ in stats], width * 0.92, yerr=err, **bar)  # grey error bars: visible on black
+    ax.set_xticks(range(len(groups)), [f"level {g}" if g != "mean" else "mean over levels" for g in groups])
+    ax.set(ylabel="final validation accuracy", ylim=(0, 1), title="Final accuracy by difficulty (95 % CI over seeds)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=min(len(shown) + 1, 3))
+    return save_figure(fig, path)
+
+
+def plot_curves(results, shown, colors, levels, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    keys = ["mean", *levels]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4), sharex=True)
+    for ax, key in zip(axes, keys):
+        for spec in shown:
+            runs = list(results[spec.label].values())
+            steps = [e["step"] for e in runs[0]["history"]]
+            stats = [ci([_acc(r["history"][t], key) for r in runs]) for t in range(len(steps))]
+            mean = [m for m, _ in stats]
+            ax.plot(steps, mean, marker="o", ms=3, **colors[spec.label])
+            if not any(math.isnan(h) for _, h in stats):
+                lo, hi = [m - h for m, h in stats], [m + h for m, h in stats]
+                ax.fill_between(steps, lo, hi, color=colors[spec.label]["color"], alpha=0.1)
+        title = "mean over levels" if key == "mean" else f"level {key}"
+        ax.set(title=title, xlabel="training step", ylabel="validation accuracy")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(shown), fontsize=9, bbox_to_anchor=(0.5, -0.06))
+    fig.suptitle("Validation accuracy over training (bands: 95 % CI over seeds)")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_pass(results, shown, colors, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ks = _ks(results)
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    base = base_runs(results)
+    ax.plot([int(k) for k in ks], [sum(r["initial"]["pass_at_k"][k] for r in base) / len(base) for k in ks],
+            ":", color="grey", lw=2, label="base model")  # fmt: skip
+    for i, spec in enumerate(shown):
+        runs = list(results[spec.label].values())
+        stats = [ci([r["final"]["pass_at_k"][k] for r in runs]) for k in ks]
+        x = [int(k) + 0.04 * (i - len(shown) / 2) for k in ks]
+        err = [0 if math.isnan(h) else h for _, h in stats]
+        ax.errorbar(x, [m for m, _ in stats], yerr=err, marker="o", capsize=3, **colors[spec.label])
+    ax.set_xticks([int(k) for k in ks])
+    ax.set(xlabel="k (samples per prompt)", ylabel="pass@k (all levels)", title="pass@k after training (95 % CI)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def plot_budget(results, shown, colors, out: Path, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, bucket in zip(axes, ("near_solved", "hard")):
+        for spec in shown:
+            curves = [_smooth(budget_series(out / spec.slug / f"seed{s}", bucket), 20) for s in results[spec.label]]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            steps = [p[0] for p in curves[0][:n]]
+            stats = [ci([c[t][1] for c in curves]) for t in range(n)]
+            ax.plot(steps, [m for m, _ in stats], **colors[spec.label])
+            if not any(math.isnan(h) for _, h in stats):
+                lo, hi = [m - h for m, h in stats], [m + h for m, h in stats]
+                ax.fill_between(steps, lo, hi, color=colors[spec.label]["color"], alpha=0.12)
+        name = bucket.replace("_", "-")
+        ax.set(title=f"{name} groups", xlabel="training step", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("L1 share of |A| (20-step moving mean)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Gradient budget over training: near-solved vs hard prompts (bands: 95 % CI over seeds)")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def base_runs(results) -> list[dict]:
+    """One run per seed: runs of a seed share the initial model, validation prompts and sampling seeds."""
+    by_seed: dict[int, dict] = {}
+    for runs in results.values():
+        for seed, result in runs.items():
+            by_seed.setdefault(seed, result)
+    return [by_seed[s] for s in sorted(by_seed)]
+
+
+def _smooth(points: list[tuple[int, float]], window: int = 10) -> list[tuple[int, float]]:
+    out = []
+    for i, (step, _) in enumerate(points):
+        chunk = [v for _, v in points[max(0, i - window + 1) : i + 1]]
+        out.append((step, sum(chunk) / len(chunk)))
+    return out
+
+
+def _acc(entry: dict, key: str) -> float:
+    return entry["mean_over_levels"] if key == "mean" else entry["by_difficulty"][key]
+
+
+def _levels(results) -> list[str]:
+    first = next(r for runs in results.values() for r in runs.values())
+    return list(first["final"]["by_difficulty"])
+
+
+def _ks(results) -> list[str]:
+    first = next(r for runs in results.values() for r in runs.values())
+    return list(first["final"]["pass_at_k"])
+
+
+def _level_key(level: str) -> tuple[int, float | str]:
+    try:
+        return (0, float(level))
+    except ValueError:
+        return (1, level)
+
+
+def _rel(path: Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(_ROOT)) if path.is_relative_to(_ROOT) else str(path)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--estimators",
+        nargs="+",
+        default=list(DEFAULT_ESTIMATORS),
+        metavar="SPEC",
+        help="module.Class[:{JSON init args}] or a YAML/JSON file of {class_path, init_args}",
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seed_everything and model.seed")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run (trainer.max_steps)")
+    parser.add_argument("--val-every", type=int, default=50, help="validation interval in steps (<= --steps)")
+    parser.add_argument("--val-samples", type=int, default=4, help="samples per validation prompt (pass@1..k)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the base config of every run")
+    parser.add_argument(
+        "--extra",
+        default="",
+        help="more sgrpo.fit arguments for every run, one string: write --extra='--model.x=1 ...'",
+    )
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each in its own process")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (OMP_NUM_THREADS)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="run folders and the report")
+    parser.add_argument("--report-only", action="store_true", help="no training: report the finished runs")
+    args = parser.parse_args(argv)
+    args.val_every = min(args.val_every, args.steps)
+    if args.steps < 1 or args.steps % args.val_every:
+        parser.error(f"--steps ({args.steps}) must be a positive multiple of --val-every ({args.val_every}), "
+                     "so the last validation falls on the last step")  # fmt: skip
+    if args.jobs < 1 or args.threads < 1:
+        parser.error(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
+    args.out, args.config = args.out.resolve(), args.config.resolve()
+    args.started = time.perf_counter()
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    specs = parse_estimators(args.estimators)
+    if os.getcwd() not in sys.path:  # a user's estimator module in the current folder, as the runs see it
+        sys.path.append(os.getcwd())
+    for spec in specs:
+        spec.check()
+    started = time.perf_counter()
+    results = run_all(specs, args)
+    path = write_report(results, specs, args)
+    print(f"\n{path.read_text().split('## pass@k')[0]}report: {path} ({(time.perf_counter() - started) / 60:.1f} min)")
+    return path
+
+
+if __name__ == "__main__":
+    main()
