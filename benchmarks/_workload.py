@@ -1,0 +1,398 @@
+"""The two sides of ``benchmarks/throughput.py``: one framework per process, stepped by the parent.
+
+A worker builds its trainer (sgrpo's ``GRPOPolicy`` under Lightning, or TRL's ``GRPOTrainer``) on the
+shared model folder and prompts, then blocks at the start of every training step until the parent
+writes ``go`` on its stdin. At each step start it first reports the previous step on stdout (a line
+``@@bench {json}``): the wall time from release to the next step start (so every framework overhead
+between two steps counts), the time spent inside ``model.generate`` and the tokens it produced,
+and the process's current and peak RSS. A line other than ``go`` ends the process at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sgrpo.types import Example
+from tasks.base import Reward, RewardResult
+
+PREFIX = "@@bench "
+
+
+@dataclass
+class Workload:
+    """Everything both frameworks must agree on; travels to the workers as JSON."""
+
+    model_dir: str
+    prompts: int = 8  # B: prompts per step (the task holds exactly these)
+    group_size: int = 8  # G
+    new_tokens: int = 32  # max new tokens; also the minimum when force_length
+    force_length: bool = True  # EOS masked for the first new_tokens tokens: every completion has exactly T tokens
+    steps: int = 8  # steps the parent will release
+    threads: int = 2
+    reward: str = "exact_match"  # or "parity" (a content-free binary reward for the random large-vocab model)
+    lr: float = 1e-6
+    trl_gradient_checkpointing: bool = False
+    micro_batch: int | None = None  # rows per forward/backward (gradients accumulated): sgrpo's micro_batch_size
+    logits_chunk_mib: float = 128.0  # sgrpo only: its LM-head chunk budget (GRPOPolicy default)
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.group_size
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class FirstCharParity(Reward):
+    """1 if the first character's code point is odd: a binary reward with variance for a random model."""
+
+    name = "parity"
+
+    def score(self, examples, completions) -> RewardResult:
+        total = torch.tensor([float(ord((c.strip() or "0")[0]) % 2) for c in completions], dtype=torch.float32)
+        return RewardResult(total, {self.name: total})
+
+
+def make_task(work: Workload):
+    from tasks.synthetic import SyntheticTask
+
+    reward = FirstCharParity() if work.reward == "parity" else None  # None: SyntheticTask's ExactMatch
+    return SyntheticTask(kind="sort", num_train=work.prompts, num_validation=0, num_test=0, reward=reward)
+
+
+class StepGate:
+    """Holds the training loop at each step start and times the step that just ended."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.cpu_started = 0.0
+        self.gen_s, self.gen_tokens, self.decode_slots, self.calls = 0.0, 0, 0, 0
+
+    def wrap_generate(self, model, eos_ids: list[int]) -> None:
+        """Time ``model.generate`` and count its tokens (up to and including the first EOS)."""
+        original = model.generate
+
+        def generate(*args, **kwargs):
+            prompt_len = kwargs["input_ids"].shape[1]
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            self.gen_s += time.perf_counter() - t0
+            new = out[:, prompt_len:]  # [N, T]
+            is_eos = torch.isin(new, torch.tensor(eos_ids))
+            before = (is_eos.long().cumsum(-1) - is_eos.long()) == 0  # up to and including the first EOS
+            self.gen_tokens += int(before.sum())
+            self.decode_slots += new.numel()  # rows x decode steps actually computed
+            self.calls += 1
+            return out
+
+        model.generate = generate
+
+    def at_step_start(self) -> None:
+        now = time.perf_counter()
+        record = {"rss_mib": _rss_mib(), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if self.started is not None:
+            record |= {
+                "wall_s": now - self.started,
+                "cpu_s": _cpu_s() - self.cpu_started,
+                "gen_s": self.gen_s,
+                "gen_tokens": self.gen_tokens,
+                "decode_slots": self.decode_slots,
+                "generate_calls": self.calls,
+            }
+        print(PREFIX + json.dumps(record), flush=True)
+        if sys.stdin.readline().strip() != "go":
+            sys.stdout.flush()
+            os._exit(0)  # skip teardown (export, checkpoint): the parent has what it needs
+        self.gen_s, self.gen_tokens, self.decode_slots, self.calls = 0.0, 0, 0, 0
+        self.cpu_started = _cpu_s()
+        self.started = time.perf_counter()
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def run_sgrpo(work: Workload) -> None:
+    from lightning.pytorch import Callback, Trainer
+
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout import HFRollout
+
+    gate = StepGate()
+
+    class Gate(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            if work.force_length:  # HFRollout has no min_new_tokens: generate reads it from the model's config
+                pl_module.model.generation_config.min_new_tokens = work.new_tokens
+            gate.wrap_generate(pl_module.model, _eos_ids(pl_module.model))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            gate.at_step_start()
+
+    policy = GRPOPolicy(
+        model=work.model_dir,
+        task=make_task(work),
+        estimator=GRPO(),  # z-score, sample std: TRL's scale_rewards="group"
+        rollout=HFRollout(max_new_tokens=work.new_tokens, temperature=1.0),
+        group_size=work.group_size,
+        prompts_per_step=work.prompts,
+        aggregation="token_mean",  # TRL's loss_type="dapo"
+        kl_coef=0.0,
+        micro_batch_size=work.micro_batch,
+        logits_chunk_mib=work.logits_chunk_mib,
+        max_grad_norm=1.0,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
+    )
+    trainer = Trainer(
+        max_steps=work.steps + 1,  # the last step start only reports the step before it
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Gate()],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tempfile.mkdtemp(prefix="sgrpo_bench_"),
+    )
+    trainer.fit(policy)
+
+
+def run_trl(work: Workload) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task = make_task(work)
+    train = list(task.examples("train"))  # the B prompts sgrpo's StepBatches also yields every step
+    examples: dict[str, Example] = {ex.prompt: ex for ex in train}
+    scorer = task.reward
+
+    def reward(prompts, completions, **kwargs) -> list[float]:  # the same Reward object sgrpo calls
+        return scorer.score([examples[p] for p in prompts], completions).total.tolist()
+
+    reward.__name__ = scorer.name
+    gate = StepGate()
+
+    class Gate(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            gate.at_step_start()
+
+    tokenizer = AutoTokenizer.from_pretrained(work.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_bench_"),
+        # TRL counts completions: B x G rows per optimiser step, in micro-batches of micro_batch rows; one
+        # generation per optimiser step (steps_per_generation defaults to gradient_accumulation_steps)
+        per_device_train_batch_size=work.micro_batch or work.rows,
+        gradient_accumulation_steps=work.rows // (work.micro_batch or work.rows),
+        num_generations=work.group_size,
+        num_iterations=1,
+        max_completion_length=work.new_tokens,
+        generation_kwargs={"min_new_tokens": work.new_tokens} if work.force_length else None,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        epsilon=0.2,
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=work.trl_gradient_checkpointing,
+        learning_rate=work.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=work.steps + 1,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": ex.prompt} for ex in train]),
+        processing_class=tokenizer,
+        callbacks=[Gate()],
+    )
+    gate.wrap_generate(trainer.model, trainer.eos_token_ids)
+    trainer.train()
+
+
+def worker_main(framework: str, work_json: str) -> None:
+    work = Workload(**json.loads(work_json))
+    torch.set_num_threads(work.threads)
+    torch.manual_seed(0)
+    {"sgrpo": run_sgrpo, "trl": run_trl}[framework](work)
+    print(PREFIX + json.dumps({"error": "training ended before the parent stopped it"}), flush=True)
+
+
+# ------------------------------------------------------------------------------------------- profile
+PHASES = (  # (label, depth): the tree printed by profile_sgrpo, children indented under their parent
+    ("step (batch start to next batch start)", 0),
+    ("training_step", 1),
+    ("rollout: HFRollout.generate", 2),
+    ("model.generate", 3),
+    ("tokenize, decode, copies", 3),
+    ("score: reward + success", 2),
+    ("update", 2),
+    ("completion_logprobs forward", 3),
+    ("manual_backward", 3),
+    ("_clip_and_step (norm, clip, AdamW, zero_grad)", 3),
+    ("update: rest (masks, _trim, counts, stats)", 3),
+    ("self.log / log_dict calls", 2),
+    ("training_step: rest (estimator, metrics)", 2),
+    ("Lightning loop between steps", 1),
+)
+
+
+def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
+    """Run sgrpo's steps in this process with timers on its phases; print medians and torch's top ops."""
+    import functools
+    import statistics
+
+    from lightning.pytorch import Callback, Trainer
+
+    import sgrpo.policy as policy_module
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout import HFRollout
+
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            w0, c0 = time.perf_counter(), _cpu_s()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall[name] = wall.get(name, 0.0) + time.perf_counter() - w0
+                cpu[name] = cpu.get(name, 0.0) + _cpu_s() - c0
+
+        return wrapper
+
+    policy = GRPOPolicy(
+        model=work.model_dir,
+        task=make_task(work),
+        estimator=GRPO(),
+        rollout=HFRollout(max_new_tokens=work.new_tokens, temperature=1.0),
+        group_size=work.group_size,
+        prompts_per_step=work.prompts,
+        micro_batch_size=work.micro_batch,
+        logits_chunk_mib=work.logits_chunk_mib,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
+    )
+    original_logprobs = policy_module.completion_logprobs
+    policy_module.completion_logprobs = timed("completion_logprobs forward", original_logprobs)
+    for attr, name in [
+        ("training_step", "training_step"),
+        ("score", "score: reward + success"),
+        ("update", "update"),
+        ("manual_backward", "manual_backward"),
+        ("_clip_and_step", "_clip_and_step (norm, clip, AdamW, zero_grad)"),
+        ("log", "self.log / log_dict calls"),  # log_dict calls self.log once per key
+    ]:
+        setattr(policy, attr, timed(name, getattr(policy, attr)))
+    policy.rollout.generate = timed("rollout: HFRollout.generate", policy.rollout.generate)
+    records: list[tuple[dict, dict]] = []
+    marks: dict[str, float] = {}
+
+    class Phases(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            if work.force_length:
+                pl_module.model.generation_config.min_new_tokens = work.new_tokens
+            pl_module.model.generate = timed("model.generate", pl_module.model.generate)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if marks:
+                wall[PHASES[0][0]] = time.perf_counter() - marks["wall"]
+                cpu[PHASES[0][0]] = _cpu_s() - marks["cpu"]
+                records.append((dict(wall), dict(cpu)))
+            wall.clear(), cpu.clear()
+            marks.update(wall=time.perf_counter(), cpu=_cpu_s())
+
+    trainer = Trainer(
+        max_steps=work.steps + 1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Phases()],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tempfile.mkdtemp(prefix="sgrpo_profile_"),
+    )
+    trainer.fit(policy)
+    policy_module.completion_logprobs = original_logprobs
+    measured = records[warmup:]
+    for times in (t for pair in measured for t in pair):
+        _derive_phases(times)
+    step_wall = statistics.median(w[PHASES[0][0]] for w, _ in measured)
+    print(f"\n### sgrpo step phases: median of {len(measured)} steps after {warmup} warm-up, {work.threads} threads\n")
+    print("| phase | wall (s) | share of step | process CPU (s) |\n|---|---:|---:|---:|")
+    for label, depth in PHASES:
+        w = statistics.median(r[0].get(label, 0.0) for r in measured)
+        c = statistics.median(r[1].get(label, 0.0) for r in measured)
+        print(f"| {'&nbsp;&nbsp;' * depth}{label} | {w:.3f} | {w / step_wall:.1%} | {c:.3f} |")
+    _top_ops(policy, top_ops)
+
+
+def _derive_phases(times: dict[str, float]) -> None:
+    """Add the untimed phases: a parent's time minus its timed children."""
+
+    def total(*keys: str) -> float:
+        return sum(times.get(k, 0.0) for k in keys)
+
+    times["tokenize, decode, copies"] = total("rollout: HFRollout.generate") - total("model.generate")
+    times["update: rest (masks, _trim, counts, stats)"] = total("update") - total(*(k for k, _ in PHASES[7:10]))
+    times["training_step: rest (estimator, metrics)"] = total("training_step") - total(
+        "rollout: HFRollout.generate", "score: reward + success", "update", "self.log / log_dict calls"
+    )
+    times["Lightning loop between steps"] = total(PHASES[0][0]) - total("training_step")
+
+
+def _top_ops(policy, limit: int) -> None:
+    """torch.profiler's top operators (self CPU time) over one rollout + update outside Lightning's loop."""
+    from torch.profiler import ProfilerActivity, profile
+
+    examples = list(policy.task.examples("train"))[: policy.prompts_per_step]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rollout = policy.rollout.generate(policy.model, policy.tokenizer, examples, policy.group_size)
+        rewards, _, _ = policy.score(examples, rollout)
+        policy.update(rollout, policy.estimator(rewards), torch.ones(len(examples), dtype=torch.bool))
+    print(f"\n### torch.profiler, one more step (rollout + update), top {limit} operators by self CPU time\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit))

@@ -1,0 +1,390 @@
+"""sgrpo vs TRL's GRPOTrainer on one identical CPU workload: step time, tokens/s, peak RSS, FLOP use.
+
+    python benchmarks/throughput.py                      # 10M-parameter Llama, 8 prompts x 8 completions x 32 tokens
+    python benchmarks/throughput.py --case large_vocab   # vocab 151,936: peak RSS of one 16 x 512-token step
+    python benchmarks/throughput.py --case profile       # where sgrpo's step time goes (phases + top torch ops)
+
+Workload (both frameworks, built once here and loaded from the same folder): a randomly initialised
+Llama on the character tokenizer of ``sgrpo.tiny`` (N parameters printed), the synthetic sort task
+restricted to B prompts (every step trains on all of them), G completions each, exactly T new
+tokens (EOS is masked until T tokens by ``min_new_tokens``: sgrpo's through the model's generation
+config, TRL's through ``generation_kwargs``; ``--no-force-length`` lets EOS stop rows and prints the
+mean length each side got), sampling at temperature 1 (no top-k/top-p), exact-match reward (the same
+``Reward`` object scores both), GRPO z-score advantages, DAPO token-mean loss, clip 0.2, KL 0 (no
+reference model), one optimiser step per rollout (AdamW, lr 1e-6, no weight decay, grad-norm clip 1;
+each side's default AdamW implementation: sgrpo's ``torch.optim.AdamW``, TRL's ``adamw_torch_fused``),
+fp32, no logger, no progress bar, no checkpoints, ``torch.set_num_threads(threads)`` in both. TRL's
+gradient checkpointing (on by default in TRL) is off, as in sgrpo, unless ``--trl-gradient-checkpointing``;
+``--micro-batch M`` splits the update into M-row micro-batches on both sides.
+
+Fairness: each framework runs in its own process (so peak RSS, from ``ru_maxrss``, is its own),
+and the parent releases their steps alternately, A B A B ..., one at a time: a worker blocks at the
+start of each step (a Lightning ``on_train_batch_start`` / a ``TrainerCallback.on_step_begin``) until
+released, so the two never compete for the cores and slow drifts of a shared machine hit both
+alike. A step's time runs from its release to the next step start, so everything each framework
+does between steps (data loading, logging hooks, optimiser and scheduler) counts. Rollout time is
+the time inside ``model.generate`` (wrapped the same way on both sides); the update time is the rest
+of the step (reward, log-probs, backward, optimiser, framework overhead). Medians over the measured
+steps after ``--warmup`` steps; the best step and the process CPU time per step are printed too,
+since a busy machine stretches wall times (``OMP_WAIT_POLICY=PASSIVE`` in the environment, inherited
+by both workers, makes them much less sensitive to other load).
+
+FLOP limit: 2N FLOPs per generated token plus 6N per trained (completion) token, against the fp32
+matmul peak measured here with the same thread count (a 2048^3 matmul, best of several, before and
+after the runs). The large-vocabulary case runs one full step per framework (B=2 prompts x G=8 = 16
+rows, 512 new tokens with EOS masked, a binary reward on the first character since the random model
+never matches), one process at a time, under a memory cap (killed above it: reported as OOM).
+Prints tables; never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# The repository root on the path, and this folder off it (benchmarks/estimators.py would shadow the package).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+from benchmarks._workload import PREFIX, Workload, profile_sgrpo, worker_main  # noqa: E402
+
+FRAMEWORKS = ("sgrpo", "trl")
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def build_model(
+    path: Path, vocab: int | None, hidden: int, layers: int, heads: int, intermediate: int, positions: int
+) -> tuple[int, int]:
+    """Save a random char-level Llama (vocabulary padded to ``vocab`` with extra characters): (N, vocab)."""
+    from sgrpo.tiny import SYNTHETIC_CHARS, build_char_tokenizer, build_tiny_llama
+
+    chars = SYNTHETIC_CHARS
+    if vocab is not None:  # code points from U+0100 up, surrogates skipped: one token each
+        extra = (chr(c) for c in range(0x100, 0x110000) if not 0xD800 <= c < 0xE000)
+        chars += "".join(next(extra) for _ in range(vocab - 3 - len(SYNTHETIC_CHARS)))
+    tokenizer = build_char_tokenizer(chars)
+    model = build_tiny_llama(tokenizer, hidden, layers, heads, intermediate, max_positions=positions)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters()), len(tokenizer)
+
+
+def matmul_peak(threads: int, n: int = 2048, repeats: int = 10) -> float:
+    """Best fp32 matmul rate (FLOP/s) of this process at ``threads`` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+# -------------------------------------------------------------------------------------------- workers
+class Worker:
+    """One framework's process: release a step with ``go``, read its ``@@bench`` record back."""
+
+    def __init__(self, framework: str, work: Workload, cap_gib: float) -> None:
+        self.framework, self.cap = framework, cap_gib * 2**30
+        # stderr goes to a file that lives as long as the worker (read back when it fails)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{framework}_", suffix=".log")  # noqa: SIM115
+        env = os.environ | {"OMP_NUM_THREADS": str(work.threads), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, __file__, "--worker", framework, "--work", work.to_json()]
+        pipe = subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=self.log, text=True, env=env)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.error: str | None = None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                self.lines.put(line[len(PREFIX) :])
+        self.lines.put(None)
+
+    def record(self) -> dict | None:
+        """The next record; None (and ``error`` set) if the process died or went over the memory cap."""
+        import psutil
+
+        process = psutil.Process(self.proc.pid)
+        while self.error is None:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                try:
+                    if process.memory_info().rss > self.cap:
+                        self.proc.kill()
+                        self.error = f"OOM: RSS above the {self.cap / 2**30:.0f} GiB cap, killed"
+                except psutil.NoSuchProcess:
+                    pass
+                continue
+            if line is None:
+                self.proc.wait()
+                self.error = f"exited with code {self.proc.returncode}: {self._tail()}"
+            else:
+                record = json.loads(line)
+                if "error" in record:
+                    self.error = record["error"]
+                return record if self.error is None else None
+        return None
+
+    def send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def close(self) -> None:
+        self.send("quit")
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def _tail(self) -> str:
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines()
+        return " | ".join(lines[-3:]) if lines else "(no stderr)"
+
+
+def run_alternating(entries: list[tuple[str, Workload]], warmup: int, cap_gib: float) -> list[dict]:
+    """Start one worker per (framework, workload), release their steps alternately; per entry: records."""
+    workers = [Worker(framework, work, cap_gib) for framework, work in entries]
+    results = [{"setup": w.record(), "steps": []} for w in workers]
+    for step in range(max(work.steps for _, work in entries)):
+        for w, result in zip(workers, results):
+            if w.error or step >= entries[workers.index(w)][1].steps:
+                continue
+            w.send("go")
+            record = w.record()
+            if record is not None and step >= warmup:
+                result["steps"].append(record)
+    for w, result in zip(workers, results):
+        w.close()
+        result["error"] = w.error
+    return results
+
+
+# -------------------------------------------------------------------------------------------- reports
+def summarise(result: dict, n_params: int, peak: float, rows: int) -> dict | None:
+    """Medians over the measured steps of each per-step figure (tokens generated = tokens trained)."""
+    steps = result["steps"]
+    if not steps:
+        return None
+    per_step = [
+        {
+            "step_s": s["wall_s"],
+            "cpu_s": s["cpu_s"],
+            "rollout_s": s["gen_s"],
+            "update_s": s["wall_s"] - s["gen_s"],
+            "rollout_tok_s": s["gen_tokens"] / s["gen_s"],
+            "update_tok_s": s["gen_tokens"] / (s["wall_s"] - s["gen_s"]),
+            "mean_len": s["gen_tokens"] / rows,
+            "decode_slots": s["decode_slots"] / rows,
+            "flop_frac": (2 + 6) * n_params * s["gen_tokens"] / (s["wall_s"] * peak),
+            "rollout_flop_frac": 2 * n_params * s["gen_tokens"] / (s["gen_s"] * peak),
+            "update_flop_frac": 6 * n_params * s["gen_tokens"] / ((s["wall_s"] - s["gen_s"]) * peak),
+        }
+        for s in steps
+    ]
+    summary = {key: statistics.median(p[key] for p in per_step) for key in per_step[0]}
+    summary["best_step_s"] = min(p["step_s"] for p in per_step)
+    summary["peak_mib"] = max(s["peak_mib"] for s in steps)
+    summary["setup_rss_mib"] = result["setup"]["rss_mib"] if result["setup"] else float("nan")
+    return summary
+
+
+ROWS = [
+    ("median step time (s)", "step_s", "{:.3f}"),
+    ("best step time (s)", "best_step_s", "{:.3f}"),
+    ("median process CPU time per step (s)", "cpu_s", "{:.3f}"),
+    ("rollout: time in generate (s)", "rollout_s", "{:.3f}"),
+    ("update: rest of the step (s)", "update_s", "{:.3f}"),
+    ("rollout tokens/s", "rollout_tok_s", "{:,.0f}"),
+    ("update tokens/s", "update_tok_s", "{:,.0f}"),
+    ("mean completion length (tokens)", "mean_len", "{:.1f}"),
+    ("decode steps computed per row", "decode_slots", "{:.1f}"),
+    ("peak RSS (MiB)", "peak_mib", "{:,.0f}"),
+    ("RSS after setup (MiB)", "setup_rss_mib", "{:,.0f}"),
+    ("fraction of FLOP limit, step", "flop_frac", "{:.1%}"),
+    ("fraction of FLOP limit, rollout", "rollout_flop_frac", "{:.1%}"),
+    ("fraction of FLOP limit, update", "update_flop_frac", "{:.1%}"),
+]
+
+
+def print_table(values: dict[str, tuple[float | None, float | None]], formats: dict[str, str]) -> None:
+    """One row per metric: sgrpo, TRL and their ratio."""
+    print("| metric | sgrpo | TRL | sgrpo / TRL |\n|---|---:|---:|---:|")
+    for label, (a, b) in values.items():
+        fmt = formats.get(label, "{:,.1f}")
+        cells = ["n/a" if v is None else fmt.format(v) for v in (a, b)]
+        ratio = f"{a / b:.2f}" if a is not None and b else "n/a"
+        print(f"| {label} | {cells[0]} | {cells[1]} | {ratio} |")
+
+
+def case_throughput(args, tmp: Path) -> None:
+    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
+    peak_before = matmul_peak(args.threads)
+    work = Workload(
+        model_dir=str(tmp),
+        prompts=args.prompts,
+        group_size=args.group_size,
+        new_tokens=args.new_tokens,
+        force_length=not args.no_force_length,
+        steps=args.warmup + args.steps,
+        threads=args.threads,
+        trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+        micro_batch=args.micro_batch,
+    )
+    results = dict(zip(FRAMEWORKS, run_alternating([(f, work) for f in FRAMEWORKS], args.warmup, args.mem_cap_gib)))
+    peak = max(peak_before, matmul_peak(args.threads))
+    print(
+        f"\n## Throughput: Llama N = {n:,} parameters (hidden {args.hidden}, {args.layers} layers, vocab {vocab}), "
+        f"{args.prompts} prompts x {args.group_size} completions x {args.new_tokens} new tokens"
+        f"{' (forced)' if work.force_length else ' (EOS allowed)'}, fp32, {args.threads} threads"
+    )
+    print(
+        f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; {args.warmup} warm-up + {args.steps} measured steps each, "
+        f"alternating; micro-batch {args.micro_batch or 'none'}; TRL gradient checkpointing "
+        f"{'on' if args.trl_gradient_checkpointing else 'off'}\n"
+    )
+    summaries = {f: summarise(results[f], n, peak, work.rows) for f in FRAMEWORKS}
+    values = {label: tuple(summaries[f] and summaries[f][key] for f in FRAMEWORKS) for label, key, _ in ROWS}
+    print_table(values, {label: fmt for label, _, fmt in ROWS})
+    for f in FRAMEWORKS:
+        if results[f]["error"]:
+            print(f"{f}: {results[f]['error']}")
+        if summaries[f]:
+            times = ", ".join(f"{s['wall_s']:.2f}" for s in results[f]["steps"])
+            print(f"{f} step times (s): {times}")
+
+
+def case_large_vocab(args, tmp: Path) -> None:
+    positions = 64 + args.large_tokens
+    n, vocab = build_model(
+        tmp, args.large_vocab, args.large_hidden, args.large_layers, 4, 2 * args.large_hidden, positions
+    )
+    rows = args.large_rows
+    work = Workload(
+        model_dir=str(tmp),
+        prompts=rows // args.group_size,
+        group_size=args.group_size,
+        new_tokens=args.large_tokens,
+        force_length=True,
+        steps=1,
+        threads=args.threads,
+        reward="parity",
+        logits_chunk_mib=args.sgrpo_chunk_mib,
+        trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+        micro_batch=args.micro_batch,
+    )
+    results = {f: run_alternating([(f, work)], 0, args.mem_cap_gib)[0] for f in FRAMEWORKS}  # one at a time
+    full = rows * args.large_tokens * vocab * 4 / 2**20
+    print(
+        f"\n## Large vocabulary: vocab {vocab:,}, hidden {args.large_hidden}, {args.large_layers} layers "
+        f"(N = {n:,}), one step of {rows} x {args.large_tokens} new tokens (generation included), fp32, "
+        f"{args.threads} threads"
+    )
+    print(
+        f"one fp32 [rows, T, vocab] logits tensor would be {full:,.0f} MiB; sgrpo logits_chunk_mib "
+        f"{args.sgrpo_chunk_mib:g}; TRL gradient checkpointing {'on' if args.trl_gradient_checkpointing else 'off'}; "
+        f"memory cap {args.mem_cap_gib:g} GiB\n"
+    )
+    step = {f: results[f]["steps"][0] if results[f]["steps"] else None for f in FRAMEWORKS}
+    setup = {f: results[f]["setup"] for f in FRAMEWORKS}
+    pick = lambda fn: tuple(fn(f) if step[f] and setup[f] else None for f in FRAMEWORKS)  # noqa: E731
+    print_table(
+        {
+            "peak RSS (MiB)": pick(lambda f: step[f]["peak_mib"]),
+            "RSS after setup (MiB)": pick(lambda f: setup[f]["rss_mib"]),
+            "peak RSS - RSS after setup (MiB)": pick(lambda f: step[f]["peak_mib"] - setup[f]["rss_mib"]),
+            "step time (s)": pick(lambda f: step[f]["wall_s"]),
+            "generate time (s)": pick(lambda f: step[f]["gen_s"]),
+            "step time without generate (s)": pick(lambda f: step[f]["wall_s"] - step[f]["gen_s"]),
+        },
+        {
+            "peak RSS (MiB)": "{:,.0f}",
+            "RSS after setup (MiB)": "{:,.0f}",
+            "peak RSS - RSS after setup (MiB)": "{:,.0f}",
+        },
+    )
+    for f in FRAMEWORKS:
+        if results[f]["error"]:
+            print(f"{f}: {results[f]['error']}")
+
+
+def case_profile(args, tmp: Path) -> None:
+    import torch
+
+    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
+    torch.set_num_threads(args.threads)
+    work = Workload(
+        model_dir=str(tmp),
+        prompts=args.prompts,
+        group_size=args.group_size,
+        new_tokens=args.new_tokens,
+        force_length=not args.no_force_length,
+        steps=args.warmup + args.steps,
+        threads=args.threads,
+        micro_batch=args.micro_batch,
+    )
+    print(f"\n## Profile of sgrpo's step: N = {n:,}, {args.prompts} x {args.group_size} x {args.new_tokens} tokens")
+    profile_sgrpo(work, args.warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--case", choices=["throughput", "large_vocab", "profile"], default="throughput")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per framework")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per framework")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every process")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (B)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per completion (T)")
+    parser.add_argument("--no-force-length", action="store_true", help="let EOS end completions before T tokens")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=1280)
+    parser.add_argument(
+        "--micro-batch", type=int, help="rows per forward/backward, gradients accumulated (both); default all B x G"
+    )
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off for parity")
+    parser.add_argument("--large-vocab", type=int, default=151_936)
+    parser.add_argument("--large-hidden", type=int, default=64)
+    parser.add_argument("--large-layers", type=int, default=2)
+    parser.add_argument("--large-rows", type=int, default=16, help="completions in the large-vocab step (B x G)")
+    parser.add_argument("--large-tokens", type=int, default=512, help="new tokens per completion, large-vocab case")
+    parser.add_argument("--sgrpo-chunk-mib", type=float, default=128.0, help="sgrpo's logits_chunk_mib (its default)")
+    parser.add_argument("--mem-cap-gib", type=float, default=16.0, help="kill a worker whose RSS exceeds this")
+    parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args.worker, args.work)
+        return
+    with tempfile.TemporaryDirectory(prefix="sgrpo_throughput_") as tmp:
+        started = time.perf_counter()
+        cases = {"throughput": case_throughput, "large_vocab": case_large_vocab, "profile": case_profile}
+        cases[args.case](args, Path(tmp))
+        print(f"\n(wall time {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
