@@ -288,6 +288,8 @@ class GRPOPolicy(LightningModule):
         counts = torch.stack([torch.tensor(float(len(rows))), token_mask[rows].sum().float().cpu()]).to(self.device)
         num_seqs, num_tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         size = self.micro_batch_size or max(len(rows), 1)
+        if self.micro_batch_size:  # similar lengths share a micro-batch, so trimming drops most padding
+            rows = rows[token_mask[rows].sum(-1).argsort(descending=True, stable=True)]
         chunks = list(rows.split(size)) if len(rows) else []  # no rows (all groups dropped): no forward
         max_chunks = int(
             self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
