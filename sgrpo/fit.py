@@ -23,17 +23,26 @@ class RunCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint with sgrpo's defaults: ``last.ckpt`` always, a numbered one every N steps.
 
     With ``dirpath`` unset, checkpoints go to ``<default_root_dir>/checkpoints`` (stable across
-    resumed runs, so ``--ckpt_path last`` finds them).
+    resumed runs, so ``--ckpt_path last`` finds them). An interrupted or crashed run (Ctrl-C, an
+    exception) also saves ``last.ckpt`` at its last completed optimiser step, so nothing since the
+    previous periodic checkpoint is lost. (With several optimiser steps per training step, an
+    interruption inside the update saves the steps taken so far.)
     """
 
     def __init__(
-        self, dirpath: str | None = None, every_n_train_steps: int = 50, save_top_k: int = -1, save_last: bool = True
+        self,
+        dirpath: str | None = None,
+        every_n_train_steps: int = 50,
+        save_top_k: int = -1,
+        save_last: bool = True,
+        save_on_exception: bool = True,
     ) -> None:
         super().__init__(
             dirpath=dirpath,
             every_n_train_steps=every_n_train_steps,
             save_top_k=save_top_k,
             save_last=save_last,
+            save_on_exception=save_on_exception,
             filename="step{step}",
             auto_insert_metric_name=False,
         )

@@ -162,6 +162,14 @@ class GRPOPolicy(LightningModule):
         state = checkpoint.get("sgrpo", {})
         self.rollout_step = state.get("rollout_step", 0)
         self.val_history = state.get("val_history", [])
+        # A checkpoint saved on an exception is saved mid-batch (batch "ready" but not "completed"), and
+        # Lightning's restart counts that batch once more in `_batches_that_stepped`, which numbers the
+        # logged steps: undo it, so the resumed run logs its next step as `rollout_step`.
+        loops = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = loops.get("epoch_loop.batch_progress", {}).get("total", {})
+        epoch_loop = loops.get("epoch_loop.state_dict", {})
+        if progress.get("ready", 0) > progress.get("completed", 0) and "_batches_that_stepped" in epoch_loop:
+            epoch_loop["_batches_that_stepped"] = self.rollout_step - 1
 
     # ------------------------------------------------------------------ training
     def training_step(self, examples: list[Example], batch_idx: int) -> None:

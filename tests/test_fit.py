@@ -108,3 +108,26 @@ def test_bad_config_fails_fast_naming_the_key(arg, needle, tmp_path):
     assert needle in done.stderr
     assert "/nonexistent/model" not in done.stderr  # it failed before trying to load the model
     assert time.perf_counter() - started < 60
+
+
+def test_a_crashed_run_saves_its_last_step_and_resumes_there(tmp_path, model_dir, monkeypatch):
+    from sgrpo.policy import GRPOPolicy
+
+    original = GRPOPolicy.training_step
+
+    def crash_at_step_3(self, examples, batch_idx):
+        if self.rollout_step == 3:
+            raise RuntimeError("simulated crash")
+        return original(self, examples, batch_idx)
+
+    monkeypatch.setattr(GRPOPolicy, "training_step", crash_at_step_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(tmp_path, model_dir, "--trainer.max_steps=6", "--trainer.val_check_interval=100")
+    monkeypatch.setattr(GRPOPolicy, "training_step", original)
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    fit(tmp_path, model_dir, "--trainer.max_steps=5", "--trainer.val_check_interval=100", "--ckpt_path=last")
+    resumed = metrics(tmp_path)
+    assert [int(r["step"]) for r in resumed] == [0, 1, 2, 3, 4]  # steps 3 and 4 after the resume
+    fit(tmp_path / "full", model_dir, "--trainer.max_steps=5", "--trainer.val_check_interval=100")
+    for a, b in zip(metrics(tmp_path / "full"), resumed, strict=True):  # the same run as an uninterrupted one
+        assert float(a["train/loss"]) == pytest.approx(float(b["train/loss"]), rel=1e-5, abs=1e-7), a["step"]
