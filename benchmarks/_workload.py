@@ -132,7 +132,7 @@ def _eos_ids(model) -> list[int]:
 
 
 def run_sgrpo(work: Workload) -> None:
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
 
     from estimators import GRPO
     from sgrpo.policy import GRPOPolicy
@@ -163,20 +163,7 @@ def run_sgrpo(work: Workload) -> None:
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
     )
-    trainer = Trainer(
-        max_steps=work.steps + 1,  # the last step start only reports the step before it
-        accelerator="cpu",
-        devices=1,
-        precision="32-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Gate()],
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=tempfile.mkdtemp(prefix="sgrpo_bench_"),
-    )
+    trainer = quiet_trainer(work.steps + 1, Gate(), "sgrpo_bench_")  # the last step start only reports the one before
     trainer.fit(policy)
 
 
@@ -281,7 +268,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
     import functools
     import statistics
 
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
 
     import sgrpo.policy as policy_module
     from estimators import GRPO
@@ -343,19 +330,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
             wall.clear(), cpu.clear()
             marks.update(wall=time.perf_counter(), cpu=_cpu_s())
 
-    trainer = Trainer(
-        max_steps=work.steps + 1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Phases()],
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=tempfile.mkdtemp(prefix="sgrpo_profile_"),
-    )
+    trainer = quiet_trainer(work.steps + 1, Phases(), "sgrpo_profile_")
     trainer.fit(policy)
     policy_module.completion_logprobs = original_logprobs
     measured = records[warmup:]
@@ -396,3 +371,23 @@ def _top_ops(policy, limit: int) -> None:
         policy.update(rollout, policy.estimator(rewards), torch.ones(len(examples), dtype=torch.bool))
     print(f"\n### torch.profiler, one more step (rollout + update), top {limit} operators by self CPU time\n")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit))
+
+
+def quiet_trainer(max_steps: int, callback, prefix: str):
+    """A CPU fp32 Trainer with no logging, checkpoints, progress bar or validation, in a scratch folder."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tempfile.mkdtemp(prefix=prefix),
+    )
