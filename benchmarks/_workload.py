@@ -4,7 +4,8 @@ A worker builds its trainer (sgrpo's ``GRPOPolicy`` under Lightning, or TRL's ``
 shared model folder and prompts, then blocks at the start of every training step until the parent
 writes ``go`` on its stdin. At each step start it first reports the previous step on stdout (a line
 ``@@bench {json}``): the wall time from release to the next step start (so every framework overhead
-between two steps counts), the time spent inside ``model.generate`` and the tokens it produced,
+between two steps counts), the time spent generating (TRL's ``model.generate``, sgrpo's
+``HFRollout._generate_rows``) and the tokens it produced,
 and the process's current and peak RSS. A line other than ``go`` ends the process at once.
 """
 
@@ -34,7 +35,7 @@ class Workload:
     prompts: int = 8  # B: prompts per step (the task holds exactly these)
     group_size: int = 8  # G
     new_tokens: int = 32  # max new tokens; also the minimum when force_length
-    force_length: bool = True  # EOS masked for the first new_tokens tokens: every completion has exactly T tokens
+    force_length: bool = False  # True: EOS masked for the first new_tokens tokens (every completion T tokens)
     steps: int = 8  # steps the parent will release
     threads: int = 2
     reward: str = "exact_match"  # or "parity" (a content-free binary reward for the random large-vocab model)
@@ -42,6 +43,8 @@ class Workload:
     trl_gradient_checkpointing: bool = False
     micro_batch: int | None = None  # rows per forward/backward (gradients accumulated): sgrpo's micro_batch_size
     logits_chunk_mib: float = 128.0  # sgrpo only: its LM-head chunk budget (GRPOPolicy default)
+    micro_batch_tokens: int | None = 1024  # sgrpo only: padded tokens per micro-batch (rows grouped by length)
+    sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
 
     @property
     def rows(self) -> int:
@@ -74,14 +77,18 @@ class StepGate:
     def __init__(self) -> None:
         self.started: float | None = None
         self.cpu_started = 0.0
-        self.gen_s, self.gen_tokens, self.decode_slots, self.calls = 0.0, 0, 0, 0
+        self.gen_s, self.gen_tokens, self.calls = 0.0, 0, 0
 
-    def wrap_generate(self, model, eos_ids: list[int]) -> None:
-        """Time ``model.generate`` and count its tokens (up to and including the first EOS)."""
-        original = model.generate
+    def wrap_generate(self, owner, name: str, eos_ids: list[int], returns_prompt: bool) -> None:
+        """Time ``owner.name`` (a function from prompt ids to token ids) and count the new tokens it made.
+
+        TRL: ``model.generate`` (prompt + new tokens back). sgrpo: ``HFRollout._generate_rows`` (the
+        lean decoder or ``generate``, new tokens only). Tokens are counted up to and including the first EOS.
+        """
+        original = getattr(owner, name)
 
         def generate(*args, **kwargs):
-            prompt_len = kwargs["input_ids"].shape[1]
+            prompt_len = kwargs["input_ids"].shape[1] if returns_prompt else 0
             t0 = time.perf_counter()
             out = original(*args, **kwargs)
             self.gen_s += time.perf_counter() - t0
@@ -89,11 +96,10 @@ class StepGate:
             is_eos = torch.isin(new, torch.tensor(eos_ids))
             before = (is_eos.long().cumsum(-1) - is_eos.long()) == 0  # up to and including the first EOS
             self.gen_tokens += int(before.sum())
-            self.decode_slots += new.numel()  # rows x decode steps actually computed
             self.calls += 1
             return out
 
-        model.generate = generate
+        setattr(owner, name, generate)
 
     def at_step_start(self) -> None:
         now = time.perf_counter()
@@ -104,14 +110,13 @@ class StepGate:
                 "cpu_s": _cpu_s() - self.cpu_started,
                 "gen_s": self.gen_s,
                 "gen_tokens": self.gen_tokens,
-                "decode_slots": self.decode_slots,
                 "generate_calls": self.calls,
             }
         print(PREFIX + json.dumps(record), flush=True)
         if sys.stdin.readline().strip() != "go":
             sys.stdout.flush()
             os._exit(0)  # skip teardown (export, checkpoint): the parent has what it needs
-        self.gen_s, self.gen_tokens, self.decode_slots, self.calls = 0.0, 0, 0, 0
+        self.gen_s, self.gen_tokens, self.calls = 0.0, 0, 0
         self.cpu_started = _cpu_s()
         self.started = time.perf_counter()
 
@@ -131,20 +136,29 @@ def _eos_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
+def rollout_engine(work: Workload):
+    """sgrpo's HFRollout for the workload: EOS masked for the first T tokens when the length is forced."""
+    from sgrpo.rollout import HFRollout
+
+    return HFRollout(
+        max_new_tokens=work.new_tokens,
+        temperature=1.0,
+        min_new_tokens=work.new_tokens if work.force_length else 0,
+        decoder=work.sgrpo_decoder,
+    )
+
+
 def run_sgrpo(work: Workload) -> None:
     from lightning.pytorch import Callback
 
     from estimators import GRPO
     from sgrpo.policy import GRPOPolicy
-    from sgrpo.rollout import HFRollout
 
     gate = StepGate()
 
     class Gate(Callback):
         def on_fit_start(self, trainer, pl_module) -> None:
-            if work.force_length:  # HFRollout has no min_new_tokens: generate reads it from the model's config
-                pl_module.model.generation_config.min_new_tokens = work.new_tokens
-            gate.wrap_generate(pl_module.model, _eos_ids(pl_module.model))
+            gate.wrap_generate(pl_module.rollout, "_generate_rows", _eos_ids(pl_module.model), returns_prompt=False)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             gate.at_step_start()
@@ -153,12 +167,13 @@ def run_sgrpo(work: Workload) -> None:
         model=work.model_dir,
         task=make_task(work),
         estimator=GRPO(),  # z-score, sample std: TRL's scale_rewards="group"
-        rollout=HFRollout(max_new_tokens=work.new_tokens, temperature=1.0),
+        rollout=rollout_engine(work),
         group_size=work.group_size,
         prompts_per_step=work.prompts,
         aggregation="token_mean",  # TRL's loss_type="dapo"
         kl_coef=0.0,
         micro_batch_size=work.micro_batch,
+        micro_batch_tokens=work.micro_batch_tokens,
         logits_chunk_mib=work.logits_chunk_mib,
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
@@ -232,7 +247,7 @@ def run_trl(work: Workload) -> None:
         processing_class=tokenizer,
         callbacks=[Gate()],
     )
-    gate.wrap_generate(trainer.model, trainer.eos_token_ids)
+    gate.wrap_generate(trainer.model, "generate", trainer.eos_token_ids, returns_prompt=True)
     trainer.train()
 
 
@@ -249,7 +264,7 @@ PHASES = (  # (label, depth): the tree printed by profile_sgrpo, children indent
     ("step (batch start to next batch start)", 0),
     ("training_step", 1),
     ("rollout: HFRollout.generate", 2),
-    ("model.generate", 3),
+    ("decode: HFRollout._generate_rows", 3),
     ("tokenize, decode, copies", 3),
     ("score: reward + success", 2),
     ("update", 2),
@@ -273,7 +288,6 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
     import sgrpo.policy as policy_module
     from estimators import GRPO
     from sgrpo.policy import GRPOPolicy
-    from sgrpo.rollout import HFRollout
 
     wall: dict[str, float] = {}
     cpu: dict[str, float] = {}
@@ -294,10 +308,11 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         model=work.model_dir,
         task=make_task(work),
         estimator=GRPO(),
-        rollout=HFRollout(max_new_tokens=work.new_tokens, temperature=1.0),
+        rollout=rollout_engine(work),
         group_size=work.group_size,
         prompts_per_step=work.prompts,
         micro_batch_size=work.micro_batch,
+        micro_batch_tokens=work.micro_batch_tokens,
         logits_chunk_mib=work.logits_chunk_mib,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
     )
@@ -318,9 +333,8 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
 
     class Phases(Callback):
         def on_fit_start(self, trainer, pl_module) -> None:
-            if work.force_length:
-                pl_module.model.generation_config.min_new_tokens = work.new_tokens
-            pl_module.model.generate = timed("model.generate", pl_module.model.generate)
+            rollout = pl_module.rollout
+            rollout._generate_rows = timed("decode: HFRollout._generate_rows", rollout._generate_rows)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if marks:
@@ -352,7 +366,7 @@ def _derive_phases(times: dict[str, float]) -> None:
     def total(*keys: str) -> float:
         return sum(times.get(k, 0.0) for k in keys)
 
-    times["tokenize, decode, copies"] = total("rollout: HFRollout.generate") - total("model.generate")
+    times["tokenize, decode, copies"] = total("rollout: HFRollout.generate") - total("decode: HFRollout._generate_rows")
     times["update: rest (masks, _trim, counts, stats)"] = total("update") - total(*(k for k, _ in PHASES[7:10]))
     times["training_step: rest (estimator, metrics)"] = total("training_step") - total(
         "rollout: HFRollout.generate", "score: reward + success", "update", "self.log / log_dict calls"

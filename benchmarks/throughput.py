@@ -6,16 +6,20 @@
 
 Workload (both frameworks, built once here and loaded from the same folder): a randomly initialised
 Llama on the character tokenizer of ``sgrpo.tiny`` (N parameters printed), the synthetic sort task
-restricted to B prompts (every step trains on all of them), G completions each, exactly T new
-tokens (EOS is masked until T tokens by ``min_new_tokens``: sgrpo's through the model's generation
-config, TRL's through ``generation_kwargs``; ``--no-force-length`` lets EOS stop rows and prints the
-mean length each side got), sampling at temperature 1 (no top-k/top-p), exact-match reward (the same
-``Reward`` object scores both), GRPO z-score advantages, DAPO token-mean loss, clip 0.2, KL 0 (no
-reference model), one optimiser step per rollout (AdamW, lr 1e-6, no weight decay, grad-norm clip 1;
-each side's default AdamW implementation: sgrpo's ``torch.optim.AdamW``, TRL's ``adamw_torch_fused``),
-fp32, no logger, no progress bar, no checkpoints, ``torch.set_num_threads(threads)`` in both. TRL's
-gradient checkpointing (on by default in TRL) is off, as in sgrpo, unless ``--trl-gradient-checkpointing``;
-``--micro-batch M`` splits the update into M-row micro-batches on both sides.
+restricted to B prompts (every step trains on all of them), G completions each, up to T new tokens
+(EOS ends a row, as in training; ``--force-length`` masks EOS for T tokens on both sides, sgrpo's
+through ``HFRollout(min_new_tokens=T)``, TRL's through ``generation_kwargs``, so both do exactly the
+same work; the mean length each side got is printed), sampling at temperature 1 (no top-k/top-p),
+exact-match reward (the same ``Reward`` object scores both), GRPO z-score advantages, DAPO token-mean
+loss, clip 0.2, KL 0 (no reference model), one optimiser step per rollout (AdamW, lr 1e-6, no weight
+decay, grad-norm clip 1; each side's default AdamW implementation: sgrpo's ``torch.optim.AdamW``,
+TRL's ``adamw_torch_fused``), fp32, no logger, no progress bar, no checkpoints,
+``torch.set_num_threads(threads)`` in both. TRL's gradient checkpointing (on by default in TRL) is
+off, as in sgrpo, unless ``--trl-gradient-checkpointing``; ``--micro-batch M`` splits the update into
+M-row micro-batches on both sides. sgrpo runs as configured for CPU: its lean decoder
+(``--sgrpo-decoder generate`` for transformers' ``generate``) and micro-batches of at most
+``--sgrpo-micro-batch-tokens`` (1024) padded tokens, rows grouped by length; TRL has no counterpart
+of either knob.
 
 Fairness: each framework runs in its own process (so peak RSS, from ``ru_maxrss``, is its own),
 and the parent releases their steps alternately, A B A B ..., one at a time: a worker blocks at the
@@ -196,7 +200,6 @@ def summarise(result: dict, n_params: int, peak: float, rows: int) -> dict | Non
             "rollout_tok_s": s["gen_tokens"] / s["gen_s"],
             "update_tok_s": s["gen_tokens"] / (s["wall_s"] - s["gen_s"]),
             "mean_len": s["gen_tokens"] / rows,
-            "decode_slots": s["decode_slots"] / rows,
             "flop_frac": (2 + 6) * n_params * s["gen_tokens"] / (s["wall_s"] * peak),
             "rollout_flop_frac": 2 * n_params * s["gen_tokens"] / (s["gen_s"] * peak),
             "update_flop_frac": 6 * n_params * s["gen_tokens"] / ((s["wall_s"] - s["gen_s"]) * peak),
@@ -219,7 +222,6 @@ ROWS = [
     ("rollout tokens/s", "rollout_tok_s", "{:,.0f}"),
     ("update tokens/s", "update_tok_s", "{:,.0f}"),
     ("mean completion length (tokens)", "mean_len", "{:.1f}"),
-    ("decode steps computed per row", "decode_slots", "{:.1f}"),
     ("peak RSS (MiB)", "peak_mib", "{:,.0f}"),
     ("RSS after setup (MiB)", "setup_rss_mib", "{:,.0f}"),
     ("fraction of FLOP limit, step", "flop_frac", "{:.1%}"),
@@ -246,7 +248,9 @@ def case_throughput(args, tmp: Path) -> None:
         prompts=args.prompts,
         group_size=args.group_size,
         new_tokens=args.new_tokens,
-        force_length=not args.no_force_length,
+        force_length=args.force_length,
+        sgrpo_decoder=args.sgrpo_decoder,
+        micro_batch_tokens=args.sgrpo_micro_batch_tokens or None,
         steps=args.warmup + args.steps,
         threads=args.threads,
         trl_gradient_checkpointing=args.trl_gradient_checkpointing,
@@ -291,6 +295,7 @@ def case_large_vocab(args, tmp: Path) -> None:
         threads=args.threads,
         reward="parity",
         logits_chunk_mib=args.sgrpo_chunk_mib,
+        micro_batch_tokens=None,  # all rows in one micro-batch, as TRL: the ratio is the LM head's doing
         trl_gradient_checkpointing=args.trl_gradient_checkpointing,
         micro_batch=args.micro_batch,
     )
@@ -339,7 +344,9 @@ def case_profile(args, tmp: Path) -> None:
         prompts=args.prompts,
         group_size=args.group_size,
         new_tokens=args.new_tokens,
-        force_length=not args.no_force_length,
+        force_length=args.force_length,
+        sgrpo_decoder=args.sgrpo_decoder,
+        micro_batch_tokens=args.sgrpo_micro_batch_tokens or None,
         steps=args.warmup + args.steps,
         threads=args.threads,
         micro_batch=args.micro_batch,
@@ -357,13 +364,24 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (B)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per completion (T)")
-    parser.add_argument("--no-force-length", action="store_true", help="let EOS end completions before T tokens")
+    parser.add_argument(
+        "--force-length", action="store_true", help="mask EOS until T tokens: every completion exactly T tokens"
+    )
+    parser.add_argument(
+        "--sgrpo-decoder", choices=["lean", "generate"], default="lean", help="HFRollout's decoder (default lean)"
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=1280)
     parser.add_argument(
         "--micro-batch", type=int, help="rows per forward/backward, gradients accumulated (both); default all B x G"
+    )
+    parser.add_argument(
+        "--sgrpo-micro-batch-tokens",
+        type=int,
+        default=1024,
+        help="sgrpo's micro_batch_tokens: padded tokens per micro-batch, rows grouped by length (0: no limit)",
     )
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off for parity")
     parser.add_argument("--large-vocab", type=int, default=151_936)

@@ -11,7 +11,6 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
@@ -31,52 +30,169 @@ def completion_logprobs(
     chunk_size: int | None = None,
     chunk_mib: float = 128.0,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
 
     ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are
     ``lm_head(h) / temperature`` (the sampling distribution before top-k/top-p). The LM head runs
     only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
-    logits in ``chunk_mib`` MiB) under activation checkpointing, so neither the forward nor the
-    backward ever holds ``[N, T, vocab]`` logits. Padding gets 0.
+    logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
+    ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``share_prompts``, rows
+    with the same prompt run it once (``completion_hidden_states``).
     """
     t = completion_mask.shape[1]
-    hidden = final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # [N, T, H]
+    hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
     head = model.get_output_embeddings()
     mask = completion_mask.bool()
     if chunk_size is None:
         chunk_size = max(1, int(chunk_mib * 2**20) // (4 * head.weight.shape[0]))
     h = hidden[mask]  # [M, H]
     targets = input_ids[:, -t:][mask]  # [M]
-    pieces = [
-        checkpoint(
-            _token_logprobs,
-            head,
-            h[i : i + chunk_size],
-            targets[i : i + chunk_size],
-            temperature,
-            with_entropy,
-            use_reentrant=False,
-        )
-        if torch.is_grad_enabled()
-        else _token_logprobs(head, h[i : i + chunk_size], targets[i : i + chunk_size], temperature, with_entropy)
-        for i in range(0, h.shape[0], chunk_size)
-    ]
+    token_logp, token_entropy = TokenLogprobs.apply(
+        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy
+    )
     logp = hidden.new_zeros(mask.shape, dtype=torch.float32)
     entropy = hidden.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
-    if pieces:
-        logp = logp.masked_scatter(mask, torch.cat([p[0] for p in pieces]))
+    if h.shape[0]:
+        logp = logp.masked_scatter(mask, token_logp)
         if entropy is not None:
-            entropy = entropy.masked_scatter(mask, torch.cat([p[1] for p in pieces]))
+            entropy = entropy.masked_scatter(mask, token_entropy)
     return logp, entropy
 
 
-def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+class TokenLogprobs(torch.autograd.Function):
+    """``log softmax(h W^T + b) / T)[target]`` per token, chunk by chunk, never holding ``[M, vocab]``.
+
+    Forward: for each chunk of ``chunk`` tokens, logits ``z = (h W^T + b) / T`` into one reused
+    buffer, ``lse = logsumexp(z)``, ``logp = z[target] - lse`` and the entropy
+    ``H = lse - sum softmax(z) z`` (no gradient). Only ``lse`` ``[M]`` is saved. Backward
+    recomputes each chunk's logits in the same buffer and uses
+    ``d logp / d z = onehot(target) - softmax(z)``:
+    ``grad_h = (g (onehot - p) / T) W``, ``grad_W = sum (g (onehot - p) / T)^T h``.
+    Unlike autograd over a checkpointed ``log_softmax``, no chunk allocates fresh vocabulary-sized
+    temporaries, so peak memory is one or two ``[chunk, vocab]`` float32 buffers plus ``grad_W``.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, chunk, with_entropy=True):
+        m = h.shape[0]
+        logp = torch.empty(m, dtype=torch.float32, device=h.device)
+        entropy = torch.zeros(m, dtype=torch.float32, device=h.device)
+        lse = torch.empty(m, dtype=torch.float32, device=h.device)
+        buffers = _LogitBuffers(min(chunk, m), weight.shape[0], h.device)
+        for i in range(0, m, chunk):
+            z = buffers.logits(h[i : i + chunk], weight, bias, temperature)
+            lse[i : i + chunk] = z.logsumexp(-1)
+            logp[i : i + chunk] = z.gather(-1, targets[i : i + chunk].unsqueeze(-1)).squeeze(-1) - lse[i : i + chunk]
+            if with_entropy:
+                p = buffers.scratch(z.shape[0])
+                torch.sub(z, lse[i : i + chunk].unsqueeze(-1), out=p).exp_()
+                entropy[i : i + chunk] = lse[i : i + chunk] - p.mul_(z).sum(-1)
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        buffers = _LogitBuffers(min(chunk, h.shape[0]), weight.shape[0], h.device)
+        for i in range(0, h.shape[0], chunk):
+            hc, g = h[i : i + chunk], grad_logp[i : i + chunk].float() / temperature
+            z = buffers.logits(hc, weight, bias, temperature)
+            # z <- d loss / d (h W^T + b) = g (onehot(target) - softmax(z)) / T, in place
+            z.sub_(lse[i : i + chunk].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+            z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
+            dz = z if z.dtype == weight.dtype else z.to(weight.dtype)
+            if need_h:
+                torch.mm(dz, weight, out=grad_h[i : i + chunk])
+            if need_w:
+                grad_w.addmm_(z.t(), hc.float())
+            if need_b:
+                grad_b += z.sum(0)
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_h, cast(grad_w, weight), None if bias is None else cast(grad_b, bias), None, None, None, None
+
+
+class _LogitBuffers:
+    """``[chunk, vocab]`` float32 buffers reused across chunks: logits, and scratch for the entropy
+    (plus a model-dtype one for the matmul of half-precision models)."""
+
+    def __init__(self, chunk: int, vocab: int, device) -> None:
+        self.z = torch.empty(chunk, vocab, dtype=torch.float32, device=device)
+        self.p: Tensor | None = None  # allocated on first use (entropy only)
+        self.chunk, self.vocab = chunk, vocab
+        self.raw: Tensor | None = None
+
+    def logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+        z = self.z[: h.shape[0]]
+        if weight.dtype == torch.float32:
+            torch.mm(h, weight.t(), out=z)
+        else:  # half-precision models: the matmul in their dtype, the softmax in float32
+            if self.raw is None:
+                self.raw = torch.empty(self.z.shape, dtype=weight.dtype, device=weight.device)
+            z.copy_(torch.mm(h, weight.t(), out=self.raw[: h.shape[0]]))
+        if bias is not None:
+            z.add_(bias)
+        return z.div_(temperature) if temperature != 1.0 else z
+
+    def scratch(self, rows: int) -> Tensor:
+        if self.p is None:
+            self.p = torch.empty(self.chunk, self.vocab, dtype=torch.float32, device=self.z.device)
+        return self.p[:rows]
+
+
+def completion_hidden_states(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, t: int, share_prompts: bool = True
+) -> Tensor:
+    """Hidden states ``[N, T, H]`` that predict the last ``t`` tokens of ``input_ids`` ``[N, P+T]``.
+
+    GRPO's rows come in groups with one prompt, and the prompt's keys and values do not depend on
+    the completion. With ``share_prompts``, each distinct prompt (ids and mask) runs once; its
+    KV cache is copied to its rows (a differentiable index, so gradients from every completion
+    flow back into the one prompt forward) and the completions run on top of it. Same values as
+    the full forward up to float summation order; fewer FLOPs and activations when prompts repeat.
+    Falls back to the full forward when no prompt repeats, or the model's cache is not a plain
+    full-attention ``DynamicCache``, or HF gradient checkpointing (which drops caches) is on.
+    """
+    p = input_ids.shape[1] - t
+    full = lambda: final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # noqa: E731
+    if not share_prompts or p < 1 or t < 2 or getattr(model, "is_gradient_checkpointing", False):
+        return full()
+    keys = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)
+    distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    if distinct.shape[0] == input_ids.shape[0]:
+        return full()
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return full()
+    prompt_ids, prompt_mask = distinct[:, :p], distinct[:, p:].to(attention_mask.dtype)
+    prompt_hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)  # [U, P, H]
+    for layer in cache.layers:  # each prompt's keys and values, once per row
+        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    mask = attention_mask[:, :-1]
+    positions = position_ids_from_mask(mask)[:, p:]
+    rest = final_hidden_states(model, input_ids[:, p:-1], mask, cache, positions)  # [N, T-1, H]
+    return torch.cat([prompt_hidden[:, -1:].index_select(0, inverse), rest], 1)
+
+
+def final_hidden_states(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cache=None, position_ids: Tensor | None = None
+) -> Tensor:
     """The decoder's last hidden states ``[N, S, H]``, through the model's own forward.
 
     The root forward runs (so wrappers such as FSDP2 gather the root's parameters, and keep them
     gathered until backward) with logits for the last position only; a hook on the decoder hands
-    back its output.
+    back its output. With ``cache`` (a ``DynamicCache``), the forward extends it: ``attention_mask``
+    then covers cached + new positions and ``position_ids`` those of the new tokens.
     """
     captured: list[Tensor] = []
     handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
@@ -84,25 +200,14 @@ def final_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Ten
         model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
+            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
+            past_key_values=cache,
             logits_to_keep=1,
-            use_cache=False,
+            use_cache=cache is not None,
         )
     finally:
         handle.remove()
     return captured[-1]
-
-
-def _token_logprobs(
-    head: nn.Module, h: Tensor, targets: Tensor, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor]:
-    logits = head(h).float() / temperature  # [C, V]: one chunk only
-    lse = logits.logsumexp(-1)  # [C]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, logp.new_zeros(())
-    entropy = lse - (logits.softmax(-1) * logits).sum(-1)
-    return logp, entropy.detach()
 
 
 def clipped_surrogate(

@@ -40,6 +40,11 @@ class GRPOPolicy(LightningModule):
     policy setting (spec/estimators.md §2.7), so two runs can differ in the estimator alone.
     ``trainer.max_steps`` counts training steps (rollout batches). Rollout sampling is seeded from
     ``(seed, step, rank)``, so a resumed run reproduces an uninterrupted one.
+
+    Each optimiser step's rows are cut into micro-batches of similar completion length (longest
+    first), at most ``micro_batch_size`` rows and ``micro_batch_tokens`` padded tokens each, and
+    trimmed to their longest row; gradients accumulate over them with the global batch's
+    denominators, so the split changes memory and speed, not the update.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class GRPOPolicy(LightningModule):
         ppo_epochs: int = 1,
         num_minibatches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = 8192,
         aggregation: Aggregation = "token_mean",
         clip_low: float = 0.2,
         clip_high: float = 0.2,
@@ -76,6 +82,7 @@ class GRPOPolicy(LightningModule):
         _require(prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {prompts_per_step}")
         _require(ppo_epochs >= 1 and num_minibatches >= 1, "ppo_epochs and num_minibatches must be >= 1")
         _require(micro_batch_size is None or micro_batch_size >= 1, "micro_batch_size must be >= 1 or null")
+        _require(micro_batch_tokens is None or micro_batch_tokens >= 1, "micro_batch_tokens must be >= 1 or null")
         _require(aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         _require(
             0 <= clip_low < 1 and clip_high >= 0, f"need 0 <= clip_low < 1, clip_high >= 0; got {clip_low}, {clip_high}"
@@ -91,6 +98,7 @@ class GRPOPolicy(LightningModule):
         self.rollout = rollout if rollout is not None else HFRollout()
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.aggregation, self.clip_low, self.clip_high = aggregation, clip_low, clip_high
         self.kl_coef, self.mask_truncated, self.dynamic_sampling = kl_coef, mask_truncated, dynamic_sampling
         self.max_grad_norm = max_grad_norm
@@ -295,10 +303,7 @@ class GRPOPolicy(LightningModule):
         """
         counts = torch.stack([torch.tensor(float(len(rows))), token_mask[rows].sum().float().cpu()]).to(self.device)
         num_seqs, num_tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
-        size = self.micro_batch_size or max(len(rows), 1)
-        if self.micro_batch_size:  # similar lengths share a micro-batch, so trimming drops most padding
-            rows = rows[token_mask[rows].sum(-1).argsort(descending=True, stable=True)]
-        chunks = list(rows.split(size)) if len(rows) else []  # no rows (all groups dropped): no forward
+        chunks = self._micro_batches(rollout, rows, token_mask)  # no rows (all groups dropped): no forward
         max_chunks = int(
             self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
         )
@@ -355,22 +360,48 @@ class GRPOPolicy(LightningModule):
             scheduler.step()
         return norm.detach().to(self.device)
 
+    def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> list[Tensor]:
+        """``rows`` cut into micro-batches of similar completion length, longest first.
+
+        A micro-batch holds at most ``micro_batch_size`` rows and at most ``micro_batch_tokens``
+        padded tokens (rows x (prompt width + its longest completion)), so trimming each one to
+        its longest row (``_trim``) drops most padding and activation memory stays bounded. A row
+        longer than the budget goes alone. Without either limit, one micro-batch.
+        """
+        if not len(rows):
+            return []
+        lengths = token_mask[rows].sum(-1)
+        if self.micro_batch_size is None and self.micro_batch_tokens is None:
+            return [rows]
+        order = lengths.argsort(descending=True, stable=True)
+        rows, lengths = rows[order], lengths[order].tolist()
+        max_rows = self.micro_batch_size or len(rows)
+        max_tokens = self.micro_batch_tokens or float("inf")
+        chunks, start = [], 0
+        for i in range(1, len(rows) + 1):  # a chunk's width is its first (longest) row's
+            width = rollout.prompt_length + lengths[start]
+            if i == len(rows) or i - start >= max_rows or (i - start + 1) * width > max_tokens:
+                chunks.append(rows[start:i])
+                start = i
+        return chunks
+
     @torch.no_grad()
     def _logprobs(self, model, rollout: RolloutBatch, token_mask: Tensor) -> Tensor:
-        pieces = []
-        for rows in torch.arange(rollout.input_ids.shape[0], device=token_mask.device).split(
-            self.micro_batch_size or 10**9
-        ):
+        """Log-probs ``[N, T]`` of the completion tokens under ``model`` (0 off ``token_mask``), no gradient."""
+        out = torch.zeros(token_mask.shape, dtype=torch.float32, device=token_mask.device)
+        rows = token_mask.any(-1).nonzero().squeeze(-1)
+        for chunk in self._micro_batches(rollout, rows, token_mask):
+            batch = _trim(rollout, chunk, token_mask)
             lp, _ = completion_logprobs(
                 model,
-                rollout.input_ids[rows],
-                rollout.attention_mask[rows],
-                token_mask[rows],
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["mask"],
                 self.rollout.temperature,
                 chunk_mib=self.logits_chunk_mib,
             )
-            pieces.append(lp)
-        return torch.cat(pieces)
+            out[chunk, : lp.shape[1]] = lp
+        return out
 
     def _log_mean(self, values: dict[str, Tensor], prog_bar: tuple[str, ...] = ()) -> None:
         world = self.trainer.world_size if self._trainer else 1

@@ -48,12 +48,16 @@ class RolloutEngine(ABC):
 
 
 class HFRollout(RolloutEngine):
-    """transformers ``generate`` with KV cache, left padding and mask-derived position ids.
+    """Sampling from the trained model itself, with KV cache, left padding and mask-derived position ids.
 
     Samples at ``temperature`` with optional ``top_p`` / ``top_k`` and stops each row at EOS or
-    ``max_new_tokens``. Rows are generated ``max_batch_rows`` at a time to bound memory. Sampling
-    log-probs are not returned (``RolloutBatch.logprobs`` is None): the policy recomputes them only
-    when an update is off-policy.
+    ``max_new_tokens`` (EOS is masked for a row's first ``min_new_tokens`` tokens). Rows are
+    generated ``max_batch_rows`` at a time to bound memory. ``decoder="lean"`` (default) runs
+    ``sgrpo.decode.decode``: each prompt prefilled once for its G rows, a preallocated KV cache,
+    finished rows dropped; ``decoder="generate"`` runs transformers' ``generate`` (same
+    distribution, slower; it also applies whatever the model's ``generation_config`` adds, such as a
+    repetition penalty). Sampling log-probs are not returned (``RolloutBatch.logprobs`` is None): the
+    policy recomputes them only when an update is off-policy.
     """
 
     def __init__(
@@ -63,6 +67,8 @@ class HFRollout(RolloutEngine):
         top_p: float = 1.0,
         top_k: int = 0,
         max_batch_rows: int = 512,
+        min_new_tokens: int = 0,
+        decoder: str = "lean",
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -72,11 +78,17 @@ class HFRollout(RolloutEngine):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0 or max_batch_rows < 1:
             raise ValueError(f"top_k must be >= 0 and max_batch_rows >= 1, got {top_k}, {max_batch_rows}")
+        if not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}")
+        if decoder not in ("lean", "generate"):
+            raise ValueError(f"decoder must be 'lean' or 'generate', got {decoder!r}")
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
         self.max_batch_rows = max_batch_rows
+        self.min_new_tokens = min_new_tokens
+        self.decoder = decoder
 
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
@@ -93,49 +105,55 @@ class HFRollout(RolloutEngine):
         device = next(model.parameters()).device
         texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
         enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        prompt_ids = enc["input_ids"].repeat_interleave(group_size, 0).to(device)  # [N, P]
-        prompt_mask = enc["attention_mask"].repeat_interleave(group_size, 0).to(device)  # [N, P]
+        ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # [B, P]: distinct prompts
+        row_prompt = torch.arange(len(examples), device=device).repeat_interleave(group_size)  # [N]
         eos = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         was_training = model.training
         model.eval()
         try:
-            pieces = [
-                self._generate_rows(
-                    model,
-                    prompt_ids[i : i + self.max_batch_rows],
-                    prompt_mask[i : i + self.max_batch_rows],
-                    eos,
-                    pad,
-                    greedy,
+            pieces = []
+            for rows in row_prompt.split(self.max_batch_rows):
+                first, last = int(rows[0]), int(rows[-1]) + 1  # rows come in prompt order
+                pieces.append(
+                    self._generate_rows(model, ids[first:last], attn[first:last], rows - first, eos, pad, greedy)
                 )
-                for i in range(0, prompt_ids.shape[0], self.max_batch_rows)
-            ]
         finally:
             model.train(was_training)
         width = max(p.shape[1] for p in pieces)
-        ids = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces])  # [N, T]
-        mask, truncated = completion_mask_until_eos(ids, eos)
+        new = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces])  # [N, T]
+        mask, truncated = completion_mask_until_eos(new, eos)
         length = int(mask.sum(-1).max())
-        ids, mask = ids[:, :length], mask[:, :length]
-        ids = ids.masked_fill(~mask, pad)
-        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        new, mask = new[:, :length], mask[:, :length]
+        new = new.masked_fill(~mask, pad)
+        completions = tokenizer.batch_decode(new, skip_special_tokens=True)
         return RolloutBatch(
-            input_ids=torch.cat([prompt_ids, ids], 1),
-            attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+            input_ids=torch.cat([ids[row_prompt], new], 1),
+            attention_mask=torch.cat([attn[row_prompt], mask.long()], 1),
             completion_mask=mask,
             completions=completions,
             truncated=truncated,
             group_size=group_size,
         )
 
-    def _generate_rows(self, model, ids: Tensor, mask: Tensor, eos: list[int], pad: int, greedy: bool) -> Tensor:
+    def _generate_rows(
+        self, model, ids: Tensor, mask: Tensor, row_prompt: Tensor, eos: list[int], pad: int, greedy: bool
+    ) -> Tensor:
+        """New tokens ``[R, <= max_new_tokens]`` for rows ``row_prompt`` of the prompts ``ids``/``mask`` ``[U, P]``."""
         sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        if self.decoder == "lean":
+            from sgrpo.decode import decode  # imports transformers: not needed to check a config
+
+            return decode(
+                model, ids, mask, row_prompt, self.max_new_tokens, eos, pad,
+                greedy=greedy, min_new_tokens=self.min_new_tokens, **sampling,
+            )  # fmt: skip
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids[row_prompt],
+            attention_mask=mask[row_prompt],
             do_sample=not greedy,
             max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
             eos_token_id=eos,
             pad_token_id=pad,
             use_cache=True,

@@ -201,25 +201,36 @@ class _Deadline(BaseException):
 
 
 @contextlib.contextmanager
-def _deadline(seconds: float | None) -> Iterator[None]:
-    """Raise ``_Deadline`` in this block after ``seconds`` (main thread only; elsewhere no limit)."""
+def _deadline(seconds: float | None, repeat: float = 0.05) -> Iterator[None]:
+    """Raise ``_Deadline`` in this block after ``seconds`` (main thread only; elsewhere no limit).
+
+    The alarm keeps firing every ``repeat`` seconds until the block exits: Python drops an exception
+    raised while it runs a finaliser or a weakref callback ("Exception ignored in ..."), so a one-shot
+    alarm that lands there would be lost and the grading would run unbounded.
+    """
     if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
     previous = signal.getsignal(signal.SIGALRM)
     if previous is None:  # a handler installed outside Python: restore the default
         previous = signal.SIG_DFL
+    active = [True]
 
     def expire(signum, frame):
-        signal.signal(signal.SIGALRM, previous)  # one shot, even if it fires during the clean-up below
-        raise _Deadline
+        if active[0]:
+            raise _Deadline
 
     signal.signal(signal.SIGALRM, expire)
-    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds, repeat)
     start = time.monotonic()
     try:
         yield
     finally:
+        while active[0]:  # once this holds False the handler is inert; an alarm before that is retried
+            try:
+                active[0] = False
+            except _Deadline:
+                continue
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if outer:  # someone else's timer was running: re-arm what is left of it

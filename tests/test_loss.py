@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from sgrpo.loss import clipped_surrogate, completion_logprobs, k3_kl, position_ids_from_mask, token_weights
+from sgrpo.loss import (
+    TokenLogprobs,
+    clipped_surrogate,
+    completion_logprobs,
+    k3_kl,
+    position_ids_from_mask,
+    token_weights,
+)
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
 
 
@@ -82,3 +89,69 @@ def test_chunked_logprobs_match_full_logits_and_padding_is_invisible(chunk):
     full = (logits[:, -5:-1].float() / 0.7).log_softmax(-1)
     (full.gather(-1, ids[:, -4:].unsqueeze(-1)).squeeze(-1) * cmask).sum().backward()
     assert torch.allclose(got, model.lm_head.weight.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_give_the_full_forwards_logprobs_and_gradients(checkpointing):
+    """Rows repeating a prompt (3 prompts x 3 rows, left-padded, ragged completions): running each prompt
+    once and its completions on its KV cache gives the full forward's log-probs and parameter gradients
+    (with HF gradient checkpointing on, the function falls back to the full forward)."""
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(tok, seed=2)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, len(tok), (3, 5), generator=g)
+    prompt_mask = torch.ones(3, 5, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    prompt_mask[2, :4] = 0
+    prompts = prompts.masked_fill(prompt_mask == 0, tok.pad_token_id)
+    rows = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    completions = torch.randint(3, len(tok), (9, 6), generator=g)
+    cmask = torch.arange(6).unsqueeze(0) < torch.tensor([6, 2, 4, 1, 6, 3, 5, 6, 2]).unsqueeze(-1)
+    ids = torch.cat([prompts[rows], completions.masked_fill(~cmask, tok.pad_token_id)], 1)
+    attn = torch.cat([prompt_mask[rows], cmask.long()], 1)
+    weights = torch.randn(9, 6, generator=g)
+    results, batch_sizes = [], []
+    model.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    for share in (False, True):
+        model.zero_grad()
+        batch_sizes.clear()
+        logp, _ = completion_logprobs(model, ids, attn, cmask, temperature=0.9, share_prompts=share)
+        assert batch_sizes == ([3, 9] if share and not checkpointing else [9])  # 3 distinct prompts run once
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (logp_full, grad_full), (logp_shared, grad_shared) = results
+    assert torch.allclose(logp_shared, logp_full, atol=1e-5)
+    assert (logp_full[~cmask] == 0).all()
+    assert float((grad_shared - grad_full).norm() / grad_full.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_function_matches_autograd_of_full_logits(dtype):
+    """TokenLogprobs (chunked, hand-written backward) against log_softmax autograd: values, entropy, and the
+    gradients of hidden states, weight and bias, at temperature 0.8, with uneven chunks."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(11, 8, generator=g).to(dtype).requires_grad_()
+    weight = (0.5 * torch.randn(37, 8, generator=g)).to(dtype).requires_grad_()
+    bias = (0.1 * torch.randn(37, generator=g)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 37, (11,), generator=g)
+    upstream = torch.randn(11, generator=g)
+    logp, entropy = TokenLogprobs.apply(h, weight, bias, targets, 0.8, 4, True)
+    (logp * upstream).sum().backward()
+    got = [x.grad.clone() for x in (h, weight, bias)]
+    for x in (h, weight, bias):
+        x.grad = None
+    full = ((h.float() @ weight.float().t() + bias.float()) / 0.8).log_softmax(-1)
+    want = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (want * upstream).sum().backward()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(logp, want.detach(), **tol)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), **tol)
+    for a, b in zip(got, (h.grad, weight.grad, bias.grad)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert not entropy.requires_grad

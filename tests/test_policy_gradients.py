@@ -89,13 +89,27 @@ def test_t17_seq_sum_const_gradient_is_the_reinforce_sum(model_dir, batch):
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation):
-    grads = []
-    for micro in (None, 4):  # 16 rows in one piece, then in 4 micro-batches
-        policy = make_policy(model_dir, batch, GRPO(), aggregation=aggregation, micro_batch_size=micro)
+    grads, chunks = [], []
+    width = batch.prompt_length + batch.completion_mask.shape[1]
+    # 16 rows in one piece; in 4-row micro-batches; in micro-batches of at most 3 full-width rows' tokens
+    for rows, tokens in ((None, None), (4, None), (None, 3 * width)):
+        policy = make_policy(
+            model_dir, batch, GRPO(), aggregation=aggregation, micro_batch_size=rows, micro_batch_tokens=tokens
+        )
         run_steps(policy)
         grads.append(flat(policy.captured[0]))
+        mask = batch.completion_mask
+        chunks.append(policy._micro_batches(batch, torch.arange(len(mask)), mask))
     assert grads[0].norm() > 0
     assert rel_err(grads[1], grads[0]) < 1e-6
+    assert rel_err(grads[2], grads[0]) < 1e-6
+    assert [len(c) for c in chunks[0]] == [16] and [len(c) for c in chunks[1]] == [4, 4, 4, 4]
+    lengths = batch.completion_mask.sum(-1)
+    assert len(chunks[2]) > 1
+    for chunk in chunks[2]:  # within the token budget, longest rows first
+        assert len(chunk) * (batch.prompt_length + int(lengths[chunk].max())) <= 3 * width
+    assert torch.equal(torch.cat(chunks[2]).sort().values, torch.arange(16))
+    assert lengths[torch.cat(chunks[2])].tolist() == sorted(lengths.tolist(), reverse=True)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)

@@ -6,9 +6,12 @@ long square-root chains, sympy bombs (``10^{10^{10^{10}}}``, ``(1+x)^{100000}``,
 slip past the grader's cheap checks and only stop at its deadline, and some correct answers.
 """
 
+import _thread
 import math
 import random
 import signal
+import sys
+import threading
 import time
 from collections import Counter
 
@@ -254,3 +257,29 @@ def test_deadline_restores_the_callers_alarm():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_deadline_survives_an_alarm_dropped_in_a_finaliser(monkeypatch):
+    """Python drops an exception raised in ``__del__``; the deadline's alarm repeats, so the block still ends."""
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: dropped.append(info.exc_type))
+
+    class SlowFinaliser:
+        def __del__(self):
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:  # the first alarm (at 0.1 s) lands here and is dropped
+                pass
+
+    watchdog = threading.Timer(10.0, _thread.interrupt_main)  # a one-shot alarm would spin forever: fail instead
+    watchdog.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(_Deadline), _deadline(0.1):
+            SlowFinaliser()  # collected at once
+            while True:  # only a later alarm can stop this
+                pass
+    finally:
+        watchdog.cancel()
+    assert dropped == [_Deadline]
+    assert 0.1 <= time.monotonic() - start < 2.0
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

@@ -1,0 +1,278 @@
+"""A lean sampling loop for rollouts: shared prompt prefill, a preallocated KV cache, finished rows dropped.
+
+``transformers``' ``generate`` is general (beam search, logits processors, streaming, stopping
+criteria); a GRPO rollout needs none of that and pays for it on every token. ``decode`` runs the
+model's own forward (any architecture with a ``DynamicCache``) and differs from ``generate`` in
+four ways that change cost, not the distribution sampled:
+
+1. Each distinct prompt is prefilled once, then its keys and values are copied to its G rows
+   (``generate`` prefills every row, G times the prompt compute).
+2. Keys and values go into buffers allocated once for prompt + ``max_new_tokens`` positions and are
+   read back as views (``DynamicCache`` concatenates the whole cache again at every token).
+3. A row that has emitted EOS stops being computed: when the running rows fall to ``compact_below``
+   of the batch, finished rows are dropped from the batch and the cache.
+4. Sampling is exactly softmax(logits / temperature) restricted by top-k / top-p, the distribution
+   the policy loss assumes; nothing from the model's ``generation_config`` (repetition penalty,
+   default top-p ...) is applied behind the caller's back. A row's first ``min_new_tokens`` tokens
+   cannot be EOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from sgrpo.loss import position_ids_from_mask
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer writing into buffers of ``capacity`` positions; keys/values are views."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+        self.key_buffer: Tensor | None = None
+        self.value_buffer: Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        n, heads, _, dim = key_states.shape
+        self.key_buffer = key_states.new_empty(n, heads, self.capacity, dim)
+        self.value_buffer = value_states.new_empty(n, value_states.shape[1], self.capacity, value_states.shape[3])
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache full: {end} positions > capacity {self.capacity}")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep rows ``indices`` (in that order; repeats allowed): one copy of the filled positions."""
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, indices)
+            self.value_buffer = self.value_buffer.index_select(0, indices)
+            self._views()
+
+    def _views(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]
+        self.values = self.value_buffer[:, :, : self.length]
+
+
+def preallocated_cache(model: nn.Module, capacity: int) -> DynamicCache:
+    """The model's ``DynamicCache`` with every plain full-attention layer replaced by a ``PreallocatedLayer``.
+
+    Other layer kinds (sliding windows, linear attention) keep their own implementation.
+    """
+    cache = DynamicCache(config=model.config)
+    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def select_rows(cache: DynamicCache, indices: Tensor) -> None:
+    for layer in cache.layers:
+        layer.batch_select_indices(indices)
+
+
+def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> Tensor:
+    """One token per row from ``logits`` ``[R, V]``: argmax, or softmax(logits / T) cut to top-k then top-p.
+
+    Sampling uses the exponential-race form (argmax of p_i / E_i with E_i ~ Exp(1)), which draws
+    exactly from p and draws from the global torch generator.
+    """
+    if greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1)
+
+
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+class LlamaFamilyStep:
+    """One decode step of a Llama-family model (Llama, Qwen2, Qwen3, Mistral) without the HF call stack.
+
+    The same weights and the same modules for norms and rotary tables, but q/k/v and gate/up
+    each in one matmul (weights concatenated once per rollout) and attention over the
+    preallocated cache directly: a decode step of a small model is dominated by per-module
+    overhead, which this removes. ``supported`` says when it applies (full attention everywhere,
+    SiLU MLP, a position-independent rotary table, a plain unwrapped model); otherwise ``decode``
+    uses the model's own forward. Tested against the HF forward (``tests/test_decode.py``).
+    """
+
+    def __init__(self, model: nn.Module, cache: DynamicCache, capacity: int) -> None:
+        self.model, self.cache, base = model, cache, model.model
+        config = model.config.get_text_config(decoder=True)
+        device = base.embed_tokens.weight.device
+        table_ids = torch.arange(capacity, device=device).unsqueeze(0)
+        cos, sin = base.rotary_emb(base.embed_tokens.weight[:1].unsqueeze(0), table_ids)  # [1, cap, D]
+        self.cos, self.sin = cos[0], sin[0]
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    torch.cat([m.weight for m in qkv]),
+                    torch.cat([m.bias for m in qkv]) if attn.q_proj.bias is not None else None,
+                    (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
+                    getattr(attn, "q_norm", None),
+                    getattr(attn, "k_norm", None),
+                    attn.o_proj,
+                    layer.post_attention_layernorm,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None,
+                    mlp.act_fn,
+                    mlp.down_proj,
+                )
+            )
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+
+    @staticmethod
+    def supported(model: nn.Module) -> bool:
+        config = getattr(model, "config", None)
+        if config is None or getattr(config, "model_type", None) not in NATIVE_MODEL_TYPES:
+            return False
+        if hasattr(model, "unshard") or not hasattr(model, "model") or config.hidden_act != "silu":
+            return False  # FSDP2 gathers parameters in the module hooks this path bypasses
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+            return False
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True):
+            return False
+        return getattr(model.model.rotary_emb, "rope_type", "default") in _STATIC_ROPE
+
+    def __call__(self, tokens: Tensor, positions: Tensor, key_mask: Tensor) -> Tensor:
+        """Logits ``[R, V]`` of one new token per row; ``key_mask`` ``[R, L+1]`` bool (True: attend)."""
+        base = self.model.model
+        x = base.embed_tokens(tokens).unsqueeze(1)  # [R, 1, H]
+        r, d = x.shape[0], self.head_dim
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [R, 1, D]
+        bias = torch.zeros(key_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~key_mask, float("-inf"))
+        for layer, (norm1, w_qkv, b_qkv, sizes, q_norm, k_norm, o_proj, norm2, w_gu, b_gu, act, down) in zip(
+            self.cache.layers, self.layers
+        ):
+            q, k, v = nn.functional.linear(norm1(x), w_qkv, b_qkv).split(sizes, dim=-1)
+            q, k, v = q.view(r, 1, -1, d), k.view(r, 1, -1, d), v.view(r, 1, -1, d)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [R, heads, 1, D]
+            q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+            k = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
+            keys, values = layer.update(k, v.transpose(1, 2))  # [R, kv_heads, L+1, D]
+            kv_heads = keys.shape[1]
+            qg = q.reshape(r, kv_heads, -1, d)  # query heads grouped by their key/value head
+            scores = torch.baddbmm(
+                bias.repeat_interleave(kv_heads, 0).unsqueeze(1),
+                qg.reshape(r * kv_heads, -1, d),
+                keys.reshape(r * kv_heads, -1, d).transpose(1, 2),
+                alpha=self.scaling,
+            )  # [R * kv_heads, group, L+1]
+            out = torch.bmm(scores.softmax(-1), values.reshape(r * kv_heads, -1, d))
+            x = x + o_proj(out.reshape(r, 1, -1))
+            gate, up = nn.functional.linear(norm2(x), w_gu, b_gu).chunk(2, dim=-1)
+            x = x + down(act(gate) * up)
+        return self.model.lm_head(base.norm(x))[:, -1]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.no_grad()
+def decode(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    row_prompt: Tensor,
+    max_new_tokens: int,
+    eos: Sequence[int],
+    pad: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    min_new_tokens: int = 0,
+    compact_below: float = 0.75,
+    native_step: bool = True,
+) -> Tensor:
+    """New tokens ``[R, max_new_tokens]`` (``pad`` after a row's EOS) for rows ``row_prompt`` ``[R]``.
+
+    ``prompt_ids``/``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded; row r continues
+    prompt ``row_prompt[r]``. Rows stop at their first EOS (from token ``min_new_tokens`` on).
+    """
+    device = prompt_ids.device
+    rows, (_, p) = row_prompt.shape[0], prompt_ids.shape
+    eos_t = torch.as_tensor(list(eos), device=device)
+    cache = preallocated_cache(model, p + max_new_tokens)
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids_from_mask(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    select_rows(cache, row_prompt)  # each prompt's keys and values, once per row
+    native = None
+    if native_step and LlamaFamilyStep.supported(model):
+        native = LlamaFamilyStep(model, cache, p + max_new_tokens)
+    logits = out.logits[:, -1].index_select(0, row_prompt)  # [R, V]
+    mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
+    mask[:, :p] = prompt_mask.index_select(0, row_prompt)
+    position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
+    tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    alive = torch.arange(rows, device=device)  # original index of each row still in the batch
+    running = torch.ones(rows, dtype=torch.bool, device=device)  # per batch row: not yet finished
+    for t in range(max_new_tokens):
+        if t < min_new_tokens:
+            logits[:, eos_t] = float("-inf")
+        next_tokens = sample(logits, temperature, top_k, top_p, greedy)
+        next_tokens = next_tokens.masked_fill(~running, pad)
+        tokens[alive, t] = next_tokens
+        running &= ~torch.isin(next_tokens, eos_t)
+        n_running = int(running.sum())
+        if n_running == 0 or t == max_new_tokens - 1:
+            break
+        if n_running < compact_below * running.numel():  # drop finished rows from the batch and the cache
+            keep = running.nonzero().squeeze(-1)
+            select_rows(cache, keep)
+            alive, next_tokens, position, mask = alive[keep], next_tokens[keep], position[keep], mask[keep]
+            running = running[keep]
+        if native is not None:
+            logits = native(next_tokens, position, mask[:, : p + t + 1].bool())
+        else:
+            logits = model(
+                input_ids=next_tokens.unsqueeze(-1),
+                attention_mask=mask[:, : p + t + 1],
+                position_ids=position.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        position = position + 1
+    return tokens

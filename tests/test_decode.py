@@ -1,0 +1,184 @@
+"""The lean rollout decoder against transformers' forward and generate, and its sampler against exact probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from sgrpo.decode import LlamaFamilyStep, PreallocatedLayer, decode, preallocated_cache, sample
+from sgrpo.loss import position_ids_from_mask
+from sgrpo.rollout import HFRollout
+from sgrpo.tiny import ensure_tiny_model
+from tests.engine_helpers import EXAMPLES
+
+VOCAB = 40
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def _models():
+    return {
+        "llama": LlamaForCausalLM(LlamaConfig(**COMMON)),
+        "llama_bias": LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)),
+        "qwen2": Qwen2ForCausalLM(Qwen2Config(**COMMON)),  # q/k/v biases
+        "qwen3": Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)),  # q/k norms, explicit head_dim
+        "mistral": MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
+    }
+
+
+def _prompts(generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts of lengths 5, 3, 1 over tokens 2..VOCAB-1."""
+    ids = torch.randint(2, VOCAB, (3, 5), generator=generator)
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "mistral"])
+def test_native_step_matches_the_model_forward(name):
+    """Token by token, the native decode step's logits equal the HF forward's over the whole sequence."""
+    torch.manual_seed(0)
+    model = _models()[name].eval()
+    with torch.no_grad():  # random biases (zero-initialised by HF) so they matter
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    assert LlamaFamilyStep.supported(model)
+    ids, mask = _prompts(torch.Generator().manual_seed(1))
+    rows = torch.tensor([0, 0, 1, 2])
+    steps = 6
+    with torch.no_grad():
+        cache = preallocated_cache(model, ids.shape[1] + steps)
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=cache)
+        for layer in cache.layers:
+            layer.batch_select_indices(rows)
+        native = LlamaFamilyStep(model, cache, ids.shape[1] + steps)
+        seq, seq_mask = ids[rows], mask[rows]
+        position = mask.sum(-1)[rows]
+        new = torch.randint(2, VOCAB, (len(rows), steps), generator=torch.Generator().manual_seed(2))
+        for t in range(steps):
+            seq = torch.cat([seq, new[:, t : t + 1]], 1)
+            seq_mask = torch.cat([seq_mask, torch.ones(len(rows), 1, dtype=torch.long)], 1)
+            got = native(new[:, t], position + t, seq_mask.bool())
+            want = model(input_ids=seq, attention_mask=seq_mask, position_ids=position_ids_from_mask(seq_mask))
+            torch.testing.assert_close(got, want.logits[:, -1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native_step", [True, False])
+@pytest.mark.parametrize("compact_below", [0.0, 0.75, 1.0])
+def test_greedy_decode_equals_transformers_generate(native_step, compact_below):
+    """Greedy tokens are transformers' greedy tokens, with and without dropping finished rows."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**COMMON)).eval()
+    ids, mask = _prompts(torch.Generator().manual_seed(3))
+    rows = torch.tensor([0, 0, 1, 1, 2, 2])
+    eos = [1, 5, 9]  # several stop tokens so rows finish at different steps
+    got = decode(
+        model, ids, mask, rows, 12, eos, pad=0, greedy=True, native_step=native_step, compact_below=compact_below
+    )
+    out = model.generate(
+        input_ids=ids[rows], attention_mask=mask[rows], do_sample=False, max_new_tokens=12,
+        eos_token_id=eos, pad_token_id=0,
+    )  # fmt: skip
+    want = out[:, ids.shape[1] :]
+    want = torch.nn.functional.pad(want, (0, 12 - want.shape[1]), value=0)
+    assert torch.equal(got, want)
+    finished = torch.isin(got, torch.tensor(eos)).any(-1)
+    assert finished.any() and not finished.all()  # the case exercises early stops and full-length rows
+
+
+def test_min_new_tokens_masks_eos_and_rows_stop_after_eos():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**COMMON)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[1] += 5.0 * model.model.norm.weight.sign()  # EOS likely at every step
+    ids, mask = _prompts(torch.Generator().manual_seed(4))
+    rows = torch.arange(3).repeat_interleave(8)
+    torch.manual_seed(5)
+    tokens = decode(model, ids, mask, rows, 10, [1], pad=0, min_new_tokens=4)
+    is_eos = tokens == 1
+    assert not is_eos[:, :4].any()
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full((len(rows),), 10))
+    assert (first < 10).sum() >= 12  # most rows stopped early
+    after = torch.arange(10).unsqueeze(0) > first.unsqueeze(-1)
+    assert (tokens[after] == 0).all()  # pad after EOS
+
+
+def test_sampler_draws_from_the_truncated_softmax():
+    """Frequencies of 200,000 draws match softmax(logits / T) cut to top-k then top-p (chi-square bound)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    temperature, n = 0.7, 200_000
+    p = (logits / temperature).softmax(-1)
+    cases = {
+        (0, 1.0): p,
+        (3, 1.0): torch.cat([p[:3] / p[:3].sum(), torch.zeros(3)]),
+    }
+    # top-p 0.8: the smallest prefix with mass >= 0.8
+    keep = (p.cumsum(-1) - p) < 0.8
+    cases[(0, 0.8)] = torch.where(keep, p, torch.zeros_like(p)) / p[keep].sum()
+    torch.manual_seed(0)
+    for (k, top_p), want in cases.items():
+        draws = sample(logits.expand(n, -1), temperature, k, top_p, greedy=False)
+        counts = torch.bincount(draws, minlength=6).double()
+        assert (counts[want == 0] == 0).all(), (k, top_p)
+        expected = want.double()[want > 0] * n
+        chi2 = ((counts[want > 0] - expected) ** 2 / expected).sum()
+        assert chi2 < 25, (k, top_p, counts, want)  # df <= 5: P(chi2 > 25) < 2e-4
+    assert torch.equal(sample(logits.expand(4, -1), 1.0, 0, 1.0, greedy=True), torch.zeros(4, dtype=torch.long))
+
+
+def test_cache_capacity_is_enforced():
+    layer = PreallocatedLayer(capacity=4)
+    layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    assert layer.get_seq_length() == 3 and layer.keys.shape == (1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="capacity 4"):
+        layer.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+
+
+def test_unsupported_models_use_the_model_forward():
+    """A sliding-window model is decoded through its own forward and still matches generate."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=3)).eval()
+    assert not LlamaFamilyStep.supported(model)
+    ids, mask = _prompts(torch.Generator().manual_seed(6))
+    rows = torch.tensor([0, 1, 2])
+    got = decode(model, ids, mask, rows, 6, [1], pad=0, greedy=True)
+    out = model.generate(
+        input_ids=ids[rows], attention_mask=mask[rows], do_sample=False, max_new_tokens=6, min_new_tokens=6,
+        eos_token_id=[1], pad_token_id=0,
+    )  # fmt: skip
+    assert torch.equal(got[:, : out.shape[1] - ids.shape[1]], out[:, ids.shape[1] :])
+
+
+def test_hf_rollout_decoders_agree(tmp_path):
+    """HFRollout's lean decoder and its transformers-generate decoder give the same greedy batch."""
+    from transformers import AutoTokenizer
+
+    tiny_model_dir = ensure_tiny_model(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    batches = [
+        HFRollout(max_new_tokens=8, decoder=d, max_batch_rows=5).generate(model, tokenizer, EXAMPLES, 3, greedy=True)
+        for d in ("lean", "generate")
+    ]
+    for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(batches[0], field), getattr(batches[1], field)), field
+    assert batches[0].completions == batches[1].completions
+    with pytest.raises(ValueError, match="decoder"):
+        HFRollout(decoder="vllm")
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        HFRollout(max_new_tokens=4, min_new_tokens=5)
