@@ -44,6 +44,7 @@ class Workload:
     micro_batch: int | None = None  # rows per forward/backward (gradients accumulated): sgrpo's micro_batch_size
     logits_chunk_mib: float = 128.0  # sgrpo only: its LM-head chunk budget (GRPOPolicy default)
     micro_batch_tokens: int | None = 1024  # sgrpo only: padded tokens per micro-batch (rows grouped by length)
+    share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch in the update
     sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
 
     @property
@@ -174,6 +175,7 @@ def run_sgrpo(work: Workload) -> None:
         kl_coef=0.0,
         micro_batch_size=work.micro_batch,
         micro_batch_tokens=work.micro_batch_tokens,
+        share_prompts=work.share_prompts,
         logits_chunk_mib=work.logits_chunk_mib,
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
@@ -313,6 +315,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         prompts_per_step=work.prompts,
         micro_batch_size=work.micro_batch,
         micro_batch_tokens=work.micro_batch_tokens,
+        share_prompts=work.share_prompts,
         logits_chunk_mib=work.logits_chunk_mib,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
     )

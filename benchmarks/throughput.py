@@ -3,6 +3,7 @@
     python benchmarks/throughput.py                      # 10M-parameter Llama, 8 prompts x 8 completions x 32 tokens
     python benchmarks/throughput.py --case large_vocab   # vocab 151,936: peak RSS of one 16 x 512-token step
     python benchmarks/throughput.py --case profile       # where sgrpo's step time goes (phases + top torch ops)
+    python benchmarks/throughput.py --case ablation      # sgrpo with each optimisation undone in turn
 
 Workload (both frameworks, built once here and loaded from the same folder): a randomly initialised
 Llama on the character tokenizer of ``sgrpo.tiny`` (N parameters printed), the synthetic sort task
@@ -243,19 +244,7 @@ def print_table(values: dict[str, tuple[float | None, float | None]], formats: d
 def case_throughput(args, tmp: Path) -> None:
     n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
     peak_before = matmul_peak(args.threads)
-    work = Workload(
-        model_dir=str(tmp),
-        prompts=args.prompts,
-        group_size=args.group_size,
-        new_tokens=args.new_tokens,
-        force_length=args.force_length,
-        sgrpo_decoder=args.sgrpo_decoder,
-        micro_batch_tokens=args.sgrpo_micro_batch_tokens or None,
-        steps=args.warmup + args.steps,
-        threads=args.threads,
-        trl_gradient_checkpointing=args.trl_gradient_checkpointing,
-        micro_batch=args.micro_batch,
-    )
+    work = throughput_workload(args, tmp)
     results = dict(zip(FRAMEWORKS, run_alternating([(f, work) for f in FRAMEWORKS], args.warmup, args.mem_cap_gib)))
     peak = max(peak_before, matmul_peak(args.threads))
     print(
@@ -277,6 +266,60 @@ def case_throughput(args, tmp: Path) -> None:
         if summaries[f]:
             times = ", ".join(f"{s['wall_s']:.2f}" for s in results[f]["steps"])
             print(f"{f} step times (s): {times}")
+
+
+ABLATIONS = (  # (label, the sgrpo workload fields that undo one optimisation)
+    ("sgrpo as configured", {}),
+    ("decoder: transformers generate", {"sgrpo_decoder": "generate"}),
+    ("no token-budget micro-batches", {"micro_batch_tokens": None}),
+    ("prompts not shared in the update", {"share_prompts": False}),
+    ("none of the three", {"sgrpo_decoder": "generate", "micro_batch_tokens": None, "share_prompts": False}),
+)
+
+
+def case_ablation(args, tmp: Path) -> None:
+    """sgrpo alone, with one optimisation undone per variant, all variants' steps alternating."""
+    import dataclasses
+
+    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
+    peak = matmul_peak(args.threads)
+    base = throughput_workload(args, tmp)
+    entries = [("sgrpo", dataclasses.replace(base, **changes)) for _, changes in ABLATIONS]
+    results = run_alternating(entries, args.warmup, args.mem_cap_gib)
+    print(
+        f"\n## What each optimisation buys: sgrpo variants, N = {n:,}, {args.prompts} x {args.group_size} x "
+        f"{args.new_tokens} tokens{' (forced)' if base.force_length else ' (EOS allowed)'}, {args.threads} threads, "
+        f"{args.warmup} warm-up + {args.steps} measured steps each, alternating\n"
+    )
+    print("| variant | step (s) | vs configured | rollout (s) | update (s) | peak RSS (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    first = None
+    for (label, _), result in zip(ABLATIONS, results):
+        summary = summarise(result, n, peak, base.rows)
+        if summary is None:
+            print(f"| {label} | failed: {result['error']} | | | | |")
+            continue
+        first = first or summary
+        print(
+            f"| {label} | {summary['step_s']:.3f} | {summary['step_s'] / first['step_s']:.2f}x | "
+            f"{summary['rollout_s']:.3f} | {summary['update_s']:.3f} | {summary['peak_mib']:,.0f} |"
+        )
+
+
+def throughput_workload(args, tmp: Path) -> Workload:
+    return Workload(
+        model_dir=str(tmp),
+        prompts=args.prompts,
+        group_size=args.group_size,
+        new_tokens=args.new_tokens,
+        force_length=args.force_length,
+        sgrpo_decoder=args.sgrpo_decoder,
+        micro_batch_tokens=args.sgrpo_micro_batch_tokens or None,
+        steps=args.warmup + args.steps,
+        threads=args.threads,
+        trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+        micro_batch=args.micro_batch,
+    )
 
 
 def case_large_vocab(args, tmp: Path) -> None:
@@ -339,25 +382,14 @@ def case_profile(args, tmp: Path) -> None:
 
     n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
     torch.set_num_threads(args.threads)
-    work = Workload(
-        model_dir=str(tmp),
-        prompts=args.prompts,
-        group_size=args.group_size,
-        new_tokens=args.new_tokens,
-        force_length=args.force_length,
-        sgrpo_decoder=args.sgrpo_decoder,
-        micro_batch_tokens=args.sgrpo_micro_batch_tokens or None,
-        steps=args.warmup + args.steps,
-        threads=args.threads,
-        micro_batch=args.micro_batch,
-    )
+    work = throughput_workload(args, tmp)
     print(f"\n## Profile of sgrpo's step: N = {n:,}, {args.prompts} x {args.group_size} x {args.new_tokens} tokens")
     profile_sgrpo(work, args.warmup)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--case", choices=["throughput", "large_vocab", "profile"], default="throughput")
+    parser.add_argument("--case", choices=["throughput", "large_vocab", "profile", "ablation"], default="throughput")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per framework")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per framework")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every process")
@@ -399,7 +431,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="sgrpo_throughput_") as tmp:
         started = time.perf_counter()
-        cases = {"throughput": case_throughput, "large_vocab": case_large_vocab, "profile": case_profile}
+        cases = {
+            "throughput": case_throughput,
+            "large_vocab": case_large_vocab,
+            "profile": case_profile,
+            "ablation": case_ablation,
+        }
         cases[args.case](args, Path(tmp))
         print(f"\n(wall time {time.perf_counter() - started:.0f} s)")
 

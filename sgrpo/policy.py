@@ -44,7 +44,9 @@ class GRPOPolicy(LightningModule):
     Each optimiser step's rows are cut into micro-batches of similar completion length (longest
     first), at most ``micro_batch_size`` rows and ``micro_batch_tokens`` padded tokens each, and
     trimmed to their longest row; gradients accumulate over them with the global batch's
-    denominators, so the split changes memory and speed, not the update.
+    denominators, so the split changes memory and speed, not the update. With ``share_prompts``,
+    each distinct prompt of a micro-batch runs once and its completions run on its KV cache
+    (``sgrpo.loss.completion_hidden_states``).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class GRPOPolicy(LightningModule):
         val_greedy: bool = False,
         val_prompts_per_batch: int = 32,
         logits_chunk_mib: float = 128.0,
+        share_prompts: bool = True,
         dtype: str = "float32",
         activation_checkpointing: bool = False,
         seed: int = 0,
@@ -105,6 +108,7 @@ class GRPOPolicy(LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
+        self.share_prompts = share_prompts
         self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
@@ -320,6 +324,7 @@ class GRPOPolicy(LightningModule):
                 batch["mask"],
                 self.rollout.temperature,
                 chunk_mib=self.logits_chunk_mib,
+                share_prompts=self.share_prompts,
                 with_entropy=True,
             )
             t = logp.shape[1]
@@ -399,6 +404,7 @@ class GRPOPolicy(LightningModule):
                 batch["mask"],
                 self.rollout.temperature,
                 chunk_mib=self.logits_chunk_mib,
+                share_prompts=self.share_prompts,
             )
             out[chunk, : lp.shape[1]] = lp
         return out
