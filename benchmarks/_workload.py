@@ -178,7 +178,7 @@ def run_sgrpo(work: Workload) -> None:
         share_prompts=work.share_prompts,
         logits_chunk_mib=work.logits_chunk_mib,
         max_grad_norm=1.0,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),
     )
     trainer = quiet_trainer(work.steps + 1, Gate(), "sgrpo_bench_")  # the last step start only reports the one before
     trainer.fit(policy)
@@ -317,7 +317,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         micro_batch_tokens=work.micro_batch_tokens,
         share_prompts=work.share_prompts,
         logits_chunk_mib=work.logits_chunk_mib,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),
     )
     original_logprobs = policy_module.completion_logprobs
     policy_module.completion_logprobs = timed("completion_logprobs forward", original_logprobs)

@@ -13,8 +13,8 @@ through ``HFRollout(min_new_tokens=T)``, TRL's through ``generation_kwargs``, so
 same work; the mean length each side got is printed), sampling at temperature 1 (no top-k/top-p),
 exact-match reward (the same ``Reward`` object scores both), GRPO z-score advantages, DAPO token-mean
 loss, clip 0.2, KL 0 (no reference model), one optimiser step per rollout (AdamW, lr 1e-6, no weight
-decay, grad-norm clip 1; each side's default AdamW implementation: sgrpo's ``torch.optim.AdamW``,
-TRL's ``adamw_torch_fused``), fp32, no logger, no progress bar, no checkpoints,
+decay, grad-norm clip 1; the fused implementation on both sides: TRL's default ``adamw_torch_fused``,
+sgrpo's ``torch.optim.AdamW(fused=True)``), fp32, no logger, no progress bar, no checkpoints,
 ``torch.set_num_threads(threads)`` in both. TRL's gradient checkpointing (on by default in TRL) is
 off, as in sgrpo, unless ``--trl-gradient-checkpointing``; ``--micro-batch M`` splits the update into
 M-row micro-batches on both sides. sgrpo runs as configured for CPU: its lean decoder

@@ -114,12 +114,12 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 class LlamaFamilyStep:
     """One decode step of a Llama-family model (Llama, Qwen2, Qwen3, Mistral) without the HF call stack.
 
-    The same weights and the same modules for norms and rotary tables, but q/k/v and gate/up
-    each in one matmul (weights concatenated once per rollout) and attention over the
-    preallocated cache directly: a decode step of a small model is dominated by per-module
-    overhead, which this removes. ``supported`` says when it applies (full attention everywhere,
-    SiLU MLP, a position-independent rotary table, a plain unwrapped model); otherwise ``decode``
-    uses the model's own forward. Tested against the HF forward (``tests/test_decode.py``).
+    The model's own modules (norms, projections, MLP) and rotary table, with attention written out
+    over the preallocated cache: a decode step of a small batch is dominated by per-call overhead
+    (mask building, attention dispatch, cache bookkeeping), which this skips. Softmax in float32.
+    ``supported`` says when it applies (full attention in every layer, a position-independent
+    rotary table, a plain unwrapped model); otherwise ``decode`` uses the model's own forward.
+    Tested against the HF forward (``tests/test_decode.py``).
     """
 
     def __init__(self, model: nn.Module, cache: DynamicCache, capacity: int) -> None:
@@ -129,26 +129,7 @@ class LlamaFamilyStep:
         table_ids = torch.arange(capacity, device=device).unsqueeze(0)
         cos, sin = base.rotary_emb(base.embed_tokens.weight[:1].unsqueeze(0), table_ids)  # [1, cap, D]
         self.cos, self.sin = cos[0], sin[0]
-        self.layers = []
-        for layer in base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            self.layers.append(
-                (
-                    layer.input_layernorm,
-                    torch.cat([m.weight for m in qkv]),
-                    torch.cat([m.bias for m in qkv]) if attn.q_proj.bias is not None else None,
-                    (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
-                    getattr(attn, "q_norm", None),
-                    getattr(attn, "k_norm", None),
-                    attn.o_proj,
-                    layer.post_attention_layernorm,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None,
-                    mlp.act_fn,
-                    mlp.down_proj,
-                )
-            )
+        self.layers = [(layer.self_attn, layer.mlp, layer) for layer in base.layers]
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
 
@@ -157,7 +138,7 @@ class LlamaFamilyStep:
         config = getattr(model, "config", None)
         if config is None or getattr(config, "model_type", None) not in NATIVE_MODEL_TYPES:
             return False
-        if hasattr(model, "unshard") or not hasattr(model, "model") or config.hidden_act != "silu":
+        if hasattr(model, "unshard") or not hasattr(model, "model"):
             return False  # FSDP2 gathers parameters in the module hooks this path bypasses
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
             return False
@@ -173,29 +154,30 @@ class LlamaFamilyStep:
         r, d = x.shape[0], self.head_dim
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [R, 1, D]
         bias = torch.zeros(key_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~key_mask, float("-inf"))
-        for layer, (norm1, w_qkv, b_qkv, sizes, q_norm, k_norm, o_proj, norm2, w_gu, b_gu, act, down) in zip(
-            self.cache.layers, self.layers
-        ):
-            q, k, v = nn.functional.linear(norm1(x), w_qkv, b_qkv).split(sizes, dim=-1)
-            q, k, v = q.view(r, 1, -1, d), k.view(r, 1, -1, d), v.view(r, 1, -1, d)
-            if q_norm is not None:
-                q, k = q_norm(q), k_norm(k)
+        bias_per_head: Tensor | None = None  # [R * kv_heads, 1, L+1], built at the first layer
+        for cache_layer, (attn, mlp, layer) in zip(self.cache.layers, self.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = (proj(h).view(r, 1, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            if getattr(attn, "q_norm", None) is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [R, heads, 1, D]
             q = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
             k = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
-            keys, values = layer.update(k, v.transpose(1, 2))  # [R, kv_heads, L+1, D]
+            keys, values = cache_layer.update(k, v.transpose(1, 2))  # [R, kv_heads, L+1, D]
             kv_heads = keys.shape[1]
             qg = q.reshape(r, kv_heads, -1, d)  # query heads grouped by their key/value head
+            if bias_per_head is None or bias_per_head.shape[0] != r * kv_heads:
+                bias_per_head = bias.repeat_interleave(kv_heads, 0).unsqueeze(1)
             scores = torch.baddbmm(
-                bias.repeat_interleave(kv_heads, 0).unsqueeze(1),
+                bias_per_head,
                 qg.reshape(r * kv_heads, -1, d),
                 keys.reshape(r * kv_heads, -1, d).transpose(1, 2),
                 alpha=self.scaling,
             )  # [R * kv_heads, group, L+1]
-            out = torch.bmm(scores.softmax(-1), values.reshape(r * kv_heads, -1, d))
-            x = x + o_proj(out.reshape(r, 1, -1))
-            gate, up = nn.functional.linear(norm2(x), w_gu, b_gu).chunk(2, dim=-1)
-            x = x + down(act(gate) * up)
+            probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+            out = torch.bmm(probs, values.reshape(r * kv_heads, -1, d))
+            x = x + attn.o_proj(out.reshape(r, 1, -1))
+            x = x + mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(base.norm(x))[:, -1]
 
 
