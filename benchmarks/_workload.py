@@ -43,7 +43,7 @@ class Workload:
     trl_gradient_checkpointing: bool = False
     micro_batch: int | None = None  # rows per forward/backward (gradients accumulated): sgrpo's micro_batch_size
     logits_chunk_mib: float = 128.0  # sgrpo only: its LM-head chunk budget (GRPOPolicy default)
-    micro_batch_tokens: int | None = 1024  # sgrpo only: padded tokens per micro-batch (rows grouped by length)
+    micro_batch_tokens: int | str | None = "auto"  # sgrpo only: padded tokens per micro-batch ("auto": 1024 on CPU)
     share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch in the update
     sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
 

@@ -17,10 +17,10 @@ decay, grad-norm clip 1; the fused implementation on both sides: TRL's default `
 sgrpo's ``torch.optim.AdamW(fused=True)``), fp32, no logger, no progress bar, no checkpoints,
 ``torch.set_num_threads(threads)`` in both. TRL's gradient checkpointing (on by default in TRL) is
 off, as in sgrpo, unless ``--trl-gradient-checkpointing``; ``--micro-batch M`` splits the update into
-M-row micro-batches on both sides. sgrpo runs as configured for CPU: its lean decoder
+M-row micro-batches on both sides. sgrpo runs with its defaults: the lean decoder
 (``--sgrpo-decoder generate`` for transformers' ``generate``) and micro-batches of at most
-``--sgrpo-micro-batch-tokens`` (1024) padded tokens, rows grouped by length; TRL has no counterpart
-of either knob.
+``micro_batch_tokens="auto"`` (1,024 on CPU; ``--sgrpo-micro-batch-tokens``) padded tokens, rows
+grouped by length; TRL has no counterpart of either knob.
 
 Fairness: each framework runs in its own process (so peak RSS, from ``ru_maxrss``, is its own),
 and the parent releases their steps alternately, A B A B ..., one at a time: a worker blocks at the
@@ -411,9 +411,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--sgrpo-micro-batch-tokens",
-        type=int,
-        default=1024,
-        help="sgrpo's micro_batch_tokens: padded tokens per micro-batch, rows grouped by length (0: no limit)",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="sgrpo's micro_batch_tokens: padded tokens per micro-batch, rows grouped by length "
+        "(default auto: 1024 on CPU; 0: no limit)",
     )
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off for parity")
     parser.add_argument("--large-vocab", type=int, default=151_936)

@@ -213,3 +213,26 @@ def test_kl_to_a_frozen_reference(model_dir, batch):
     assert float(trainer.callback_metrics["train/kl"]) > 0  # step 2: the policy has moved away
     assert "_reference" not in dict(with_kl.named_modules())  # not trained, not checkpointed
     assert not any(k.startswith("_reference") for k in with_kl.state_dict())
+
+
+def test_auto_micro_batch_budget_on_cpu(model_dir, batch):
+    """micro_batch_tokens="auto" (the default) cuts CPU micro-batches at 1,024 padded tokens, longest rows first."""
+    from sgrpo.policy import AUTO_MICRO_BATCH_TOKENS
+    from sgrpo.types import RolloutBatch
+
+    policy = make_policy(model_dir, batch, GRPO())
+    assert policy.micro_batch_tokens == "auto" and AUTO_MICRO_BATCH_TOKENS["cpu"] == 1024
+    lengths = torch.randint(1, 41, (48,), generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(40).unsqueeze(0) < lengths.unsqueeze(-1)  # [48, 40]
+    rollout = RolloutBatch(
+        input_ids=torch.zeros(48, 50, dtype=torch.long),
+        attention_mask=torch.ones(48, 50, dtype=torch.long),
+        completion_mask=mask,
+        completions=[""] * 48,
+        truncated=torch.zeros(48, dtype=torch.bool),
+        group_size=8,
+    )
+    chunks = policy._micro_batches(rollout, torch.arange(48), mask)
+    assert len(chunks) > 1 and torch.equal(torch.cat(chunks).sort().values, torch.arange(48))
+    for chunk in chunks:
+        assert len(chunk) * (10 + int(lengths[chunk].max())) <= 1024
