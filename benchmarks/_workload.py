@@ -38,7 +38,7 @@ class Workload:
     force_length: bool = False  # True: EOS masked for the first new_tokens tokens (every completion T tokens)
     steps: int = 8  # steps the parent will release
     threads: int = 2
-    reward: str = "exact_match"  # or "parity" (a content-free binary reward for the random large-vocab model)
+    reward: str = "parity"  # a binary reward with variance for a random model; "exact_match": the sort task's own
     lr: float = 1e-6
     trl_gradient_checkpointing: bool = False
     micro_batch: int | None = None  # rows per forward/backward (gradients accumulated): sgrpo's micro_batch_size

@@ -11,7 +11,9 @@ restricted to B prompts (every step trains on all of them), G completions each, 
 (EOS ends a row, as in training; ``--force-length`` masks EOS for T tokens on both sides, sgrpo's
 through ``HFRollout(min_new_tokens=T)``, TRL's through ``generation_kwargs``, so both do exactly the
 same work; the mean length each side got is printed), sampling at temperature 1 (no top-k/top-p),
-exact-match reward (the same ``Reward`` object scores both), GRPO z-score advantages, DAPO token-mean
+a binary reward with variance (the parity of the first character's code point: a random model never
+sorts, and under exact match every group would be constant, so sgrpo would rightly skip the whole
+update; the same ``Reward`` object scores both sides), GRPO z-score advantages, DAPO token-mean
 loss, clip 0.2, KL 0 (no reference model), one optimiser step per rollout (AdamW, lr 1e-6, no weight
 decay, grad-norm clip 1; the fused implementation on both sides: TRL's default ``adamw_torch_fused``,
 sgrpo's ``torch.optim.AdamW(fused=True)``), fp32, no logger, no progress bar, no checkpoints,
@@ -336,7 +338,6 @@ def case_large_vocab(args, tmp: Path) -> None:
         force_length=True,
         steps=1,
         threads=args.threads,
-        reward="parity",
         logits_chunk_mib=args.sgrpo_chunk_mib,
         micro_batch_tokens=None,  # all rows in one micro-batch, as TRL: the ratio is the LM head's doing
         trl_gradient_checkpointing=args.trl_gradient_checkpointing,

@@ -294,6 +294,7 @@ class GRPOPolicy(LightningModule):
             "train/kl": sums["kl"] / tokens,
             "train/entropy": sums["entropy"] / tokens,
             "train/throughput/update_tok_s": tokens / elapsed,
+            "train/update/rows_skipped": sums["rows_skipped"] / steps,
         } | mismatch
 
     def accumulate_gradients(
@@ -308,12 +309,20 @@ class GRPOPolicy(LightningModule):
     ) -> dict[str, Tensor]:
         """Backward of the global-batch loss restricted to ``rows``, micro-batch by micro-batch.
 
+        Without a KL term, rows whose advantage is exactly 0 (constant groups) are counted in the
+        denominators but not run: their loss and gradient are exactly 0. Clip fractions, entropy
+        and update tokens/s then describe the rows that ran.
+
         The aggregation denominators are the counts of the whole mini-batch over all processes, so
         the accumulated gradient does not depend on how the mini-batch is split. DDP averages
         gradients over processes; the loss is multiplied by the world size to undo that.
         """
         counts = torch.stack([torch.tensor(float(len(rows))), token_mask[rows].sum().float().cpu()]).to(self.device)
         num_seqs, num_tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        skipped = len(rows)
+        if self.kl_coef == 0:  # a row with advantage exactly 0 adds exactly 0 to the loss and its gradient
+            rows = rows[advantages[rows] != 0]
+        skipped -= len(rows)
         chunks = self._micro_batches(rollout, rows, token_mask)  # no rows (all groups dropped): no forward
         max_chunks = int(
             self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
@@ -322,6 +331,7 @@ class GRPOPolicy(LightningModule):
         stats = {
             k: torch.zeros((), device=self.device) for k in ("loss", "clip_low", "clip_high", "kl", "entropy", "tokens")
         }
+        stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
         for chunk in chunks:
             batch = _trim(rollout, chunk, token_mask)
             logp, entropy = completion_logprobs(
@@ -351,7 +361,10 @@ class GRPOPolicy(LightningModule):
             stats["kl"] += (kl.detach() * m).sum()
             stats["entropy"] += (entropy * m).sum()
             stats["tokens"] += m.sum()
-        for _ in range(max_chunks - len(chunks)):  # keep every process's collectives in step (DDP, FSDP)
+        dummies = max_chunks - len(chunks)  # keep every process's collectives in step (DDP, FSDP)
+        if num_seqs > 0 and max_chunks == 0:  # every row had advantage 0: one zero-loss pass gives the zero
+            dummies = 1  # gradient running them would have (so AdamW still decays weights and moments)
+        for _ in range(dummies):
             dummy = torch.full((1, 1), self.tokenizer.pad_token_id or 0, device=self.device)
             self.manual_backward(self.model(input_ids=dummy).logits.sum() * 0.0)
         return stats

@@ -236,3 +236,24 @@ def test_auto_micro_batch_budget_on_cpu(model_dir, batch):
     assert len(chunks) > 1 and torch.equal(torch.cat(chunks).sort().values, torch.arange(48))
     for chunk in chunks:
         assert len(chunk) * (10 + int(lengths[chunk].max())) <= 1024
+
+
+def test_rows_with_zero_advantage_are_counted_but_not_run(model_dir, batch):
+    """The constant group's 4 rows are not forwarded; the denominators still count them (T17 checks the value)."""
+    forwarded: dict[float, list[int]] = {}
+    for kl_coef in (0.0, 0.1):
+        policy = make_policy(model_dir, batch, GRPO(), kl_coef=kl_coef, micro_batch_tokens=None)
+        policy.configure_model()
+        sizes = forwarded.setdefault(kl_coef, [])
+        handle = policy.model.model.register_forward_pre_hook(
+            lambda _m, _a, kwargs, sizes=sizes: sizes.append(kwargs["input_ids"].shape[0])
+            if torch.is_grad_enabled()
+            else None,
+            with_kwargs=True,
+        )
+        run_steps(policy)
+        handle.remove()
+        logged = policy.trainer.logged_metrics
+        assert float(logged["train/update/rows_skipped"]) == (4.0 if kl_coef == 0 else 0.0)
+    # the update's forwards: the distinct prompts once, then the rows on their KV cache
+    assert forwarded == {0.0: [3, 12], 0.1: [4, 16]}
