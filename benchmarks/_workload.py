@@ -273,7 +273,7 @@ PHASES = (  # (label, depth): the tree printed by profile_sgrpo, children indent
     ("completion_logprobs forward", 3),
     ("manual_backward", 3),
     ("_clip_and_step (norm, clip, AdamW, zero_grad)", 3),
-    ("update: rest (masks, _trim, counts, stats)", 3),
+    ("update: rest (masks, trim, counts, stats)", 3),
     ("self.log / log_dict calls", 2),
     ("training_step: rest (estimator, metrics)", 2),
     ("Lightning loop between steps", 1),
@@ -370,7 +370,7 @@ def _derive_phases(times: dict[str, float]) -> None:
         return sum(times.get(k, 0.0) for k in keys)
 
     times["tokenize, decode, copies"] = total("rollout: HFRollout.generate") - total("decode: HFRollout._generate_rows")
-    times["update: rest (masks, _trim, counts, stats)"] = total("update") - total(*(k for k, _ in PHASES[7:10]))
+    times["update: rest (masks, trim, counts, stats)"] = total("update") - total(*(k for k, _ in PHASES[7:10]))
     times["training_step: rest (estimator, metrics)"] = total("training_step") - total(
         "rollout: HFRollout.generate", "score: reward + success", "update", "self.log / log_dict calls"
     )

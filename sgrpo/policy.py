@@ -13,6 +13,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from estimators import AdvantageEstimator, budget_mass, budget_shares
+from sgrpo.batching import micro_batches, trim
 from sgrpo.data import StepBatches, identity_collate
 from sgrpo.loss import (
     AGGREGATIONS,
@@ -29,9 +30,6 @@ from sgrpo.modeling import resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.types import Example, RolloutBatch
 from tasks.base import Task
-
-#: padded tokens per micro-batch under ``micro_batch_tokens="auto"``
-AUTO_MICRO_BATCH_TOKENS = {"cpu": 1024, "accelerator": 8192}
 
 
 class GRPOPolicy(LightningModule):
@@ -333,7 +331,7 @@ class GRPOPolicy(LightningModule):
         }
         stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
         for chunk in chunks:
-            batch = _trim(rollout, chunk, token_mask)
+            batch = trim(rollout, chunk, token_mask)
             logp, entropy = completion_logprobs(
                 self.model,
                 batch["input_ids"],
@@ -386,32 +384,9 @@ class GRPOPolicy(LightningModule):
         return norm.detach().to(self.device)
 
     def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> list[Tensor]:
-        """``rows`` cut into micro-batches of similar completion length, longest first.
-
-        A micro-batch holds at most ``micro_batch_size`` rows and at most ``micro_batch_tokens``
-        padded tokens (rows x (prompt width + its longest completion)), so trimming each one to
-        its longest row (``_trim``) drops most padding and activation memory stays bounded. A row
-        longer than the budget goes alone. Without either limit, one micro-batch.
-        """
-        if not len(rows):
-            return []
+        """``rows`` in micro-batches of similar completion length (``sgrpo.batching.micro_batches``)."""
         lengths = token_mask[rows].sum(-1)
-        budget = self.micro_batch_tokens
-        if budget == "auto":
-            budget = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
-        if self.micro_batch_size is None and budget is None:
-            return [rows]
-        order = lengths.argsort(descending=True, stable=True)
-        rows, lengths = rows[order], lengths[order].tolist()
-        max_rows = self.micro_batch_size or len(rows)
-        max_tokens = budget or float("inf")
-        chunks, start = [], 0
-        for i in range(1, len(rows) + 1):  # a chunk's width is its first (longest) row's
-            width = rollout.prompt_length + lengths[start]
-            if i == len(rows) or i - start >= max_rows or (i - start + 1) * width > max_tokens:
-                chunks.append(rows[start:i])
-                start = i
-        return chunks
+        return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
 
     @torch.no_grad()
     def _logprobs(self, model, rollout: RolloutBatch, token_mask: Tensor) -> Tensor:
@@ -419,7 +394,7 @@ class GRPOPolicy(LightningModule):
         out = torch.zeros(token_mask.shape, dtype=torch.float32, device=token_mask.device)
         rows = token_mask.any(-1).nonzero().squeeze(-1)
         for chunk in self._micro_batches(rollout, rows, token_mask):
-            batch = _trim(rollout, chunk, token_mask)
+            batch = trim(rollout, chunk, token_mask)
             lp, _ = completion_logprobs(
                 model,
                 batch["input_ids"],
@@ -514,12 +489,3 @@ def _mix(*parts: int) -> int:
 
 def _constant(rewards: Tensor) -> Tensor:
     return rewards.amax(-1) == rewards.amin(-1)  # [B]
-
-
-def _trim(rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
-    """The rows' tensors without all-padding columns: left prompt padding and trailing completion padding."""
-    ids, attn, mask = rollout.input_ids[rows], rollout.attention_mask[rows], token_mask[rows]
-    p = rollout.prompt_length
-    first = int(attn[:, :p].any(0).long().argmax()) if p else 0
-    t = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
-    return {"input_ids": ids[:, first : p + t], "attention_mask": attn[:, first : p + t], "mask": mask[:, :t]}

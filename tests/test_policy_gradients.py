@@ -217,7 +217,7 @@ def test_kl_to_a_frozen_reference(model_dir, batch):
 
 def test_auto_micro_batch_budget_on_cpu(model_dir, batch):
     """micro_batch_tokens="auto" (the default) cuts CPU micro-batches at 1,024 padded tokens, longest rows first."""
-    from sgrpo.policy import AUTO_MICRO_BATCH_TOKENS
+    from sgrpo.batching import AUTO_MICRO_BATCH_TOKENS
     from sgrpo.types import RolloutBatch
 
     policy = make_policy(model_dir, batch, GRPO())
@@ -246,9 +246,9 @@ def test_rows_with_zero_advantage_are_counted_but_not_run(model_dir, batch):
         policy.configure_model()
         sizes = forwarded.setdefault(kl_coef, [])
         handle = policy.model.model.register_forward_pre_hook(
-            lambda _m, _a, kwargs, sizes=sizes: sizes.append(kwargs["input_ids"].shape[0])
-            if torch.is_grad_enabled()
-            else None,
+            lambda _m, _a, kwargs, sizes=sizes: (
+                sizes.append(kwargs["input_ids"].shape[0]) if torch.is_grad_enabled() else None
+            ),
             with_kwargs=True,
         )
         run_steps(policy)
