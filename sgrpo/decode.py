@@ -60,11 +60,16 @@ class PreallocatedLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        """Keep rows ``indices`` (in that order; repeats allowed): one copy of the filled positions."""
+        """Keep rows ``indices`` (in that order; repeats allowed), copying only the filled positions."""
         if self.is_initialized:
-            self.key_buffer = self.key_buffer.index_select(0, indices)
-            self.value_buffer = self.value_buffer.index_select(0, indices)
+            self.key_buffer = self._select(self.key_buffer, indices)
+            self.value_buffer = self._select(self.value_buffer, indices)
             self._views()
+
+    def _select(self, buffer: Tensor, indices: Tensor) -> Tensor:
+        out = buffer.new_empty((len(indices), *buffer.shape[1:]))
+        out[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, indices)
+        return out
 
     def _views(self) -> None:
         self.keys = self.key_buffer[:, :, : self.length]
