@@ -8,9 +8,11 @@ Builds a random Llama from a config (no download): hidden 1024, 24 layers, 16 he
 Fits ``--steps`` GRPO steps of GRPOPolicy on the synthetic sort task (with a first-character parity
 reward, so groups have variance) under Lightning's ModelParallelStrategy (FSDP2, one process), bf16-mixed
 with fp32 master weights and activation checkpointing; once per rollout engine (HFRollout, and
-VLLMRollout when vllm imports). Prints per engine the medians after the first (warm-up) step: rollout
-tokens/s, update tokens/s, and model FLOP utilisation: 2N FLOPs per generated token and 6N per trained
-token (N = parameters) over the bf16 matmul peak measured here (an 8192^3 matmul; fp32 1024^3 on CPU).
+VLLMRollout when vllm imports), after a check of HFRollout's lean decoder against transformers'
+``generate`` on the plain model (greedy agreement, sampled tokens/s). Prints per engine the medians
+after the first (warm-up) step: rollout tokens/s, update tokens/s, and model FLOP utilisation: 2N FLOPs
+per generated token and 6N per trained token (N = parameters) over the bf16 matmul peak measured here
+(an 8192^3 matmul; fp32 1024^3 on CPU).
 For vLLM it also checks the weight sync: the engine's copy of ``model.norm.weight`` against the
 trainer's, and vLLM's sampled log-probs against the trained policy's (and the initial checkpoint's).
 Prints; never asserts. Exit code 2 without a GPU (unless --cpu), 1 if a fit fails.
@@ -228,6 +230,46 @@ def summarise(result: dict, n_params: int, peak: float, rows: int) -> dict:
     }
 
 
+def decoder_check(model_dir: Path, size: dict, device: torch.device) -> dict:
+    """HFRollout's lean decoder against transformers' generate on the plain model (no FSDP).
+
+    Greedy agreement (share of rows whose tokens are identical; bf16 ties may flip a few) on a quarter
+    of the prompts, then one sampled full-size rollout with each: seconds and tokens/s.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks._workload import Workload, make_task
+    from sgrpo.decode import LlamaFamilyStep
+    from sgrpo.rollout import HFRollout
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = list(make_task(Workload(model_dir=str(model_dir), prompts=size["prompts"])).examples("train"))
+    out = {"native_step": LlamaFamilyStep.supported(model)}
+    few = examples[: max(1, len(examples) // 4)]
+    greedy = [
+        HFRollout(max_new_tokens=size["new_tokens"], decoder=d).generate(model, tokenizer, few, 2, greedy=True)
+        for d in ("lean", "generate")
+    ]
+    width = min(b.input_ids.shape[1] for b in greedy)
+    same = (greedy[0].input_ids[:, :width] == greedy[1].input_ids[:, :width]).all(-1)
+    out["greedy_rows_identical"] = float(same.float().mean())
+    for name in ("lean", "generate"):
+        rollout = HFRollout(max_new_tokens=size["new_tokens"], decoder=name)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        batch = rollout.generate(model, tokenizer, examples, size["group"])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        out[f"{name}_s"] = elapsed
+        out[f"{name}_tok_s"] = float(batch.completion_mask.sum()) / elapsed
+    del model
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     require_device(args.cpu)
@@ -252,6 +294,16 @@ def main(argv=None) -> int:
             f"matmul {peak / 1e12:.3f} TFLOP/s"
         )
         status = 0
+        try:
+            check = decoder_check(root / "model", size, device)
+            print(
+                f"decoders: lean {check['lean_tok_s']:.0f} tok/s vs generate {check['generate_tok_s']:.0f} tok/s "
+                f"({check['generate_s'] / check['lean_s']:.2f}x); greedy rows identical "
+                f"{check['greedy_rows_identical']:.0%}; native Llama step {'on' if check['native_step'] else 'off'}"
+            )
+        except Exception as err:  # report and go on to the fits
+            print(f"decoders: FAILED: {type(err).__name__}: {err}")
+            status = 1
         for name in engines:
             started = time.perf_counter()
             try:
