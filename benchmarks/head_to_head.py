@@ -58,11 +58,20 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]  # shadows `estimators`
 sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
 
-from benchmarks._common import HelpFormatter, markdown_table, save_figure, t_interval, use_agg_backend  # noqa: E402
+from benchmarks._common import HelpFormatter, markdown_table, use_agg_backend  # noqa: E402
 from benchmarks._common import write_markdown as _write_markdown  # noqa: E402
-from sgrpo.report import read_metrics  # noqa: E402
+from benchmarks._h2h_figures import plot_budget, plot_curves, plot_final, plot_pass  # noqa: E402
+from benchmarks._h2h_stats import (  # noqa: E402
+    BUDGET_BUCKETS,
+    base_runs,
+    budget_series,
+    conclusion,
+    fmt,
+    mean_over_levels,
+    paired,
+    pass_ks,
+)
 
 DEFAULT_OUT = _ROOT / "benchmarks" / "results" / "head_to_head"
 DEFAULT_CONFIG = _ROOT / "configs" / "quickstart.yaml"
@@ -74,7 +83,6 @@ DEFAULT_ESTIMATORS = (
 )
 COLORS = {"GRPO": "#d62728", "DrGRPO": "#ff7f0e", "RLOO": "#8c564b", "MaxRL": "#000000", "SoftmaxGRPO": "#2171b5"}
 OTHER_COLORS = ("#2ca02c", "#9467bd", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
-BUDGET_BUCKETS = ("hard", "mid_hard", "half", "mid_easy", "near_solved")
 
 
 @dataclass(frozen=True)
@@ -261,106 +269,13 @@ def run_all(specs: list[EstimatorSpec], args: argparse.Namespace) -> dict[str, d
 
 
 # ---------------------------------------------------------------------------------------------- statistics
-def ci(values: list[float]) -> tuple[float, float]:
-    """Mean and 95 % t half-width (nan for one value)."""
-    mean, half = t_interval(torch.tensor(values, dtype=torch.float64))
-    return float(mean), float(half)
-
-
-def fmt(values: list[float], sign: bool = False) -> str:
-    """``61.2 % ± 3.4``: percent, mean ± 95 % half-width (no interval for one value)."""
-    if not values:
-        return "-"
-    mean, half = ci(values)
-    return f"{100 * mean:{'+' if sign else ''}.1f} %" + ("" if math.isnan(half) else f" ± {100 * half:.1f}")
-
-
-def final_means(runs: dict[int, dict]) -> dict[int, float]:
-    return {seed: r["final"]["mean_over_levels"] for seed, r in runs.items()}
-
-
-def mean_over_levels(result: dict) -> float:
-    return result["final"]["mean_over_levels"]
-
-
-def paired(a: dict[int, dict], b: dict[int, dict], metric=mean_over_levels) -> tuple[float, float, int]:
-    """Mean and 95 % t half-width of the seed-paired difference a - b of ``metric(result)`` (default: final
-    mean accuracy over levels), over the seeds both finished."""
-    diffs = [metric(a[s]) - metric(b[s]) for s in sorted(set(a) & set(b))]
-    if not diffs:
-        return math.nan, math.nan, 0
-    mean, half = ci(diffs)
-    return mean, half, len(diffs)
-
-
-def compare(best: str, other: str, results: dict[str, dict[int, dict]], role: str) -> str:
-    mean, half, n = paired(results[best], results[other])
-    if n == 0:
-        return f"- Against {role} {other}: no seed finished for both, no comparison."
-    text = f"- Against {role} {other}: {100 * mean:+.1f} pts (paired over {n} seed{'s' * (n > 1)}"
-    if math.isnan(half):
-        return text + "; one seed, so no confidence interval: not a test)."
-    lo, hi = 100 * (mean - half), 100 * (mean + half)
-    verdict = (
-        "the interval excludes 0: a significant difference at 95 %"
-        if lo > 0 or hi < 0
-        else "the interval includes 0: no significant difference"
-    )
-    return text + f", 95 % CI [{lo:+.1f}, {hi:+.1f}] pts): {verdict}."
-
-
-def overlap(a: list[float], b: list[float]) -> bool | None:
-    (ma, ha), (mb, hb) = ci(a), ci(b)
-    if math.isnan(ha) or math.isnan(hb):
-        return None
-    return ma - ha <= mb + hb and mb - hb <= ma + ha
-
-
-def conclusion(results: dict[str, dict[int, dict]], specs: list[EstimatorSpec]) -> str:
-    """The best estimator by final mean accuracy over levels, against the runner-up and against GRPO."""
-    means = {lab: list(final_means(runs).values()) for lab, runs in results.items() if runs}
-    if not means:
-        return "No run finished: nothing to compare."
-    ranked = sorted(means, key=lambda lab: -ci(means[lab])[0])
-    best, n = ranked[0], len(means[ranked[0]])
-    interval = f"mean ± 95 % CI half-width over {n} seeds" if n > 1 else "one seed, no CI"
-    lines = [f"**Best: {best}**, final mean accuracy over levels {fmt(means[best])} ({interval})."]
-    if len(ranked) > 1:
-        runner = ranked[1]
-        if ci(means[best])[0] == ci(means[runner])[0]:
-            lines[0] += f" It is tied with {runner}: the ranking between them is arbitrary."
-        lines.append(compare(best, runner, results, "the runner-up"))
-        both = overlap(means[best], means[runner])
-        if both is not None:
-            lines.append(
-                f"- The per-estimator 95 % CIs of {best} and {runner} " + ("overlap." if both else "do not overlap.")
-            )
-    grpo = next((s.label for s in specs if s.name == "GRPO" and not s.init_args and s.label in means), None)
-    if grpo == best:
-        lines.append("- GRPO, the baseline, is itself the best.")
-    elif grpo is not None and grpo == ranked[1]:
-        lines.append("- GRPO, the baseline, is the runner-up (comparison above).")
-    elif grpo is not None:
-        lines.append(compare(best, grpo, results, "the GRPO baseline"))
-    spread = [ci(means[lab]) for lab in ranked]
-    defined = len(ranked) > 1 and all(not math.isnan(h) for _, h in spread)
-    if defined and max(m - h for m, h in spread) <= min(m + h for m, h in spread):
-        lines.append("- All estimators' 95 % CIs overlap: at this budget the seeds do not separate them.")
-    base = [r["initial"]["mean_over_levels"] for r in base_runs(results)]
-    if len(base) > 1:
-        low, high = 100 * min(base), 100 * max(base)
-        lines.append(f"- Validation noise alone: the base model scores {low:.1f} to {high:.1f} % over the seeds "
-                     "(same model, different validation sampling seeds).")  # fmt: skip
-    return "\n".join(lines)
-
-
 def reference_table(results, specs) -> tuple[str, str]:
     """Seed-paired differences of every estimator against GRPO (or the first estimator when GRPO is absent)."""
     ref = next((s for s in specs if s.name == "GRPO" and not s.init_args and results[s.label]), None)
     ref = ref or next((s for s in specs if results[s.label]), None)
     if ref is None:
         return "", "no run finished"
-    k = _ks(results)[-1]
+    k = pass_ks(results)[-1]
     metrics = {
         "mean over levels": mean_over_levels,
         **{f"level {lv}": (lambda r, lv=lv: r["final"]["by_difficulty"][lv]) for lv in _levels(results)},
@@ -416,15 +331,10 @@ def headline_table(results, specs) -> tuple[str, list[str]]:
 
 
 def pass_table(results, specs) -> str:
-    ks = _ks(results)
+    ks = pass_ks(results)
     rows = [[s.label, *(fmt([r["final"]["pass_at_k"][k] for r in results[s.label].values()]) for k in ks)]
             for s in specs if results[s.label]]  # fmt: skip
     return markdown_table(["estimator", *(f"pass@{k}" for k in ks)], rows)
-
-
-def budget_series(run_dir: Path, bucket: str) -> list[tuple[int, float]]:
-    series = read_metrics(run_dir / "lightning_logs" / "version_0" / "metrics.csv")
-    return series.get(f"train/budget/l1/{bucket}", [])
 
 
 def budget_table(results, specs, out: Path) -> str:
@@ -505,134 +415,9 @@ def plot_all(results, specs, levels, args) -> list[Path]:
     ]
 
 
-def plot_final(results, shown, colors, levels, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    groups = [*levels, "mean"]
-    fig, ax = plt.subplots(figsize=(max(7, 1.9 * len(groups) + 0.4 * len(shown)), 4.6))
-    width = 0.8 / len(shown)
-    base = base_runs(results)
-    for j, key in enumerate(groups):
-        value = sum(_acc(r["initial"], key) for r in base) / len(base)
-        ax.hlines(
-            value, j - 0.42, j + 0.42, colors="grey", linestyles=":", lw=2, label="base model" if j == 0 else None
-        )
-    for i, spec in enumerate(shown):
-        runs = list(results[spec.label].values())
-        stats = [ci([_acc(r["final"], key) for r in runs]) for key in groups]
-        x = [j - 0.4 + width * (i + 0.5) for j in range(len(groups))]
-        err = [0 if math.isnan(h) else h for _, h in stats]
-        bar = {"color": colors[spec.label]["color"], "label": spec.label, "ecolor": "0.55", "capsize": 3}
-        ax.bar(x, [m for m, _ in stats], width * 0.92, yerr=err, **bar)  # grey error bars: visible on black
-    ax.set_xticks(range(len(groups)), [f"level {g}" if g != "mean" else "mean over levels" for g in groups])
-    ax.set(ylabel="final validation accuracy", ylim=(0, 1), title="Final accuracy by difficulty (95 % CI over seeds)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=min(len(shown) + 1, 3))
-    return save_figure(fig, path)
-
-
-def plot_curves(results, shown, colors, levels, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    keys = ["mean", *levels]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4), sharex=True)
-    for ax, key in zip(axes, keys):
-        for spec in shown:
-            runs = list(results[spec.label].values())
-            steps = [e["step"] for e in runs[0]["history"]]
-            stats = [ci([_acc(r["history"][t], key) for r in runs]) for t in range(len(steps))]
-            mean = [m for m, _ in stats]
-            ax.plot(steps, mean, marker="o", ms=3, **colors[spec.label])
-            if not any(math.isnan(h) for _, h in stats):
-                lo, hi = [m - h for m, h in stats], [m + h for m, h in stats]
-                ax.fill_between(steps, lo, hi, color=colors[spec.label]["color"], alpha=0.1)
-        title = "mean over levels" if key == "mean" else f"level {key}"
-        ax.set(title=title, xlabel="training step", ylabel="validation accuracy")
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(shown), fontsize=9, bbox_to_anchor=(0.5, -0.06))
-    fig.suptitle("Validation accuracy over training (bands: 95 % CI over seeds)")
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
-def plot_pass(results, shown, colors, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    ks = _ks(results)
-    fig, ax = plt.subplots(figsize=(6.5, 4.4))
-    base = base_runs(results)
-    ax.plot([int(k) for k in ks], [sum(r["initial"]["pass_at_k"][k] for r in base) / len(base) for k in ks],
-            ":", color="grey", lw=2, label="base model")  # fmt: skip
-    for i, spec in enumerate(shown):
-        runs = list(results[spec.label].values())
-        stats = [ci([r["final"]["pass_at_k"][k] for r in runs]) for k in ks]
-        x = [int(k) + 0.04 * (i - len(shown) / 2) for k in ks]
-        err = [0 if math.isnan(h) else h for _, h in stats]
-        ax.errorbar(x, [m for m, _ in stats], yerr=err, marker="o", capsize=3, **colors[spec.label])
-    ax.set_xticks([int(k) for k in ks])
-    ax.set(xlabel="k (samples per prompt)", ylabel="pass@k (all levels)", title="pass@k after training (95 % CI)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
-def plot_budget(results, shown, colors, out: Path, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-    for ax, bucket in zip(axes, ("near_solved", "hard")):
-        for spec in shown:
-            curves = [_smooth(budget_series(out / spec.slug / f"seed{s}", bucket), 20) for s in results[spec.label]]
-            curves = [c for c in curves if c]
-            if not curves:
-                continue
-            n = min(len(c) for c in curves)
-            steps = [p[0] for p in curves[0][:n]]
-            stats = [ci([c[t][1] for c in curves]) for t in range(n)]
-            ax.plot(steps, [m for m, _ in stats], **colors[spec.label])
-            if not any(math.isnan(h) for _, h in stats):
-                lo, hi = [m - h for m, h in stats], [m + h for m, h in stats]
-                ax.fill_between(steps, lo, hi, color=colors[spec.label]["color"], alpha=0.12)
-        name = bucket.replace("_", "-")
-        ax.set(title=f"{name} groups", xlabel="training step", ylim=(0, 1))
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("L1 share of |A| (20-step moving mean)")
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Gradient budget over training: near-solved vs hard prompts (bands: 95 % CI over seeds)")
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
-def base_runs(results) -> list[dict]:
-    """One run per seed: runs of a seed share the initial model, validation prompts and sampling seeds."""
-    by_seed: dict[int, dict] = {}
-    for runs in results.values():
-        for seed, result in runs.items():
-            by_seed.setdefault(seed, result)
-    return [by_seed[s] for s in sorted(by_seed)]
-
-
-def _smooth(points: list[tuple[int, float]], window: int = 10) -> list[tuple[int, float]]:
-    out = []
-    for i, (step, _) in enumerate(points):
-        chunk = [v for _, v in points[max(0, i - window + 1) : i + 1]]
-        out.append((step, sum(chunk) / len(chunk)))
-    return out
-
-
-def _acc(entry: dict, key: str) -> float:
-    return entry["mean_over_levels"] if key == "mean" else entry["by_difficulty"][key]
-
-
 def _levels(results) -> list[str]:
     first = next(r for runs in results.values() for r in runs.values())
     return list(first["final"]["by_difficulty"])
-
-
-def _ks(results) -> list[str]:
-    first = next(r for runs in results.values() for r in runs.values())
-    return list(first["final"]["pass_at_k"])
 
 
 def _level_key(level: str) -> tuple[int, float | str]:

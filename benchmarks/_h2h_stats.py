@@ -1,0 +1,142 @@
+"""Statistics of head-to-head runs: intervals over seeds, paired differences, the conclusion; shared by
+benchmarks/head_to_head.py's tables and its figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks._common import t_interval
+from sgrpo.report import read_metrics
+
+BUDGET_BUCKETS = ("hard", "mid_hard", "half", "mid_easy", "near_solved")
+
+
+def ci(values: list[float]) -> tuple[float, float]:
+    """Mean and 95 % t half-width (nan for one value)."""
+    mean, half = t_interval(torch.tensor(values, dtype=torch.float64))
+    return float(mean), float(half)
+
+
+def fmt(values: list[float], sign: bool = False) -> str:
+    """``61.2 % ± 3.4``: percent, mean ± 95 % half-width (no interval for one value)."""
+    if not values:
+        return "-"
+    mean, half = ci(values)
+    return f"{100 * mean:{'+' if sign else ''}.1f} %" + ("" if math.isnan(half) else f" ± {100 * half:.1f}")
+
+
+def base_runs(results) -> list[dict]:
+    """One run per seed: runs of a seed share the initial model, validation prompts and sampling seeds."""
+    by_seed: dict[int, dict] = {}
+    for runs in results.values():
+        for seed, result in runs.items():
+            by_seed.setdefault(seed, result)
+    return [by_seed[s] for s in sorted(by_seed)]
+
+
+def accuracy(entry: dict, key: str) -> float:
+    return entry["mean_over_levels"] if key == "mean" else entry["by_difficulty"][key]
+
+
+def budget_series(run_dir: Path, bucket: str) -> list[tuple[int, float]]:
+    series = read_metrics(run_dir / "lightning_logs" / "version_0" / "metrics.csv")
+    return series.get(f"train/budget/l1/{bucket}", [])
+
+
+def smooth(points: list[tuple[int, float]], window: int = 10) -> list[tuple[int, float]]:
+    out = []
+    for i, (step, _) in enumerate(points):
+        chunk = [v for _, v in points[max(0, i - window + 1) : i + 1]]
+        out.append((step, sum(chunk) / len(chunk)))
+    return out
+
+
+def pass_ks(results) -> list[str]:
+    first = next(r for runs in results.values() for r in runs.values())
+    return list(first["final"]["pass_at_k"])
+
+
+def final_means(runs: dict[int, dict]) -> dict[int, float]:
+    return {seed: r["final"]["mean_over_levels"] for seed, r in runs.items()}
+
+
+def mean_over_levels(result: dict) -> float:
+    return result["final"]["mean_over_levels"]
+
+
+def paired(a: dict[int, dict], b: dict[int, dict], metric=mean_over_levels) -> tuple[float, float, int]:
+    """Mean and 95 % t half-width of the seed-paired difference a - b of ``metric(result)`` (default: final
+    mean accuracy over levels), over the seeds both finished."""
+    diffs = [metric(a[s]) - metric(b[s]) for s in sorted(set(a) & set(b))]
+    if not diffs:
+        return math.nan, math.nan, 0
+    mean, half = ci(diffs)
+    return mean, half, len(diffs)
+
+
+def compare(best: str, other: str, results: dict[str, dict[int, dict]], role: str) -> str:
+    mean, half, n = paired(results[best], results[other])
+    if n == 0:
+        return f"- Against {role} {other}: no seed finished for both, no comparison."
+    text = f"- Against {role} {other}: {100 * mean:+.1f} pts (paired over {n} seed{'s' * (n > 1)}"
+    if math.isnan(half):
+        return text + "; one seed, so no confidence interval: not a test)."
+    lo, hi = 100 * (mean - half), 100 * (mean + half)
+    verdict = (
+        "the interval excludes 0: a significant difference at 95 %"
+        if lo > 0 or hi < 0
+        else "the interval includes 0: no significant difference"
+    )
+    return text + f", 95 % CI [{lo:+.1f}, {hi:+.1f}] pts): {verdict}."
+
+
+def overlap(a: list[float], b: list[float]) -> bool | None:
+    (ma, ha), (mb, hb) = ci(a), ci(b)
+    if math.isnan(ha) or math.isnan(hb):
+        return None
+    return ma - ha <= mb + hb and mb - hb <= ma + ha
+
+
+def conclusion(results: dict[str, dict[int, dict]], specs: Sequence) -> str:
+    """The best estimator by final mean accuracy over levels, against the runner-up and against GRPO.
+
+    ``specs``: the run's ``EstimatorSpec`` objects (``name``, ``init_args``, ``label``).
+    """
+    means = {lab: list(final_means(runs).values()) for lab, runs in results.items() if runs}
+    if not means:
+        return "No run finished: nothing to compare."
+    ranked = sorted(means, key=lambda lab: -ci(means[lab])[0])
+    best, n = ranked[0], len(means[ranked[0]])
+    interval = f"mean ± 95 % CI half-width over {n} seeds" if n > 1 else "one seed, no CI"
+    lines = [f"**Best: {best}**, final mean accuracy over levels {fmt(means[best])} ({interval})."]
+    if len(ranked) > 1:
+        runner = ranked[1]
+        if ci(means[best])[0] == ci(means[runner])[0]:
+            lines[0] += f" It is tied with {runner}: the ranking between them is arbitrary."
+        lines.append(compare(best, runner, results, "the runner-up"))
+        both = overlap(means[best], means[runner])
+        if both is not None:
+            lines.append(
+                f"- The per-estimator 95 % CIs of {best} and {runner} " + ("overlap." if both else "do not overlap.")
+            )
+    grpo = next((s.label for s in specs if s.name == "GRPO" and not s.init_args and s.label in means), None)
+    if grpo == best:
+        lines.append("- GRPO, the baseline, is itself the best.")
+    elif grpo is not None and grpo == ranked[1]:
+        lines.append("- GRPO, the baseline, is the runner-up (comparison above).")
+    elif grpo is not None:
+        lines.append(compare(best, grpo, results, "the GRPO baseline"))
+    spread = [ci(means[lab]) for lab in ranked]
+    defined = len(ranked) > 1 and all(not math.isnan(h) for _, h in spread)
+    if defined and max(m - h for m, h in spread) <= min(m + h for m, h in spread):
+        lines.append("- All estimators' 95 % CIs overlap: at this budget the seeds do not separate them.")
+    base = [r["initial"]["mean_over_levels"] for r in base_runs(results)]
+    if len(base) > 1:
+        low, high = 100 * min(base), 100 * max(base)
+        lines.append(f"- Validation noise alone: the base model scores {low:.1f} to {high:.1f} % over the seeds "
+                     "(same model, different validation sampling seeds).")  # fmt: skip
+    return "\n".join(lines)
