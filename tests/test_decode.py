@@ -182,3 +182,28 @@ def test_hf_rollout_decoders_agree(tmp_path):
         HFRollout(decoder="vllm")
     with pytest.raises(ValueError, match="min_new_tokens"):
         HFRollout(max_new_tokens=4, min_new_tokens=5)
+
+
+@pytest.mark.parametrize("name", ["llama_bias", "qwen2", "qwen3", "mistral"])
+def test_shared_prompt_update_matches_the_full_forward(name):
+    """The update's prompt sharing (sgrpo.loss) on the same architectures: log-probs and gradients as the full
+    forward's (Llama itself, with the call counts, is in tests/test_loss.py)."""
+    from sgrpo.loss import completion_logprobs
+
+    torch.manual_seed(0)
+    model = _models()[name].train()
+    g = torch.Generator().manual_seed(0)
+    prompts, prompt_mask = _prompts(g)
+    rows = torch.tensor([0, 0, 0, 1, 1, 2])
+    completions = torch.randint(2, VOCAB, (6, 4), generator=g)
+    cmask = torch.arange(4).unsqueeze(0) < torch.tensor([4, 2, 3, 4, 1, 4]).unsqueeze(-1)
+    ids = torch.cat([prompts[rows], completions], 1)
+    attn = torch.cat([prompt_mask[rows], cmask.long()], 1)
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, ids, attn, cmask, share_prompts=share)
+        logp.sum().backward()
+        results.append((logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    assert float((results[1][1] - results[0][1]).norm() / results[0][1].norm()) < 1e-5
