@@ -159,11 +159,15 @@ def completion_hidden_states(
     flow back into the one prompt forward) and the completions run on top of it. Same values as
     the full forward up to float summation order; fewer FLOPs and activations when prompts repeat.
     Falls back to the full forward when no prompt repeats, or the model's cache is not a plain
-    full-attention ``DynamicCache``, or HF gradient checkpointing (which drops caches) is on.
+    full-attention ``DynamicCache``, or HF gradient checkpointing (which drops caches) is on, or the
+    model is FSDP2-sharded (its gathers and reduce-scatters must pair up across processes, whose
+    micro-batches may share prompts differently).
     """
     p = input_ids.shape[1] - t
     full = lambda: final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # noqa: E731
     if not share_prompts or p < 1 or t < 2 or getattr(model, "is_gradient_checkpointing", False):
+        return full()
+    if hasattr(model, "unshard"):  # FSDP2: processes must run the same forwards (collectives), one per micro-batch
         return full()
     keys = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)
     distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)

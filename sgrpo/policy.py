@@ -322,9 +322,7 @@ class GRPOPolicy(LightningModule):
             rows = rows[advantages[rows] != 0]
         skipped -= len(rows)
         chunks = self._micro_batches(rollout, rows, token_mask)  # no rows (all groups dropped): no forward
-        max_chunks = int(
-            self.trainer.strategy.reduce(torch.tensor(float(len(chunks)), device=self.device), reduce_op="max")
-        )
+        max_chunks = self._max_over_processes(len(chunks))
         scale = float(self._data_parallel_size())
         stats = {
             k: torch.zeros((), device=self.device) for k in ("loss", "clip_low", "clip_high", "kl", "entropy", "tokens")
@@ -363,9 +361,16 @@ class GRPOPolicy(LightningModule):
         if num_seqs > 0 and max_chunks == 0:  # every row had advantage 0: one zero-loss pass gives the zero
             dummies = 1  # gradient running them would have (so AdamW still decays weights and moments)
         for _ in range(dummies):
-            dummy = torch.full((1, 1), self.tokenizer.pad_token_id or 0, device=self.device)
-            self.manual_backward(self.model(input_ids=dummy).logits.sum() * 0.0)
+            self.manual_backward(self._dummy_logits(self.model).sum() * 0.0)
         return stats
+
+    def _max_over_processes(self, n: int) -> int:
+        return int(self.trainer.strategy.reduce(torch.tensor(float(n), device=self.device), reduce_op="max"))
+
+    def _dummy_logits(self, model) -> Tensor:
+        """A one-token forward, so that every process runs as many forwards (FSDP2 gathers in each)."""
+        dummy = torch.full((1, 1), self.tokenizer.pad_token_id or 0, device=self.device)
+        return model(input_ids=dummy).logits
 
     def _clip_and_step(self, optimizer, scheduler, last: bool) -> Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -393,7 +398,10 @@ class GRPOPolicy(LightningModule):
         """Log-probs ``[N, T]`` of the completion tokens under ``model`` (0 off ``token_mask``), no gradient."""
         out = torch.zeros(token_mask.shape, dtype=torch.float32, device=token_mask.device)
         rows = token_mask.any(-1).nonzero().squeeze(-1)
-        for chunk in self._micro_batches(rollout, rows, token_mask):
+        chunks = self._micro_batches(rollout, rows, token_mask)
+        for _ in range(self._max_over_processes(len(chunks)) - len(chunks)):  # processes' chunk counts differ
+            self._dummy_logits(model)
+        for chunk in chunks:
             batch = trim(rollout, chunk, token_mask)
             lp, _ = completion_logprobs(
                 model,

@@ -1,6 +1,6 @@
 """Run by test_sharded.py in a fresh interpreter: Lightning launches the second process itself.
 
-sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY]   one update of the fixed batch, results to OUT_DIR
+sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of the fixed batch, results to OUT_DIR
 sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes
 """
 
@@ -29,9 +29,15 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def update(model_dir: str, out: str, strategy: str = "sharded") -> None:
+#: a second scenario: old log-probs from a no-grad pass (two PPO epochs), and processes with different
+#: numbers of micro-batches (dynamic sampling drops the constant group on rank 0 only)
+UNEVEN = {"ppo_epochs": 2, "dynamic_sampling": True, "micro_batch_size": 2}
+
+
+def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = "plain") -> None:
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = make_policy(model_dir, batch, GRPO(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    extra = UNEVEN if scenario == "uneven" else {}
+    policy = make_policy(model_dir, batch, GRPO(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5), **extra)
     if strategy == "sharded":
         trainer = run_steps(
             policy, devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)

@@ -33,9 +33,12 @@ def launch(*args: str, cwd: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def test_sharded_update_equals_single_process_update(model_dir, tmp_path):
-    update(model_dir, str(tmp_path / "single"), "single")
-    launch("update", model_dir, str(tmp_path / "sharded"), "sharded", cwd=tmp_path)
+@pytest.mark.parametrize("scenario", ["plain", "uneven"])
+def test_sharded_update_equals_single_process_update(model_dir, tmp_path, scenario):
+    """One update sharded over 2 processes equals the single-process one. "uneven": two PPO epochs (old
+    log-probs from a no-grad pass) with processes running different numbers of micro-batches."""
+    update(model_dir, str(tmp_path / "single"), "single", scenario)
+    launch("update", model_dir, str(tmp_path / "sharded"), "sharded", scenario, cwd=tmp_path)
     one = json.loads((tmp_path / "single" / "info.json").read_text())
     two = json.loads((tmp_path / "sharded" / "info.json").read_text())
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
