@@ -137,38 +137,23 @@ def _eos_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def rollout_engine(work: Workload):
-    """sgrpo's HFRollout for the workload: EOS masked for the first T tokens when the length is forced."""
-    from sgrpo.rollout import HFRollout
-
-    return HFRollout(
-        max_new_tokens=work.new_tokens,
-        temperature=1.0,
-        min_new_tokens=work.new_tokens if work.force_length else 0,
-        decoder=work.sgrpo_decoder,
-    )
-
-
-def run_sgrpo(work: Workload) -> None:
-    from lightning.pytorch import Callback
-
+def sgrpo_policy(work: Workload):
+    """sgrpo's side of the workload: GRPOPolicy with the settings both frameworks agree on."""
     from estimators import GRPO
     from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout import HFRollout
 
-    gate = StepGate()
-
-    class Gate(Callback):
-        def on_fit_start(self, trainer, pl_module) -> None:
-            gate.wrap_generate(pl_module.rollout, "_generate_rows", _eos_ids(pl_module.model), returns_prompt=False)
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            gate.at_step_start()
-
-    policy = GRPOPolicy(
+    rollout = HFRollout(
+        max_new_tokens=work.new_tokens,
+        temperature=1.0,
+        min_new_tokens=work.new_tokens if work.force_length else 0,  # EOS masked for T tokens: forced length
+        decoder=work.sgrpo_decoder,
+    )
+    return GRPOPolicy(
         model=work.model_dir,
         task=make_task(work),
         estimator=GRPO(),  # z-score, sample std: TRL's scale_rewards="group"
-        rollout=rollout_engine(work),
+        rollout=rollout,
         group_size=work.group_size,
         prompts_per_step=work.prompts,
         aggregation="token_mean",  # TRL's loss_type="dapo"
@@ -180,6 +165,22 @@ def run_sgrpo(work: Workload) -> None:
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),
     )
+
+
+def run_sgrpo(work: Workload) -> None:
+    from lightning.pytorch import Callback
+
+
+    gate = StepGate()
+
+    class Gate(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            gate.wrap_generate(pl_module.rollout, "_generate_rows", _eos_ids(pl_module.model), returns_prompt=False)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            gate.at_step_start()
+
+    policy = sgrpo_policy(work)
     trainer = quiet_trainer(work.steps + 1, Gate(), "sgrpo_bench_")  # the last step start only reports the one before
     trainer.fit(policy)
 
@@ -288,8 +289,6 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
     from lightning.pytorch import Callback
 
     import sgrpo.policy as policy_module
-    from estimators import GRPO
-    from sgrpo.policy import GRPOPolicy
 
     wall: dict[str, float] = {}
     cpu: dict[str, float] = {}
@@ -306,19 +305,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
 
         return wrapper
 
-    policy = GRPOPolicy(
-        model=work.model_dir,
-        task=make_task(work),
-        estimator=GRPO(),
-        rollout=rollout_engine(work),
-        group_size=work.group_size,
-        prompts_per_step=work.prompts,
-        micro_batch_size=work.micro_batch,
-        micro_batch_tokens=work.micro_batch_tokens,
-        share_prompts=work.share_prompts,
-        logits_chunk_mib=work.logits_chunk_mib,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),
-    )
+    policy = sgrpo_policy(work)
     original_logprobs = policy_module.completion_logprobs
     policy_module.completion_logprobs = timed("completion_logprobs forward", original_logprobs)
     for attr, name in [
