@@ -72,8 +72,8 @@ class AdvantageEstimator(ABC):
         Returns float64 ``[G+1, G]``; ``a_+(K) = out[K, 0]`` (K >= 1), ``a_-(K) = out[K, G-1]`` (K < G).
         """
         g = _check_group_size(group_size)
-        k = torch.arange(g + 1).unsqueeze(1)  # [G+1, 1]
-        rewards = (torch.arange(g).unsqueeze(0) < k).to(torch.float64)  # [G+1, G]
+        k = torch.arange(g + 1, device="cpu").unsqueeze(1)  # [G+1, 1]: a small host table
+        rewards = (torch.arange(g, device="cpu").unsqueeze(0) < k).to(torch.float64)  # [G+1, G]
         return self(rewards)
 
     def binary_deltas(self, group_size: int) -> Tensor:
@@ -85,20 +85,21 @@ class AdvantageEstimator(ABC):
         """Exact c_G(p): the multiplier of grad p in the expected update of one group (spec §4.1)."""
         g = _check_group_size(group_size)
         p64 = _check_probability(p)
-        delta = self.binary_deltas(g)  # [G]
+        delta = self.binary_deltas(g).to(p64.device)  # [G]
         return g * (binomial_pmf(p64, g - 1) * delta).sum(-1)
 
     def population_objective(self, p: Tensor | float, group_size: int) -> Tensor:
         """Exact F_G(p) = E_{K~Bin(G,p)} Phi(K), Phi(K) = sum_{k<K} Delta(k) (spec §4.2); F_G(0) = 0."""
         g = _check_group_size(group_size)
         p64 = _check_probability(p)
-        phi = torch.cat([torch.zeros(1, dtype=torch.float64), self.binary_deltas(g).cumsum(0)])  # [G+1]
+        deltas = self.binary_deltas(g).to(p64.device)  # [G]
+        phi = torch.cat([deltas.new_zeros(1), deltas.cumsum(0)])  # [G+1]
         return (binomial_pmf(p64, g) * phi).sum(-1)
 
 
 def binomial_pmf(p: Tensor, n: int) -> Tensor:
     """P(K = k) for K ~ Bin(n, p), k = 0..n: ``p.shape + [n+1]``, float64, exact at p in {0, 1}."""
-    k = torch.arange(n + 1, dtype=torch.float64)
+    k = torch.arange(n + 1, dtype=torch.float64, device=p.device)
     log_comb = math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
     p = p.unsqueeze(-1)
     return torch.exp(log_comb + torch.xlogy(k, p) + torch.xlogy(n - k, 1 - p))
@@ -164,8 +165,13 @@ def _check_group_size(group_size: int) -> int:
     return int(group_size)
 
 
+def as_float64(x: Tensor | float | list) -> Tensor:
+    """``x`` as a float64 tensor: a tensor keeps its device, Python numbers become host tensors."""
+    return torch.as_tensor(x, dtype=torch.float64, device=x.device if isinstance(x, Tensor) else "cpu")
+
+
 def _check_probability(p: Tensor | float) -> Tensor:
-    p64 = torch.as_tensor(p, dtype=torch.float64)
+    p64 = as_float64(p)
     if not bool(((p64 >= 0) & (p64 <= 1)).all()):
         raise ValueError(f"p must be a pass rate in [0, 1], got {p64.tolist()}")
     return p64

@@ -15,7 +15,7 @@ def difficulty_bucket(success_rate: Tensor) -> Tensor:
     """Bucket index into ``BUCKETS`` for each rate: 0 {0}, hard (0, 1/4], mid-hard (1/4, 1/2),
     half {1/2}, mid-easy (1/2, 3/4), near-solved [3/4, 1), solved {1}."""
     s = success_rate.to(torch.float64)
-    idx = torch.full(s.shape, 5, dtype=torch.long)
+    idx = torch.full(s.shape, 5, dtype=torch.long, device=s.device)
     idx = torch.where(s < 0.75 - _TOL, 4, idx)
     idx = torch.where(s <= 0.5 + _TOL, 3, idx)
     idx = torch.where(s < 0.5 - _TOL, 2, idx)

@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from estimators.base import AdvantageEstimator, standardized
+from estimators.base import AdvantageEstimator, as_float64, standardized
 
 #: groups whose spread (max r - min r) / tau lies in (0, this) use the expm1 form (class docstring)
 _EXPM1_SPREAD = 1 / 16
@@ -93,7 +93,7 @@ class SoftmaxGRPO(AdvantageEstimator):
         Binary rewards; per rollout; times tau with ``scale_by_tau``.
         """
         self._require_canonical("large_group_weight")
-        p64 = torch.as_tensor(p, dtype=torch.float64)
+        p64 = as_float64(p)
         bm1 = math.expm1(1 / self.temperature)
         weight = bm1 / (1 + p64 * bm1)
         return weight * self.temperature if self.scale_by_tau else weight
@@ -105,11 +105,11 @@ class SoftmaxGRPO(AdvantageEstimator):
         (the soft-max value tau log E e^(r/tau), between E[r] and max r). Evaluated with logsumexp.
         """
         self._require_canonical("large_group_objective")
-        v = torch.as_tensor(values, dtype=torch.float64)
-        q = torch.as_tensor(probs, dtype=torch.float64)
+        v = as_float64(values)
+        q = as_float64(probs).to(v.device)
         if v.shape != q.shape:
             raise ValueError(f"values and probs must have the same shape, got {tuple(v.shape)} and {tuple(q.shape)}")
-        if bool((q < 0).any()) or not torch.allclose(q.sum(-1), torch.ones((), dtype=torch.float64)):
+        if bool((q < 0).any()) or not torch.allclose(q.sum(-1), q.new_ones(())):
             raise ValueError("probs must be >= 0 and sum to 1 over the last axis")
         value = torch.logsumexp(v / self.temperature + torch.log(q), dim=-1)
         return value * self.temperature if self.scale_by_tau else value

@@ -44,7 +44,7 @@ class StepBatches(IterableDataset):
         epoch, offset = divmod(position, len(self.examples))
         if epoch not in self._perms:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(len(self.examples), generator=generator).tolist()}
+            self._perms = {epoch: torch.randperm(len(self.examples), generator=generator, device="cpu").tolist()}
         return self._perms[epoch][offset]
 
     def __iter__(self) -> Iterator[list[Example]]:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from sgrpo.distributed import any_process, is_sharded, world_size
 from sgrpo.loss import position_ids_from_mask
 
 
@@ -143,7 +144,7 @@ class LlamaFamilyStep:
         config = getattr(model, "config", None)
         if config is None or getattr(config, "model_type", None) not in NATIVE_MODEL_TYPES:
             return False
-        if hasattr(model, "unshard") or not hasattr(model, "model"):
+        if is_sharded(model) or not hasattr(model, "model"):
             return False  # FSDP2 gathers parameters in the module hooks this path bypasses
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
             return False
@@ -212,8 +213,12 @@ def decode(
 
     ``prompt_ids``/``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded; row r continues
     prompt ``row_prompt[r]``. Rows stop at their first EOS (from token ``min_new_tokens`` on).
+    A sharded model (FSDP2) gathers its parameters in every forward, a collective: then the loop
+    ends only when no process has a running row, and a process whose rows are all done keeps
+    running forwards on one finished row (its tokens are discarded), so the gathers pair up.
     """
     device = prompt_ids.device
+    synced = is_sharded(model) and world_size() > 1
     rows, (_, p) = row_prompt.shape[0], prompt_ids.shape
     eos_t = torch.as_tensor(list(eos), device=device)
     cache = preallocated_cache(model, p + max_new_tokens)
@@ -244,13 +249,16 @@ def decode(
         tokens[alive, t] = next_tokens
         running &= ~torch.isin(next_tokens, eos_t)
         n_running = int(running.sum())
-        if n_running == 0 or t == max_new_tokens - 1:
+        if t == max_new_tokens - 1 or not (any_process(n_running > 0, device) if synced else n_running > 0):
             break
         if n_running < compact_below * running.numel():  # drop finished rows from the batch and the cache
             keep = running.nonzero().squeeze(-1)
+            if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards
+                keep = keep.new_zeros(1)
             select_rows(cache, keep)
             alive, next_tokens, position, mask = alive[keep], next_tokens[keep], position[keep], mask[keep]
             running = running[keep]
+
         if native is not None:
             logits = native(next_tokens, position, mask[:, : p + t + 1].bool())
         else:

@@ -12,6 +12,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from sgrpo.distributed import is_sharded
+
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
 
@@ -167,7 +169,7 @@ def completion_hidden_states(
     full = lambda: final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # noqa: E731
     if not share_prompts or p < 1 or t < 2 or getattr(model, "is_gradient_checkpointing", False):
         return full()
-    if hasattr(model, "unshard"):  # FSDP2: processes must run the same forwards (collectives), one per micro-batch
+    if is_sharded(model):  # FSDP2: processes must run the same forwards (collectives), one per micro-batch
         return full()
     keys = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)
     distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)

@@ -18,7 +18,7 @@ def pass_at_k(num_correct: Tensor, num_samples: int, k: int) -> Tensor:
     if not 1 <= k <= num_samples:
         raise ValueError(f"k must be in [1, n={num_samples}], got {k}")
     c = num_correct.to(torch.float64)
-    i = torch.arange(1, num_samples + 1, dtype=torch.float64)  # [n]
+    i = torch.arange(1, num_samples + 1, dtype=torch.float64, device=c.device)  # [n]
     factors = torch.where(i > num_samples - c.unsqueeze(-1), 1 - k / i, torch.ones_like(i))  # [B, n]
     return 1 - factors.prod(-1)
 

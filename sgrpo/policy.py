@@ -15,6 +15,7 @@ from torch import Tensor
 from estimators import AdvantageEstimator, budget_mass, budget_shares
 from sgrpo.batching import micro_batches, trim
 from sgrpo.data import StepBatches, identity_collate
+from sgrpo.distributed import gradient_sync
 from sgrpo.loss import (
     AGGREGATIONS,
     Aggregation,
@@ -121,6 +122,8 @@ class GRPOPolicy(LightningModule):
         self.val_history: list[dict[str, Any]] = []
         self._val_outputs: list[tuple[Tensor, list[object]]] = []
         self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
+        self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
+
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
@@ -216,8 +219,8 @@ class GRPOPolicy(LightningModule):
                 "train/zero_variance_groups": _constant(rewards).float().mean(),
                 "train/completion/length_mean": lengths.mean(),
                 "train/completion/truncated": rollout.truncated.float().mean(),
-                "train/time/rollout_s": torch.tensor(timing["rollout_s"]),
-                "train/time/step_s": torch.tensor(timing["step_s"]),
+                "train/time/rollout_s": timing["rollout_s"],
+                "train/time/step_s": timing["step_s"],
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             },
             prog_bar=("train/reward", "train/success_rate"),
@@ -231,13 +234,15 @@ class GRPOPolicy(LightningModule):
     def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Rewards and success flags ``[B, G]`` for a rollout, and the reward metrics to log."""
         repeated = [ex for ex in examples for _ in range(self.group_size)]
-        result = self.task.reward.score(repeated, rollout.completions)
+        with torch.device("cpu"):  # tasks (user code) build host tensors whatever the default device is
+            result = self.task.reward.score(repeated, rollout.completions)
+            success = self.task.successes(repeated, rollout.completions)
         rewards = result.total.to(self.device, torch.float32).view(len(examples), self.group_size)
-        success = self.task.successes(repeated, rollout.completions).to(self.device).view_as(rewards)
+        success = success.to(self.device).view_as(rewards)
         log = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(-1).mean(),
-            "train/reward/failures": torch.tensor(float(result.failures)),
+            "train/reward/failures": float(result.failures),
         }
         log |= {f"train/reward/{name}": values.float().mean() for name, values in result.parts.items()}
         return rewards, success, log
@@ -272,15 +277,18 @@ class GRPOPolicy(LightningModule):
         generator = torch.Generator().manual_seed(_mix(self.seed, self.rollout_step, 1))
         started = time.perf_counter()
         for epoch in range(self.ppo_epochs):
-            order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)] if epoch else rows
+            shuffle = torch.randperm(len(rows), generator=generator, device="cpu")  # the generator's device
+            order = rows[shuffle.to(rows.device)] if epoch else rows
             for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
                 stats = self.accumulate_gradients(
                     rollout, minibatch, token_mask, adv_rows, old_logp, ref_logp, is_weights
                 )
                 last = epoch == self.ppo_epochs - 1 and i == self.num_minibatches - 1
-                stats["grad_norm"] = self._clip_and_step(optimizer, scheduler, last)
+                stats["grad_norm"] = self._optimizer_step(optimizer, last)
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
+        if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
+            scheduler.step()
         steps = self.ppo_epochs * self.num_minibatches
         tokens = sums.pop("tokens").clamp_min(1.0)
         elapsed = max(time.perf_counter() - started, 1e-9)
@@ -315,20 +323,22 @@ class GRPOPolicy(LightningModule):
         the accumulated gradient does not depend on how the mini-batch is split. DDP averages
         gradients over processes; the loss is multiplied by the world size to undo that.
         """
-        counts = torch.stack([torch.tensor(float(len(rows))), token_mask[rows].sum().float().cpu()]).to(self.device)
+        counts = torch.stack([token_mask.new_tensor(len(rows), dtype=torch.float32), token_mask[rows].sum().float()])
         num_seqs, num_tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         skipped = len(rows)
         if self.kl_coef == 0:  # a row with advantage exactly 0 adds exactly 0 to the loss and its gradient
             rows = rows[advantages[rows] != 0]
         skipped -= len(rows)
         chunks = self._micro_batches(rollout, rows, token_mask)  # no rows (all groups dropped): no forward
-        max_chunks = self._max_over_processes(len(chunks))
+        # every process runs as many backwards (DDP, FSDP collectives); one zero-loss pass when every row
+        # had advantage 0 gives the zero gradient running them would have (AdamW still decays)
+        backwards = max(self._max_over_processes(len(chunks)), 1 if num_seqs > 0 else 0)
         scale = float(self._data_parallel_size())
         stats = {
             k: torch.zeros((), device=self.device) for k in ("loss", "clip_low", "clip_high", "kl", "entropy", "tokens")
         }
         stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
-        for chunk in chunks:
+        for j, chunk in enumerate(chunks):
             batch = trim(rollout, chunk, token_mask)
             logp, entropy = completion_logprobs(
                 self.model,
@@ -349,7 +359,7 @@ class GRPOPolicy(LightningModule):
             per_token = per_token + self.kl_coef * kl if ref_logp is not None else per_token
             weights = token_weights(batch["mask"], self.aggregation, num_seqs, num_tokens, self.rollout.max_new_tokens)
             loss = (per_token * weights).sum()
-            self.manual_backward(loss * scale)
+            self._backward(loss * scale, sync=j == backwards - 1)
             m = batch["mask"].float()
             stats["loss"] += loss.detach() * scale  # the global loss once averaged over processes
             stats["clip_low"] += (low.float() * m).sum()
@@ -357,12 +367,14 @@ class GRPOPolicy(LightningModule):
             stats["kl"] += (kl.detach() * m).sum()
             stats["entropy"] += (entropy * m).sum()
             stats["tokens"] += m.sum()
-        dummies = max_chunks - len(chunks)  # keep every process's collectives in step (DDP, FSDP)
-        if num_seqs > 0 and max_chunks == 0:  # every row had advantage 0: one zero-loss pass gives the zero
-            dummies = 1  # gradient running them would have (so AdamW still decays weights and moments)
-        for _ in range(dummies):
-            self.manual_backward(self._dummy_logits(self.model).sum() * 0.0)
+        for j in range(len(chunks), backwards):
+            self._backward(self._dummy_logits(self.model).sum() * 0.0, sync=j == backwards - 1)
         return stats
+
+    def _backward(self, loss: Tensor, sync: bool) -> None:
+        """``manual_backward``; under DDP only the last backward of an optimiser step all-reduces."""
+        with gradient_sync(self.trainer.strategy.model, enabled=sync):
+            self.manual_backward(loss)
 
     def _max_over_processes(self, n: int) -> int:
         return int(self.trainer.strategy.reduce(torch.tensor(float(n), device=self.device), reduce_op="max"))
@@ -372,21 +384,26 @@ class GRPOPolicy(LightningModule):
         dummy = torch.full((1, 1), self.tokenizer.pad_token_id or 0, device=self.device)
         return model(input_ids=dummy).logits
 
-    def _clip_and_step(self, optimizer, scheduler, last: bool) -> Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded (DTensor) gradients, reduced over shards
-            norm = norm.full_tensor()
-        if self.max_grad_norm is not None and params:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+    def _optimizer_step(self, optimizer, last: bool) -> Tensor:
+        """One optimiser step through Lightning's precision plugin; returns the gradient norm before clipping.
+
+        The plugin unscales fp16 gradients, then calls ``on_before_optimizer_step`` (where the norm is
+        taken and clipped), then steps (a GradScaler skips steps with non-finite gradients).
+        """
+        self._grad_norm = torch.zeros((), device=self.device)
         if last:  # the step Lightning counts: trainer.global_step == training steps
             optimizer.step()
         else:
             self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
         optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-        return norm.detach().to(self.device)
+        return self._grad_norm
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Norm and clip the (unscaled) gradients: Lightning calls this after the plugin's ``unscale_``."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.unscale_(optimizer)  # fused optimisers unscale inside step(), after this hook: do it now
+        self._grad_norm = clip_gradients(self.model, self.max_grad_norm)
 
     def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> list[Tensor]:
         """``rows`` in micro-batches of similar completion length (``sgrpo.batching.micro_batches``)."""
@@ -415,7 +432,7 @@ class GRPOPolicy(LightningModule):
             out[chunk, : lp.shape[1]] = lp
         return out
 
-    def _log_mean(self, values: dict[str, Tensor], prog_bar: tuple[str, ...] = ()) -> None:
+    def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
         world = self.trainer.world_size if self._trainer else 1
         for key, value in values.items():
             value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
@@ -429,7 +446,8 @@ class GRPOPolicy(LightningModule):
                 self.model, self.tokenizer, examples, self.val_samples, greedy=self.val_greedy
             )
         repeated = [ex for ex in examples for _ in range(self.val_samples)]
-        correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
+        with torch.device("cpu"):  # host tensors from the task, as in `score`
+            correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
         self._val_outputs.append((correct.cpu(), [ex.difficulty for ex in examples]))
 
     def on_validation_epoch_end(self) -> None:
@@ -480,6 +498,19 @@ class GRPOPolicy(LightningModule):
     def _data_parallel_size(self) -> int:
         layout = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(layout.get("num_replicas", 1))
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> Tensor:
+    """Total L2 norm of ``model``'s gradients (over all shards under FSDP2), then clip it to ``max_norm``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=next(model.parameters()).device)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded (DTensor) gradients, reduced over shards
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.detach()
 
 
 def _require(condition: bool, message: str) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from sgrpo.distributed import is_sharded, world_size
 from sgrpo.types import Example, Messages, RolloutBatch
 
 
@@ -94,7 +95,7 @@ class HFRollout(RolloutEngine):
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch:
         # FSDP2 reuses its gathered-parameter buffers across modes: inference tensors would poison them
-        with torch.no_grad() if hasattr(model, "unshard") else torch.inference_mode():
+        with torch.no_grad() if is_sharded(model) else torch.inference_mode():
             batch = self._sample(model, tokenizer, examples, group_size, greedy)
         # inference tensors cannot enter autograd (the update embeds these ids): make normal copies
         return dataclasses.replace(batch, **{k: getattr(batch, k).clone() for k in _TENSOR_FIELDS})
@@ -104,7 +105,8 @@ class HFRollout(RolloutEngine):
     ) -> RolloutBatch:
         device = next(model.parameters()).device
         texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        with torch.device("cpu"):  # host tensors whatever torch's default device is; moved below
+            enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # [B, P]: distinct prompts
         row_prompt = torch.arange(len(examples), device=device).repeat_interleave(group_size)  # [N]
         eos = eos_ids(model, tokenizer)
@@ -157,6 +159,8 @@ class HFRollout(RolloutEngine):
             eos_token_id=eos,
             pad_token_id=pad,
             use_cache=True,
+            synced_gpus=is_sharded(model) and world_size() > 1,  # FSDP2: forwards are collectives
+
             **sampling,
         )
         return out[:, ids.shape[1] :]

@@ -99,8 +99,8 @@ def rollout_batch_from_outputs(
             ids = list(sample.token_ids)
             row_logprobs = _sampled_logprobs(sample.logprobs, ids)
             for _ in range(group_size // len(samples)):
-                prompts.append(torch.tensor(list(request.prompt_token_ids), dtype=torch.long))
-                completions.append(torch.tensor(ids, dtype=torch.long))
+                prompts.append(torch.tensor(list(request.prompt_token_ids), dtype=torch.long, device="cpu"))
+                completions.append(torch.tensor(ids, dtype=torch.long, device="cpu"))
                 logprobs.append(row_logprobs)
                 truncated.append(sample.finish_reason == "length")
                 texts.append(sample.text)
@@ -110,23 +110,23 @@ def rollout_batch_from_outputs(
     prompt_ids = pad(prompts, batch_first=True, padding_value=pad_id, padding_side="left")  # [N, P]
     completion_ids = pad(completions, batch_first=True, padding_value=pad_id)  # [N, T]
     if completion_ids.shape[1] == 0:  # every completion empty: keep one (masked) column
-        completion_ids = torch.full((len(completions), 1), pad_id, dtype=torch.long)
+        completion_ids = torch.full((len(completions), 1), pad_id, dtype=torch.long, device="cpu")
     p, t = prompt_ids.shape[1], completion_ids.shape[1]
-    prompt_len = torch.tensor([len(x) for x in prompts])  # [N]
-    completion_len = torch.tensor([len(x) for x in completions])  # [N]
-    prompt_mask = torch.arange(p) >= (p - prompt_len).unsqueeze(-1)  # [N, P]
-    completion_mask = torch.arange(t) < completion_len.unsqueeze(-1)  # [N, T]
+    prompt_len = torch.tensor([len(x) for x in prompts], device="cpu")  # [N]
+    completion_len = torch.tensor([len(x) for x in completions], device="cpu")  # [N]
+    prompt_mask = torch.arange(p, device="cpu") >= (p - prompt_len).unsqueeze(-1)  # [N, P]
+    completion_mask = torch.arange(t, device="cpu") < completion_len.unsqueeze(-1)  # [N, T]
     sampled = None
     if all(lp is not None for lp in logprobs):
-        sampled = torch.zeros(len(completions), t, dtype=torch.float32)  # [N, T]
+        sampled = torch.zeros(len(completions), t, dtype=torch.float32, device="cpu")  # [N, T]
         for row, lp in enumerate(logprobs):
-            sampled[row, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            sampled[row, : len(lp)] = torch.tensor(lp, dtype=torch.float32, device="cpu")
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, completion_ids], 1).to(device),
         attention_mask=torch.cat([prompt_mask, completion_mask], 1).long().to(device),
         completion_mask=completion_mask.to(device),
         completions=list(texts),
-        truncated=torch.tensor(truncated, dtype=torch.bool).to(device),
+        truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
         group_size=group_size,
         logprobs=None if sampled is None else sampled.to(device),
     )
@@ -286,7 +286,7 @@ class VLLMRollout(RolloutEngine):
         if self.max_model_len is not None and longest >= self.max_model_len:
             raise ValueError(f"a prompt has {longest} tokens, max_model_len is {self.max_model_len}: raise it")
         draw = self.seed_per_request and not greedy
-        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist() if draw else [None] * len(prompts)
+        seeds = torch.randint(2**31 - 1, (len(prompts),), device="cpu").tolist() if draw else [None] * len(prompts)
         llm = self._engine(model)
         if self._asleep:
             torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory

@@ -63,12 +63,12 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -
         rows.append(prompt + answer)
         targets.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # [B, L]
-    labels = torch.full((len(rows), width), -100)  # [B, L]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, L]
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, device="cpu")  # [B, L]
+    labels = torch.full((len(rows), width), -100, device="cpu")  # [B, L]
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device="cpu")  # [B, L]
     for i, (row, target) in enumerate(zip(rows, targets, strict=True)):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        labels[i, width - len(row) :] = torch.tensor(target)
+        ids[i, width - len(row) :] = torch.tensor(row, device="cpu")
+        labels[i, width - len(row) :] = torch.tensor(target, device="cpu")
         mask[i, width - len(row) :] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": position_ids(mask)}
 

@@ -1,4 +1,8 @@
-"""Run by test_policy_gradients: one update of the fixed batch with 2 DDP processes on CPU (gloo)."""
+"""Run by test_policy_gradients: one update of the fixed batch with 2 DDP processes on CPU (gloo).
+
+Micro-batches of 2 rows, so each process runs several backwards per optimiser step (4 on one, 2 plus 2
+dummy passes on the other); a DDP communication hook counts the gradient all-reduce rounds.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
+from lightning.pytorch import Callback
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from estimators import DrGRPO
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
@@ -15,11 +21,24 @@ from tests.test_policy_gradients import MAX_NEW, G, make_policy
 
 class Recorder:
     rows: list[int] = []
+    allreduce_rounds = 0  # backwards whose gradients were all-reduced (one round ends at the last bucket)
+
+
+def counting_allreduce(state, bucket):
+    Recorder.allreduce_rounds += int(bucket.is_last())
+    return allreduce_hook(state, bucket)
+
+
+class CountAllReduces(Callback):
+    """Registers the counting hook on the DDP wrapper (Lightning registers ``ddp_comm_hook`` on CUDA only)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        trainer.strategy.model.register_comm_hook(None, counting_allreduce)
 
 
 def main(model_dir: str, aggregation: str, out: str) -> None:
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = make_policy(model_dir, batch, DrGRPO(), aggregation=aggregation)
+    policy = make_policy(model_dir, batch, DrGRPO(), aggregation=aggregation, micro_batch_size=2)
     generate = policy.rollout.generate
 
     def counting(*args, **kwargs):
@@ -28,12 +47,17 @@ def main(model_dir: str, aggregation: str, out: str) -> None:
         return result
 
     policy.rollout.generate = counting
-    trainer = run_steps(policy, accelerator="cpu", devices=2, strategy="ddp")
-    rows = [torch.zeros(1) + Recorder.rows[0] for _ in range(2)]
-    torch.distributed.all_gather(rows, torch.tensor([float(Recorder.rows[0])]))
+    trainer = run_steps(policy, accelerator="cpu", devices=2, strategy="ddp", callbacks=[CountAllReduces()])
+    counts = torch.tensor([float(Recorder.rows[0]), float(Recorder.allreduce_rounds)])
+    gathered = [torch.zeros(2) for _ in range(2)]
+    torch.distributed.all_gather(gathered, counts)
     if trainer.is_global_zero:
         torch.save(policy.captured[0], out)
-        info = {"world_size": trainer.world_size, "rows_per_rank": [int(r.item()) for r in rows]}
+        info = {
+            "world_size": trainer.world_size,
+            "rows_per_rank": [int(c[0]) for c in gathered],
+            "allreduce_rounds_per_rank": [int(c[1]) for c in gathered],
+        }
         Path(out).with_name("grads.json").write_text(json.dumps(info))
 
 

@@ -91,6 +91,7 @@ class GradCapture(GRPOPolicy):
         self.captured.append(
             {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         )
+        super().on_before_optimizer_step(optimizer)  # the policy's own norm and clip
 
 
 def run_steps(policy: GRPOPolicy, steps: int = 1, root=None, **trainer_kwargs) -> Trainer:

@@ -2,6 +2,7 @@
 
 sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of the fixed batch, results to OUT_DIR
 sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes
+sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped model, recording completion lengths
 """
 
 from __future__ import annotations
@@ -84,5 +85,25 @@ def fit(root: str, model_dir: str, steps: str, resume: str = "") -> None:
         torch.save(logp, Path(root) / "probe_logprobs.pt")
 
 
+def fit_recording_lengths(root: str, steps: str) -> None:
+    """``fit`` with the shipped quickstart model, whose rows end at different lengths on each process;
+    each process writes the longest completion of each of its rollouts to ``ROOT/lengths_rank<r>.json``."""
+    from sgrpo.rollout import HFRollout
+
+    lengths: list[int] = []
+    generate = HFRollout.generate
+
+    def recording(self, *args, **kwargs):
+        batch = generate(self, *args, **kwargs)
+        lengths.append(int(batch.completion_mask.sum(-1).max()))
+        return batch
+
+    HFRollout.generate = recording
+    fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps)
+    rank = torch.distributed.get_rank()
+    (Path(root) / f"lengths_rank{rank}.json").write_text(json.dumps(lengths))
+
+
 if __name__ == "__main__":
-    {"update": update, "fit": fit}[sys.argv[1]](*sys.argv[2:])
+    {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths}[sys.argv[1]](*sys.argv[2:])
+

@@ -306,7 +306,21 @@ def test_dtype_preserved_and_computed_in_float64(est):
 
 
 @pytest.mark.parametrize("est", CASES, ids=IDS)
+def test_follows_the_inputs_device(est):
+    """Advantages (with and without a mask) and the exact theory stay on the inputs' device whatever torch's
+    default device is: with ``meta`` as the default, a tensor made without ``device=`` lands on ``meta``
+    and the first operation mixing it with the CPU inputs raises (tests/test_device.py)."""
+    r = random_rewards(est, 50, 8, seed=3)
+    p = torch.tensor([0.0, 0.3, 1.0], dtype=torch.float64)
+    with torch.device("meta"):
+        outputs = [est(r), est(r, mask=r > 0.2), est.population_weight(p, 8), est.population_objective(p, 8)]
+    assert all(out.device.type == "cpu" for out in outputs)
+    assert torch.equal(outputs[0], est(r)) and torch.equal(outputs[2], est.population_weight(p, 8))
+
+
+@pytest.mark.parametrize("est", CASES, ids=IDS)
 def test_integer_rewards_give_default_float_dtype(est):
+
     r = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
     a = est(r)
     assert a.dtype == torch.get_default_dtype()

@@ -114,6 +114,8 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, tmp_path):
+    """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
+    gradient with a single all-reduce (DDP's no_sync on all but the last backward)."""
     policy = make_policy(model_dir, batch, DrGRPO(), aggregation=aggregation)
     run_steps(policy)
     single = flat(policy.captured[0])
@@ -133,6 +135,8 @@ def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregati
     info = json.loads((tmp_path / "grads.json").read_text())
     assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8]
     assert rel_err(flat(torch.load(out)), single) < 1e-6
+    # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
+    assert info["allreduce_rounds_per_rank"] == [1, 1]
 
 
 def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch):
@@ -257,3 +261,49 @@ def test_rows_with_zero_advantage_are_counted_but_not_run(model_dir, batch):
         assert float(logged["train/update/rows_skipped"]) == (4.0 if kl_coef == 0 else 0.0)
     # the update's forwards: the distinct prompts once, then the rows on their KV cache
     assert forwarded == {0.0: [3, 12], 0.1: [4, 16]}
+
+
+class PerturbedPolicy(GradCapture):
+    """A policy that starts away from its KL reference (both load the same folder; the policy gets noise)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def test_kl_gradient_pulls_the_policy_towards_the_reference(model_dir, batch):
+    """With every group constant (advantage 0) the gradient is the KL term's alone, and it is not zero:
+    grad of kl_coef * sum_t k3_t / num_tokens, k3 = exp(ref - logp) - (ref - logp) - 1 (token_mean).
+    d k3 / d logp = 1 - exp(ref - logp): a flipped sign in the policy's loss gives rel err 2."""
+    kl_coef = 0.5
+    task = FixedTask(PresetReward({p: [1.0] * G for p in PROMPTS}), EXAMPLES[:4])
+    policy = PerturbedPolicy(
+        str(model_dir), task, GRPO(), FixedRollout(batch, PROMPTS, MAX_NEW), group_size=G, prompts_per_step=4,
+        kl_coef=kl_coef, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+    )  # fmt: skip
+    run_steps(policy)
+    got = flat(policy.captured[0])
+
+    def token_logp(model) -> torch.Tensor:  # [N, T] log pi(o_t | ...) of the batch's completion tokens
+        p = batch.prompt_length
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids_from_mask(batch.attention_mask),
+        ).logits[:, p - 1 : -1]
+        return logits.log_softmax(-1).gather(-1, batch.input_ids[:, p:].unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():
+        ref = token_logp(AutoModelForCausalLM.from_pretrained(model_dir))
+    model = policy.model  # its weights are unchanged (lr 0)
+    model.zero_grad()
+    mask = batch.completion_mask.float()
+    d = ref - token_logp(model)
+    k3 = torch.exp(d) - d - 1
+    (kl_coef * (k3 * mask).sum() / mask.sum()).backward()
+    want = flat({name: q.grad for name, q in model.named_parameters()})
+    assert want.norm() > 0 and float((k3 * mask).sum()) > 0  # the policy does differ from the reference
+    assert rel_err(got, want) < 1e-5

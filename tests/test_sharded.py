@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +26,25 @@ def model_dir(tmp_path_factory) -> str:
     return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
-def launch(*args: str, cwd: Path) -> None:
+def launch(*args: str, cwd: Path, timeout: float = 300) -> None:
+    """Run the worker (Lightning starts its second process); a hang fails the test and kills both processes."""
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    with subprocess.Popen(
+        [sys.executable, str(WORKER), *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # one process group: the timeout kills Lightning's second process too
+    ) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            pytest.fail(f"the 2-process run hung for {timeout:.0f} s (collectives out of step?):\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
 
 
 @pytest.mark.parametrize("scenario", ["plain", "uneven"])
@@ -55,7 +69,21 @@ def test_sharded_update_equals_single_process_update(model_dir, tmp_path, scenar
         assert (a[name] - b[name]).norm() <= 1e-5 * a[name].norm(), name
 
 
+def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path):
+    """The default lean decoder under FSDP2 with the shipped (trained) model, whose rows end early and at
+    different lengths on each process: every process must run as many forwards (each all-gathers), or the
+    run hangs (it did: rank 1 left its decode loop after 7 forwards while rank 0 waited in its 8th)."""
+    root = tmp_path / "run"
+    launch("fit_recording_lengths", str(root), "4", cwd=tmp_path, timeout=240)
+    lengths = [json.loads((root / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(lengths[0]) == len(lengths[1]) == 4  # the longest completion of each rollout, per process
+    # some step's rows all finished on one process before max_new_tokens (8) while the other's ran on
+    assert any(a != b and min(a, b) < 8 for a, b in zip(*lengths)), lengths
+    assert (root / "hf_model" / "config.json").exists()
+
+
 def test_sharded_fit_resumes_and_exports(model_dir, tmp_path):
+
     root = tmp_path / "run"
     launch("fit", str(root), model_dir, "3", cwd=tmp_path)
     checkpoint = root / "checkpoints" / "last.ckpt"

@@ -1,0 +1,49 @@
+"""Facts about the process group and the model's sharding, in one place.
+
+Which collectives a step runs decides whether processes stay in step: under FSDP2 every forward
+of a sharded module all-gathers its parameters, so every process must run the same number of
+forwards; under DDP every synchronised backward all-reduces the whole gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def is_sharded(model: nn.Module | None) -> bool:
+    """True for a model wrapped by FSDP2's ``fully_shard`` (its forwards are collectives)."""
+    return model is not None and hasattr(model, "unshard")
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when ``torch.distributed`` is not initialised)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def any_process(flag: bool, device: torch.device) -> bool:
+    """``flag`` OR-ed over all processes (a collective: every process must call it)."""
+    if world_size() == 1:
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+@contextlib.contextmanager
+def gradient_sync(wrapper: nn.Module | None, enabled: bool) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce in this block unless ``enabled``.
+
+    Gradients of a micro-batch then accumulate locally; the next synchronised backward all-reduces
+    the accumulated sum (``DistributedDataParallel.no_sync``). Anything but DDP is left alone.
+    """
+    if enabled or not isinstance(wrapper, nn.parallel.DistributedDataParallel):
+        yield
+        return
+    with wrapper.no_sync():
+        yield

@@ -1,0 +1,68 @@
+"""Optimiser steps as a GPU run takes them: fp16 loss scaling before clipping, and the LR schedule's unit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from estimators import GRPO
+from sgrpo.tiny import ensure_tiny_model
+from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
+from tests.test_policy_gradients import MAX_NEW, G, make_policy
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir):
+    return fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+
+
+def one_clipped_sgd_step(model_dir, batch, plugins, optimizer) -> tuple[float, float]:
+    """(logged grad norm, norm of the parameter change) of one step clipped to 1e-3 with lr 1."""
+    policy = make_policy(model_dir, batch, GRPO(), max_grad_norm=1e-3, optimizer=optimizer)
+    policy.configure_model()
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    trainer = run_steps(policy, plugins=plugins)
+    change = torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.model.parameters(), before)])
+    return float(trainer.callback_metrics["train/grad_norm"]), float(change.norm())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_mixed_gradients_are_unscaled_before_the_norm_and_the_clip(model_dir, batch, fused):
+    """16-mixed scales the loss by 65,536. The norm must be taken and clipped after the GradScaler unscales:
+    before the fix the logged norm was 87,878 (65,536 x 1.34) and the applied step 1.1e-8 instead of 1e-3.
+    Fused AdamW unscales inside step(), after Lightning's hook, so the policy unscales it first."""
+    if fused:
+        optimizer = lambda p: torch.optim.AdamW(p, lr=1.0, fused=True, weight_decay=0.0)  # noqa: E731
+    else:
+        optimizer = lambda p: torch.optim.SGD(p, lr=1.0)  # noqa: E731
+    fp32_norm, fp32_change = one_clipped_sgd_step(model_dir, batch, [], optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    fp16 = [MixedPrecision("16-mixed", "cpu", scaler)]  # Lightning turns precision="16-mixed" into bf16 on CPU
+    fp16_norm, fp16_change = one_clipped_sgd_step(model_dir, batch, fp16, optimizer)
+    assert fp32_norm > 1.0  # the clip to 1e-3 is active
+    assert fp16_norm == pytest.approx(fp32_norm, rel=1e-2)
+    if not fused:  # SGD applies the clipped gradient itself: a step of norm lr * 1e-3
+        assert fp16_change == pytest.approx(1e-3, rel=1e-3) and fp32_change == pytest.approx(1e-3, rel=1e-3)
+    else:  # Adam's first step is lr * sign(g) whatever the clip: the same step in both precisions
+        assert fp16_change == pytest.approx(fp32_change, rel=1e-2)
+
+
+def test_the_lr_schedule_steps_once_per_training_step(model_dir, batch):
+    """4 optimiser steps per training step (2 PPO epochs x 2 mini-batches); a schedule sized by
+    trainer.max_steps must count training steps, not optimiser steps (it ended 4x early)."""
+    schedule = lambda opt: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=4)  # noqa: E731
+    policy = make_policy(
+        model_dir, batch, GRPO(), ppo_epochs=2, num_minibatches=2, scheduler=schedule,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    )  # fmt: skip
+    run_steps(policy, steps=2)
+    assert len(policy.captured) == 8
+    scheduler = policy.lr_schedulers()
+    assert scheduler.last_epoch == 2
+    assert scheduler.get_last_lr() == pytest.approx([0.05])  # 0.1 x (1 - 2/4)
