@@ -93,7 +93,8 @@ class StepGate:
             t0 = time.perf_counter()
             out = original(*args, **kwargs)
             self.gen_s += time.perf_counter() - t0
-            new = out[:, prompt_len:]  # [N, T]
+            ids = out[0] if isinstance(out, tuple) else out  # sgrpo's rows come with their log-probs
+            new = ids[:, prompt_len:]  # [N, T]
             is_eos = torch.isin(new, torch.tensor(eos_ids))
             before = (is_eos.long().cumsum(-1) - is_eos.long()) == 0  # up to and including the first EOS
             self.gen_tokens += int(before.sum())

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
-from sgrpo.loss import position_ids_from_mask
+from sgrpo.head import log_softmax_at, model_head_logits
+from sgrpo.loss import final_hidden_states
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -154,7 +155,8 @@ class LlamaFamilyStep:
         return getattr(model.model.rotary_emb, "rope_type", "default") in _STATIC_ROPE
 
     def __call__(self, tokens: Tensor, positions: Tensor, key_mask: Tensor) -> Tensor:
-        """Logits ``[R, V]`` of one new token per row; ``key_mask`` ``[R, L+1]`` bool (True: attend)."""
+        """float32 logits ``[R, V]`` of one new token per row (``sgrpo.head``); ``key_mask`` ``[R, L+1]`` bool."""
+
         base = self.model.model
         x = base.embed_tokens(tokens).unsqueeze(1)  # [R, 1, H]
         r, d = x.shape[0], self.head_dim
@@ -184,7 +186,7 @@ class LlamaFamilyStep:
             out = torch.bmm(probs, values.reshape(r * kv_heads, -1, d))
             x = x + attn.o_proj(out.reshape(r, 1, -1))
             x = x + mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(base.norm(x))[:, -1]
+        return model_head_logits(self.model, base.norm(x)[:, -1])
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -208,11 +210,14 @@ def decode(
     min_new_tokens: int = 0,
     compact_below: float = 0.75,
     native_step: bool = True,
-) -> Tensor:
-    """New tokens ``[R, max_new_tokens]`` (``pad`` after a row's EOS) for rows ``row_prompt`` ``[R]``.
+) -> tuple[Tensor, Tensor]:
+    """New tokens ``[R, max_new_tokens]`` (``pad`` after a row's EOS) for rows ``row_prompt`` ``[R]``, and
+    their log-probs ``[R, max_new_tokens]`` float32 under softmax(logits / temperature) (0 after EOS).
 
     ``prompt_ids``/``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded; row r continues
     prompt ``row_prompt[r]``. Rows stop at their first EOS (from token ``min_new_tokens`` on).
+    Logits come from ``sgrpo.head`` (float32 head outside autocast, the model's own transform), as
+    in the policy loss, so the sampler and the trained policy are one distribution.
     A sharded model (FSDP2) gathers its parameters in every forward, a collective: then the loop
     ends only when no process has a running row, and a process whose rows are all done keeps
     running forwards on one finished row (its tokens are discarded), so the gathers pair up.
@@ -222,29 +227,24 @@ def decode(
     rows, (_, p) = row_prompt.shape[0], prompt_ids.shape
     eos_t = torch.as_tensor(list(eos), device=device)
     cache = preallocated_cache(model, p + max_new_tokens)
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=position_ids_from_mask(prompt_mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)[:, -1]  # [U, H]
     select_rows(cache, row_prompt)  # each prompt's keys and values, once per row
     native = None
     if native_step and LlamaFamilyStep.supported(model):
         native = LlamaFamilyStep(model, cache, p + max_new_tokens)
-    logits = out.logits[:, -1].index_select(0, row_prompt)  # [R, V]
+    logits = model_head_logits(model, hidden).index_select(0, row_prompt)  # [R, V] float32
     mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
     mask[:, :p] = prompt_mask.index_select(0, row_prompt)
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
     alive = torch.arange(rows, device=device)  # original index of each row still in the batch
     running = torch.ones(rows, dtype=torch.bool, device=device)  # per batch row: not yet finished
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos_t] = float("-inf")
         next_tokens = sample(logits, temperature, top_k, top_p, greedy)
+        logprobs[alive, t] = log_softmax_at(logits / temperature, next_tokens).masked_fill_(~running, 0.0)
         next_tokens = next_tokens.masked_fill(~running, pad)
         tokens[alive, t] = next_tokens
         running &= ~torch.isin(next_tokens, eos_t)
@@ -262,12 +262,8 @@ def decode(
         if native is not None:
             logits = native(next_tokens, position, mask[:, : p + t + 1].bool())
         else:
-            logits = model(
-                input_ids=next_tokens.unsqueeze(-1),
-                attention_mask=mask[:, : p + t + 1],
-                position_ids=position.unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
+            step_mask, step_position = mask[:, : p + t + 1], position.unsqueeze(-1)
+            hidden = final_hidden_states(model, next_tokens.unsqueeze(-1), step_mask, cache, step_position)
+            logits = model_head_logits(model, hidden[:, -1])
         position = position + 1
-    return tokens
+    return tokens, logprobs

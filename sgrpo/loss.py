@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded
+from sgrpo.head import LogitTransform, TokenLogprobs
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
@@ -36,8 +37,9 @@ def completion_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
 
-    ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are
-    ``lm_head(h) / temperature`` (the sampling distribution before top-k/top-p). The LM head runs
+    ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are the
+    model's own (``sgrpo.head``: float32, with its output transform) over ``temperature``, the
+    distribution the rollout samples from (truncated sampling is refused for training). The LM head runs
     only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
     logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
     ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``share_prompts``, rows
@@ -52,7 +54,7 @@ def completion_logprobs(
     h = hidden[mask]  # [M, H]
     targets = input_ids[:, -t:][mask]  # [M]
     token_logp, token_entropy = TokenLogprobs.apply(
-        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy
+        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model)
     )
     logp = hidden.new_zeros(mask.shape, dtype=torch.float32)
     entropy = hidden.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
@@ -61,93 +63,6 @@ def completion_logprobs(
         if entropy is not None:
             entropy = entropy.masked_scatter(mask, token_entropy)
     return logp, entropy
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """``log softmax(h W^T + b) / T)[target]`` per token, chunk by chunk, never holding ``[M, vocab]``.
-
-    Forward: for each chunk of ``chunk`` tokens, logits ``z = (h W^T + b) / T`` into one reused
-    buffer, ``lse = logsumexp(z)``, ``logp = z[target] - lse`` and the entropy
-    ``H = lse - sum softmax(z) z`` (no gradient). Only ``lse`` ``[M]`` is saved. Backward
-    recomputes each chunk's logits in the same buffer and uses
-    ``d logp / d z = onehot(target) - softmax(z)``:
-    ``grad_h = (g (onehot - p) / T) W``, ``grad_W = sum (g (onehot - p) / T)^T h``.
-    Unlike autograd over a checkpointed ``log_softmax``, no chunk allocates fresh vocabulary-sized
-    temporaries, so peak memory is one or two ``[chunk, vocab]`` float32 buffers plus ``grad_W``.
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, targets, temperature, chunk, with_entropy=True):
-        m = h.shape[0]
-        logp = torch.empty(m, dtype=torch.float32, device=h.device)
-        entropy = torch.zeros(m, dtype=torch.float32, device=h.device)
-        lse = torch.empty(m, dtype=torch.float32, device=h.device)
-        buffers = _LogitBuffers(min(chunk, m), weight.shape[0], h.device)
-        for i in range(0, m, chunk):
-            z = buffers.logits(h[i : i + chunk], weight, bias, temperature)
-            lse[i : i + chunk] = z.logsumexp(-1)
-            logp[i : i + chunk] = z.gather(-1, targets[i : i + chunk].unsqueeze(-1)).squeeze(-1) - lse[i : i + chunk]
-            if with_entropy:
-                p = buffers.scratch(z.shape[0])
-                torch.sub(z, lse[i : i + chunk].unsqueeze(-1), out=p).exp_()
-                entropy[i : i + chunk] = lse[i : i + chunk] - p.mul_(z).sum(-1)
-        ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        h, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, chunk = ctx.temperature, ctx.chunk
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        buffers = _LogitBuffers(min(chunk, h.shape[0]), weight.shape[0], h.device)
-        for i in range(0, h.shape[0], chunk):
-            hc, g = h[i : i + chunk], grad_logp[i : i + chunk].float() / temperature
-            z = buffers.logits(hc, weight, bias, temperature)
-            # z <- d loss / d (h W^T + b) = g (onehot(target) - softmax(z)) / T, in place
-            z.sub_(lse[i : i + chunk].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
-            z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
-            dz = z if z.dtype == weight.dtype else z.to(weight.dtype)
-            if need_h:
-                torch.mm(dz, weight, out=grad_h[i : i + chunk])
-            if need_w:
-                grad_w.addmm_(z.t(), hc.float())
-            if need_b:
-                grad_b += z.sum(0)
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return grad_h, cast(grad_w, weight), None if bias is None else cast(grad_b, bias), None, None, None, None
-
-
-class _LogitBuffers:
-    """``[chunk, vocab]`` float32 buffers reused across chunks: logits, and scratch for the entropy
-    (plus a model-dtype one for the matmul of half-precision models)."""
-
-    def __init__(self, chunk: int, vocab: int, device) -> None:
-        self.z = torch.empty(chunk, vocab, dtype=torch.float32, device=device)
-        self.p: Tensor | None = None  # allocated on first use (entropy only)
-        self.chunk, self.vocab = chunk, vocab
-        self.raw: Tensor | None = None
-
-    def logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-        z = self.z[: h.shape[0]]
-        if weight.dtype == torch.float32:
-            torch.mm(h, weight.t(), out=z)
-        else:  # half-precision models: the matmul in their dtype, the softmax in float32
-            if self.raw is None:
-                self.raw = torch.empty(self.z.shape, dtype=weight.dtype, device=weight.device)
-            z.copy_(torch.mm(h, weight.t(), out=self.raw[: h.shape[0]]))
-        if bias is not None:
-            z.add_(bias)
-        return z.div_(temperature) if temperature != 1.0 else z
-
-    def scratch(self, rows: int) -> Tensor:
-        if self.p is None:
-            self.p = torch.empty(self.chunk, self.vocab, dtype=torch.float32, device=self.z.device)
-        return self.p[:rows]
 
 
 def completion_hidden_states(
@@ -196,9 +111,10 @@ def final_hidden_states(
     """The decoder's last hidden states ``[N, S, H]``, through the model's own forward.
 
     The root forward runs (so wrappers such as FSDP2 gather the root's parameters, and keep them
-    gathered until backward) with logits for the last position only; a hook on the decoder hands
-    back its output. With ``cache`` (a ``DynamicCache``), the forward extends it: ``attention_mask``
-    then covers cached + new positions and ``position_ids`` those of the new tokens.
+    gathered until backward) with logits for no position (an empty ``logits_to_keep`` index: the
+    head runs in ``sgrpo.head``); a hook on the decoder hands back its output. With ``cache`` (a
+    ``DynamicCache``), the forward extends it: ``attention_mask`` then covers cached + new positions
+    and ``position_ids`` those of the new tokens.
     """
     captured: list[Tensor] = []
     handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
@@ -208,7 +124,7 @@ def final_hidden_states(
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
             past_key_values=cache,
-            logits_to_keep=1,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
             use_cache=cache is not None,
         )
     finally:
@@ -276,13 +192,37 @@ def tis_weights(trainer_logp: Tensor, vllm_logp: Tensor, mask: Tensor, cap: floa
     return torch.where(mask.bool(), log_ratio.exp(), torch.zeros_like(log_ratio))
 
 
-def logprob_mismatch(trainer_logp: Tensor, vllm_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """How far the engine's log-probs are from the trainer's on the sampled tokens (means over ``mask``).
+def logprob_gap(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Sums that add up over micro-batches: how far the sampler's log-probs are from the trainer's.
 
-    ``kl``: k3 estimate of KL(vllm || trainer), ``exp(-d) - 1 + d`` with ``d = logp_vllm - logp_trainer``;
-    ``abs_diff``: mean ``|d|``.
+    With ``d = logp_sampler - logp_trainer`` on the tokens of ``mask``: ``kl`` = sum of the k3 estimate
+    of KL(sampler || trainer), ``exp(-d) - 1 + d``; ``abs_diff`` = sum |d|; ``max_abs`` = max |d|;
+    ``tokens`` = their count. ``logprob_mismatch`` turns them into means.
     """
-    d = (vllm_logp.detach().float() - trainer_logp.detach().float())[mask.bool()]
-    if d.numel() == 0:
-        return {"kl": d.new_zeros(()), "abs_diff": d.new_zeros(())}
-    return {"kl": (torch.expm1(-d) + d).mean(), "abs_diff": d.abs().mean()}
+    d = (sampler_logp.detach().float() - trainer_logp.detach().float())[mask.bool()]
+    return {
+        "kl": (torch.expm1(-d) + d).sum(),
+        "abs_diff": d.abs().sum(),
+        "max_abs": d.abs().amax() if d.numel() else d.new_zeros(()),
+        "tokens": d.new_tensor(float(d.numel())),
+    }
+
+
+def logprob_mismatch(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """``logprob_gap`` as means over the tokens (``kl``, ``abs_diff``) and the largest gap (``max_abs``)."""
+    return gap_means(logprob_gap(trainer_logp, sampler_logp, mask))
+
+
+def gap_means(gap: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Means over tokens of ``logprob_gap``'s sums (``kl``, ``abs_diff``) and its ``max_abs``."""
+    tokens = gap["tokens"].clamp_min(1.0)
+    return {"kl": gap["kl"] / tokens, "abs_diff": gap["abs_diff"] / tokens, "max_abs": gap["max_abs"]}
+
+
+def merge_gaps(a: dict[str, Tensor] | None, b: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+    """Two ``logprob_gap`` results (either may be None) as one: sums add, maxima take the larger."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: torch.maximum(a[k], b[k]) if k == "max_abs" else a[k] + b[k] for k in a}
+
+

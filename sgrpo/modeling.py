@@ -26,3 +26,21 @@ def resolve_model_path(path: str) -> str:
         if candidate.is_dir():
             return str(candidate)
     return path
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability of ``model`` to 0 (``nn.Dropout`` modules and attention-dropout rates).
+
+    RL on a policy's own samples needs the trained log-probs to be the sampling ones: with dropout
+    on in training the on-policy ratio is not 1 (TRL and verl turn it off too). Returns how many
+    modules changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
+            module.p, changed = 0.0, changed + 1
+        for name, value in list(vars(module).items()):  # e.g. attention_dropout: a float read in forward
+            if "dropout" in name and isinstance(value, float) and value:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed

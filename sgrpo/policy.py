@@ -16,18 +16,21 @@ from estimators import AdvantageEstimator, budget_mass, budget_shares
 from sgrpo.batching import micro_batches, trim
 from sgrpo.data import StepBatches, identity_collate
 from sgrpo.distributed import gradient_sync
+from sgrpo.head import check_logit_head
 from sgrpo.loss import (
     AGGREGATIONS,
     Aggregation,
     clipped_surrogate,
     completion_logprobs,
+    gap_means,
     k3_kl,
-    logprob_mismatch,
+    logprob_gap,
+    merge_gaps,
     tis_weights,
     token_weights,
 )
 from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
-from sgrpo.modeling import resolve_model_path, shard_model
+from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.types import Example, RolloutBatch
 from tasks.base import Task
@@ -50,7 +53,15 @@ class GRPOPolicy(LightningModule):
     denominators, so the split changes memory and speed, not the update. With ``share_prompts``,
     each distinct prompt of a micro-batch runs once and its completions run on its KV cache
     (``sgrpo.loss.completion_hidden_states``).
+
+    The trained policy is the sampling policy: dropout is off unless ``keep_dropout``, the rollout's LM
+    head is the loss's (``sgrpo.head``, float32, with the model's own logit transform; a model whose
+    forward does something else to its logits is refused at load), and a rollout engine that truncates
+    the distribution (top-k, top-p, ``min_new_tokens``) is refused for training; ``val_rollout`` (by
+    default the training engine) may truncate. The LR scheduler steps once per training step; the
+    gradient norm is taken and clipped after mixed precision's loss scale is removed.
     """
+
 
     def __init__(
         self,
@@ -58,6 +69,7 @@ class GRPOPolicy(LightningModule):
         task: Task,
         estimator: AdvantageEstimator,
         rollout: RolloutEngine | None = None,
+        val_rollout: RolloutEngine | None = None,
         group_size: int = 8,
         prompts_per_step: int = 8,
         ppo_epochs: int = 1,
@@ -80,6 +92,7 @@ class GRPOPolicy(LightningModule):
         share_prompts: bool = True,
         dtype: str = "float32",
         activation_checkpointing: bool = False,
+        keep_dropout: bool = False,
         seed: int = 0,
         export_dir: str | None = None,
     ) -> None:
@@ -105,6 +118,14 @@ class GRPOPolicy(LightningModule):
         self.task = task
         self.estimator = estimator
         self.rollout = rollout if rollout is not None else HFRollout()
+        truncation = self.rollout.truncation()
+        _require(
+            truncation is None,
+            f"rollout samples with {truncation}, a truncated distribution, but the loss's log-probs are those of "
+            "the full softmax(logits / temperature), so every importance ratio would be off: train with top_k 0, "
+            "top_p 1.0 and min_new_tokens 0, and give truncated sampling to val_rollout for evaluation",
+        )
+        self.val_rollout = val_rollout if val_rollout is not None else self.rollout
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -116,6 +137,7 @@ class GRPOPolicy(LightningModule):
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts = share_prompts
         self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
+        self.keep_dropout = keep_dropout
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
@@ -134,7 +156,11 @@ class GRPOPolicy(LightningModule):
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if not self.keep_dropout:
+            disable_dropout(self.model)
+        check_logit_head(self.model)  # refuses a model whose logits the loss would compute wrongly
+        self.model.train()
         if self.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.kl_coef > 0:
@@ -257,38 +283,42 @@ class GRPOPolicy(LightningModule):
             token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
         rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
         adv_rows = advantages.reshape(-1)  # [N]
-        behaviour_logp = rollout.logprobs  # the sampler's own log-probs (vLLM); None when it is the trainer's model
+        sampler_logp = rollout.logprobs  # [N, T] the sampler's log-probs of its tokens, if it reports them
+        external = sampler_logp is not None and not self.rollout.samples_from_policy  # vLLM: other weights, kernels
         old_logp = None  # on-policy single step: the current log-probs, detached, serve (no second forward)
-        if behaviour_logp is not None or self.ppo_epochs > 1 or self.num_minibatches > 1:
+        if external or self.ppo_epochs > 1 or self.num_minibatches > 1:
             old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the sampling weights
-        is_weights, mismatch = None, {}
-        if behaviour_logp is not None:
-            mismatch = {
-                f"train/rollout/mismatch_{k}": v
-                for k, v in logprob_mismatch(old_logp, behaviour_logp, token_mask).items()
-            }
-            if self.rollout.importance_sampling_cap is not None:
-                is_weights = tis_weights(old_logp, behaviour_logp, token_mask, self.rollout.importance_sampling_cap)
-                mismatch["train/rollout/tis_weight_mean"] = is_weights.sum() / token_mask.sum().clamp_min(1)
+        is_weights, logs = None, {}
+        if external and self.rollout.importance_sampling_cap is not None:
+            is_weights = tis_weights(old_logp, sampler_logp, token_mask, self.rollout.importance_sampling_cap)
+            logs["train/rollout/tis_weight_mean"] = is_weights.sum() / token_mask.sum().clamp_min(1)
         ref_logp = self._logprobs(self._reference, rollout, token_mask) if self.kl_coef > 0 else None
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         sums: dict[str, Tensor] = {}
+        gap = None  # sampler vs trainer log-probs; on one on-policy pass, measured on that pass's own
+        if sampler_logp is not None and old_logp is not None:
+            gap = logprob_gap(old_logp, sampler_logp, token_mask)
+        first_pass_gap = sampler_logp if old_logp is None else None
         generator = torch.Generator().manual_seed(_mix(self.seed, self.rollout_step, 1))
         started = time.perf_counter()
         for epoch in range(self.ppo_epochs):
             shuffle = torch.randperm(len(rows), generator=generator, device="cpu")  # the generator's device
             order = rows[shuffle.to(rows.device)] if epoch else rows
             for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
-                stats = self.accumulate_gradients(
-                    rollout, minibatch, token_mask, adv_rows, old_logp, ref_logp, is_weights
+                stats, pass_gap = self.accumulate_gradients(
+                    rollout, minibatch, token_mask, adv_rows, old_logp, ref_logp, is_weights, first_pass_gap
                 )
+                gap = merge_gaps(gap, pass_gap)
                 last = epoch == self.ppo_epochs - 1 and i == self.num_minibatches - 1
                 stats["grad_norm"] = self._optimizer_step(optimizer, last)
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
+
         if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
             scheduler.step()
+        if sampler_logp is not None:  # every process logs the same keys (sync_dist pairs them up)
+            logs |= {f"train/rollout/mismatch_{k}": v for k, v in gap_means(self._reduce_gap(gap)).items()}
         steps = self.ppo_epochs * self.num_minibatches
         tokens = sums.pop("tokens").clamp_min(1.0)
         elapsed = max(time.perf_counter() - started, 1e-9)
@@ -301,7 +331,7 @@ class GRPOPolicy(LightningModule):
             "train/entropy": sums["entropy"] / tokens,
             "train/throughput/update_tok_s": tokens / elapsed,
             "train/update/rows_skipped": sums["rows_skipped"] / steps,
-        } | mismatch
+        } | logs
 
     def accumulate_gradients(
         self,
@@ -312,8 +342,13 @@ class GRPOPolicy(LightningModule):
         old_logp: Tensor | None,
         ref_logp: Tensor | None,
         is_weights: Tensor | None = None,
-    ) -> dict[str, Tensor]:
+        sampler_logp: Tensor | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
         """Backward of the global-batch loss restricted to ``rows``, micro-batch by micro-batch.
+
+        Returns the statistics to log and, with ``sampler_logp``, the sampler-trainer log-prob gap
+        (``sgrpo.loss.logprob_gap``) on the tokens that ran.
+
 
         Without a KL term, rows whose advantage is exactly 0 (constant groups) are counted in the
         denominators but not run: their loss and gradient are exactly 0. Clip fractions, entropy
@@ -338,6 +373,7 @@ class GRPOPolicy(LightningModule):
             k: torch.zeros((), device=self.device) for k in ("loss", "clip_low", "clip_high", "kl", "entropy", "tokens")
         }
         stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
+        gap = None
         for j, chunk in enumerate(chunks):
             batch = trim(rollout, chunk, token_mask)
             logp, entropy = completion_logprobs(
@@ -352,6 +388,8 @@ class GRPOPolicy(LightningModule):
             )
             t = logp.shape[1]
             old = logp.detach() if old_logp is None else old_logp[chunk][:, :t]
+            if sampler_logp is not None:
+                gap = merge_gaps(gap, logprob_gap(old, sampler_logp[chunk][:, :t], batch["mask"]))
             per_token, low, high = clipped_surrogate(logp, old, advantages[chunk], self.clip_low, self.clip_high)
             if is_weights is not None:  # TIS: x min(pi_old / pi_sampler, C) per token, a constant
                 per_token = per_token * is_weights[chunk][:, :t]
@@ -369,14 +407,24 @@ class GRPOPolicy(LightningModule):
             stats["tokens"] += m.sum()
         for j in range(len(chunks), backwards):
             self._backward(self._dummy_logits(self.model).sum() * 0.0, sync=j == backwards - 1)
-        return stats
+        return stats, gap
+
 
     def _backward(self, loss: Tensor, sync: bool) -> None:
         """``manual_backward``; under DDP only the last backward of an optimiser step all-reduces."""
         with gradient_sync(self.trainer.strategy.model, enabled=sync):
             self.manual_backward(loss)
 
+    def _reduce_gap(self, gap: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """``logprob_gap`` sums over all processes (a process whose rows all had advantage 0 has none)."""
+        zero = torch.zeros((), device=self.device)
+        gap = gap or {"kl": zero, "abs_diff": zero, "max_abs": zero, "tokens": zero}
+        sums = self.trainer.strategy.reduce(torch.stack([gap["kl"], gap["abs_diff"], gap["tokens"]]), reduce_op="sum")
+        largest = self.trainer.strategy.reduce(gap["max_abs"].float(), reduce_op="max")
+        return {"kl": sums[0], "abs_diff": sums[1], "tokens": sums[2], "max_abs": largest}
+
     def _max_over_processes(self, n: int) -> int:
+
         return int(self.trainer.strategy.reduce(torch.tensor(float(n), device=self.device), reduce_op="max"))
 
     def _dummy_logits(self, model) -> Tensor:
@@ -442,7 +490,7 @@ class GRPOPolicy(LightningModule):
     def validation_step(self, examples: list[Example], batch_idx: int) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_mix(self.seed, batch_idx, self.global_rank, 7))
-            rollout = self.rollout.generate(
+            rollout = self.val_rollout.generate(
                 self.model, self.tokenizer, examples, self.val_samples, greedy=self.val_greedy
             )
         repeated = [ex for ex in examples for _ in range(self.val_samples)]

@@ -31,7 +31,7 @@ def completion_mask_until_eos(ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tens
     return seen_before == 0, ~is_eos.any(-1)
 
 
-_TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated")
+_TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated", "logprobs")
 
 
 class RolloutEngine(ABC):
@@ -41,11 +41,26 @@ class RolloutEngine(ABC):
     temperature: float
     #: cap C of truncated importance sampling when the batch carries the sampler's own log-probs (None: none)
     importance_sampling_cap: float | None = None
+    #: True when the engine samples through the trained model's own modules and weights: its log-probs
+    #: (if any) are the policy's up to float rounding, so no importance weights and no second forward
+    samples_from_policy: bool = True
+
 
     @abstractmethod
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch: ...
+
+    def truncation(self) -> str | None:
+        """Which setting makes the sampled distribution differ from softmax(logits / temperature), or None.
+
+        The policy loss computes log-probs of the full softmax, so training refuses an engine that
+        truncates it (top-k, top-p, a forced minimum length); validation may use one.
+        """
+        settings = {"top_k": 0, "top_p": 1.0, "min_new_tokens": 0}
+        changed = [f"{k}={getattr(self, k)}" for k, off in settings.items() if getattr(self, k, off) != off]
+        return ", ".join(changed) or None
+
 
 
 class HFRollout(RolloutEngine):
@@ -57,8 +72,9 @@ class HFRollout(RolloutEngine):
     ``sgrpo.decode.decode``: each prompt prefilled once for its G rows, a preallocated KV cache,
     finished rows dropped; ``decoder="generate"`` runs transformers' ``generate`` (same
     distribution, slower; it also applies whatever the model's ``generation_config`` adds, such as a
-    repetition penalty). Sampling log-probs are not returned (``RolloutBatch.logprobs`` is None): the
-    policy recomputes them only when an update is off-policy.
+    repetition penalty). The lean decoder returns the sampled tokens' log-probs (``RolloutBatch.logprobs``,
+    from the same float32 head as the loss): the policy compares them with its own on the same tokens
+    and logs the gap (``train/rollout/mismatch_*``), which should be float rounding only.
     """
 
     def __init__(
@@ -98,7 +114,8 @@ class HFRollout(RolloutEngine):
         with torch.no_grad() if is_sharded(model) else torch.inference_mode():
             batch = self._sample(model, tokenizer, examples, group_size, greedy)
         # inference tensors cannot enter autograd (the update embeds these ids): make normal copies
-        return dataclasses.replace(batch, **{k: getattr(batch, k).clone() for k in _TENSOR_FIELDS})
+        copies = {k: getattr(batch, k).clone() for k in _TENSOR_FIELDS if getattr(batch, k) is not None}
+        return dataclasses.replace(batch, **copies)
 
     def _sample(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool
@@ -122,12 +139,16 @@ class HFRollout(RolloutEngine):
                 )
         finally:
             model.train(was_training)
-        width = max(p.shape[1] for p in pieces)
-        new = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in pieces])  # [N, T]
+        width = max(p.shape[1] for p, _ in pieces)
+        new = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p, _ in pieces])  # [N, T]
         mask, truncated = completion_mask_until_eos(new, eos)
         length = int(mask.sum(-1).max())
         new, mask = new[:, :length], mask[:, :length]
         new = new.masked_fill(~mask, pad)
+        logprobs = None
+        if all(lp is not None for _, lp in pieces):
+            logprobs = torch.cat([nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in pieces])[:, :length]
+            logprobs = logprobs.masked_fill(~mask, 0.0)  # [N, T]
         completions = tokenizer.batch_decode(new, skip_special_tokens=True)
         return RolloutBatch(
             input_ids=torch.cat([ids[row_prompt], new], 1),
@@ -136,12 +157,14 @@ class HFRollout(RolloutEngine):
             completions=completions,
             truncated=truncated,
             group_size=group_size,
+            logprobs=logprobs,
         )
 
     def _generate_rows(
         self, model, ids: Tensor, mask: Tensor, row_prompt: Tensor, eos: list[int], pad: int, greedy: bool
-    ) -> Tensor:
-        """New tokens ``[R, <= max_new_tokens]`` for rows ``row_prompt`` of the prompts ``ids``/``mask`` ``[U, P]``."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """New tokens ``[R, <= max_new_tokens]`` for rows ``row_prompt`` of the prompts ``ids``/``mask`` ``[U, P]``,
+        and their sampling log-probs (lean decoder; None from ``generate``)."""
         sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         if self.decoder == "lean":
             from sgrpo.decode import decode  # imports transformers: not needed to check a config
@@ -160,10 +183,10 @@ class HFRollout(RolloutEngine):
             pad_token_id=pad,
             use_cache=True,
             synced_gpus=is_sharded(model) and world_size() > 1,  # FSDP2: forwards are collectives
-
             **sampling,
         )
-        return out[:, ids.shape[1] :]
+        return out[:, ids.shape[1] :], None
+
 
 
 def eos_ids(model: nn.Module, tokenizer) -> list[int]:

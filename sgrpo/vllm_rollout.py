@@ -229,6 +229,8 @@ class VLLMRollout(RolloutEngine):
     ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``max_num_seqs``, ``enable_prefix_caching``).
     """
 
+    samples_from_policy = False  # its own copy of the weights and its own kernels
+
     def __init__(
         self,
         max_new_tokens: int = 256,

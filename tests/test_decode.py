@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -17,9 +20,10 @@ from transformers import (
 )
 
 from sgrpo.decode import LlamaFamilyStep, PreallocatedLayer, decode, preallocated_cache, sample
-from sgrpo.loss import position_ids_from_mask
+from sgrpo.loss import completion_logprobs, position_ids_from_mask
 from sgrpo.rollout import HFRollout
 from sgrpo.tiny import ensure_tiny_model
+from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import EXAMPLES
 
 VOCAB = 40
@@ -87,7 +91,7 @@ def test_greedy_decode_equals_transformers_generate(native_step, compact_below):
     ids, mask = _prompts(torch.Generator().manual_seed(3))
     rows = torch.tensor([0, 0, 1, 1, 2, 2])
     eos = [1, 5, 9]  # several stop tokens so rows finish at different steps
-    got = decode(
+    got, _ = decode(
         model, ids, mask, rows, 12, eos, pad=0, greedy=True, native_step=native_step, compact_below=compact_below
     )
     out = model.generate(
@@ -109,7 +113,7 @@ def test_min_new_tokens_masks_eos_and_rows_stop_after_eos():
     ids, mask = _prompts(torch.Generator().manual_seed(4))
     rows = torch.arange(3).repeat_interleave(8)
     torch.manual_seed(5)
-    tokens = decode(model, ids, mask, rows, 10, [1], pad=0, min_new_tokens=4)
+    tokens, _ = decode(model, ids, mask, rows, 10, [1], pad=0, min_new_tokens=4)
     is_eos = tokens == 1
     assert not is_eos[:, :4].any()
     first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full((len(rows),), 10))
@@ -156,7 +160,7 @@ def test_unsupported_models_use_the_model_forward():
     assert not LlamaFamilyStep.supported(model)
     ids, mask = _prompts(torch.Generator().manual_seed(6))
     rows = torch.tensor([0, 1, 2])
-    got = decode(model, ids, mask, rows, 6, [1], pad=0, greedy=True)
+    got, _ = decode(model, ids, mask, rows, 6, [1], pad=0, greedy=True)
     out = model.generate(
         input_ids=ids[rows], attention_mask=mask[rows], do_sample=False, max_new_tokens=6, min_new_tokens=6,
         eos_token_id=[1], pad_token_id=0,
@@ -207,3 +211,24 @@ def test_shared_prompt_update_matches_the_full_forward(name):
         results.append((logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
     assert float((results[1][1] - results[0][1]).norm() / results[0][1].norm()) < 1e-5
+
+
+def test_sampler_and_loss_share_one_head_under_bf16_autocast():
+    """Under bf16-mixed the rollout runs in autocast: its LM head must be the loss's (float32 weights, outside
+    autocast), or it samples from one policy and trains another. Each row's first token comes from the
+    prompt's prefill, the same computation as the loss's forward up to that position: their log-probs agree
+    exactly (a bf16 head was off by up to ~1e-2), and over all tokens the gap is float noise of the body."""
+    model_dir = Path(__file__).resolve().parents[1] / "sgrpo" / "assets" / "quickstart_model"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = SyntheticTask(kind="sort", levels=[3, 5, 7], num_train=32, num_validation=4).examples("train")[:8]
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = HFRollout(max_new_tokens=9).generate(model, tokenizer, examples, 4)
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    assert batch.logprobs is not None and batch.logprobs.dtype == torch.float32
+    gap = (logp - batch.logprobs).abs()
+    assert float(gap[:, 0].max()) < 1e-6
+    assert float(gap[batch.completion_mask].mean()) < 5e-3
+    assert (batch.logprobs[~batch.completion_mask] == 0).all()

@@ -71,6 +71,21 @@ def test_tiny_fit_logs_checkpoints_and_exports(tmp_path, model_dir):
     assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())  # it learned something
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_sampler_is_the_trained_policy(tmp_path, precision):
+    """The shipped model (rows with rewards that vary, so the update runs) logs the gap between the rollout's
+    log-probs and the trainer's on the same tokens: float noise in fp32; under bf16-mixed, where the
+    rollout runs in autocast, small, since both take the LM head in float32 (sgrpo.head)."""
+    fit(tmp_path, str(REPO / "sgrpo" / "assets" / "quickstart_model"), "--trainer.max_steps=2",
+        f"--trainer.precision={precision}", "--trainer.val_check_interval=100")  # fmt: skip
+    rows = [r for r in metrics(tmp_path) if r["train/rollout/mismatch_max_abs"]]
+    assert rows, "no step measured the gap"
+    bound = {"32-true": (1e-4, 1e-5), "bf16-mixed": (0.1, 5e-3)}[precision]
+    for row in rows:
+        assert float(row["train/rollout/mismatch_max_abs"]) < bound[0]
+        assert float(row["train/rollout/mismatch_abs_diff"]) < bound[1]
+
+
 def test_resume_continues_and_reproduces_the_uninterrupted_run(tmp_path, model_dir):
     keys = ("train/reward", "train/loss", "train/grad_norm", "train/completion/length_mean")
     fit(tmp_path / "full", model_dir, "--trainer.max_steps=4", "--trainer.val_check_interval=100")

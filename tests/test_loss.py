@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from sgrpo.head import TokenLogprobs
 from sgrpo.loss import (
-    TokenLogprobs,
     clipped_surrogate,
     completion_logprobs,
     k3_kl,
