@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded, world_size
+from sgrpo.snapshot import RolloutWeights
 from sgrpo.types import Example, Messages, RolloutBatch
 
 
@@ -75,6 +76,10 @@ class HFRollout(RolloutEngine):
     repetition penalty). The lean decoder returns the sampled tokens' log-probs (``RolloutBatch.logprobs``,
     from the same float32 head as the loss): the policy compares them with its own on the same tokens
     and logs the gap (``train/rollout/mismatch_*``), which should be float rounding only.
+    ``weights_snapshot`` (``sgrpo.snapshot.RolloutWeights``): decode on an unsharded copy of the
+    weights gathered once per rollout (default: for FSDP2-sharded models, whose every forward would
+    otherwise all-gather each block per token), its Linear weights cast once to autocast's dtype;
+    the copy's memory is freed before the update.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class HFRollout(RolloutEngine):
         max_batch_rows: int = 512,
         min_new_tokens: int = 0,
         decoder: str = "lean",
+        weights_snapshot: bool | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -106,6 +112,8 @@ class HFRollout(RolloutEngine):
         self.max_batch_rows = max_batch_rows
         self.min_new_tokens = min_new_tokens
         self.decoder = decoder
+        self.weights_snapshot = weights_snapshot
+        self._weights = RolloutWeights(weights_snapshot)
 
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
@@ -131,14 +139,16 @@ class HFRollout(RolloutEngine):
         was_training = model.training
         model.eval()
         try:
-            pieces = []
-            for rows in row_prompt.split(self.max_batch_rows):
-                first, last = int(rows[0]), int(rows[-1]) + 1  # rows come in prompt order
-                pieces.append(
-                    self._generate_rows(model, ids[first:last], attn[first:last], rows - first, eos, pad, greedy)
-                )
+            with self._weights(model) as sampler:  # the model itself, or its weights gathered once
+                pieces = []
+                for rows in row_prompt.split(self.max_batch_rows):
+                    first, last = int(rows[0]), int(rows[-1]) + 1  # rows come in prompt order
+                    pieces.append(
+                        self._generate_rows(sampler, ids[first:last], attn[first:last], rows - first, eos, pad, greedy)
+                    )
         finally:
             model.train(was_training)
+
         width = max(p.shape[1] for p, _ in pieces)
         new = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p, _ in pieces])  # [N, T]
         mask, truncated = completion_mask_until_eos(new, eos)

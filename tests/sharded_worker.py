@@ -3,6 +3,7 @@
 sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of the fixed batch, results to OUT_DIR
 sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes
 sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped model, recording completion lengths
+torchrun --nproc-per-node 2 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = 
         (Path(out) / "info.json").write_text(json.dumps(info))
 
 
-def fit(root: str, model_dir: str, steps: str, resume: str = "") -> None:
+def fit(root: str, model_dir: str, steps: str, resume: str = "", *extra: str) -> None:
     from sgrpo.fit import main
 
     args = [
@@ -76,6 +77,7 @@ def fit(root: str, model_dir: str, steps: str, resume: str = "") -> None:
         f"--trainer.max_steps={steps}",
         "--trainer.val_check_interval=100",
         "--trainer.enable_progress_bar=false",
+        *extra,
     ]
     cli = main(args + (["--ckpt_path=last"] if resume else []))
     mask = torch.ones(1, 4, dtype=torch.bool)
@@ -86,7 +88,8 @@ def fit(root: str, model_dir: str, steps: str, resume: str = "") -> None:
 
 
 def fit_recording_lengths(root: str, steps: str) -> None:
-    """``fit`` with the shipped quickstart model, whose rows end at different lengths on each process;
+    """``fit`` with the shipped quickstart model, whose rows end at different lengths on each process, decoding
+    through the sharded forwards;
     each process writes the longest completion of each of its rollouts to ``ROOT/lengths_rank<r>.json``."""
     from sgrpo.rollout import HFRollout
 
@@ -99,11 +102,48 @@ def fit_recording_lengths(root: str, steps: str) -> None:
         return batch
 
     HFRollout.generate = recording
-    fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps)
+    # decode through the sharded model token by token (no weights snapshot): the path whose loop must end
+    # at the same step on every process
+    no_snapshot = "--model.rollout.init_args.weights_snapshot=false"
+    fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps, "", no_snapshot)
     rank = torch.distributed.get_rank()
     (Path(root) / f"lengths_rank{rank}.json").write_text(json.dumps(lengths))
 
 
+def decode(model_dir: str, out: str) -> None:
+    """Each process rolls out its own prompts from the FSDP2-sharded model, with the weights gathered once
+    per rollout (the default) and through the sharded model itself (an all-gather per block per token);
+    both must give the unsharded model's tokens and log-probs. Results to ``OUT/decode_rank<r>.json``."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sgrpo.modeling import shard_model
+    from sgrpo.rollout import HFRollout
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir)
+    sharded = AutoModelForCausalLM.from_pretrained(model_dir)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (2,))
+    shard_model(sharded, mesh)
+    examples = EXAMPLES[4 * rank : 4 * rank + 4]  # different prompts per process
+    forwards: list[int] = []  # forwards of the sharded model (each all-gathers every block)
+    sharded.register_forward_pre_hook(lambda *_: forwards.append(1))
+    results = {}
+    for name, model, snapshot in (("plain", plain, None), ("gathered", sharded, None), ("per_token", sharded, False)):
+        torch.manual_seed(rank)
+        forwards.clear()
+        batch = HFRollout(max_new_tokens=6, weights_snapshot=snapshot).generate(model, tokenizer, examples, 3)
+        results[name] = {"ids": batch.input_ids.tolist(), "logprobs": batch.logprobs.tolist()}
+        results[name]["sharded_forwards"] = len(forwards)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths}[sys.argv[1]](*sys.argv[2:])
+    modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode}
+    modes[sys.argv[1]](*sys.argv[2:])
+
 

@@ -232,3 +232,26 @@ def test_sampler_and_loss_share_one_head_under_bf16_autocast():
     assert float(gap[:, 0].max()) < 1e-6
     assert float(gap[batch.completion_mask].mean()) < 5e-3
     assert (batch.logprobs[~batch.completion_mask] == 0).all()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_rollout_on_a_weights_snapshot_samples_the_same_policy(autocast):
+    """``weights_snapshot=True`` decodes on a copy made once per rollout (Linear weights cast once to
+    autocast's dtype, the LM head kept in float32): the same tokens and log-probs as decoding through the
+    model, where autocast casts each weight at each use, and the copy's memory is released afterwards."""
+    model_dir = Path(__file__).resolve().parents[1] / "sgrpo" / "assets" / "quickstart_model"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = SyntheticTask(kind="sort", levels=[3, 5, 7], num_train=32, num_validation=4).examples("train")[:8]
+    batches = []
+    for snapshot in (False, True):
+        rollout = HFRollout(max_new_tokens=9, weights_snapshot=snapshot)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            batches.append(rollout.generate(model, tokenizer, examples, 4))
+    assert torch.equal(batches[0].input_ids, batches[1].input_ids)
+    assert torch.equal(batches[0].logprobs, batches[1].logprobs)
+    shell = rollout._weights._shell
+    assert shell is not None and all(p.device.type == "meta" for p in shell.parameters())  # memory given back
+    linear_dtypes = {m.weight.dtype for m in shell.modules() if isinstance(m, torch.nn.Linear)}
+    assert linear_dtypes == ({torch.bfloat16, torch.float32} if autocast else {torch.float32})  # head: float32

@@ -26,11 +26,13 @@ def model_dir(tmp_path_factory) -> str:
     return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
-def launch(*args: str, cwd: Path, timeout: float = 300) -> None:
-    """Run the worker (Lightning starts its second process); a hang fails the test and kills both processes."""
+def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = False) -> None:
+    """Run the worker (Lightning starts its second process, or torchrun both); a hang fails the test and
+    kills both processes."""
     env = os.environ | {"OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"] if torchrun else [sys.executable]
     with subprocess.Popen(
-        [sys.executable, str(WORKER), *args],
+        [*launcher, str(WORKER), *args],
         env=env,
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -80,6 +82,21 @@ def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path)
     # some step's rows all finished on one process before max_new_tokens (8) while the other's ran on
     assert any(a != b and min(a, b) < 8 for a, b in zip(*lengths)), lengths
     assert (root / "hf_model" / "config.json").exists()
+
+
+def test_sharded_rollouts_sample_the_unsharded_policy(model_dir, tmp_path):
+    """Rollouts from the FSDP2-sharded model, on weights gathered once per rollout (the default) or through
+    the sharded forwards token by token, give the unsharded model's tokens and log-probs, each process
+    sampling its own prompts."""
+    launch("decode", model_dir, str(tmp_path), cwd=tmp_path, timeout=180, torchrun=True)
+    for rank in (0, 1):
+        runs = json.loads((tmp_path / f"decode_rank{rank}.json").read_text())
+        for name in ("gathered", "per_token"):
+            assert runs[name]["ids"] == runs["plain"]["ids"], (rank, name)
+            got, want = torch.tensor(runs[name]["logprobs"]), torch.tensor(runs["plain"]["logprobs"])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert runs["gathered"]["sharded_forwards"] == 0  # no collective per token: one gather per rollout
+        assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
 
 
 def test_sharded_fit_resumes_and_exports(model_dir, tmp_path):

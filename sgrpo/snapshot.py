@@ -1,0 +1,87 @@
+"""A plain copy of the policy's weights for one rollout: gathered once and cast once, not per token.
+
+Under FSDP2 every forward of a sharded block all-gathers its parameters, and under mixed precision
+autocast casts each fp32 weight to bf16 again (FSDP2 hands out fresh unsharded tensors, which
+autocast's cast cache cannot reuse). A decode step of a few rows is tiny next to that, so decoding
+through the sharded model pays one all-gather and one cast per block per token. ``RolloutWeights``
+gathers every parameter once at the start of a rollout into an unsharded copy of the model (its
+``nn.Linear`` weights already in autocast's dtype, the LM head kept in the model's dtype, since the
+sampler's head is float32 like the loss's), decodes on it without any collective, and frees it after.
+Same numbers: autocast would have rounded the same weights to the same bf16 values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from sgrpo.distributed import is_sharded
+
+
+def plain_class(model: nn.Module) -> type[nn.Module]:
+    """The model's own class (FSDP2 swaps in a subclass named ``FSDP<Model>``)."""
+    return next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+
+
+class RolloutWeights:
+    """Hands out a plain (unsharded, eagerly cast) copy of a model's weights for the length of a rollout.
+
+    ``enabled``: None copies sharded (FSDP2) models only and uses other models as they are; True
+    copies every model (its Linear weights cast once when autocast is on); False never copies. The
+    copy's module tree is built once (on the meta device, then materialised per rollout) and its
+    memory is released when the rollout ends.
+    """
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = enabled
+        self._shell: nn.Module | None = None
+        self._key: tuple | None = None
+
+    def wanted(self, model: nn.Module) -> bool:
+        return is_sharded(model) if self.enabled is None else self.enabled
+
+    @contextlib.contextmanager
+    def __call__(self, model: nn.Module) -> Iterator[nn.Module]:
+        if not self.wanted(model):
+            yield model
+            return
+        device = next(model.parameters()).device
+        cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        shell = self._shell_for(model, cast)
+        shell.to_empty(device=device)
+        shell.tie_weights()  # to_empty gives tied parameters separate storage: tie them again
+        try:
+            with torch.no_grad():
+                copy_weights(model, shell)
+            yield shell
+        finally:
+            shell.to_empty(device="meta")  # the copy's memory goes back before the update
+
+    def _shell_for(self, model: nn.Module, cast: torch.dtype | None) -> nn.Module:
+        key = (id(model), cast)
+        if self._shell is None or self._key != key:
+            with torch.device("meta"):
+                shell = plain_class(model)(model.config).to(next(model.parameters()).dtype)
+            if cast is not None:  # autocast would cast these weights at every use: cast them once
+                head = shell.get_output_embeddings()
+                for module in shell.modules():
+                    if isinstance(module, nn.Linear) and module is not head:
+                        module.to(cast)
+            shell.eval().requires_grad_(False)
+            shell.generation_config = model.generation_config
+            self._shell, self._key = shell, key
+        return self._shell
+
+
+def copy_weights(source: nn.Module, target: nn.Module) -> None:
+    """Copy every parameter and buffer of ``source`` (gathered when sharded: a collective) into ``target``."""
+    params = dict(target.named_parameters())
+    for name, param in source.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        params[name].copy_(full)
+    buffers = dict(target.named_buffers())
+    for name, buffer in source.named_buffers():
+        buffers[name].copy_(buffer)
