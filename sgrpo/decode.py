@@ -210,6 +210,7 @@ def decode(
     min_new_tokens: int = 0,
     compact_below: float = 0.75,
     native_step: bool = True,
+    cuda_graphs: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """New tokens ``[R, max_new_tokens]`` (``pad`` after a row's EOS) for rows ``row_prompt`` ``[R]``, and
     their log-probs ``[R, max_new_tokens]`` float32 under softmax(logits / temperature) (0 after EOS).
@@ -221,6 +222,8 @@ def decode(
     A sharded model (FSDP2) gathers its parameters in every forward, a collective: then the loop
     ends only when no process has a running row, and a process whose rows are all done keeps
     running forwards on one finished row (its tokens are discarded), so the gathers pair up.
+    ``cuda_graphs`` (with the native step) runs fixed-shape steps (``sgrpo.graphs.StaticSteps``),
+    replayed as CUDA graphs on a GPU and run eagerly elsewhere.
     """
     device = prompt_ids.device
     synced = is_sharded(model) and world_size() > 1
@@ -229,12 +232,18 @@ def decode(
     cache = preallocated_cache(model, p + max_new_tokens)
     hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)[:, -1]  # [U, H]
     select_rows(cache, row_prompt)  # each prompt's keys and values, once per row
-    native = None
-    if native_step and LlamaFamilyStep.supported(model):
-        native = LlamaFamilyStep(model, cache, p + max_new_tokens)
-    logits = model_head_logits(model, hidden).index_select(0, row_prompt)  # [R, V] float32
+    native = static = None
     mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
     mask[:, :p] = prompt_mask.index_select(0, row_prompt)
+    if native_step and LlamaFamilyStep.supported(model):
+        if cuda_graphs:
+            from sgrpo.graphs import StaticSteps
+
+            key_mask = torch.cat([mask[:, :p], torch.zeros_like(mask[:, p:])], 1)  # new columns: set per token
+            static = StaticSteps(model, cache, key_mask, LlamaFamilyStep, graphs=True)
+        else:
+            native = LlamaFamilyStep(model, cache, p + max_new_tokens)
+    logits = model_head_logits(model, hidden).index_select(0, row_prompt)  # [R, V] float32
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
@@ -255,11 +264,17 @@ def decode(
             keep = running.nonzero().squeeze(-1)
             if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards
                 keep = keep.new_zeros(1)
-            select_rows(cache, keep)
+            if static is not None:
+                static.compact(keep)
+            else:
+                select_rows(cache, keep)
             alive, next_tokens, position, mask = alive[keep], next_tokens[keep], position[keep], mask[keep]
             running = running[keep]
 
-        if native is not None:
+        if static is not None:
+            logits = static(next_tokens, position, p + t)
+        elif native is not None:
+
             logits = native(next_tokens, position, mask[:, : p + t + 1].bool())
         else:
             step_mask, step_position = mask[:, : p + t + 1], position.unsqueeze(-1)

@@ -79,7 +79,8 @@ class HFRollout(RolloutEngine):
     ``weights_snapshot`` (``sgrpo.snapshot.RolloutWeights``): decode on an unsharded copy of the
     weights gathered once per rollout (default: for FSDP2-sharded models, whose every forward would
     otherwise all-gather each block per token), its Linear weights cast once to autocast's dtype;
-    the copy's memory is freed before the update.
+    the copy's memory is freed before the update. ``cuda_graphs`` (lean decoder, Llama-family models):
+    fixed-shape decode steps replayed as CUDA graphs on a GPU (``sgrpo.graphs``; off until measured).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class HFRollout(RolloutEngine):
         min_new_tokens: int = 0,
         decoder: str = "lean",
         weights_snapshot: bool | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -112,7 +114,7 @@ class HFRollout(RolloutEngine):
         self.max_batch_rows = max_batch_rows
         self.min_new_tokens = min_new_tokens
         self.decoder = decoder
-        self.weights_snapshot = weights_snapshot
+        self.weights_snapshot, self.cuda_graphs = weights_snapshot, cuda_graphs
         self._weights = RolloutWeights(weights_snapshot)
 
     def generate(
@@ -181,7 +183,8 @@ class HFRollout(RolloutEngine):
 
             return decode(
                 model, ids, mask, row_prompt, self.max_new_tokens, eos, pad,
-                greedy=greedy, min_new_tokens=self.min_new_tokens, **sampling,
+                greedy=greedy, min_new_tokens=self.min_new_tokens, cuda_graphs=self.cuda_graphs, **sampling,
+
             )  # fmt: skip
         out = model.generate(
             input_ids=ids[row_prompt],

@@ -255,3 +255,31 @@ def test_rollout_on_a_weights_snapshot_samples_the_same_policy(autocast):
     assert shell is not None and all(p.device.type == "meta" for p in shell.parameters())  # memory given back
     linear_dtypes = {m.weight.dtype for m in shell.modules() if isinstance(m, torch.nn.Linear)}
     assert linear_dtypes == ({torch.bfloat16, torch.float32} if autocast else {torch.float32})  # head: float32
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("compact_below", [0.0, 0.75, 1.0])
+def test_fixed_shape_steps_for_cuda_graphs_match_the_eager_decoder(name, compact_below):
+    """``cuda_graphs=True`` runs the fixed-shape steps (sgrpo.graphs; eager on CPU, graph replay on CUDA):
+    keys and values written at a column held in a tensor, attention over the whole capacity under a key
+    mask, finished rows moved to the front and steps padded to power-of-two buckets. Same sampled tokens
+    (same seed) and log-probs as the eager decoder, with rows stopping at different steps."""
+    torch.manual_seed(0)
+    model = _models()[name].eval()
+    ids, mask = _prompts(torch.Generator().manual_seed(3))
+    rows = torch.arange(3).repeat_interleave(8)  # 24 rows: some end early, some run to the end
+    eos = [1, 5, 9]
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(4)
+        runs.append(decode(model, ids, mask, rows, 12, eos, pad=0, compact_below=compact_below, cuda_graphs=graphs))
+    assert torch.equal(runs[1][0], runs[0][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
+    finished = torch.isin(runs[0][0], torch.tensor(eos)).any(-1)
+    assert finished.any() and not finished.all()
+
+
+def test_buckets_are_powers_of_two_up_to_the_batch():
+    from sgrpo.graphs import bucket
+
+    assert [bucket(n, 12) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
