@@ -46,6 +46,8 @@ class Workload:
     micro_batch_tokens: int | str | None = "auto"  # sgrpo only: padded tokens per micro-batch ("auto": 1024 on CPU)
     share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch in the update
     sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
+    sgrpo_cuda_graphs: bool = False  # sgrpo only: HFRollout(cuda_graphs=True), fixed-shape steps replayed as graphs
+    device: str = "cpu"  # "cuda": both in bf16-mixed (fp32 master weights); peak memory is then the GPU's
 
     @property
     def rows(self) -> int:
@@ -95,7 +97,7 @@ class StepGate:
             self.gen_s += time.perf_counter() - t0
             ids = out[0] if isinstance(out, tuple) else out  # sgrpo's rows come with their log-probs
             new = ids[:, prompt_len:]  # [N, T]
-            is_eos = torch.isin(new, torch.tensor(eos_ids))
+            is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
             before = (is_eos.long().cumsum(-1) - is_eos.long()) == 0  # up to and including the first EOS
             self.gen_tokens += int(before.sum())
             self.calls += 1
@@ -104,8 +106,13 @@ class StepGate:
         setattr(owner, name, generate)
 
     def at_step_start(self) -> None:
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if on_gpu:
+            torch.cuda.synchronize()  # the step's kernels are done before its time is read
         now = time.perf_counter()
         record = {"rss_mib": _rss_mib(), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if on_gpu:  # GPU runs compare the GPU's memory: the most allocated at once so far
+            record["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         if self.started is not None:
             record |= {
                 "wall_s": now - self.started,
@@ -145,12 +152,9 @@ def sgrpo_policy(work: Workload):
     from sgrpo.rollout import HFRollout
 
     rollout = HFRollout(
-        max_new_tokens=work.new_tokens,
-        temperature=1.0,
-        min_new_tokens=work.new_tokens if work.force_length else 0,  # EOS masked for T tokens: forced length
-        decoder=work.sgrpo_decoder,
+        max_new_tokens=work.new_tokens, temperature=1.0, decoder=work.sgrpo_decoder, cuda_graphs=work.sgrpo_cuda_graphs
     )
-    return GRPOPolicy(
+    policy = GRPOPolicy(
         model=work.model_dir,
         task=make_task(work),
         estimator=GRPO(),  # z-score, sample std: TRL's scale_rewards="group"
@@ -166,6 +170,16 @@ def sgrpo_policy(work: Workload):
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),
     )
+    if work.force_length:  # training refuses min_new_tokens (it truncates the distribution): an EOS out of reach
+        configure = policy.configure_model
+
+        def configure_model() -> None:
+            configure()
+            policy.model.generation_config.eos_token_id = policy.model.config.vocab_size  # an id never sampled
+
+        policy.configure_model = configure_model
+    return policy
+
 
 
 def run_sgrpo(work: Workload) -> None:
@@ -182,7 +196,8 @@ def run_sgrpo(work: Workload) -> None:
             gate.at_step_start()
 
     policy = sgrpo_policy(work)
-    trainer = quiet_trainer(work.steps + 1, Gate(), "sgrpo_bench_")  # the last step start only reports the one before
+    # the last step start only reports the one before
+    trainer = quiet_trainer(work.steps + 1, Gate(), "sgrpo_bench_", work.device)
     trainer.fit(policy)
 
 
@@ -226,9 +241,9 @@ def run_trl(work: Workload) -> None:
         scale_rewards="group",
         epsilon=0.2,
         use_vllm=False,
-        bf16=False,
+        bf16=work.device == "cuda",  # autocast over fp32 master weights, as sgrpo's bf16-mixed
         fp16=False,
-        use_cpu=True,
+        use_cpu=work.device == "cpu",
         gradient_checkpointing=work.trl_gradient_checkpointing,
         learning_rate=work.lr,
         lr_scheduler_type="constant",
@@ -274,7 +289,7 @@ PHASES = (  # (label, depth): the tree printed by profile_sgrpo, children indent
     ("update", 2),
     ("completion_logprobs forward", 3),
     ("manual_backward", 3),
-    ("_clip_and_step (norm, clip, AdamW, zero_grad)", 3),
+    ("_optimizer_step (norm, clip, AdamW, zero_grad)", 3),
     ("update: rest (masks, trim, counts, stats)", 3),
     ("self.log / log_dict calls", 2),
     ("training_step: rest (estimator, metrics)", 2),
@@ -314,7 +329,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         ("score", "score: reward + success"),
         ("update", "update"),
         ("manual_backward", "manual_backward"),
-        ("_clip_and_step", "_clip_and_step (norm, clip, AdamW, zero_grad)"),
+        ("_optimizer_step", "_optimizer_step (norm, clip, AdamW, zero_grad)"),
         ("log", "self.log / log_dict calls"),  # log_dict calls self.log once per key
     ]:
         setattr(policy, attr, timed(name, getattr(policy, attr)))
@@ -335,7 +350,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
             wall.clear(), cpu.clear()
             marks.update(wall=time.perf_counter(), cpu=_cpu_s())
 
-    trainer = quiet_trainer(work.steps + 1, Phases(), "sgrpo_profile_")
+    trainer = quiet_trainer(work.steps + 1, Phases(), "sgrpo_profile_", work.device)
     trainer.fit(policy)
     policy_module.completion_logprobs = original_logprobs
     measured = records[warmup:]
@@ -378,15 +393,17 @@ def _top_ops(policy, limit: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit))
 
 
-def quiet_trainer(max_steps: int, callback, prefix: str):
-    """A CPU fp32 Trainer with no logging, checkpoints, progress bar or validation, in a scratch folder."""
+def quiet_trainer(max_steps: int, callback, prefix: str, device: str = "cpu"):
+    """A Trainer (CPU fp32, or one GPU in bf16-mixed) with no logging, checkpoints, progress bar or validation,
+    in a scratch folder."""
     from lightning.pytorch import Trainer
 
     return Trainer(
         max_steps=max_steps,
-        accelerator="cpu",
+        accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
-        precision="32-true",
+        precision="bf16-mixed" if device == "cuda" else "32-true",
+
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -248,15 +248,22 @@ def decoder_check(model_dir: Path, size: dict, device: torch.device) -> dict:
     examples = list(make_task(Workload(model_dir=str(model_dir), prompts=size["prompts"])).examples("train"))
     out = {"native_step": LlamaFamilyStep.supported(model)}
     few = examples[: max(1, len(examples) // 4)]
-    greedy = [
-        HFRollout(max_new_tokens=size["new_tokens"], decoder=d).generate(model, tokenizer, few, 2, greedy=True)
-        for d in ("lean", "generate")
-    ]
-    width = min(b.input_ids.shape[1] for b in greedy)
-    same = (greedy[0].input_ids[:, :width] == greedy[1].input_ids[:, :width]).all(-1)
-    out["greedy_rows_identical"] = float(same.float().mean())
-    for name in ("lean", "generate"):
-        rollout = HFRollout(max_new_tokens=size["new_tokens"], decoder=name)
+    variants = {"lean": {}, "generate": {"decoder": "generate"}, "graphs": {"cuda_graphs": True}}
+    greedy = {
+        name: HFRollout(max_new_tokens=size["new_tokens"], **kw).generate(model, tokenizer, few, 2, greedy=True)
+        for name, kw in variants.items()
+    }
+    for other, key in (("generate", "greedy_rows_identical"), ("graphs", "graphs_greedy_rows_identical")):
+        width = min(b.input_ids.shape[1] for b in (greedy["lean"], greedy[other]))
+        same = (greedy["lean"].input_ids[:, :width] == greedy[other].input_ids[:, :width]).all(-1)
+        out[key] = float(same.float().mean())
+    gap = None  # greedy log-probs at T = 1 of the same tokens: the graph path's numerics against the eager one's
+    if out["graphs_greedy_rows_identical"] == 1:
+        gap = float((greedy["graphs"].logprobs - greedy["lean"].logprobs).abs().max())
+    out["graphs_logprob_max_gap"] = gap
+    for name, kw in variants.items():
+        rollout = HFRollout(max_new_tokens=size["new_tokens"], **kw)
+
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -300,6 +307,13 @@ def main(argv=None) -> int:
                 f"decoders: lean {check['lean_tok_s']:.0f} tok/s vs generate {check['generate_tok_s']:.0f} tok/s "
                 f"({check['generate_s'] / check['lean_s']:.2f}x); greedy rows identical "
                 f"{check['greedy_rows_identical']:.0%}; native Llama step {'on' if check['native_step'] else 'off'}"
+            )
+            gap = "n/a" if check["graphs_logprob_max_gap"] is None else f"{check['graphs_logprob_max_gap']:.2e}"
+            speedup = check["lean_s"] / check["graphs_s"]
+            print(
+                f"graphs: fixed-shape steps {check['graphs_tok_s']:.0f} tok/s ({speedup:.2f}x lean; CUDA graphs on "
+                f"a GPU, eager elsewhere); greedy rows identical to lean {check['graphs_greedy_rows_identical']:.0%}; "
+                f"max log-prob gap {gap}"
             )
         except Exception as err:  # report and go on to the fits
             print(f"decoders: FAILED: {type(err).__name__}: {err}")

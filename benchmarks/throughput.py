@@ -4,13 +4,16 @@
     python benchmarks/throughput.py --case large_vocab   # vocab 151,936: peak RSS of one 16 x 512-token step
     python benchmarks/throughput.py --case profile       # where sgrpo's step time goes (phases + top torch ops)
     python benchmarks/throughput.py --case ablation      # sgrpo with each optimisation undone in turn
+    python benchmarks/throughput.py --device cuda --prompts 16 --group-size 8 --new-tokens 256 --force-length \
+        --hidden 1024 --layers 24 --heads 16 --intermediate 4096   # one GPU, bf16-mixed: the 0.44B workload
 
 Workload (both frameworks, built once here and loaded from the same folder): a randomly initialised
 Llama on the character tokenizer of ``sgrpo.tiny`` (N parameters printed), the synthetic sort task
 restricted to B prompts (every step trains on all of them), G completions each, up to T new tokens
-(EOS ends a row, as in training; ``--force-length`` masks EOS for T tokens on both sides, sgrpo's
-through ``HFRollout(min_new_tokens=T)``, TRL's through ``generation_kwargs``, so both do exactly the
-same work; the mean length each side got is printed), sampling at temperature 1 (no top-k/top-p),
+(EOS ends a row, as in training; ``--force-length`` makes every completion T tokens on both sides,
+sgrpo's by an EOS id out of the vocabulary's reach (its training rollout refuses ``min_new_tokens``,
+which truncates the distribution), TRL's through ``generation_kwargs``, so both do exactly the same
+work; the mean length each side got is printed), sampling at temperature 1 (no top-k/top-p),
 a binary reward with variance (the parity of the first character's code point: a random model never
 sorts, and under exact match every group would be constant, so sgrpo would rightly skip the whole
 update; the same ``Reward`` object scores both sides), GRPO z-score advantages, DAPO token-mean
@@ -38,7 +41,10 @@ by both workers, makes them much less sensitive to other load).
 
 FLOP limit: 2N FLOPs per generated token plus 6N per trained (completion) token, against the fp32
 matmul peak measured here with the same thread count (a 2048^3 matmul, best of several, before and
-after the runs). The large-vocabulary case runs one full step per framework (B=2 prompts x G=8 = 16
+after the runs). ``--device cuda``: one GPU, both frameworks in bf16-mixed (fp32 master weights,
+TRL's ``bf16=True``), peak memory the GPU's ``max_memory_allocated``, the limit a bf16 8192^3 matmul's
+rate (``--sgrpo-cuda-graphs`` turns on sgrpo's CUDA-graph decode steps).
+ The large-vocabulary case runs one full step per framework (B=2 prompts x G=8 = 16
 rows, 512 new tokens with EOS masked, a binary reward on the first character since the random model
 never matches), one process at a time, under a memory cap (killed above it: reported as OOM).
 Prints tables; never asserts.
@@ -86,17 +92,24 @@ def build_model(
     return sum(p.numel() for p in model.parameters()), len(tokenizer)
 
 
-def matmul_peak(threads: int, n: int = 2048, repeats: int = 10) -> float:
-    """Best fp32 matmul rate (FLOP/s) of this process at ``threads`` threads."""
+def matmul_peak(threads: int, n: int = 2048, repeats: int = 10, device: str = "cpu") -> float:
+    """Best matmul rate (FLOP/s): fp32 at ``threads`` threads on CPU, bf16 8192^3 on a GPU."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    cuda = device == "cuda"
+    n = 8192 if cuda else n
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     a @ b
     best = float("inf")
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         a @ b
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
@@ -225,7 +238,7 @@ ROWS = [
     ("rollout tokens/s", "rollout_tok_s", "{:,.0f}"),
     ("update tokens/s", "update_tok_s", "{:,.0f}"),
     ("mean completion length (tokens)", "mean_len", "{:.1f}"),
-    ("peak RSS (MiB)", "peak_mib", "{:,.0f}"),
+    ("peak memory (MiB; CPU: RSS, GPU: allocated)", "peak_mib", "{:,.0f}"),
     ("RSS after setup (MiB)", "setup_rss_mib", "{:,.0f}"),
     ("fraction of FLOP limit, step", "flop_frac", "{:.1%}"),
     ("fraction of FLOP limit, rollout", "rollout_flop_frac", "{:.1%}"),
@@ -244,18 +257,21 @@ def print_table(values: dict[str, tuple[float | None, float | None]], formats: d
 
 
 def case_throughput(args, tmp: Path) -> None:
-    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
-    peak_before = matmul_peak(args.threads)
+    positions = max(256, args.new_tokens + 64)  # prompt + completion within the model's positions
+    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, positions)
+    peak_before = matmul_peak(args.threads, device=args.device)
     work = throughput_workload(args, tmp)
     results = dict(zip(FRAMEWORKS, run_alternating([(f, work) for f in FRAMEWORKS], args.warmup, args.mem_cap_gib)))
-    peak = max(peak_before, matmul_peak(args.threads))
+    peak = max(peak_before, matmul_peak(args.threads, device=args.device))
+    where = "one GPU, bf16-mixed" if args.device == "cuda" else f"fp32, {args.threads} threads"
     print(
         f"\n## Throughput: Llama N = {n:,} parameters (hidden {args.hidden}, {args.layers} layers, vocab {vocab}), "
         f"{args.prompts} prompts x {args.group_size} completions x {args.new_tokens} new tokens"
-        f"{' (forced)' if work.force_length else ' (EOS allowed)'}, fp32, {args.threads} threads"
+        f"{' (forced)' if work.force_length else ' (EOS allowed)'}, {where}"
     )
+    kind = "bf16" if args.device == "cuda" else "fp32"
     print(
-        f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; {args.warmup} warm-up + {args.steps} measured steps each, "
+        f"{kind} matmul peak {peak / 1e9:.0f} GFLOP/s; {args.warmup} warm-up + {args.steps} measured steps each, "
         f"alternating; micro-batch {args.micro_batch or 'none'}; TRL gradient checkpointing "
         f"{'on' if args.trl_gradient_checkpointing else 'off'}\n"
     )
@@ -283,7 +299,8 @@ def case_ablation(args, tmp: Path) -> None:
     """sgrpo alone, with one optimisation undone per variant, all variants' steps alternating."""
     import dataclasses
 
-    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
+    positions = max(256, args.new_tokens + 64)  # prompt + completion within the model's positions
+    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, positions)
     peak = matmul_peak(args.threads)
     base = throughput_workload(args, tmp)
     entries = [("sgrpo", dataclasses.replace(base, **changes)) for _, changes in ABLATIONS]
@@ -316,6 +333,8 @@ def throughput_workload(args, tmp: Path) -> Workload:
         new_tokens=args.new_tokens,
         force_length=args.force_length,
         sgrpo_decoder=args.sgrpo_decoder,
+        sgrpo_cuda_graphs=args.sgrpo_cuda_graphs,
+        device=args.device,
         micro_batch_tokens=args.sgrpo_micro_batch_tokens or None,
         steps=args.warmup + args.steps,
         threads=args.threads,
@@ -381,7 +400,8 @@ def case_large_vocab(args, tmp: Path) -> None:
 def case_profile(args, tmp: Path) -> None:
     import torch
 
-    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, 256)
+    positions = max(256, args.new_tokens + 64)  # prompt + completion within the model's positions
+    n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, positions)
     torch.set_num_threads(args.threads)
     work = throughput_workload(args, tmp)
     print(f"\n## Profile of sgrpo's step: N = {n:,}, {args.prompts} x {args.group_size} x {args.new_tokens} tokens")
@@ -394,6 +414,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per framework")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per framework")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every process")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU, bf16-mixed")
+    parser.add_argument("--sgrpo-cuda-graphs", action="store_true", help="sgrpo's CUDA-graph decode steps")
+
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (B)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per completion (T)")

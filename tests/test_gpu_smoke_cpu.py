@@ -21,5 +21,7 @@ def test_gpu_smoke_runs_at_tiny_size_on_cpu():
     lines = done.stdout.splitlines()
     decoders = next(line for line in lines if line.startswith("decoders:"))
     assert "greedy rows identical 100%" in decoders and "native Llama step on" in decoders
+    graphs = next(line for line in lines if line.startswith("graphs:"))
+    assert "greedy rows identical to lean 100%" in graphs
     summary = json.loads(next(line for line in lines if line.startswith("hf summary: ")).split(": ", 1)[1])
     assert summary["steps"] == 3 and summary["rollout_tok_s"] > 0 and summary["update_tok_s"] > 0
