@@ -2,9 +2,10 @@
 
 A LightningCLI over ``GRPOPolicy`` with no subcommand: the YAML's ``model`` block is the policy's
 signature (task, estimator and rollout are ``class_path`` / ``init_args`` objects), ``trainer`` is
-Lightning's Trainer. Every key and type is checked at parse time, before any model loads. The run
-folder is ``trainer.default_root_dir``: checkpoints in ``checkpoints/``, logs and the resolved config
-in ``lightning_logs/version_N/``, the trained policy in ``hf_model/``; it holds one run, locked while a
+Lightning's Trainer. Every key and type is checked at parse time, and so are the values that would
+only fail once a model has loaded (``sgrpo.preflight``). The run folder is
+``trainer.default_root_dir``: checkpoints in ``checkpoints/``, logs and the resolved config in
+``lightning_logs/version_N/``, the trained policy in ``hf_model/``; it holds one run, locked while a
 fit runs (``sgrpo.runs``).
 
 Exit codes: 0 done; 1 an error; 2 a configuration or run folder refused before anything ran (one
@@ -24,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
 from sgrpo.policy import GRPOPolicy
+from sgrpo.preflight import check_config_files, check_policy, check_values
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, launches_run
 
 
@@ -41,7 +43,12 @@ class StepProgressBar(RichProgressBar):
 
 class SgrpoCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
-        """Lightning's trainer with sgrpo's checkpoints (atomic writes), exit codes and progress bar."""
+        """Lightning's trainer with sgrpo's checkpoints (atomic writes), exit codes and progress bar.
+
+        First the values that would fail only once the model has loaded (``sgrpo.preflight``).
+        """
+        check_values(self.config)
+        check_policy(self.model)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = Path(config["default_root_dir"])
@@ -99,6 +106,7 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
     exits with its message, which names the key.
     """
     try:
+        check_config_files(sys.argv[1:] if args is None else args)
         return SgrpoCLI(
             GRPOPolicy,
             run=False,
@@ -113,7 +121,7 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
                 "default_root_dir": "runs/default",
             },
         )
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
         print(f"error: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -1,5 +1,5 @@
 """Fault injection on configs/tiny.yaml: kill -9 at random instants and in the middle of a checkpoint write,
-SIGTERM and Ctrl-C, a second and a concurrent run in one folder.
+SIGTERM and Ctrl-C, a second and a concurrent run in one folder, bad configurations and inputs.
 
 A killed or interrupted run resumes with ``--ckpt_path last`` to exactly the rewards of an uninterrupted
 run; everything refused is refused in one line (exit 2) before any model loads.
@@ -207,7 +207,38 @@ def test_last_ckpt_is_the_final_step_and_only_the_newest_are_kept(model_dir, tmp
 
 
 # ------------------------------------------------------------------------------------------ bad input
-def test_resuming_a_folder_without_a_checkpoint_fails_in_one_line(model_dir, tmp_path, capsys):
+BAD_CONFIGS = [
+    ("lr-negative", ["--model.optimizer.init_args.lr=-1"], "model.optimizer"),
+    ("lr-nan", ["--model.optimizer.init_args.lr=.nan"], "model.optimizer"),
+    ("max-steps", ["--trainer.max_steps=-1"], "trainer.max_steps must be >= 1"),
+    ("model-folder", ["--model.model=./no/such/model"], "model: ./no/such/model does not exist"),
+    ("data-file", ["--model.task=tasks.ReferenceText", "--model.task.init_args.path=./no/such.jsonl"], "no/such.jsonl"),
+    ("remote-checkpoint", ["--ckpt_path=https://example.com/last.ckpt"], "remote checkpoints are refused"),
+    ("gpus", ["--trainer.accelerator=gpu", "--trainer.devices=8"], "asks for 8 GPU(s)"),
+    ("hub-model", ["--model.model=someone/no-such-model"], "model 'someone/no-such-model' is not in the local cache"),
+    ("hub-dataset", ["--model.task=tasks.DeepMath", "--model.task.init_args.path=someone/no-such-data"],
+     "dataset 'someone/no-such-data' is not in the local cache"),
+    ("last-without-checkpoint", ["--ckpt_path=last"], "has none"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "needle"), [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_a_bad_configuration_fails_in_one_line_before_loading(extra, needle, model_dir, tmp_path, capsys,
+                                                                 monkeypatch):  # fmt: skip
+    if needle.startswith("asks for 8") and torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has the GPUs")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
     with pytest.raises(SystemExit) as refused:
-        main(args(tmp_path / "run", model_dir, "--trainer.max_steps=3", "--ckpt_path=last"))
-    assert refused.value.code == 2 and "has none" in error_line(capsys)
+        main(args(tmp_path / "run", model_dir, "--trainer.max_steps=3", *extra))
+    assert refused.value.code == 2
+    assert needle in error_line(capsys)
+    assert time.perf_counter() - started < 10
+    assert not (tmp_path / "run" / "lightning_logs").exists()  # nothing ran
+
+
+def test_an_empty_config_file_fails_in_one_line(tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["--config", str(tmp_path / "empty.yaml")])
+    assert refused.value.code == 2 and "empty.yaml is empty" in error_line(capsys)
