@@ -8,8 +8,9 @@ only fail once a model has loaded (``sgrpo.preflight``). The run folder is
 ``lightning_logs/version_N/``, the trained policy in ``hf_model/``; it holds one run, locked while a
 fit runs (``sgrpo.runs``).
 
-Exit codes: 0 done; 1 an error; 2 a configuration or run folder refused before anything ran (one
-line); 143 after SIGTERM and 130 after Ctrl-C, once ``last.ckpt`` is saved.
+Exit codes: 0 done; 1 an error (a reward that keeps failing: one line); 2 a configuration or run
+folder refused before anything ran (one line); 143 after SIGTERM and 130 after Ctrl-C, once
+``last.ckpt`` is saved.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
+from sgrpo.guards import RewardFailureError
 from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import check_config_files, check_policy, check_values
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, launches_run
@@ -144,6 +146,9 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
     except RunRefused as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RewardFailureError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     return cli
 
 

@@ -22,8 +22,11 @@ import torch
 
 from sgrpo.checkpoints import PARTIAL
 from sgrpo.fit import main
+from sgrpo.guards import prompt_limit, within_limit
 from sgrpo.report import read_run_metrics
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.tiny import build_char_tokenizer, ensure_tiny_model
+from sgrpo.types import Example
+from tasks.base import Reward
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -242,3 +245,52 @@ def test_an_empty_config_file_fails_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["--config", str(tmp_path / "empty.yaml")])
     assert refused.value.code == 2 and "empty.yaml is empty" in error_line(capsys)
+
+
+def test_a_10_mb_question_is_dropped_without_being_tokenized():
+    tokenizer = build_char_tokenizer()
+    seen: list[int] = []
+    tokenize = type(tokenizer).__call__
+
+    def spy(self, texts, **kwargs):
+        seen.extend(len(t) for t in texts)
+        return tokenize(self, texts, **kwargs)
+
+    huge = Example("s:" + "3" * 10_000_000 + "=", "3")
+    examples = [Example("s:31=", "13"), huge, Example("s:" + "1" * 60 + "=", "1"), Example("s:2=", "2")]
+    type(tokenizer).__call__ = spy
+    try:
+        kept, dropped = within_limit(examples, tokenizer, 56, "train")
+    finally:
+        type(tokenizer).__call__ = tokenize
+    assert [e.prompt for e in kept] == ["s:31=", "s:2="] and dropped == 2
+    assert max(seen) < 1000  # the 10 MB text never reached the tokenizer
+
+
+def test_prompts_over_the_model_positions_are_dropped_and_counted(model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    assert prompt_limit(type("M", (), {"config": AutoConfig.from_pretrained(model_dir)}), None, 8) == 64 - 8
+    # sort prompts of 3 and 5 digits: "s:123=" is 6 tokens, "s:12345=" 8; half of the 256 are over 6
+    cli = main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--model.max_prompt_tokens=6"))
+    assert cli.model.prompts_dropped == 128
+    assert read_run_metrics(tmp_path)["train/prompts_dropped"] == [(0, 128.0), (1, 128.0)]
+
+
+class AlwaysFails(Reward):
+    """A reward whose scoring always raises."""
+
+    name = "always_fails"
+
+    def score(self, examples, completions):
+        raise RuntimeError("the grader is not installed")
+
+
+def test_a_reward_that_always_fails_stops_the_run(model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(args(tmp_path, model_dir, "--trainer.max_steps=10", "--model.reward_failure_steps=2",
+                  "--model.task.init_args.reward=tests.test_faults.AlwaysFails"))  # fmt: skip
+    assert stopped.value.code == 1
+    line = error_line(capsys)
+    assert "the reward failed for 16 of 16 completions" in line and "2 steps in a row" in line
+    assert last_step(tmp_path) == 1  # one step trained on zeros, then it stopped
