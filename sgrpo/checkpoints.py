@@ -168,8 +168,18 @@ class RunCheckpoint(ModelCheckpoint):
         if self._should_save_on_exception(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        """The periodic checkpoints, and ``last.ckpt`` after the final step.
+
+        The final one is saved here, like the periodic ones, rather than after the validation that may
+        follow: Lightning resumes from a checkpoint saved after that validation one logged step late.
+        """
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_train_end(self, trainer, pl_module) -> None:
-        """Save ``last.ckpt`` at the final step unless it was just saved."""
+        """Save ``last.ckpt`` where a fit ended before ``max_steps`` (a callback stopped it), unless just saved."""
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
