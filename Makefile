@@ -25,7 +25,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 quickstart: $(STAMP)
-	$(PY) -m sgrpo.fit --config configs/quickstart.yaml
+	$(PY) -m sgrpo.fit --config configs/quickstart.yaml --overwrite true
 
 bench: $(STAMP)
 	$(PY) benchmarks/estimators.py

@@ -2,9 +2,15 @@
 
 A LightningCLI over ``GRPOPolicy`` with no subcommand: the YAML's ``model`` block is the policy's
 signature (task, estimator and rollout are ``class_path`` / ``init_args`` objects), ``trainer`` is
-Lightning's Trainer. Every key and type is checked at parse time, before any model loads. The run
-folder is ``trainer.default_root_dir``: checkpoints in ``checkpoints/``, logs and the resolved
-config in ``lightning_logs/version_N/``, the trained policy in ``hf_model/``.
+Lightning's Trainer. Every key and type is checked at parse time, and so are the values that would
+only fail once a model has loaded (``sgrpo.preflight``). The run folder is
+``trainer.default_root_dir``: checkpoints in ``checkpoints/``, logs and the resolved config in
+``lightning_logs/version_N/``, the trained policy in ``hf_model/``; it holds one run, locked while a
+fit runs (``sgrpo.runs``).
+
+Exit codes: 0 done; 1 an error (a reward that keeps failing: one line); 2 a configuration or run
+folder refused before anything ran (one line); 143 after SIGTERM and 130 after Ctrl-C, once
+``last.ckpt`` is saved.
 """
 
 from __future__ import annotations
@@ -13,39 +19,16 @@ import os
 import sys
 from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 
+from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
+from sgrpo.guards import RewardFailureError
 from sgrpo.policy import GRPOPolicy
-
-
-class RunCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint with sgrpo's defaults: ``last.ckpt`` always, a numbered one every N steps.
-
-    With ``dirpath`` unset, checkpoints go to ``<default_root_dir>/checkpoints`` (stable across
-    resumed runs, so ``--ckpt_path last`` finds them). An interrupted or crashed run (Ctrl-C, an
-    exception) also saves ``last.ckpt`` at its last completed optimiser step, so nothing since the
-    previous periodic checkpoint is lost. (With several optimiser steps per training step, an
-    interruption inside the update saves the steps taken so far.)
-    """
-
-    def __init__(
-        self,
-        dirpath: str | None = None,
-        every_n_train_steps: int = 50,
-        save_top_k: int = -1,
-        save_last: bool = True,
-        save_on_exception: bool = True,
-    ) -> None:
-        super().__init__(
-            dirpath=dirpath,
-            every_n_train_steps=every_n_train_steps,
-            save_top_k=save_top_k,
-            save_last=save_last,
-            save_on_exception=save_on_exception,
-            filename="step{step}",
-            auto_insert_metric_name=False,
-        )
+from sgrpo.preflight import check_config_files, check_policy, check_values
+from sgrpo.runs import RunRefused, SignalExit, claimed_run, launches_run
 
 
 class StepProgressBar(RichProgressBar):
@@ -62,19 +45,47 @@ class StepProgressBar(RichProgressBar):
 
 class SgrpoCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
-        """Lightning's trainer, with sgrpo's progress bar unless ``trainer.enable_progress_bar`` is false."""
+        """Lightning's trainer with sgrpo's checkpoints (atomic writes), exit codes and progress bar.
+
+        First the values that would fail only once the model has loaded (``sgrpo.preflight``).
+        """
+        check_values(self.config)
+        check_policy(self.model)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        root = Path(config["default_root_dir"])
+        every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
+        callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit()]
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
-        return self._instantiate_trainer(config, callbacks)
+        if config.get("logger") in (None, True):  # metrics.csv written every step: a kill loses no curve
+            config["logger"] = CSVLogger(root, flush_logs_every_n_steps=1)
+        trainer = self._instantiate_trainer(config, callbacks)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--ckpt_path",
             type=str | None,
             default=None,
-            help="resume from a checkpoint file, or 'last' for <run>/checkpoints/last.ckpt",
+            help="resume from a local checkpoint, or 'last': this run's newest checkpoint that loads",
+        )
+        parser.add_argument(
+            "--overwrite",
+            type=bool,
+            default=False,
+            help="delete the outputs of the run already in trainer.default_root_dir (else a fresh run refuses)",
+        )
+        parser.add_argument(
+            "--checkpoint_every", type=int, default=50, help="save checkpoints/stepN.ckpt every N training steps"
+        )
+        parser.add_argument(
+            "--keep_last",
+            type=int | None,
+            default=3,
+            help="keep the newest N stepN.ckpt (null: all); last.ckpt is always kept",
         )
         parser.add_argument(
             "--validate_before",
@@ -90,15 +101,6 @@ class SgrpoCLI(LightningCLI):
         )
 
 
-def resolve_ckpt_path(ckpt_path: str | None, root: Path) -> str | None:
-    if ckpt_path != "last":
-        return ckpt_path
-    last = root / "checkpoints" / "last.ckpt"
-    if not last.exists():
-        raise FileNotFoundError(f"--ckpt_path last: no checkpoint at {last}; run without --ckpt_path to start fresh")
-    return str(last)
-
-
 def parse(args: list[str] | None = None) -> SgrpoCLI:
     """Parse and instantiate (trainer, policy, task, estimator, rollout) without loading any model.
 
@@ -106,6 +108,7 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
     exits with its message, which names the key.
     """
     try:
+        check_config_files(sys.argv[1:] if args is None else args)
         return SgrpoCLI(
             GRPOPolicy,
             run=False,
@@ -114,36 +117,50 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
             parser_kwargs={"parser_mode": "omegaconf"},
             save_config_kwargs={"overwrite": True},
             trainer_defaults={
-                "callbacks": [RunCheckpoint()],
                 "log_every_n_steps": 1,
                 "num_sanity_val_steps": 0,
                 "check_val_every_n_epoch": None,
                 "default_root_dir": "runs/default",
             },
         )
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
         print(f"error: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:
-    """Parse, then fit (resuming from ``--ckpt_path``), then report if asked."""
+    """Parse, claim the run folder, fit (resuming from ``--ckpt_path``), then report if asked."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cli = parse(args)
     trainer, policy, config = cli.trainer, cli.model, cli.config
     root = Path(trainer.default_root_dir)
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
-            callback.dirpath = str(root / "checkpoints")
-    ckpt_path = resolve_ckpt_path(config.ckpt_path, root)
-    if config.validate_before and ckpt_path is None:
-        trainer.validate(policy, verbose=False)
-    trainer.fit(policy, ckpt_path=ckpt_path)
-    if config.report and trainer.is_global_zero:
-        from sgrpo.report import write_report
+    try:
+        with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer)) as ckpt_path:
+            if config.validate_before and ckpt_path is None:
+                trainer.validate(policy, verbose=False)
+            fit(trainer, policy, ckpt_path)
+            if config.report and trainer.is_global_zero:
+                from sgrpo.report import write_report
 
-        write_report(policy, trainer)
+                write_report(policy, trainer)
+    except RunRefused as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except RewardFailureError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     return cli
+
+
+def fit(trainer, policy: GRPOPolicy, ckpt_path: str | None) -> None:
+    """``trainer.fit``, exiting 143 after SIGTERM and 130 after Ctrl-C (Lightning exits 0 and 1)."""
+    signal_exit = next(c for c in trainer.callbacks if isinstance(c, SignalExit))
+    try:
+        trainer.fit(policy, ckpt_path=ckpt_path)
+    except SystemExit:
+        if signal_exit.status is None:
+            raise
+        raise SystemExit(signal_exit.status) from None
 
 
 if __name__ == "__main__":

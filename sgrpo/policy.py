@@ -16,6 +16,7 @@ from estimators import AdvantageEstimator, budget_mass, budget_shares
 from sgrpo.batching import micro_batches, trim
 from sgrpo.data import StepBatches, identity_collate
 from sgrpo.distributed import gradient_sync
+from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
 from sgrpo.head import check_logit_head
 from sgrpo.loss import (
     AGGREGATIONS,
@@ -60,6 +61,11 @@ class GRPOPolicy(LightningModule):
     the distribution (top-k, top-p, ``min_new_tokens``) is refused for training; ``val_rollout`` (by
     default the training engine) may truncate. The LR scheduler steps once per training step; the
     gradient norm is taken and clipped after mixed precision's loss scale is removed.
+
+    Prompts longer than ``max_prompt_tokens`` (default: the model's positions less the rollout's
+    ``max_new_tokens``) are dropped when the data is read, counted in ``train/prompts_dropped``. The run
+    stops with ``RewardFailureError`` when at least ``reward_failure_share`` of a step's rewards failed
+    for ``reward_failure_steps`` steps in a row (``sgrpo.guards``).
     """
 
 
@@ -95,6 +101,9 @@ class GRPOPolicy(LightningModule):
         keep_dropout: bool = False,
         seed: int = 0,
         export_dir: str | None = None,
+        max_prompt_tokens: int | None = None,
+        reward_failure_share: float = 1.0,
+        reward_failure_steps: int = 3,
     ) -> None:
         super().__init__()
         _require(group_size >= 2, f"group_size must be >= 2 to compare completions, got {group_size}")
@@ -113,6 +122,9 @@ class GRPOPolicy(LightningModule):
         _require(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm must be > 0 or null")
         _require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
         _require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
+        _require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
+        self.reward_watch = RewardFailureWatch(reward_failure_share, reward_failure_steps)
+        self.max_prompt_tokens, self.prompts_dropped = max_prompt_tokens, 0
         self.automatic_optimization = False
         self.model_path = model
         self.task = task
@@ -189,14 +201,17 @@ class GRPOPolicy(LightningModule):
     def train_dataloader(self):
         layout = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
         rank, world = layout.get("rank", 0), self._data_parallel_size()
-        stream = StepBatches(
-            self.task.examples("train"), self.prompts_per_step, self.seed, self.rollout_step, rank, world
-        )
+        examples, self.prompts_dropped = self._within_prompt_limit("train")
+        stream = StepBatches(examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world)
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=identity_collate)
 
     def val_dataloader(self):
-        examples = list(self.task.examples("validation"))
+        examples, _ = self._within_prompt_limit("validation")
         return torch.utils.data.DataLoader(examples, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
+
+    def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
+        limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
+        return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
     def transfer_batch_to_device(self, batch: list[Example], device, dataloader_idx: int) -> list[Example]:
         return batch  # prompts are text; the rollout engine tokenizes them onto the model's device
@@ -225,13 +240,15 @@ class GRPOPolicy(LightningModule):
             rollout = self.rollout.generate(self.model, self.tokenizer, examples, self.group_size)
         generated = time.perf_counter()
         rewards, success, reward_log = self.score(examples, rollout)  # [B, G], [B, G]
+        self.reward_watch.observe(reward_log["train/reward/failures"], rewards.numel(), self.trainer.strategy)
         advantages = self.estimator(rewards)  # [B, G]
         keep = ~_constant(rewards) if self.dynamic_sampling else torch.ones_like(rewards[:, 0], dtype=torch.bool)
         update_log = self.update(rollout, advantages, keep)
         finished = time.perf_counter()
         self.rollout_step += 1
         timing = {"rollout_s": generated - started, "step_s": finished - started}
-        self._log_step(rollout, rewards, success, advantages, reward_log | update_log, timing)
+        logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
+        self._log_step(rollout, rewards, success, advantages, logs, timing)
 
     def _log_step(self, rollout, rewards, success, advantages, logs: dict[str, Tensor], timing: dict[str, float]):
         lengths = rollout.completion_mask.sum(-1).float()  # [N]

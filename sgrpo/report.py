@@ -43,6 +43,25 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def read_run_metrics(root: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every ``lightning_logs/version_N/metrics.csv`` of a run folder (one per start or resume), merged.
+
+    Versions are read in order; a step logged again by a later version (a resume from an older
+    checkpoint) takes the later value.
+    """
+    paths = sorted(root.glob("lightning_logs/version_*/metrics.csv"), key=lambda p: _version(p.parent.name))
+    merged: dict[str, dict[int, float]] = defaultdict(dict)
+    for path in paths:
+        for key, points in read_metrics(path).items():
+            merged[key].update(points)
+    return {key: sorted(points.items()) for key, points in merged.items()}
+
+
+def _version(name: str) -> int:
+    suffix = name.removeprefix("version_")
+    return int(suffix) if suffix.isdigit() else -1
+
+
 def plot_curves(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
     """Reward and success rate, validation accuracy per difficulty, and L1 budget shares over steps."""
     import matplotlib
@@ -90,10 +109,10 @@ def write_report(policy, trainer) -> None:
     table = accuracy_table(policy.val_history)
     (root / "report.md").write_text(table + "\n")
     print("\nValidation accuracy by difficulty\n" + table)
-    metrics = Path(trainer.logger.log_dir) / "metrics.csv" if trainer.logger else None
-    if metrics is not None and metrics.exists():
+    series = read_run_metrics(root)
+    if series:
         png = plot_curves(
-            read_metrics(metrics),
+            series,
             root / "curves.png",
             title=f"{type(policy.estimator).__name__} on {type(policy.task).__name__}",
         )

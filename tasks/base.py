@@ -1,13 +1,15 @@
 """The task and reward interfaces: datasets of ``Example`` s, rewards, and a success test.
 
 A ``Reward`` scores N completions (``examples[i]`` is the prompt of ``completions[i]``; the caller
-repeats each example G times) and never crashes a run: a scoring call that raises or times out is
-scored as a wrong answer and counted in ``RewardResult.failures``. A ``Task`` holds its reward and a
-separate ``success`` test, so accuracy means the same whatever reward shaping a run uses.
+repeats each example G times) and never crashes a run: a scoring call that raises or times out, or a
+reward that is not finite, is scored as a wrong answer and counted in ``RewardResult.failures``. A
+``Task`` holds its reward and a separate ``success`` test, so accuracy means the same whatever reward
+shaping a run uses.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -47,9 +49,21 @@ class RewardResult:
 
 
 class Reward(ABC):
-    """A reward function: ``score(examples, completions)`` -> ``RewardResult``; calling it gives the total."""
+    """A reward function: ``score(examples, completions)`` -> ``RewardResult``; calling it gives the total.
+
+    Every subclass's ``score`` is protected, whoever calls it: a call that raises scores 0 for each
+    completion and counts them all as failures (labelled "error"); a total that is NaN or infinite
+    scores 0 and is counted. A result that is not a ``RewardResult`` of one reward per completion
+    raises, naming the reward and both lengths: that is a bug in the reward, not a failed scoring.
+    """
 
     name: str = "reward"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        score = cls.__dict__.get("score")
+        if score is not None and not (getattr(score, "__isabstractmethod__", False) or hasattr(score, "protected")):
+            cls.score = _protected(score)
 
     @abstractmethod
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
@@ -71,6 +85,46 @@ def check_batch(examples: Sequence[Example], completions: Sequence[str]) -> None
     for text in completions:
         if not isinstance(text, str):
             raise TypeError(f"completions must be strings, got {type(text).__name__}")
+
+
+def _warn_once(reward: Reward, error: str) -> None:
+    if not getattr(reward, "_warned", False):
+        log.warning(
+            "reward %r: a scoring failed and was scored as wrong (%s); further ones are only counted",
+            reward.name,
+            error,
+        )
+        reward._warned = True
+
+
+def _protected(score):
+    """``score`` checked and made safe (see ``Reward``)."""
+
+    @functools.wraps(score)
+    def protected(self: Reward, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+        check_batch(examples, completions)  # the caller's mistake, not the reward's: raises
+        n = len(completions)
+        try:
+            result = score(self, examples, completions)
+        except Exception as err:
+            _warn_once(self, f"{type(err).__name__}: {err}")
+            zeros = torch.zeros(n, dtype=torch.float32)
+            return RewardResult(zeros, {self.name: zeros}, n, {"error": n})
+        if not isinstance(result, RewardResult):
+            raise TypeError(f"reward {self.name!r}: score returned a {type(result).__name__}, not a RewardResult")
+        if len(result.total) != n:
+            raise ValueError(f"reward {self.name!r} returned {len(result.total)} rewards for {n} completions")
+        bad = ~torch.isfinite(result.total)  # [N]
+        if not bad.any():
+            return result
+        count = int(bad.sum())
+        _warn_once(self, f"{count} of {n} rewards were NaN or infinite")
+        parts = {k: v.masked_fill(~torch.isfinite(v), 0.0) for k, v in result.parts.items()}
+        counts = result.counts | {"error": result.counts.get("error", 0) + count}
+        return RewardResult(result.total.masked_fill(bad, 0.0), parts, result.failures + count, counts)
+
+    protected.protected = True
+    return protected
 
 
 class SampleReward(Reward):
@@ -115,7 +169,7 @@ class SampleReward(Reward):
             value, label = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
             if error or not _valid(value):
                 failures += 1
-                self._warn_once(error or f"score_one returned {value!r}, not a number in [0, 1]")
+                _warn_once(self, error or f"score_one returned {value!r}, not a number in [0, 1]")
                 value, label = 0.0, "timeout" if error.startswith(("timeout", "TimeoutError")) else "error"
             if label:
                 counts[label] = counts.get(label, 0) + 1
@@ -128,15 +182,6 @@ class SampleReward(Reward):
         if self.scale == "pm1":
             total = 2.0 * total - 1.0
         return RewardResult(total, {self.name: total}, failures, counts)
-
-    def _warn_once(self, error: str) -> None:
-        if not getattr(self, "_warned", False):
-            log.warning(
-                "reward %r: a scoring failed and was scored as wrong (%s); further ones are only counted",
-                self.name,
-                error,
-            )
-            self._warned = True
 
 
 def _call_safely(fn, args: tuple) -> tuple[object, str]:
@@ -173,7 +218,6 @@ class WeightedSum(Reward):
         self.name = name
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
-        check_batch(examples, completions)
         total = torch.zeros(len(completions), dtype=torch.float32)  # [N]
         parts: dict[str, Tensor] = {}
         failures, counts = 0, {}

@@ -15,6 +15,7 @@ dataset that lacks a column still raises.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -55,8 +56,16 @@ def is_blank(value: Any) -> bool:
 
 
 def not_blank(value: Any) -> str:
-    """The ``Check`` of a column that must hold something (an answer, a reference)."""
-    return f"is empty ({value!r})" if is_blank(value) else ""
+    """The ``Check`` of a text column that must hold something (a question, an answer, a reference).
+
+    A value that is not a string (a number, a list, an object) is refused rather than turned into
+    its ``str``: ``42`` and ``"42"`` may both be meant, ``["a", "b"]`` is a broken row.
+    """
+    if is_blank(value):
+        return f"is empty ({value!r})"
+    if not isinstance(value, str):
+        return f"is not text ({type(value).__name__} {str(value)[:80]!r}); write it as a string"
+    return ""
 
 
 def number_or_blank(value: Any) -> str:
@@ -194,22 +203,34 @@ def _read_csv(path: Path) -> tuple[list[Row], list[str], Locate]:
     # csv.DictReader, plus the line each record starts on (a quoted field may span lines); a short
     # record lacks its last columns instead of holding None
     rows, starts, header, line = [], [], None, 0
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        for record in reader:
-            start, line = line + 1, reader.line_num
-            if not record:
-                continue
-            if header is None:
-                header = record
-                continue
-            rows.append(dict(zip(header, record)))
-            starts.append(start)
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    for record in reader:
+        start, line = line + 1, reader.line_num
+        if not record:
+            continue
+        if header is None:
+            header = record
+            continue
+        rows.append(dict(zip(header, record)))
+        starts.append(start)
     return rows, list(header or []), lambda i: f"row {i + 1} (line {starts[i]})"
 
 
+def _read_text(path: Path) -> str:
+    """The file's text (UTF-8, a byte-order mark dropped), or ``ValueError`` naming the file and the line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+            f"re-save the file as UTF-8"
+        ) from None
+
+
 def _read_json(path: Path) -> tuple[list[Row], Locate]:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     if text.lstrip().startswith("["):
         rows, locate = json.loads(text), _row_number
         for index, row in enumerate(rows):
@@ -251,7 +272,7 @@ class SplitTable:
         field: str = "path",
     ) -> None:
         self.kind = check_source(path, field)
-        self.path, self.config, self.columns, self.seed = path, config, columns, seed
+        self.path, self.config, self.columns, self.seed, self.field = path, config, columns, seed, field
         self.schemas: list[Schema] = [schema] if isinstance(schema, Schema) else list(schema)
         self.source_columns: list[str] = []  # every column of the source, known once it is read
         self.sizes = dict(sizes or {})
@@ -276,6 +297,8 @@ class SplitTable:
 
     def _read(self, file: str | Path) -> list[Row]:
         rows, names, locate = read_rows(file, self.columns)
+        if not rows:
+            raise ValueError(f"{file} holds no rows; give {self.field}= a file with data")
         rows = check_rows(rows, names, self.schemas, str(file), locate)
         self.source_columns = sorted(set(self.source_columns) | set(names))
         return rows

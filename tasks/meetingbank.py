@@ -26,7 +26,7 @@ class MeetingBank(ReferenceTextTask):
     """
 
     required_columns = ("summary", "transcript")
-    nonblank_columns = ("summary",)
+    nonblank_columns = ("transcript", "summary")
     optional_columns = ("id", "uid")
 
     def __init__(

@@ -90,7 +90,7 @@ class ReferenceText(ReferenceTextTask):
         **kwargs,
     ) -> None:
         self.required_columns = (prompt_field, reference_field)
-        self.nonblank_columns = (reference_field,)
+        self.nonblank_columns = (prompt_field, reference_field)
         self.column_hint = "set prompt_field= and reference_field= to the columns that hold them"
         self.prompt_field, self.reference_field = prompt_field, reference_field
         super().__init__(path, reward or ChrF(), **kwargs)

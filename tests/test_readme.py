@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+README = (REPO / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
 def test_readme_has_snippets():
@@ -28,3 +30,18 @@ def test_readme_snippet_runs(index, monkeypatch, capsys):
     if "SoftmaxGRPO" in namespace and "p" in namespace:
         got = namespace["SoftmaxGRPO"](temperature=1.0).population_weight(namespace["p"], 8)
         assert torch.allclose(got, torch.tensor([9.4693, 7.9953, 6.6067, 5.5795, 4.9433], dtype=got.dtype), atol=1e-4)
+
+
+def test_readme_fit_commands_never_share_a_run_folder():
+    """Each fresh run the README shows trains into a folder of its own (a resume reuses its run's folder)."""
+    # a command ends at its closing backtick, a comment, or a line that is not its indented continuation
+    commands = {" ".join(c.split()) for c in re.findall(r"python -m sgrpo\.fit (--config.*?)(?:`|#|\n(?! ))", README,
+                                                         flags=re.S)}  # fmt: skip
+    folders = {}
+    for command in commands:
+        if "--ckpt_path" in command or "--print_config" in command:
+            continue
+        root = re.search(r"--trainer\.default_root_dir[= ](\S+)", command)
+        config = REPO / re.search(r"--config (\S+)", command).group(1)
+        folders[command] = root.group(1) if root else yaml.safe_load(config.read_text())["trainer"]["default_root_dir"]
+    assert len(folders) >= 4 and len(set(folders.values())) == len(folders), folders

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgrpo.types import Example
-from tasks import EditSimilarity, ExactMatch, RewardResult, SampleReward, Task, WeightedSum
+from tasks import EditSimilarity, ExactMatch, Reward, RewardResult, SampleReward, Task, WeightedSum
 from tasks.base import fill
 from tasks.pool import WorkerPool
 
@@ -151,3 +151,41 @@ def test_scoring_from_a_thread():
     thread.start()
     thread.join(30)
     assert results[0].total.tolist() == [1.0, 0.0] and results[0].failures == 1
+
+
+class Plain(Reward):
+    """A reward that implements ``score`` itself: it raises, returns NaN / inf, or too few values."""
+
+    name = "plain"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def score(self, examples, completions):
+        if self.mode == "raise":
+            raise RuntimeError("the grader crashed")
+        total = torch.tensor({"nan": [math.nan, 1.0, -math.inf], "short": [1.0]}[self.mode])
+        return RewardResult(total, {self.name: total})
+
+
+def test_a_plain_reward_that_raises_scores_zero_and_is_counted():
+    result = Plain("raise").score(*_batch("a", "b", "c"))
+    assert result.total.tolist() == [0.0, 0.0, 0.0] and result.failures == 3 and result.counts == {"error": 3}
+    assert Plain("raise")(*_batch("a")).tolist() == [0.0]  # through __call__ too
+
+
+def test_non_finite_rewards_score_zero_and_are_counted():
+    result = Plain("nan").score(*_batch("a", "b", "c"))
+    assert result.total.tolist() == [0.0, 1.0, 0.0] and result.parts["plain"].tolist() == [0.0, 1.0, 0.0]
+    assert result.failures == 2 and result.counts == {"error": 2}
+
+
+def test_a_result_of_the_wrong_length_names_the_reward_and_both_lengths():
+    with pytest.raises(ValueError, match="reward 'plain' returned 1 rewards for 3 completions"):
+        Plain("short").score(*_batch("a", "b", "c"))
+
+
+def test_a_weighted_sum_keeps_the_components_that_work():
+    examples = [Example("s:21=", "12")] * 2
+    result = WeightedSum([ExactMatch(), Plain("raise")]).score(examples, ["12", "21"])
+    assert result.total.tolist() == [1.0, 0.0] and result.failures == 2

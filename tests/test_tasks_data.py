@@ -126,6 +126,14 @@ CASES = [
      "is empty"),
     ("reference-no-column", _reference, "pairs.jsonl", [{"prompt": "x", "answer": "y"}], "line 1", "reference",
      "set prompt_field= and reference_field="),
+    ("deepmath-list-question", _deepmath, "dm.jsonl", _edit(DEEPMATH, 1, question=["1+1", "2+2"]), "line 3",
+     "question", "is not text (list"),
+    ("deepmath-dict-question", _deepmath, "dm.json", _edit(DEEPMATH, 2, question={"text": "1+1"}), "row 3",
+     "question", "is not text (dict"),
+    ("deepmath-int-answer", _deepmath, "dm.jsonl", _edit(DEEPMATH, 0, final_answer=42), "line 1", "final_answer",
+     "is not text (int '42')"),
+    ("reference-dict-prompt", _reference, "pairs.jsonl", _edit(PAIRS, 2, prompt={"say": "blue"}), "line 4",
+     "prompt", "is not text (dict"),
 ]  # fmt: skip
 
 
@@ -185,3 +193,21 @@ def test_hub_rows_with_bad_values_are_dropped_with_a_warning(caplog):
     assert "the first: owner/name, split 'train' row 2, column 'final_answer': is empty" in caplog.text
     with pytest.raises(ValueError, match="owner/name, split 'train' row 1, column 'question': missing; the source"):
         check_rows([{"problem": "x"}], ["problem"], SCHEMAS, "owner/name", locate, drop=True)  # no column: raises
+
+
+@pytest.mark.parametrize(("name", "data", "where"), [
+    ("pairs.jsonl", b'{"prompt": "say red", "reference": "red"}\n{"prompt": "caf\xe9", "reference": "x"}\n', ":2:"),
+    ("pairs.csv", b"prompt,reference\nsay red,red\n\ncaf\xe9,x\n", ":4:"),
+])  # fmt: skip
+def test_a_file_that_is_not_utf8_names_the_file_and_line(tmp_path, name, data, where):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(f"{path}{where} not UTF-8 text (byte 0xe9")):
+        _reference(str(path)).examples("train")
+
+
+def test_an_empty_file_says_it_holds_no_rows(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path} holds no rows; give path= a file with data")):
+        _reference(str(path)).examples("train")

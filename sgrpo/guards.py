@@ -1,0 +1,91 @@
+"""Guards on what a run trains on: prompts over a token bound are dropped; a run whose reward keeps failing stops."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from sgrpo.rollout import render_prompt
+from sgrpo.types import Example
+
+log = logging.getLogger(__name__)
+
+
+class RewardFailureError(RuntimeError):
+    """A run stopped because its reward kept failing; the message says how often and what to change."""
+
+
+class RewardFailureWatch:
+    """Stops a run when at least ``share`` of a step's rewards failed for ``steps`` steps in a row.
+
+    A failed scoring (it raised, timed out, or was not finite) scores as a wrong answer: a reward that
+    always fails gives every completion the same score, so the run trains nothing while looking
+    healthy. Counts are summed over processes, so every process stops at the same step.
+    """
+
+    def __init__(self, share: float = 1.0, steps: int = 3) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"reward_failure_share must be in (0, 1] (1: all of a step's rewards), got {share}")
+        if steps < 1:
+            raise ValueError(f"reward_failure_steps must be >= 1, got {steps}")
+        self.share, self.steps = share, steps
+        self.streak = 0  # consecutive steps over the share
+
+    def observe(self, failures: float, total: int, strategy) -> None:
+        """Count one step's ``failures`` of ``total`` rewards (this process's); raise on the ``steps``-th bad step."""
+        counts = torch.tensor([float(failures), float(total)], device=strategy.root_device)
+        failed, scored = strategy.reduce(counts, reduce_op="sum").tolist()
+        self.streak = self.streak + 1 if scored and failed >= self.share * scored else 0
+        if self.streak >= self.steps:
+            raise RewardFailureError(
+                f"the reward failed for {failed:.0f} of {scored:.0f} completions, and for at least {self.share:.0%} "
+                f"of them {self.steps} steps in a row: a failed scoring counts as a wrong answer, so this run "
+                f"trains nothing; the first failure's error is in the log above (fix the reward, or raise "
+                f"model.reward_failure_share / model.reward_failure_steps)"
+            )
+
+
+def prompt_limit(model, max_prompt_tokens: int | None, max_new_tokens: int) -> int | None:
+    """``max_prompt_tokens``, else the model's positions (``max_position_embeddings``) less ``max_new_tokens``."""
+    if max_prompt_tokens is not None:
+        return max_prompt_tokens
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if positions is None:
+        return None
+    if positions <= max_new_tokens:
+        raise ValueError(
+            f"rollout max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's {positions} "
+            f"positions; lower it"
+        )
+    return positions - max_new_tokens
+
+
+def within_limit(
+    examples: Sequence[Example], tokenizer, limit: int | None, split: str
+) -> tuple[list[Example], int]:
+    """The examples whose prompt (as the rollout renders it) has at most ``limit`` tokens, and how many were dropped.
+
+    A text longer than ``limit`` x the longest token of the vocabulary (in characters) has more than
+    ``limit`` tokens: it is dropped without being tokenized, so a 10 MB question costs a ``len``.
+    The others are tokenized in batches.
+    """
+    if limit is None:
+        return list(examples), 0
+    longest = max(map(len, tokenizer.get_vocab()))  # characters one token can cover, at most
+    texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
+    short = [i for i, text in enumerate(texts) if len(text) <= limit * longest]
+    keep = set()
+    for start in range(0, len(short), 1024):
+        rows = short[start : start + 1024]
+        ids = tokenizer([texts[i] for i in rows], add_special_tokens=False)["input_ids"]
+        keep.update(i for i, row in zip(rows, ids, strict=True) if len(row) <= limit)
+    kept = [ex for i, ex in enumerate(examples) if i in keep]
+    dropped = len(examples) - len(kept)
+    if examples and not kept:
+        raise ValueError(f"every {split} prompt is longer than max_prompt_tokens={limit} tokens; raise it")
+    if dropped:
+        log.warning("dropped %d of %d %s prompts longer than max_prompt_tokens=%d tokens", dropped, len(examples),
+                    split, limit)  # fmt: skip
+    return kept, dropped

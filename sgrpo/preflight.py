@@ -1,0 +1,163 @@
+"""Checks at parse time, before anything large loads: each error is one line naming the key and the fix.
+
+``check_config_files`` runs on the command line (a missing or empty ``--config``), ``check_values`` on
+the parsed values (steps, checkpoint path, GPUs), ``check_policy`` on the policy built from them (the
+model, optimizer and scheduler arguments, hub datasets); nothing has loaded yet. A hub id must be in
+the local cache or the hub reachable: without hub access the error names the model or dataset,
+instead of retries and an error about something else once loading starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from sgrpo.modeling import resolve_model_path
+from tasks.data import SplitTable
+
+_URL = re.compile(r"[a-zA-Z][\w+.-]*://")
+_CPU_FIX = (
+    "to try sgrpo on CPU run `make quickstart` or configs/tiny.yaml, or override --trainer.accelerator=cpu "
+    "--trainer.devices=1 --trainer.strategy=auto --trainer.precision=32-true"
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+def check_config_files(args: list[str]) -> None:
+    """Each ``--config``/``-c`` file of ``args`` exists and holds a YAML mapping."""
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            value = args[i + 1]
+        if value is None or value.lstrip().startswith("{"):  # an inline config, not a file
+            continue
+        path = Path(value)
+        if not path.is_file():
+            raise ConfigError(f"--config {value}: no such file")
+        if not isinstance(yaml.safe_load(path.read_text()), dict):
+            raise ConfigError(f"--config {value} is empty or not a YAML mapping; start from configs/tiny.yaml")
+
+
+def check_values(config: Any) -> None:
+    """Steps, checkpoint path and devices of a parsed configuration."""
+    steps = config.trainer.max_steps
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(
+            f"trainer.max_steps must be >= 1 (the prompt stream is endless: steps bound the run), got {steps}"
+        )
+    check_checkpoint_path(config.ckpt_path)
+    check_devices(config.trainer.accelerator, config.trainer.devices)
+
+
+def check_checkpoint_path(ckpt_path: str | None) -> None:
+    """``--ckpt_path``: "last", or a local checkpoint that exists; never a URL."""
+    if ckpt_path is None or ckpt_path == "last":
+        return
+    if _URL.match(ckpt_path):
+        raise ConfigError(
+            f"--ckpt_path {ckpt_path}: remote checkpoints are refused (Lightning unpickles them with "
+            f"weights_only=False, which runs whatever code they hold); download it, check it, pass the local path"
+        )
+    if not Path(ckpt_path).expanduser().exists():
+        raise ConfigError(f"--ckpt_path {ckpt_path}: no such checkpoint; give 'last' or an existing .ckpt")
+
+
+def check_devices(accelerator: Any, devices: Any) -> None:
+    """A GPU config on a machine with fewer GPUs fails here, in one line, not in Lightning's traceback."""
+    if not isinstance(accelerator, str) or accelerator.lower() not in ("gpu", "cuda"):
+        return
+    wanted = _count(devices)
+    found = torch.cuda.device_count()
+    if found < wanted:
+        raise ConfigError(
+            f"this config asks for {wanted} GPU(s) (trainer.accelerator={accelerator}, trainer.devices={devices}) "
+            f"and this machine has {found}; {_CPU_FIX}"
+        )
+
+
+def _count(devices: Any) -> int:
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    return int(text) if text.isdigit() and int(text) > 0 else 1  # "auto" and -1: at least one
+
+
+def check_model(model: str) -> None:
+    """``model``: a local folder with a config.json, or a hub id that is cached or reachable."""
+    path = Path(resolve_model_path(model))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model: {path} has no config.json; give a folder written by save_pretrained")
+        return
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ConfigError(f"model: {model} does not exist; give a local model folder or a hub id such as 'owner/name'")
+    check_hub(model, "model", "model")
+
+
+def check_hub(repo_id: str, kind: str, key: str) -> None:
+    """A hub id of ``kind`` ("model" or "dataset") must be in the local cache, or the hub must answer for it."""
+    if _cached(repo_id, kind):
+        return
+    fix = "give a local path instead, or download it where the hub is reachable"
+    missing = f"{key}: {kind} {repo_id!r} is not in the local cache and the hub"
+    if _offline():
+        raise ConfigError(f"{missing} is off (offline mode); {fix}")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().repo_info(repo_id, repo_type=kind, timeout=10)
+    except RepositoryNotFoundError:
+        raise ConfigError(f"{key}: no {kind} {repo_id!r} on the hub (a private one needs `hf auth login`)") from None
+    except Exception as err:  # no network, a proxy, a timeout: say which id could not be reached
+        reason = f"{type(err).__name__}: {err}".splitlines()[0]
+        raise ConfigError(f"{missing} cannot be reached ({reason}); {fix}") from None
+
+
+def _offline() -> bool:
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    return any(os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE") for name in names)
+
+
+def _cached(repo_id: str, kind: str) -> bool:
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        snapshot_download(repo_id, repo_type=kind, local_files_only=True)
+        return True
+    except Exception:  # not in the hub cache (or an unusable one): the datasets cache may still hold it
+        pass
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets")
+    return kind == "dataset" and (datasets_cache / repo_id.replace("/", "___")).is_dir()
+
+
+def check_policy(policy: Any) -> None:
+    """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there."""
+    check_model(policy.model_path)
+    try:
+        optimizer = policy.optimizer_factory([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.optimizer: {err}") from None
+    for group in optimizer.param_groups:
+        lr = float(group.get("lr", 1.0))
+        if not (math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"model.optimizer: lr must be a finite number > 0, got {lr}")
+    if policy.scheduler_factory is not None:
+        try:
+            policy.scheduler_factory(optimizer)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.scheduler: {err}") from None
+    for table in vars(policy.task).values():
+        if isinstance(table, SplitTable) and table.kind == "hub":
+            check_hub(table.path, "dataset", f"model.task.init_args.{table.field}")

@@ -1,0 +1,158 @@
+"""Run folders: one run per folder, one process at a time, and exit codes that schedulers read right.
+
+A run folder (``trainer.default_root_dir``) belongs to one run. A fresh run into a folder that
+already holds one is refused (``--overwrite true`` deletes the old run's outputs first), so
+``--ckpt_path last`` always means this run's latest checkpoint. While a fit runs, it holds an
+exclusive lock on ``<run>/.sgrpo.lock`` (``fcntl.flock``; the file says which process holds it); a
+second fit into the folder is refused. Under DDP / FSDP only global rank 0 does any of this, before
+the other processes start.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from sgrpo.checkpoints import remove_path, remove_unfinished, resumable
+
+log = logging.getLogger(__name__)
+
+#: what a run writes into its folder; their presence means the folder holds a run
+RUN_OUTPUTS = ("checkpoints", "lightning_logs", "hf_model", "report.md", "curves.png")
+LOCK_FILE = ".sgrpo.lock"
+
+_held: list[IO[str]] = []  # lock files this process holds
+
+
+def _close_held_locks() -> None:
+    # A forked child (a reward worker) must not keep the run locked after its parent dies: a flock
+    # lasts while any process holds the open file.
+    for handle in _held:
+        handle.close()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks)
+
+
+class RunRefused(Exception):
+    """A run that must not start as asked; the message names the folder, the reason and the fixes."""
+
+
+def lock_run(root: Path) -> IO[str]:
+    """An exclusive lock on ``root`` for this process (released when the handle closes or the process dies)."""
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the run: the lock lives with it)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunRefused(
+            f"{root} is in use by {holder}; wait for that run to end, or use another --trainer.default_root_dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _held.append(handle)
+    return handle
+
+
+def unlock_run(handle: IO[str]) -> None:
+    """Release a lock taken by ``lock_run``."""
+    _held.remove(handle)
+    handle.close()
+
+
+def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool) -> str | None:
+    """The checkpoint to resume from (``"last"`` resolved), after the checks of a run folder.
+
+    Only the ``leader`` (global rank 0) removes unfinished checkpoint writes and refuses, or with
+    ``overwrite`` clears, a folder that holds another run; every process resolves ``"last"`` alike.
+    """
+    folder = root / "checkpoints"
+    if leader:
+        for path in remove_unfinished(folder):
+            log.info("removed %s, left by a write that did not finish", path)
+    if ckpt_path == "last":
+        return _latest(folder)
+    held = [name for name in RUN_OUTPUTS if (root / name).exists()]
+    resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
+    if not leader or not held or resuming:
+        return ckpt_path
+    if not overwrite:
+        raise RunRefused(
+            f"{root} already holds a run ({', '.join(held)}): resume it with --ckpt_path last, start this one "
+            f"in another folder with --trainer.default_root_dir=..., or delete the old run with --overwrite true"
+        )
+    for name in held:
+        path = root / name
+        log.warning("--overwrite: deleting %s", path)
+        remove_path(path)
+    return ckpt_path
+
+
+def _latest(folder: Path) -> str:
+    path, skipped = resumable(folder)
+    for line in skipped:
+        log.warning(line)
+    if path is None:
+        found = f"no checkpoint in {folder} loads ({'; '.join(skipped)})" if skipped else f"{folder} has none"
+        raise RunRefused(
+            f"--ckpt_path last: {found}; run without --ckpt_path to start fresh (with --overwrite true if the "
+            f"folder holds a run)"
+        )
+    if skipped:
+        log.warning("resuming from %s", path)
+    return str(path)
+
+
+@contextmanager
+def claimed_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool) -> Iterator[str | None]:
+    """``prepare_run`` under the folder's lock (taken by the leader), held until the block ends."""
+    lock = lock_run(root) if leader else None
+    try:
+        yield prepare_run(root, ckpt_path, overwrite, leader)
+    finally:
+        if lock is not None:
+            unlock_run(lock)
+
+
+def launches_run(trainer) -> bool:
+    """Whether this process is global rank 0 of the run, known before any process group exists.
+
+    Lightning starts the other local processes by running the same command with ``LOCAL_RANK`` set;
+    SLURM and torchrun start them all with their ranks in the environment. Each cluster environment
+    reads those variables directly.
+    """
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    return environment is None or (environment.node_rank() == 0 and environment.local_rank() == 0)
+
+
+class SignalExit(Callback):
+    """Records the exit status an interrupted fit owes its scheduler: 143 after SIGTERM, 130 after Ctrl-C.
+
+    Lightning saves (``RunCheckpoint``) and then exits 0 after SIGTERM, which SLURM reads as success.
+    """
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self.status = 128 + signal.SIGTERM
+        elif isinstance(exception, KeyboardInterrupt):
+            self.status = 128 + signal.SIGINT
