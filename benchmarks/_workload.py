@@ -148,6 +148,7 @@ def _eos_ids(model) -> list[int]:
 def sgrpo_policy(work: Workload):
     """sgrpo's side of the workload: GRPOPolicy with the settings both frameworks agree on."""
     from estimators import GRPO
+    from sgrpo.loss import ClippedSurrogate
     from sgrpo.policy import GRPOPolicy
     from sgrpo.rollout import HFRollout
 
@@ -161,8 +162,7 @@ def sgrpo_policy(work: Workload):
         rollout=rollout,
         group_size=work.group_size,
         prompts_per_step=work.prompts,
-        aggregation="token_mean",  # TRL's loss_type="dapo"
-        kl_coef=0.0,
+        loss=ClippedSurrogate(aggregation="token_mean", kl_coef=0.0),  # TRL's loss_type="dapo", beta 0
         micro_batch_size=work.micro_batch,
         micro_batch_tokens=work.micro_batch_tokens,
         share_prompts=work.share_prompts,

@@ -111,6 +111,7 @@ def fit(engine_name: str, model_dir: Path, size: dict, args, root: Path) -> dict
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from estimators import SoftmaxGRPO
+    from sgrpo.loss import ClippedSurrogate
     from sgrpo.policy import GRPOPolicy
     from sgrpo.rollout import HFRollout
     from tasks.base import Reward, RewardResult
@@ -159,7 +160,7 @@ def fit(engine_name: str, model_dir: Path, size: dict, args, root: Path) -> dict
         rollout=rollout,
         group_size=size["group"],
         prompts_per_step=size["prompts"],
-        aggregation="token_mean",
+        loss=ClippedSurrogate(aggregation="token_mean"),
         activation_checkpointing=True,
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
         export_dir=str(root / f"export_{engine_name}"),
@@ -189,7 +190,8 @@ def sync_checks(policy, model_dir: Path, size: dict, autocast) -> dict:
     """Engine vs trainer after training: one parameter, and the sampled tokens' log-probs (trainer in ``autocast``)."""
     from transformers import AutoModelForCausalLM
 
-    from sgrpo.loss import completion_logprobs, logprob_mismatch, tis_weights
+    from sgrpo.logprobs import completion_logprobs, logprob_mismatch
+    from sgrpo.loss import tis_weights
 
     engine, model = policy.rollout, policy.model
     examples = list(policy.task.examples("train"))[: size["prompts"]]
@@ -203,14 +205,15 @@ def sync_checks(policy, model_dir: Path, size: dict, autocast) -> dict:
         trained_logp, _ = completion_logprobs(model, *args)
         initial_logp, _ = completion_logprobs(initial, *args)
     mask = batch.completion_mask
-    weights = tis_weights(trained_logp, batch.logprobs, mask, engine.importance_sampling_cap or 2.0)
+    cap = policy.loss.importance_sampling_cap or 2.0
+    weights = tis_weights(trained_logp, batch.logprobs, mask, cap)
     return {
         "norm_weight_max_abs_diff": (trainer_norm - engine_norm).abs().max().item(),
         "norm_weight_moved_by_training": (trainer_norm - initial.model.norm.weight.float().cpu()).abs().max().item(),
         "logprob_vs_trained": {k: v.item() for k, v in logprob_mismatch(trained_logp, batch.logprobs, mask).items()},
         "logprob_vs_initial": {k: v.item() for k, v in logprob_mismatch(initial_logp, batch.logprobs, mask).items()},
         "tis_weight_mean": weights[mask].mean().item(),
-        "tis_capped_fraction": (weights[mask] >= (engine.importance_sampling_cap or 2.0) - 1e-6).float().mean().item(),
+        "tis_capped_fraction": (weights[mask] >= cap - 1e-6).float().mean().item(),
     }
 
 

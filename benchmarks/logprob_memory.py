@@ -24,7 +24,7 @@ def measure(path: str, vocab: int, rows: int, tokens: int, chunk: int | None) ->
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sgrpo.loss import completion_logprobs, position_ids_from_mask
+    from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
 
     torch.manual_seed(0)
     config = LlamaConfig(

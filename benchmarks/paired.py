@@ -11,7 +11,7 @@ prompts (``tasks.synthetic.SyntheticTask``) with the HF rollout engine. Rewards:
 * ``--reward task``: the task's own reward (exact match), for a model that solves some prompts.
 
 From the one batch it computes, for every estimator of the roster: the advantages of a few groups
-side by side; the per-rollout score vectors s_i = grad log pi(o_i) (``sgrpo.loss.completion_logprobs``,
+side by side; the per-rollout score vectors s_i = grad log pi(o_i) (``sgrpo.logprobs.completion_logprobs``,
 one backward per rollout) and from them the policy gradient g_e = sum_i A_i s_i, i.e. the gradient of
 sum_i A_i log pi(o_i) (checked once against autograd on the full surrogate); the cosine similarity
 between the estimators' gradients; and the budget by difficulty, both as advantage mass
@@ -83,7 +83,7 @@ def load_policy(model_path: Path | None, seed: int):
 
 def score_vectors(model: nn.Module, rollout, group_size: int) -> Tensor:
     """``[N, params]`` float32: grad of each rollout's sequence log-prob, one group forward at a time."""
-    from sgrpo.loss import completion_logprobs
+    from sgrpo.logprobs import completion_logprobs
 
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
@@ -123,7 +123,7 @@ def sample_batch(model, tokenizer, args: argparse.Namespace, seed: int) -> Batch
 
 def surrogate_check(model: nn.Module, batch: Batch, adv: Tensor) -> float:
     """Relative difference between A^T S and autograd's gradient of sum_i A_i log pi(o_i) on the batch."""
-    from sgrpo.loss import completion_logprobs
+    from sgrpo.logprobs import completion_logprobs
 
     r = batch.rollout
     logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)  # [N, T]

@@ -10,6 +10,14 @@ from torch.utils.data import IterableDataset
 from sgrpo.types import Example
 
 
+def mix_seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (FNV-1a style), e.g. (seed, step, rank)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
 def identity_collate(batch):
     """Keep a batch of ``Example`` objects as a plain list."""
     return batch

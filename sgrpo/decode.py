@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
 from sgrpo.head import log_softmax_at, model_head_logits
-from sgrpo.loss import final_hidden_states
+from sgrpo.logprobs import final_hidden_states
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -232,17 +232,9 @@ def decode(
     cache = preallocated_cache(model, p + max_new_tokens)
     hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)[:, -1]  # [U, H]
     select_rows(cache, row_prompt)  # each prompt's keys and values, once per row
-    native = static = None
     mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
     mask[:, :p] = prompt_mask.index_select(0, row_prompt)
-    if native_step and LlamaFamilyStep.supported(model):
-        if cuda_graphs:
-            from sgrpo.graphs import StaticSteps
-
-            key_mask = torch.cat([mask[:, :p], torch.zeros_like(mask[:, p:])], 1)  # new columns: set per token
-            static = StaticSteps(model, cache, key_mask, LlamaFamilyStep, graphs=True)
-        else:
-            native = LlamaFamilyStep(model, cache, p + max_new_tokens)
+    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs)
     logits = model_head_logits(model, hidden).index_select(0, row_prompt)  # [R, V] float32
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
@@ -264,21 +256,48 @@ def decode(
             keep = running.nonzero().squeeze(-1)
             if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards
                 keep = keep.new_zeros(1)
-            if static is not None:
-                static.compact(keep)
-            else:
-                select_rows(cache, keep)
-            alive, next_tokens, position, mask = alive[keep], next_tokens[keep], position[keep], mask[keep]
-            running = running[keep]
-
-        if static is not None:
-            logits = static(next_tokens, position, p + t)
-        elif native is not None:
-
-            logits = native(next_tokens, position, mask[:, : p + t + 1].bool())
-        else:
-            step_mask, step_position = mask[:, : p + t + 1], position.unsqueeze(-1)
-            hidden = final_hidden_states(model, next_tokens.unsqueeze(-1), step_mask, cache, step_position)
-            logits = model_head_logits(model, hidden[:, -1])
+            steps.compact(keep)
+            alive, next_tokens, position, running = alive[keep], next_tokens[keep], position[keep], running[keep]
+        logits = steps(next_tokens, position, t)
         position = position + 1
     return tokens, logprobs
+
+
+class DecodeSteps:
+    """The decode step of the rows still running, by the fastest path that applies to ``model``.
+
+    Fixed-shape steps replayable as CUDA graphs (``cuda_graphs``, ``sgrpo.graphs.StaticSteps``), the
+    native Llama-family step (``LlamaFamilyStep``), or the model's own forward on the cache. ``mask``
+    ``[R, P + max_new_tokens]``: each row's prompt mask, then ones.
+    """
+
+    def __init__(self, model: nn.Module, cache: DynamicCache, mask: Tensor, prompt_length: int, native: bool,
+                 cuda_graphs: bool) -> None:  # fmt: skip
+        self.model, self.cache, self.mask, self.p = model, cache, mask, prompt_length
+        self.native = self.static = None
+        if native and LlamaFamilyStep.supported(model):
+            if cuda_graphs:
+                from sgrpo.graphs import StaticSteps
+
+                key_mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], 1)
+                self.static = StaticSteps(model, cache, key_mask, LlamaFamilyStep, graphs=True)
+            else:
+                self.native = LlamaFamilyStep(model, cache, mask.shape[1])
+
+    def compact(self, keep: Tensor) -> None:
+        """Keep rows ``keep`` (in that order) in the batch and the cache."""
+        if self.static is not None:
+            self.static.compact(keep)
+        else:
+            select_rows(self.cache, keep)
+        self.mask = self.mask[keep]
+
+    def __call__(self, tokens: Tensor, position: Tensor, t: int) -> Tensor:
+        """float32 logits ``[R, V]`` after new token ``t`` (``tokens`` ``[R]`` at ``position`` ``[R]``)."""
+        if self.static is not None:
+            return self.static(tokens, position, self.p + t)
+        if self.native is not None:
+            return self.native(tokens, position, self.mask[:, : self.p + t + 1].bool())
+        step_mask = self.mask[:, : self.p + t + 1]
+        hidden = final_hidden_states(self.model, tokens.unsqueeze(-1), step_mask, self.cache, position.unsqueeze(-1))
+        return model_head_logits(self.model, hidden[:, -1])

@@ -47,3 +47,20 @@ def gradient_sync(wrapper: nn.Module | None, enabled: bool) -> Iterator[None]:
         return
     with wrapper.no_sync():
         yield
+
+
+def data_parallel_size(strategy) -> int:
+    """How many processes hold different data under a Lightning ``strategy`` (1 on a single device)."""
+    layout = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(layout.get("num_replicas", 1))
+
+
+def data_parallel_rank(strategy) -> int:
+    """This process's index among ``data_parallel_size(strategy)``."""
+    layout = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(layout.get("rank", 0))
+
+
+def max_over_processes(strategy, n: int) -> int:
+    """The largest ``n`` over the processes of a Lightning ``strategy`` (a collective)."""
+    return int(strategy.reduce(torch.tensor(float(n), device=strategy.root_device), reduce_op="max"))

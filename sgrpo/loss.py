@@ -1,135 +1,25 @@
-"""Policy-loss maths as pure tensor functions: chunked log-probs, the clipped surrogate, k3 KL, aggregation.
+"""The policy loss as a component: per-token maths, and ``PolicyLoss`` classes chosen in a config.
 
-Formulas follow spec/estimators.md §2.5-2.7 (GRPO arXiv 2402.03300, DAPO arXiv 2503.14476, Dr.GRPO
-arXiv 2503.20783). Nothing here knows about trainers, configs or estimators.
+A ``PolicyLoss`` turns one micro-batch's log-probs and advantages (``TokenBatch``) into its share of the
+mini-batch loss, given the counts of the whole mini-batch over all processes (``BatchCounts``), so that
+the pieces add up to the same loss however the batch is split. ``ClippedSurrogate`` is GRPO's / DAPO's
+PPO-clip objective with a k3 KL term and truncated importance sampling; a user adds a loss (sequence-level
+ratios as in GSPO, CISPO's clipped weights) as one more class. Formulas: docs/theory.md §7 (GRPO arXiv
+2402.03300, DAPO arXiv 2503.14476, Dr.GRPO arXiv 2503.20783). Nothing here knows about trainers or configs.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import Tensor, nn
-
-from sgrpo.distributed import is_sharded
-from sgrpo.head import LogitTransform, TokenLogprobs
+from torch import Tensor
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions counted over real tokens only, so left padding does not shift them: ``[N, S]``."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
-def completion_logprobs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_mask: Tensor,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    chunk_mib: float = 128.0,
-    with_entropy: bool = False,
-    share_prompts: bool = True,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
-
-    ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are the
-    model's own (``sgrpo.head``: float32, with its output transform) over ``temperature``, the
-    distribution the rollout samples from (truncated sampling is refused for training). The LM head runs
-    only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
-    logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
-    ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``share_prompts``, rows
-    with the same prompt run it once (``completion_hidden_states``).
-    """
-    t = completion_mask.shape[1]
-    hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
-    head = model.get_output_embeddings()
-    mask = completion_mask.bool()
-    if chunk_size is None:
-        chunk_size = max(1, int(chunk_mib * 2**20) // (4 * head.weight.shape[0]))
-    h = hidden[mask]  # [M, H]
-    targets = input_ids[:, -t:][mask]  # [M]
-    token_logp, token_entropy = TokenLogprobs.apply(
-        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model)
-    )
-    logp = hidden.new_zeros(mask.shape, dtype=torch.float32)
-    entropy = hidden.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
-    if h.shape[0]:
-        logp = logp.masked_scatter(mask, token_logp)
-        if entropy is not None:
-            entropy = entropy.masked_scatter(mask, token_entropy)
-    return logp, entropy
-
-
-def completion_hidden_states(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, t: int, share_prompts: bool = True
-) -> Tensor:
-    """Hidden states ``[N, T, H]`` that predict the last ``t`` tokens of ``input_ids`` ``[N, P+T]``.
-
-    GRPO's rows come in groups with one prompt, and the prompt's keys and values do not depend on
-    the completion. With ``share_prompts``, each distinct prompt (ids and mask) runs once; its
-    KV cache is copied to its rows (a differentiable index, so gradients from every completion
-    flow back into the one prompt forward) and the completions run on top of it. Same values as
-    the full forward up to float summation order; fewer FLOPs and activations when prompts repeat.
-    Falls back to the full forward when no prompt repeats, or the model's cache is not a plain
-    full-attention ``DynamicCache``, or HF gradient checkpointing (which drops caches) is on, or the
-    model is FSDP2-sharded (its gathers and reduce-scatters must pair up across processes, whose
-    micro-batches may share prompts differently).
-    """
-    p = input_ids.shape[1] - t
-    full = lambda: final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # noqa: E731
-    if not share_prompts or p < 1 or t < 2 or getattr(model, "is_gradient_checkpointing", False):
-        return full()
-    if is_sharded(model):  # FSDP2: processes must run the same forwards (collectives), one per micro-batch
-        return full()
-    keys = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)
-    distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    if distinct.shape[0] == input_ids.shape[0]:
-        return full()
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    cache = DynamicCache(config=model.config)
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return full()
-    prompt_ids, prompt_mask = distinct[:, :p], distinct[:, p:].to(attention_mask.dtype)
-    prompt_hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)  # [U, P, H]
-    for layer in cache.layers:  # each prompt's keys and values, once per row
-        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
-    mask = attention_mask[:, :-1]
-    positions = position_ids_from_mask(mask)[:, p:]
-    rest = final_hidden_states(model, input_ids[:, p:-1], mask, cache, positions)  # [N, T-1, H]
-    return torch.cat([prompt_hidden[:, -1:].index_select(0, inverse), rest], 1)
-
-
-def final_hidden_states(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cache=None, position_ids: Tensor | None = None
-) -> Tensor:
-    """The decoder's last hidden states ``[N, S, H]``, through the model's own forward.
-
-    The root forward runs (so wrappers such as FSDP2 gather the root's parameters, and keep them
-    gathered until backward) with logits for no position (an empty ``logits_to_keep`` index: the
-    head runs in ``sgrpo.head``); a hook on the decoder hands back its output. With ``cache`` (a
-    ``DynamicCache``), the forward extends it: ``attention_mask`` then covers cached + new positions
-    and ``position_ids`` those of the new tokens.
-    """
-    captured: list[Tensor] = []
-    handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
-    try:
-        model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
-            past_key_values=cache,
-            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
-            use_cache=cache is not None,
-        )
-    finally:
-        handle.remove()
-    return captured[-1]
 
 
 def clipped_surrogate(
@@ -162,7 +52,7 @@ def token_weights(
     """Per-token weights ``[N, T]`` such that ``loss = sum(weights * per_token_loss)``.
 
     The counts are those of the *global* batch (all micro-batches and processes), so summing the
-    pieces gives the same loss however the batch is split (spec §2.7):
+    pieces gives the same loss however the batch is split (docs/theory.md §7):
       token_mean           1 / sum_i |o_i|                    (DAPO)
       seq_mean_token_mean  1 / (B |o_i|)                      (original GRPO)
       seq_sum_const        1 / (B L_max)                      (Dr.GRPO; L_max = max_new_tokens)
@@ -192,37 +82,96 @@ def tis_weights(trainer_logp: Tensor, vllm_logp: Tensor, mask: Tensor, cap: floa
     return torch.where(mask.bool(), log_ratio.exp(), torch.zeros_like(log_ratio))
 
 
-def logprob_gap(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """Sums that add up over micro-batches: how far the sampler's log-probs are from the trainer's.
+@dataclass(frozen=True)
+class TokenBatch:
+    """One micro-batch of completion tokens, ``[n, T]`` over its n rows (T trimmed to its longest row)."""
 
-    With ``d = logp_sampler - logp_trainer`` on the tokens of ``mask``: ``kl`` = sum of the k3 estimate
-    of KL(sampler || trainer), ``exp(-d) - 1 + d``; ``abs_diff`` = sum |d|; ``max_abs`` = max |d|;
-    ``tokens`` = their count. ``logprob_mismatch`` turns them into means.
+    logp: Tensor  # [n, T] the current policy's log-probs, with gradient
+    old_logp: Tensor  # [n, T] at the weights that sampled (logp detached on a single on-policy pass)
+    advantages: Tensor  # [n]
+    mask: Tensor  # [n, T] bool: the tokens that carry loss
+    ref_logp: Tensor | None = None  # [n, T] the frozen KL reference's, when the loss asks for one
+    sampler_logp: Tensor | None = None  # [n, T] an external sampler's (vLLM), for importance weights
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """The whole mini-batch over all processes: the denominators of every aggregation."""
+
+    sequences: float
+    tokens: float
+    max_new_tokens: int  # L_max of a constant-length aggregation
+
+
+class PolicyLoss(ABC):
+    """A policy loss: ``__call__`` gives one micro-batch's share of the mini-batch loss and token-summed stats.
+
+    The shares of all micro-batches and processes add up to the mini-batch loss (use ``BatchCounts``
+    for every denominator). ``stats`` names the statistics it returns, each a sum over the batch's
+    masked tokens; the policy logs ``train/<name>`` as their mean per token. ``needs_reference`` loads
+    a frozen copy of the initial policy whose log-probs arrive as ``TokenBatch.ref_logp``.
+    ``zero_at_zero_advantage`` promises that a row with advantage exactly 0 adds exactly 0 to the loss
+    and its gradient, so the update need not run it.
     """
-    d = (sampler_logp.detach().float() - trainer_logp.detach().float())[mask.bool()]
-    return {
-        "kl": (torch.expm1(-d) + d).sum(),
-        "abs_diff": d.abs().sum(),
-        "max_abs": d.abs().amax() if d.numel() else d.new_zeros(()),
-        "tokens": d.new_tensor(float(d.numel())),
-    }
+
+    stats: tuple[str, ...] = ()
+    needs_reference: bool = False
+    zero_at_zero_advantage: bool = True
+
+    @abstractmethod
+    def __call__(self, batch: TokenBatch, counts: BatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
+        """(scalar loss share, ``{name: sum over masked tokens}`` for every name in ``stats``)."""
 
 
-def logprob_mismatch(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """``logprob_gap`` as means over the tokens (``kl``, ``abs_diff``) and the largest gap (``max_abs``)."""
-    return gap_means(logprob_gap(trainer_logp, sampler_logp, mask))
+class ClippedSurrogate(PolicyLoss):
+    """PPO-clip surrogate with clip-higher, a k3 KL penalty and truncated importance sampling, aggregated.
 
+    Per token, with ratio rho = exp(logp - old_logp) and the row's advantage A:
+      l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) x w + kl_coef x k3(logp, ref_logp)
+    where w = min(exp(old_logp - sampler_logp), importance_sampling_cap) when an external sampler
+    (vLLM) supplied its log-probs (truncated importance sampling, a constant), else 1. The loss is
+    sum l x weight over tokens, the weights given by ``aggregation`` (``token_weights``: token_mean as
+    DAPO, seq_mean_token_mean as the original GRPO, seq_sum_const as Dr.GRPO). Statistics: tokens
+    clipped below / above, the k3 KL and the importance weight w, summed over the masked tokens.
+    """
 
-def gap_means(gap: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Means over tokens of ``logprob_gap``'s sums (``kl``, ``abs_diff``) and its ``max_abs``."""
-    tokens = gap["tokens"].clamp_min(1.0)
-    return {"kl": gap["kl"] / tokens, "abs_diff": gap["abs_diff"] / tokens, "max_abs": gap["max_abs"]}
+    stats = ("clip/low", "clip/high", "kl", "rollout/tis_weight_mean")
 
+    def __init__(
+        self,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        aggregation: Aggregation = "token_mean",
+        kl_coef: float = 0.0,
+        importance_sampling_cap: float | None = 2.0,
+    ) -> None:
+        if not (0 <= clip_low < 1 and clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if not kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0 (0 loads no reference model), got {kl_coef}")
+        if importance_sampling_cap is not None and not importance_sampling_cap > 0:
+            raise ValueError(f"importance_sampling_cap must be > 0 or null, got {importance_sampling_cap}")
+        self.clip_low, self.clip_high, self.aggregation = clip_low, clip_high, aggregation
+        self.kl_coef, self.importance_sampling_cap = kl_coef, importance_sampling_cap
+        self.needs_reference = kl_coef > 0
+        self.zero_at_zero_advantage = kl_coef == 0  # the KL term has a gradient whatever the advantage
 
-def merge_gaps(a: dict[str, Tensor] | None, b: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
-    """Two ``logprob_gap`` results (either may be None) as one: sums add, maxima take the larger."""
-    if a is None or b is None:
-        return a if b is None else b
-    return {k: torch.maximum(a[k], b[k]) if k == "max_abs" else a[k] + b[k] for k in a}
-
-
+    def __call__(self, batch: TokenBatch, counts: BatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
+        per_token, low, high = clipped_surrogate(
+            batch.logp, batch.old_logp, batch.advantages, self.clip_low, self.clip_high
+        )
+        m = batch.mask.float()
+        stats = {"clip/low": (low.float() * m).sum(), "clip/high": (high.float() * m).sum(), "kl": m.new_zeros(())}
+        stats["rollout/tis_weight_mean"] = m.sum()  # w = 1 on every token unless an external sampler's below
+        if batch.sampler_logp is not None and self.importance_sampling_cap is not None:
+            weights = tis_weights(batch.old_logp, batch.sampler_logp, batch.mask, self.importance_sampling_cap)
+            per_token = per_token * weights
+            stats["rollout/tis_weight_mean"] = weights.sum()
+        if batch.ref_logp is not None:
+            kl = k3_kl(batch.logp, batch.ref_logp)
+            per_token = per_token + self.kl_coef * kl
+            stats["kl"] = (kl.detach() * m).sum()
+        weights = token_weights(batch.mask, self.aggregation, counts.sequences, counts.tokens, counts.max_new_tokens)
+        return (per_token * weights).sum(), stats

@@ -40,8 +40,6 @@ class RolloutEngine(ABC):
 
     max_new_tokens: int
     temperature: float
-    #: cap C of truncated importance sampling when the batch carries the sampler's own log-probs (None: none)
-    importance_sampling_cap: float | None = None
     #: True when the engine samples through the trained model's own modules and weights: its log-probs
     #: (if any) are the policy's up to float rounding, so no importance weights and no second forward
     samples_from_policy: bool = True

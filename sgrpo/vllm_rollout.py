@@ -6,8 +6,8 @@ refreshed from the policy's parameters at the start of every ``generate`` call (
 parameters, gathered one tensor at a time). vLLM is a GPU extra (``pip install -e '.[vllm]'``): it is
 imported on first use only, so configs naming this engine parse and instantiate on any machine.
 
-The pure pieces (request building, output conversion, parameter names, the TIS weights) are module
-functions with CPU tests; the engine calls them.
+The pure pieces (request building, output conversion, parameter names) are module functions with CPU
+tests; the engine calls them.
 """
 
 from __future__ import annotations
@@ -200,7 +200,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-# ---------------------------------------------------------------------------------------------- TIS
 # ---------------------------------------------------------------------------------------------- engine
 class VLLMRollout(RolloutEngine):
     """Rollouts from a colocated vLLM engine, one per training process (GPU extra).
@@ -216,11 +215,8 @@ class VLLMRollout(RolloutEngine):
     Syncing at the start of ``generate`` instead of after each optimiser step gives the same
     samples (the engine is only read there) without waking the engine during the update.
 
-    Log-probs are vLLM's ``processed_logprobs`` (after temperature, and after top-k/top-p when those
-    are set) of the sampled tokens: the behaviour policy's. ``importance_sampling_cap`` C asks the
-    policy for truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): per-token loss x ``min(pi_old / pi_vllm, C)``,
-    with pi_old the trainer's log-probs at the sampling weights (``tis_weights``); null disables it.
+    Log-probs are vLLM's ``processed_logprobs`` (after temperature) of the sampled tokens; the loss
+    corrects for vLLM's numerics (truncated importance sampling, ``sgrpo.loss.ClippedSurrogate``).
 
     ``tensor_parallel_size`` > 1 splits each engine over consecutive processes (it must divide the
     number of processes); the group's processes pool their prompts and each keeps its own rows.
@@ -242,7 +238,6 @@ class VLLMRollout(RolloutEngine):
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16",
-        importance_sampling_cap: float | None = 2.0,
         seed: int = 0,
         seed_per_request: bool = True,
         enforce_eager: bool = False,
@@ -260,7 +255,6 @@ class VLLMRollout(RolloutEngine):
             ),
             (tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}"),
             (max_model_len is None or max_model_len > max_new_tokens, "max_model_len must exceed max_new_tokens"),
-            (importance_sampling_cap is None or importance_sampling_cap > 0, "importance_sampling_cap must be > 0"),
             (weight_chunk_mib > 0, f"weight_chunk_mib must be > 0, got {weight_chunk_mib}"),
         ]
         for ok, message in checks:
@@ -269,7 +263,7 @@ class VLLMRollout(RolloutEngine):
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.gpu_memory_utilization, self.sleep = gpu_memory_utilization, sleep
         self.tensor_parallel_size, self.max_model_len, self.dtype = tensor_parallel_size, max_model_len, dtype
-        self.importance_sampling_cap, self.seed, self.seed_per_request = importance_sampling_cap, seed, seed_per_request
+        self.seed, self.seed_per_request = seed, seed_per_request
         self.enforce_eager, self.weight_chunk_mib = enforce_eager, weight_chunk_mib
         self.engine_kwargs = dict(engine_kwargs or {})
         self._llm = None

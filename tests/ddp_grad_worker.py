@@ -15,6 +15,7 @@ from lightning.pytorch import Callback
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from estimators import DrGRPO
+from sgrpo.loss import ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy
 
@@ -38,7 +39,7 @@ class CountAllReduces(Callback):
 
 def main(model_dir: str, aggregation: str, out: str) -> None:
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = make_policy(model_dir, batch, DrGRPO(), aggregation=aggregation, micro_batch_size=2)
+    policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation), micro_batch_size=2)
     generate = policy.rollout.generate
 
     def counting(*args, **kwargs):

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from estimators import GRPO  # noqa: E402
-from sgrpo.loss import completion_logprobs  # noqa: E402
+from sgrpo.logprobs import completion_logprobs  # noqa: E402
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps  # noqa: E402
 from tests.test_policy_gradients import MAX_NEW, G, make_policy  # noqa: E402
 

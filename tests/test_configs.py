@@ -48,9 +48,9 @@ def _without_estimator(path: Path) -> dict:
     raw = yaml.safe_load(path.read_text())
     raw["model"].pop("estimator")
     raw["trainer"].pop("default_root_dir")
-    if raw["model"].get("aggregation") == "seq_sum_const":  # Dr.GRPO's file may set its own aggregation
-        raw["model"].pop("aggregation")
-        raw["model"]["aggregation"] = "token_mean"
+    loss = raw["model"]["loss"]["init_args"]
+    if loss.get("aggregation") == "seq_sum_const":  # Dr.GRPO's file may set its own aggregation
+        loss["aggregation"] = "token_mean"
     return raw
 
 

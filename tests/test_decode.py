@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from sgrpo.decode import LlamaFamilyStep, PreallocatedLayer, decode, preallocated_cache, sample
-from sgrpo.loss import completion_logprobs, position_ids_from_mask
+from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
 from sgrpo.rollout import HFRollout
 from sgrpo.tiny import ensure_tiny_model
 from tasks.synthetic import SyntheticTask
@@ -192,7 +192,7 @@ def test_hf_rollout_decoders_agree(tmp_path):
 def test_shared_prompt_update_matches_the_full_forward(name):
     """The update's prompt sharing (sgrpo.loss) on the same architectures: log-probs and gradients as the full
     forward's (Llama itself, with the call counts, is in tests/test_loss.py)."""
-    from sgrpo.loss import completion_logprobs
+    from sgrpo.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     model = _models()[name].train()

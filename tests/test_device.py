@@ -18,7 +18,8 @@ import torch
 
 from estimators import SoftmaxGRPO, budget_mass, budget_shares
 from sgrpo.batching import micro_batches
-from sgrpo.loss import clipped_surrogate, k3_kl, logprob_mismatch, tis_weights, token_weights
+from sgrpo.logprobs import logprob_mismatch
+from sgrpo.loss import ClippedSurrogate, clipped_surrogate, k3_kl, tis_weights, token_weights
 from sgrpo.metrics import pass_at_k
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
@@ -53,7 +54,10 @@ class ForeignDefaultDevice(GRPOPolicy):
             return super().log(*args, **kwargs)
 
 
-@pytest.mark.parametrize("extra", [{}, {"ppo_epochs": 2, "kl_coef": 0.1, "dynamic_sampling": True}])
+OFF_POLICY_WITH_KL = {"ppo_epochs": 2, "loss": ClippedSurrogate(kl_coef=0.1), "dynamic_sampling": True}
+
+
+@pytest.mark.parametrize("extra", [{}, OFF_POLICY_WITH_KL])
 def test_training_and_validation_run_with_a_foreign_default_device(extra):
     """Rollout (lean decoder), rewards, estimator, budget metrics, update, validation and pass@k."""
     task = SyntheticTask(kind="sort", levels=[3, 5], num_train=64, num_validation=8)

@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from sgrpo.head import TokenLogprobs
-from sgrpo.loss import (
-    clipped_surrogate,
-    completion_logprobs,
-    k3_kl,
-    position_ids_from_mask,
-    token_weights,
-)
+from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
+from sgrpo.loss import clipped_surrogate, k3_kl, token_weights
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
 
 

@@ -17,7 +17,7 @@ from transformers import (
 
 from estimators import GRPO
 from sgrpo.head import LogitTransform, check_logit_head
-from sgrpo.loss import completion_logprobs
+from sgrpo.logprobs import completion_logprobs
 from sgrpo.modeling import disable_dropout
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from estimators import GRPO, DrGRPO, SoftmaxGRPO
-from sgrpo.loss import AGGREGATIONS, position_ids_from_mask
+from sgrpo.logprobs import position_ids_from_mask
+from sgrpo.loss import AGGREGATIONS, ClippedSurrogate
 from sgrpo.tiny import ensure_tiny_model
 from tests.engine_helpers import EXAMPLES, FixedRollout, FixedTask, GradCapture, PresetReward, fixed_batch, run_steps
 
@@ -57,7 +58,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_t17_seq_sum_const_gradient_is_the_reinforce_sum(model_dir, batch):
     """At ratio 1, kl 0, seq_sum_const: grad = -sum_i A_i grad log pi(o_i) / (N * L_max)."""
     estimator = SoftmaxGRPO(temperature=0.5)
-    policy = make_policy(model_dir, batch, estimator, aggregation="seq_sum_const")
+    policy = make_policy(model_dir, batch, estimator, loss=ClippedSurrogate(aggregation="seq_sum_const"))
     run_steps(policy)
     got = flat(policy.captured[0])
 
@@ -94,7 +95,8 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
     # 16 rows in one piece; in 4-row micro-batches; in micro-batches of at most 3 full-width rows' tokens
     for rows, tokens in ((None, None), (4, None), (None, 3 * width)):
         policy = make_policy(
-            model_dir, batch, GRPO(), aggregation=aggregation, micro_batch_size=rows, micro_batch_tokens=tokens
+            model_dir, batch, GRPO(), loss=ClippedSurrogate(aggregation=aggregation), micro_batch_size=rows,
+            micro_batch_tokens=tokens,
         )
         run_steps(policy)
         grads.append(flat(policy.captured[0]))
@@ -116,7 +118,7 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
 def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, tmp_path):
     """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
     gradient with a single all-reduce (DDP's no_sync on all but the last backward)."""
-    policy = make_policy(model_dir, batch, DrGRPO(), aggregation=aggregation)
+    policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
     run_steps(policy)
     single = flat(policy.captured[0])
 
@@ -195,8 +197,7 @@ def test_ppo_epochs_and_minibatches_take_several_optimiser_steps_per_training_st
         ppo_epochs=2,
         num_minibatches=2,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
-        clip_low=0.1,
-        clip_high=0.1,
+        loss=ClippedSurrogate(clip_low=0.1, clip_high=0.1),
     )
     trainer = run_steps(policy, steps=2)
     assert len(policy.captured) == 8  # 2 training steps x 2 epochs x 2 mini-batches
@@ -211,7 +212,9 @@ def test_kl_to_a_frozen_reference(model_dir, batch):
     # step 1: policy == reference, so k3 = 0 and its gradient vanishes: same gradient as kl_coef 0
     plain = make_policy(model_dir, batch, GRPO())
     run_steps(plain)
-    with_kl = make_policy(model_dir, batch, GRPO(), kl_coef=0.5, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    with_kl = make_policy(
+        model_dir, batch, GRPO(), loss=ClippedSurrogate(kl_coef=0.5), optimizer=lambda p: torch.optim.SGD(p, lr=0.5)
+    )
     trainer = run_steps(with_kl, steps=2)
     assert rel_err(flat(with_kl.captured[0]), flat(plain.captured[0])) < 1e-6
     assert float(trainer.callback_metrics["train/kl"]) > 0  # step 2: the policy has moved away
@@ -246,7 +249,7 @@ def test_rows_with_zero_advantage_are_counted_but_not_run(model_dir, batch):
     """The constant group's 4 rows are not forwarded; the denominators still count them (T17 checks the value)."""
     forwarded: dict[float, list[int]] = {}
     for kl_coef in (0.0, 0.1):
-        policy = make_policy(model_dir, batch, GRPO(), kl_coef=kl_coef, micro_batch_tokens=None)
+        policy = make_policy(model_dir, batch, GRPO(), loss=ClippedSurrogate(kl_coef=kl_coef), micro_batch_tokens=None)
         policy.configure_model()
         sizes = forwarded.setdefault(kl_coef, [])
         handle = policy.model.model.register_forward_pre_hook(
@@ -282,7 +285,7 @@ def test_kl_gradient_pulls_the_policy_towards_the_reference(model_dir, batch):
     task = FixedTask(PresetReward({p: [1.0] * G for p in PROMPTS}), EXAMPLES[:4])
     policy = PerturbedPolicy(
         str(model_dir), task, GRPO(), FixedRollout(batch, PROMPTS, MAX_NEW), group_size=G, prompts_per_step=4,
-        kl_coef=kl_coef, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+        loss=ClippedSurrogate(kl_coef=kl_coef), max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
     )  # fmt: skip
     run_steps(policy)
     got = flat(policy.captured[0])

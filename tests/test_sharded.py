@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sgrpo.loss import completion_logprobs
+from sgrpo.logprobs import completion_logprobs
 from sgrpo.tiny import ensure_tiny_model
 from tests.sharded_worker import PROBE, update
 

@@ -26,7 +26,8 @@ import yaml
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from sgrpo.loss import completion_logprobs, logprob_mismatch, tis_weights
+from sgrpo.logprobs import completion_logprobs, logprob_mismatch
+from sgrpo.loss import tis_weights
 from sgrpo.rollout import HFRollout, completion_mask_until_eos
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.types import Example
@@ -480,14 +481,16 @@ def test_vllm_rollout_is_named_in_yaml_and_instantiated_without_vllm(monkeypatch
     raw = yaml.safe_load((REPO / "configs/tiny.yaml").read_text())
     raw["model"]["rollout"] = {
         "class_path": "sgrpo.vllm_rollout.VLLMRollout",
-        "init_args": {"max_new_tokens": 8, "gpu_memory_utilization": 0.25, "importance_sampling_cap": None},
+        "init_args": {"max_new_tokens": 8, "gpu_memory_utilization": 0.25},
     }
+    raw["model"]["loss"] = {"class_path": "sgrpo.loss.ClippedSurrogate", "init_args": {"importance_sampling_cap": None}}
     config = tmp_path / "vllm.yaml"
     config.write_text(yaml.safe_dump(raw))
     cli = parse(["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"])
     rollout = cli.model.rollout
     assert isinstance(rollout, VLLMRollout) and rollout._llm is None
-    assert (rollout.max_new_tokens, rollout.gpu_memory_utilization, rollout.importance_sampling_cap) == (8, 0.25, None)
+    assert (rollout.max_new_tokens, rollout.gpu_memory_utilization) == (8, 0.25)
+    assert cli.model.loss.importance_sampling_cap is None
     raw["model"]["rollout"]["init_args"]["gpu_memory_utilisation"] = 0.3  # a typo fails at parse time
     config.write_text(yaml.safe_dump(raw))
     with pytest.raises(SystemExit):

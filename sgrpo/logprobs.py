@@ -1,0 +1,162 @@
+"""Log-probs of completion tokens under a model, and how far a sampler's log-probs are from the trainer's.
+
+``completion_logprobs`` runs the model's own forward for the hidden states (each distinct prompt once
+when prompts repeat) and the LM head through ``sgrpo.head`` (float32, the model's own logit transform,
+chunked with a hand-written backward). ``logprob_gap`` measures a sampler against the trainer on the
+sampled tokens. Pure functions of tensors and modules: nothing here knows about trainers or configs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from sgrpo.distributed import is_sharded
+from sgrpo.head import LogitTransform, TokenLogprobs
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only, so left padding does not shift them: ``[N, S]``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    chunk_mib: float = 128.0,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
+
+    ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are the
+    model's own (``sgrpo.head``: float32, with its output transform) over ``temperature``, the
+    distribution the rollout samples from (truncated sampling is refused for training). The LM head runs
+    only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
+    logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
+    ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``share_prompts``, rows
+    with the same prompt run it once (``completion_hidden_states``).
+    """
+    t = completion_mask.shape[1]
+    hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
+    head = model.get_output_embeddings()
+    mask = completion_mask.bool()
+    if chunk_size is None:
+        chunk_size = max(1, int(chunk_mib * 2**20) // (4 * head.weight.shape[0]))
+    h = hidden[mask]  # [M, H]
+    targets = input_ids[:, -t:][mask]  # [M]
+    token_logp, token_entropy = TokenLogprobs.apply(
+        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model)
+    )
+    logp = hidden.new_zeros(mask.shape, dtype=torch.float32)
+    entropy = hidden.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
+    if h.shape[0]:
+        logp = logp.masked_scatter(mask, token_logp)
+        if entropy is not None:
+            entropy = entropy.masked_scatter(mask, token_entropy)
+    return logp, entropy
+
+
+def completion_hidden_states(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, t: int, share_prompts: bool = True
+) -> Tensor:
+    """Hidden states ``[N, T, H]`` that predict the last ``t`` tokens of ``input_ids`` ``[N, P+T]``.
+
+    GRPO's rows come in groups with one prompt, and the prompt's keys and values do not depend on
+    the completion. With ``share_prompts``, each distinct prompt (ids and mask) runs once; its
+    KV cache is copied to its rows (a differentiable index, so gradients from every completion
+    flow back into the one prompt forward) and the completions run on top of it. Same values as
+    the full forward up to float summation order; fewer FLOPs and activations when prompts repeat.
+    Falls back to the full forward when no prompt repeats, or the model's cache is not a plain
+    full-attention ``DynamicCache``, or HF gradient checkpointing (which drops caches) is on, or the
+    model is FSDP2-sharded (its gathers and reduce-scatters must pair up across processes, whose
+    micro-batches may share prompts differently).
+    """
+    p = input_ids.shape[1] - t
+    full = lambda: final_hidden_states(model, input_ids[:, :-1], attention_mask[:, :-1])[:, -t:]  # noqa: E731
+    if not share_prompts or p < 1 or t < 2 or getattr(model, "is_gradient_checkpointing", False):
+        return full()
+    if is_sharded(model):  # FSDP2: processes must run the same forwards (collectives), one per micro-batch
+        return full()
+    keys = torch.cat([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)], 1)
+    distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    if distinct.shape[0] == input_ids.shape[0]:
+        return full()
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return full()
+    prompt_ids, prompt_mask = distinct[:, :p], distinct[:, p:].to(attention_mask.dtype)
+    prompt_hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)  # [U, P, H]
+    for layer in cache.layers:  # each prompt's keys and values, once per row
+        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    mask = attention_mask[:, :-1]
+    positions = position_ids_from_mask(mask)[:, p:]
+    rest = final_hidden_states(model, input_ids[:, p:-1], mask, cache, positions)  # [N, T-1, H]
+    return torch.cat([prompt_hidden[:, -1:].index_select(0, inverse), rest], 1)
+
+
+def final_hidden_states(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cache=None, position_ids: Tensor | None = None
+) -> Tensor:
+    """The decoder's last hidden states ``[N, S, H]``, through the model's own forward.
+
+    The root forward runs (so wrappers such as FSDP2 gather the root's parameters, and keep them
+    gathered until backward) with logits for no position (an empty ``logits_to_keep`` index: the
+    head runs in ``sgrpo.head``); a hook on the decoder hands back its output. With ``cache`` (a
+    ``DynamicCache``), the forward extends it: ``attention_mask`` then covers cached + new positions
+    and ``position_ids`` those of the new tokens.
+    """
+    captured: list[Tensor] = []
+    handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
+            past_key_values=cache,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
+            use_cache=cache is not None,
+        )
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def logprob_gap(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Sums that add up over micro-batches: how far the sampler's log-probs are from the trainer's.
+
+    With ``d = logp_sampler - logp_trainer`` on the tokens of ``mask``: ``kl`` = sum of the k3 estimate
+    of KL(sampler || trainer), ``exp(-d) - 1 + d``; ``abs_diff`` = sum |d|; ``max_abs`` = max |d|;
+    ``tokens`` = their count. ``logprob_mismatch`` turns them into means.
+    """
+    d = (sampler_logp.detach().float() - trainer_logp.detach().float())[mask.bool()]
+    return {
+        "kl": (torch.expm1(-d) + d).sum(),
+        "abs_diff": d.abs().sum(),
+        "max_abs": d.abs().amax() if d.numel() else d.new_zeros(()),
+        "tokens": d.new_tensor(float(d.numel())),
+    }
+
+
+def logprob_mismatch(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """``logprob_gap`` as means over the tokens (``kl``, ``abs_diff``) and the largest gap (``max_abs``)."""
+    return gap_means(logprob_gap(trainer_logp, sampler_logp, mask))
+
+
+def gap_means(gap: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Means over tokens of ``logprob_gap``'s sums (``kl``, ``abs_diff``) and its ``max_abs``."""
+    tokens = gap["tokens"].clamp_min(1.0)
+    return {"kl": gap["kl"] / tokens, "abs_diff": gap["abs_diff"] / tokens, "max_abs": gap["max_abs"]}
+
+
+def merge_gaps(a: dict[str, Tensor] | None, b: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+    """Two ``logprob_gap`` results (either may be None) as one: sums add, maxima take the larger."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: torch.maximum(a[k], b[k]) if k == "max_abs" else a[k] + b[k] for k in a}

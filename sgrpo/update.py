@@ -1,0 +1,221 @@
+"""The update of one rollout: ``ppo_epochs`` x ``num_minibatches`` optimiser steps, micro-batch by micro-batch.
+
+``PolicyUpdate`` is mixed into ``GRPOPolicy`` (a LightningModule with manual optimisation) and reads its
+``model``, ``_reference``, ``loss`` (a ``sgrpo.loss.PolicyLoss``), ``rollout`` (temperature, max_new_tokens,
+whether it samples through the policy's own weights), the micro-batch settings and ``seed``, and
+Lightning's strategy and precision plugin. Everything that must line up across processes is here:
+
+* the loss denominators are the whole mini-batch's counts over all processes (``BatchCounts``), so the
+  accumulated gradient does not depend on how a mini-batch is split into micro-batches or processes;
+  DDP averages gradients over processes, so each process's loss is multiplied by their number;
+* every process runs as many forwards and backwards (one-token dummy passes pad the short ones), so
+  FSDP2's gathers and reduce-scatters pair up; under DDP only an optimiser step's last backward
+  all-reduces (``no_sync`` on the others);
+* the gradient norm is taken and clipped in ``on_before_optimizer_step``, after mixed precision's
+  GradScaler removed its scale, and the LR scheduler steps once per training step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor, nn
+
+from sgrpo.batching import micro_batches, trim
+from sgrpo.data import mix_seed
+from sgrpo.distributed import data_parallel_size, gradient_sync, max_over_processes
+from sgrpo.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
+from sgrpo.loss import BatchCounts, TokenBatch
+from sgrpo.types import RolloutBatch
+
+
+class PolicyUpdate:
+    """``update(rollout, advantages, keep_groups)``: the optimiser steps of one training step (module docstring)."""
+
+    def update(self, rollout: RolloutBatch, advantages: Tensor, keep_groups: Tensor) -> dict[str, Tensor]:
+        """Optimiser steps on one rollout; returns the metrics to log.
+
+        ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others).
+        """
+        token_mask = rollout.completion_mask & keep_groups.repeat_interleave(rollout.group_size).unsqueeze(-1)
+        if self.mask_truncated:
+            token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
+        rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
+        sampler_logp = rollout.logprobs  # [N, T] the sampler's log-probs of its tokens, if it reports them
+        external = sampler_logp is not None and not self.rollout.samples_from_policy  # vLLM: other weights, kernels
+        old_logp = None  # one on-policy pass: the current log-probs, detached, serve (no second forward)
+        if external or self.ppo_epochs > 1 or self.num_minibatches > 1:
+            old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the sampling weights
+        ref_logp = self._logprobs(self._reference, rollout, token_mask) if self.loss.needs_reference else None
+        gap = None if sampler_logp is None or old_logp is None else logprob_gap(old_logp, sampler_logp, token_mask)
+        inputs = {"old": old_logp, "ref": ref_logp, "sampler": sampler_logp if external else None}
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.rollout_step, 1))
+        sums: dict[str, Tensor] = {}
+        started = time.perf_counter()
+        for epoch in range(self.ppo_epochs):
+            shuffle = torch.randperm(len(rows), generator=generator, device="cpu")  # the generator's device
+            order = rows[shuffle.to(rows.device)] if epoch else rows
+            for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
+                gap_now = sampler_logp if old_logp is None else None  # measured on this pass's own log-probs
+                stats, pass_gap = self.accumulate_gradients(rollout, minibatch, token_mask, advantages, inputs, gap_now)
+                gap = merge_gaps(gap, pass_gap)
+                stats["grad_norm"] = self._optimizer_step(optimizer, last=(epoch, i) == self._last_step())
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+        if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
+            scheduler.step()
+        steps = self.ppo_epochs * self.num_minibatches
+        tokens = sums.pop("tokens").clamp_min(1.0)
+        logs = {f"train/{name}": sums[name] / tokens for name in (*self.loss.stats, "entropy")}
+        logs |= {
+            "train/loss": sums["loss"] / steps,
+            "train/grad_norm": sums["grad_norm"] / steps,
+            "train/throughput/update_tok_s": tokens / max(time.perf_counter() - started, 1e-9),
+            "train/update/rows_skipped": sums["rows_skipped"] / steps,
+        }
+        if sampler_logp is not None:  # every process logs the same keys (sync_dist pairs them up)
+            logs |= {f"train/rollout/mismatch_{k}": v for k, v in gap_means(self._reduce_gap(gap)).items()}
+        return logs
+
+    def accumulate_gradients(
+        self,
+        rollout: RolloutBatch,
+        rows: Tensor,
+        token_mask: Tensor,
+        advantages: Tensor,
+        inputs: dict[str, Tensor | None],
+        gap_sampler: Tensor | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+        """Backward of the mini-batch loss restricted to ``rows``, micro-batch by micro-batch.
+
+        ``inputs``: ``old``, ``ref`` and ``sampler`` log-probs ``[N, T]`` (or None) for the loss. Returns
+        the token-summed statistics and, with ``gap_sampler``, the sampler-trainer log-prob gap on the
+        tokens that ran. When the loss is zero at zero advantage, rows whose advantage is exactly 0
+        (constant groups) are counted in the denominators but not run; statistics then describe the rows
+        that ran.
+        """
+        counts = torch.stack([token_mask.new_tensor(len(rows), dtype=torch.float32), token_mask[rows].sum().float()])
+        sequences, tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        counts = BatchCounts(sequences, tokens, self.rollout.max_new_tokens)
+        adv_rows = advantages.reshape(-1)  # [N]
+        skipped = len(rows)
+        if self.loss.zero_at_zero_advantage:
+            rows = rows[adv_rows[rows] != 0]
+        skipped -= len(rows)
+        chunks = self._micro_batches(rollout, rows, token_mask)  # no rows (all groups dropped): no forward
+        # every process runs as many backwards (DDP, FSDP collectives); one zero-loss pass when every row
+        # had advantage 0 gives the zero gradient running them would have (AdamW still decays)
+        backwards = max(max_over_processes(self.trainer.strategy, len(chunks)), 1 if sequences > 0 else 0)
+        scale = float(data_parallel_size(self.trainer.strategy))
+        names = ("loss", "entropy", "tokens", *self.loss.stats)
+        stats = {name: torch.zeros((), device=self.device) for name in names}
+        stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
+        gap = None
+        for j, chunk in enumerate(chunks):
+            logp, entropy, mask = self._chunk_logprobs(self.model, rollout, chunk, token_mask, with_entropy=True)
+            t = logp.shape[1]
+            old = logp.detach() if inputs["old"] is None else inputs["old"][chunk][:, :t]
+            if gap_sampler is not None:
+                gap = merge_gaps(gap, logprob_gap(old, gap_sampler[chunk][:, :t], mask))
+            ref, sampler = (None if x is None else x[chunk][:, :t] for x in (inputs["ref"], inputs["sampler"]))
+            loss, loss_stats = self.loss(TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler), counts)
+            self._backward(loss * scale, sync=j == backwards - 1)
+            stats["loss"] += loss.detach() * scale  # the mini-batch loss once averaged over processes
+            stats["entropy"] += (entropy * mask).sum()
+            stats["tokens"] += mask.sum()
+            for name in self.loss.stats:
+                stats[name] += loss_stats[name].detach()
+        for j in range(len(chunks), backwards):
+            self._backward(self._dummy_logits(self.model).sum() * 0.0, sync=j == backwards - 1)
+        return stats, gap
+
+    @torch.no_grad()
+    def _logprobs(self, model: nn.Module, rollout: RolloutBatch, token_mask: Tensor) -> Tensor:
+        """Log-probs ``[N, T]`` of the completion tokens under ``model`` (0 off ``token_mask``), no gradient."""
+        out = torch.zeros(token_mask.shape, dtype=torch.float32, device=token_mask.device)
+        chunks = self._micro_batches(rollout, token_mask.any(-1).nonzero().squeeze(-1), token_mask)
+        for _ in range(max_over_processes(self.trainer.strategy, len(chunks)) - len(chunks)):
+            self._dummy_logits(model)  # processes' chunk counts differ: every process runs as many forwards
+        for chunk in chunks:
+            logp, _, _ = self._chunk_logprobs(model, rollout, chunk, token_mask)
+            out[chunk, : logp.shape[1]] = logp
+        return out
+
+    def _chunk_logprobs(
+        self, model: nn.Module, rollout: RolloutBatch, chunk: Tensor, token_mask: Tensor, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """One micro-batch, trimmed: log-probs and entropies ``[n, T]`` under ``model``, and its token mask."""
+        batch = trim(rollout, chunk, token_mask)
+        logp, entropy = completion_logprobs(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["mask"],
+            self.rollout.temperature,
+            chunk_mib=self.logits_chunk_mib,
+            share_prompts=self.share_prompts,
+            with_entropy=with_entropy,
+        )
+        return logp, entropy, batch["mask"]
+
+    def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> list[Tensor]:
+        """``rows`` in micro-batches of similar completion length (``sgrpo.batching.micro_batches``)."""
+        lengths = token_mask[rows].sum(-1)
+        return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
+
+    def _backward(self, loss: Tensor, sync: bool) -> None:
+        """``manual_backward``; under DDP only the last backward of an optimiser step all-reduces."""
+        with gradient_sync(self.trainer.strategy.model, enabled=sync):
+            self.manual_backward(loss)
+
+    def _dummy_logits(self, model: nn.Module) -> Tensor:
+        """A one-token forward, so that every process runs as many forwards (FSDP2 gathers in each)."""
+        dummy = torch.full((1, 1), self.tokenizer.pad_token_id or 0, device=self.device)
+        return model(input_ids=dummy).logits
+
+    def _last_step(self) -> tuple[int, int]:
+        return self.ppo_epochs - 1, self.num_minibatches - 1
+
+    def _optimizer_step(self, optimizer, last: bool) -> Tensor:
+        """One optimiser step through Lightning's precision plugin; returns the gradient norm before clipping.
+
+        The plugin unscales fp16 gradients, then calls ``on_before_optimizer_step`` (where the norm is
+        taken and clipped), then steps (a GradScaler skips steps with non-finite gradients).
+        """
+        self._grad_norm = torch.zeros((), device=self.device)
+        if last:  # the step Lightning counts: trainer.global_step == training steps
+            optimizer.step()
+        else:
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+        optimizer.zero_grad(set_to_none=True)
+        return self._grad_norm
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Norm and clip the (unscaled) gradients: Lightning calls this after the plugin's ``unscale_``."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.unscale_(optimizer)  # fused optimisers unscale inside step(), after this hook: do it now
+        self._grad_norm = clip_gradients(self.model, self.max_grad_norm)
+
+    def _reduce_gap(self, gap: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """``logprob_gap`` sums over all processes (a process whose rows all had advantage 0 has none)."""
+        zero = torch.zeros((), device=self.device)
+        gap = gap or {"kl": zero, "abs_diff": zero, "max_abs": zero, "tokens": zero}
+        sums = self.trainer.strategy.reduce(torch.stack([gap["kl"], gap["abs_diff"], gap["tokens"]]), reduce_op="sum")
+        largest = self.trainer.strategy.reduce(gap["max_abs"].float(), reduce_op="max")
+        return {"kl": sums[0], "abs_diff": sums[1], "tokens": sums[2], "max_abs": largest}
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None) -> Tensor:
+    """Total L2 norm of ``model``'s gradients (over all shards under FSDP2), then clip it to ``max_norm``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=next(model.parameters()).device)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded (DTensor) gradients, reduced over shards
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.detach()

@@ -1,0 +1,107 @@
+"""The policy loss as a component: ClippedSurrogate by hand, and a user's loss class chosen in a config."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgrpo.fit import main
+from sgrpo.loss import BatchCounts, ClippedSurrogate, PolicyLoss, TokenBatch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def two_rows(**kwargs) -> TokenBatch:
+    # row 0: 2 tokens, advantage +1; row 1: 1 token (the second is padding), advantage -1
+    logp = torch.tensor([[0.5, 0.0], [-0.5, 9.0]], requires_grad=True)
+    fields = {"old_logp": torch.zeros(2, 2), "advantages": torch.tensor([1.0, -1.0])}
+    fields["mask"] = torch.tensor([[True, True], [True, False]])
+    return TokenBatch(logp=logp, **(fields | kwargs))
+
+
+def test_clipped_surrogate_by_hand():
+    # ratios: e^0.5 = 1.6487 (A = +1: clipped at 1.28, its gradient is 0), e^0 = 1 (A = +1: -1),
+    # e^-0.5 = 0.6065 (A = -1: clipped at 0.8 from below: -(0.8 x -1) = 0.8, gradient 0)
+    # per-token loss [-1.28, -1.0, 0.8]; token_mean over 3 tokens (of the whole mini-batch: counts)
+    loss_fn = ClippedSurrogate(clip_low=0.2, clip_high=0.28)
+    batch = two_rows()
+    loss, stats = loss_fn(batch, BatchCounts(sequences=2, tokens=3, max_new_tokens=2))
+    assert loss.item() == pytest.approx((-1.28 - 1.0 + 0.8) / 3)
+    assert {k: v.item() for k, v in stats.items()} == {
+        "clip/low": 1.0, "clip/high": 1.0, "kl": 0.0, "rollout/tis_weight_mean": 3.0,
+    }  # fmt: skip
+    loss.backward()
+    # d loss / d logp: only the unclipped token, -A rho / 3 = -1/3; padding gets nothing
+    torch.testing.assert_close(batch.logp.grad, torch.tensor([[0.0, -1 / 3], [0.0, 0.0]]))
+    # the same rows as half of a 6-token mini-batch split over micro-batches or processes: half the loss
+    half, _ = loss_fn(two_rows(), BatchCounts(sequences=4, tokens=6, max_new_tokens=2))
+    assert half.item() == pytest.approx(loss.item() / 2)
+
+
+def test_aggregations_kl_and_truncated_importance_sampling_by_hand():
+    # seq_sum_const (Dr.GRPO): sum of token losses / (B x L_max) = (-1.28 - 1 + 0.8) / (2 x 4)
+    dr = ClippedSurrogate(clip_low=0.2, clip_high=0.28, aggregation="seq_sum_const")
+    assert dr(two_rows(), BatchCounts(2, 3, 4))[0].item() == pytest.approx(-1.48 / 8)
+    # seq_mean_token_mean: mean over rows of each row's token mean: ((-1.28 - 1) / 2 + 0.8) / 2
+    grpo = ClippedSurrogate(clip_low=0.2, clip_high=0.28, aggregation="seq_mean_token_mean")
+    assert grpo(two_rows(), BatchCounts(2, 3, 4))[0].item() == pytest.approx((-1.14 + 0.8) / 2)
+    # KL: k3 with d = ref - logp = [-0.5, 0, 0.5]: e^d - d - 1 = [0.10653, 0, 0.14872], x kl_coef 0.1 per token
+    ref = torch.zeros(2, 2)
+    with_kl = ClippedSurrogate(clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+    loss, stats = with_kl(two_rows(ref_logp=ref), BatchCounts(2, 3, 2))
+    k3 = [math.exp(-0.5) + 0.5 - 1, 0.0, math.exp(0.5) - 0.5 - 1]
+    assert stats["kl"].item() == pytest.approx(sum(k3))
+    assert loss.item() == pytest.approx((-1.28 - 1.0 + 0.8 + 0.1 * sum(k3)) / 3)
+    assert with_kl.needs_reference and not with_kl.zero_at_zero_advantage
+    # TIS: an external sampler with log-probs [-1, 0, 0] under old 0: weights min(e^{0 - s}, 2) = [2, 1, 1]
+    sampler = torch.tensor([[-1.0, 0.0], [0.0, 0.0]])
+    tis = ClippedSurrogate(clip_low=0.2, clip_high=0.28, importance_sampling_cap=2.0)
+    loss, stats = tis(two_rows(sampler_logp=sampler), BatchCounts(2, 3, 2))
+    assert loss.item() == pytest.approx((-1.28 * 2 - 1.0 + 0.8) / 3) and stats["rollout/tis_weight_mean"].item() == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"clip_low": 1.0}, "clip_low < 1"),
+        ({"aggregation": "sum"}, "aggregation must be one of"),
+        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        ({"importance_sampling_cap": 0.0}, "importance_sampling_cap must be > 0"),
+    ],
+)
+def test_clipped_surrogate_refuses_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClippedSurrogate(**kwargs)
+
+
+class SequenceRatio(PolicyLoss):
+    """A user's loss (GSPO-style): one ratio per sequence, exp(mean over its tokens of logp - old), clipped."""
+
+    stats = ("clip/any",)
+
+    def __init__(self, clip: float = 0.1) -> None:
+        self.clip = clip
+
+    def __call__(self, batch: TokenBatch, counts: BatchCounts):
+        m = batch.mask.float()
+        log_ratio = ((batch.logp - batch.old_logp) * m).sum(-1) / m.sum(-1).clamp_min(1)  # [n]
+        ratio = log_ratio.exp()
+        clipped = ratio.clamp(1 - self.clip, 1 + self.clip)
+        per_seq = -torch.minimum(ratio * batch.advantages, clipped * batch.advantages)
+        return per_seq.sum() / counts.sequences, {"clip/any": ((clipped != ratio).float()[:, None] * m).sum()}
+
+
+def test_a_loss_class_chosen_in_the_config_trains(tmp_path):
+    """``--model.loss`` takes any PolicyLoss by import path; its statistics are logged as train/<name>."""
+    cli = main([
+        "--config", str(REPO / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=2", "--trainer.val_check_interval=100", "--trainer.enable_progress_bar=false",
+        "--model.loss=tests.test_policy_loss.SequenceRatio", "--model.loss.clip=0.05",
+    ])  # fmt: skip
+    assert isinstance(cli.model.loss, SequenceRatio) and cli.model.loss.clip == 0.05
+    metrics = cli.trainer.callback_metrics
+    assert "train/clip/any" in metrics and "train/clip/low" not in metrics
+    assert cli.trainer.global_step == 2
