@@ -17,10 +17,10 @@ from torch import Tensor
 
 from estimators import GRPO, RLOO, AdvantageEstimator, DrGRPO, MaxRL, SoftmaxGRPO
 
-#: the SoftmaxGRPO temperatures of the spec's sweep (spec/estimators.md §3.4)
+#: the SoftmaxGRPO temperatures the paper sweeps (arXiv 2608.09271)
 TEMPERATURES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
 
-#: the difficulty buckets of the spec's §6 tables (``unsolved`` and ``solved`` carry no mass)
+#: the difficulty buckets of docs/theory.md §6 (``unsolved`` and ``solved`` carry no mass)
 SHOWN_BUCKETS: tuple[str, ...] = ("hard", "mid_hard", "half", "mid_easy", "near_solved")
 
 

@@ -1,6 +1,6 @@
 """Population theory, head to head: c_G(p), F_G(p), large-group weights and gradient budget by difficulty.
 
-Every number comes from the library's own exact theory (spec/estimators.md §4-§6), never from a
+Every number comes from the library's own exact theory (docs/theory.md §3-§6), never from a
 re-derived closed form:
 
 * ``c_G(p)`` and ``F_G(p)``: ``AdvantageEstimator.population_weight`` / ``population_objective``;
@@ -15,7 +15,7 @@ re-derived closed form:
 Outputs (default ``benchmarks/results/population/``): ``tables.md`` and the figures
 ``weights.png`` (per-rollout c_G/G), ``objectives.png`` (F_G), ``large_group.png``,
 ``budget_shares.png`` and ``expected_budget.png``. The tables are also printed.
-``tests/test_benchmarks_population.py`` checks these tables against the spec's §5 and §6 numbers.
+``tests/test_benchmarks_population.py`` checks these tables against independently computed reference numbers.
 
     python benchmarks/population.py [--out DIR] [--no-plots]
 """
@@ -56,8 +56,8 @@ RICHARDSON_SIZES = (256, 512, 1024)
 DEFAULT_OUT = _ROOT / "benchmarks" / "results" / "population"
 
 
-def spec5_entries() -> list[Entry]:
-    """The rows of the spec's §5 c_G table (both GRPO stds, all MaxRL variants, tau up to 4)."""
+def table_entries() -> list[Entry]:
+    """The rows of the c_G table (both GRPO stds, all MaxRL variants, tau up to 4)."""
     return [
         Entry("GRPO (pop std)", GRPO(std="population"), "#d62728"),
         Entry("GRPO (sample std)", GRPO(), "#d62728"),
@@ -150,9 +150,9 @@ def tables() -> list[str]:
     """Every markdown table of the report, each with a heading line."""
     sections = []
     ps_head = [f"p={p:g}" for p in P_TABLE]
-    c8 = weights(spec5_entries(), 8)
+    c8 = weights(table_entries(), 8)
     sections.append(
-        "## c_G(p) for G = 8 (spec §5; exact `population_weight`, c(0+) / c(1-) at p = 0 / 1)\n\n"
+        "## c_G(p) for G = 8 (docs/theory.md §8.1; exact `population_weight`, c(0+) / c(1-) at p = 0 / 1)\n\n"
         + markdown_table(["estimator", *ps_head, "c(0+)", "c(1-)"], _fmt_rows(c8, ["{:.4f}"] * 5 + ["{:.3f}"] * 2))
     )
     for g in GROUP_SIZES:
@@ -166,7 +166,7 @@ def tables() -> list[str]:
     big = roster()
     limits = large_group_weights(big)
     sections.append(
-        "## Large-G per-rollout weight lim c_G/G (spec §5; SoftmaxGRPO.large_group_weight, else Richardson "
+        "## Large-G per-rollout weight lim c_G/G (docs/theory.md §4; SoftmaxGRPO.large_group_weight, else Richardson "
         f"on exact c_G/G at G = {', '.join(map(str, RICHARDSON_SIZES))})\n\n"
         + markdown_table(["estimator", *ps_head], _fmt_rows(limits, ["{:.4f}"] * 5))
     )
@@ -184,15 +184,15 @@ def tables() -> list[str]:
         shares = share_rows(big, g)
         for norm in ("l1", "l2"):
             sections.append(
-                f"## {norm.upper()} budget share by bucket, G = {g}, p ~ U(0,1) (spec §6)\n\n"
+                f"## {norm.upper()} budget share by bucket, G = {g}, p ~ U(0,1) (docs/theory.md §6)\n\n"
                 + markdown_table(head, _fmt_rows(shares[norm], pct))
             )
     sections.append(
-        "## Per-K L1 budget sum_i |A_i|, G = 8, K = 1..7 (spec §6)\n\n"
+        "## Per-K L1 budget sum_i |A_i|, G = 8, K = 1..7 (docs/theory.md §6)\n\n"
         + markdown_table(["estimator", *(f"K={k}" for k in range(1, 8))], _fmt_rows(per_k_l1(big, 8), ["{:.3f}"] * 7))
     )
     sections.append(
-        "## Expected L1 budget of a prompt with pass rate p, G = 8 (spec §6)\n\n"
+        "## Expected L1 budget of a prompt with pass rate p, G = 8 (docs/theory.md §6)\n\n"
         + markdown_table(["estimator", *ps_head, "p=.95 : p=.05"], _fmt_rows(expected_l1(big, 8), ["{:.3f}"] * 6))
     )
     return sections

@@ -15,7 +15,7 @@ class MaxRL(AdvantageEstimator):
     """MaxRL (arXiv 2602.02710), for rewards >= 0 with group mean mu = mean(r):
 
     - ``practical`` (the paper's Algorithm 1): ``A_i = r_i / mu - 1``, and 0 when mu = 0.
-      c_G(p) = G (1 - (1-p)^(G-1)) / p: the order G-1 truncation (spec §2.4), not order G.
+      c_G(p) = G (1 - (1-p)^(G-1)) / p: the order G-1 truncation (docs/theory.md §2.5), not order G.
     - ``cv_unbiased`` (the theory's control variate): ``r_i / mu - 1``, and -1 for every member
       when mu = 0. c_G(p) = G (1 - (1-p)^G) / p.
     - ``nocv`` (conditional estimator times G): ``A_i = r_i / mu``, and 0 when mu = 0.

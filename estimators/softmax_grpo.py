@@ -23,7 +23,7 @@ class SoftmaxGRPO(AdvantageEstimator):
     weight is bounded: 0 < c_G(p)/G < e^(1/tau) - 1 for all p and G; the large-group objective is
     the log-MGF ``log E[exp(r / tau)]``.
 
-    Evaluation (spec §3.3) is in float64. The rewards are centred on the group maximum *before*
+    Evaluation (docs/theory.md §5.2) is in float64. The rewards are centred on the group maximum *before*
     dividing by tau, so ``d = (r - max r) / tau <= 0`` carries the relative precision of the reward
     differences (dividing first would amplify the rounding of large |r| / tau). With
     ``A_i + 1 = e^(d_i) / mean_j e^(d_j)``, per group:
@@ -35,7 +35,7 @@ class SoftmaxGRPO(AdvantageEstimator):
       ``A = (u - m) / (1 + m)``, which keeps full relative precision as tau -> inf, where
       ``exp(d) - 1`` would cancel.
 
-    The spec's split is at s = 1; moving it to 1/16 keeps the same accuracy (the exp form is exact to
+    A split at s = 1 would do too; splitting at 1/16 keeps the same accuracy (the exp form is exact to
     ~1e-14 there) and lets the usual groups skip the slower expm1. Constant groups get exactly 0.
 
     Only the paper's abstract was available: the definition is inferred so that it satisfies every
@@ -88,7 +88,7 @@ class SoftmaxGRPO(AdvantageEstimator):
 
     # ------------------------------------------------------------------ large-group theory
     def large_group_weight(self, p: Tensor | float) -> Tensor:
-        """lim_{G->inf} c_G(p)/G = (beta - 1) / (1 + p (beta - 1)), beta = e^(1/tau) (spec §4.3).
+        """lim_{G->inf} c_G(p)/G = (beta - 1) / (1 + p (beta - 1)), beta = e^(1/tau) (docs/theory.md §4.3).
 
         Binary rewards; per rollout; times tau with ``scale_by_tau``.
         """
@@ -99,7 +99,7 @@ class SoftmaxGRPO(AdvantageEstimator):
         return weight * self.temperature if self.scale_by_tau else weight
 
     def large_group_objective(self, values: Tensor, probs: Tensor) -> Tensor:
-        """log E[exp(r / tau)] for a discrete reward law P(r = values[..., j]) = probs[..., j] (spec §4.5).
+        """log E[exp(r / tau)] for a discrete reward law P(r = values[..., j]) = probs[..., j] (docs/theory.md §4.4).
 
         E[sum_i A_i s_i] / G -> grad of this as G -> inf. With ``scale_by_tau`` it is multiplied by tau
         (the soft-max value tau log E e^(r/tau), between E[r] and max r). Evaluated with logsumexp.

@@ -33,7 +33,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
     One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
     completions each -> rewards ``[B, G]`` -> ``estimator`` -> clipped-surrogate updates, reusing the
     rollout for ``ppo_epochs`` x ``num_minibatches`` optimiser steps. The loss aggregation is a
-    policy setting (spec/estimators.md §2.7), so two runs can differ in the estimator alone.
+    loss setting (docs/theory.md §7.4), so two runs can differ in the estimator alone.
     ``trainer.max_steps`` counts training steps (rollout batches). Rollout sampling is seeded from
     ``(seed, step, rank)``, so a resumed run reproduces an uninterrupted one.
 

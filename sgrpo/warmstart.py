@@ -1,6 +1,6 @@
 """Warm-start the quickstart model: a tiny char-level Llama, briefly supervised on the synthetic ``sort`` task.
 
-The SFT phase is stopped early on purpose (spec/tasks.md §6): the model should solve short prompts
+The SFT phase is stopped early on purpose: the model should solve short prompts
 often and long ones rarely, so RL has headroom and a wide spread of per-prompt success rates.
 Teacher forcing on ``prompt + answer + <eos>`` with the loss on the answer and ``<eos>`` only, over
 consecutive batches of ``SyntheticTask("sort", seed=seed)``'s train split; accuracy is measured on its

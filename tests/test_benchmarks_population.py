@@ -1,7 +1,8 @@
-"""benchmarks/population.py reproduces the spec's reference tables (spec/estimators.md §5 and §6).
+"""benchmarks/population.py reproduces reference tables of weights and budgets (docs/theory.md §4, §6, §8.1).
 
-The numbers below are copied from the spec; every one is compared with the script's computed table
-within 1e-3 absolute (shares as fractions, so 1e-3 is the spec's 0.1 % rounding unit; c_G values are
+The numbers below come from an independent numpy/scipy implementation of the formulas, printed to a
+0.1 % unit; every one is compared with the script's computed table within 1e-3 absolute (shares as
+fractions, so 1e-3 is that 0.1 % rounding unit; c_G values are
 given to 4 decimals, c(0+)/c(1-), budgets and ratios to 3).
 """
 
@@ -16,8 +17,8 @@ from benchmarks import population
 
 TOL = 1e-3
 
-# spec/estimators.md §5, "Table of c_G(p) for G = 8": p = 0.05, 0.25, 0.5, 0.75, 0.95, then c(0+), c(1-)
-SPEC_C8 = {
+# c_G(p) for G = 8 (docs/theory.md §8.1): p = 0.05, 0.25, 0.5, 0.75, 0.95, then c(0+), c(1-)
+REFERENCE_C8 = {
     "GRPO (pop std)": [19.7845, 16.2089, 14.8452, 16.2089, 19.7845, 21.166, 21.166],
     "GRPO (sample std)": [18.5067, 15.1621, 13.8865, 15.1621, 18.5067, 19.799, 19.799],
     "Dr.GRPO": [7, 7, 7, 7, 7, 7, 7],
@@ -32,8 +33,8 @@ SPEC_C8 = {
     "Softmax tau=4": [1.9011, 1.8283, 1.7435, 1.6651, 1.6065, 1.920, 1.592],
 }
 
-# spec §5, "Large-G per-rollout weight w(p) = lim c_G/G" at p = 0.05, 0.25, 0.5, 0.75, 0.95
-SPEC_LARGE_G = {
+# large-G per-rollout weight w(p) = lim c_G/G (docs/theory.md §4) at p = 0.05, 0.25, 0.5, 0.75, 0.95
+REFERENCE_LARGE_G = {
     "GRPO": [4.5883, 2.3094, 2.0000, 2.3094, 4.5883],
     "Dr.GRPO": [1, 1, 1, 1, 1],
     "RLOO": [1, 1, 1, 1, 1],
@@ -44,8 +45,9 @@ SPEC_LARGE_G = {
     "Softmax tau=2": [0.6283, 0.5582, 0.4898, 0.4364, 0.4014],
 }
 
-# spec §6 shares in percent (hard, mid-hard, half, mid-easy, near-solved), then near/hard
-SPEC_SHARES = {
+# budget shares under p ~ U(0, 1) in percent (docs/theory.md §6): hard, mid-hard, half, mid-easy,
+# near-solved, then near/hard
+REFERENCE_SHARES = {
     # "G = 8, L1 share" table
     (8, "l1"): {
         "GRPO": [25.5, 16.2, 16.7, 16.2, 25.5, 1.000],
@@ -88,16 +90,16 @@ SPEC_SHARES = {
     },
 }
 
-# spec §6, "Per-K L1 budget for G = 8 (K = 1..7)"
-SPEC_PER_K_L1 = {
+# per-K L1 budget for G = 8, K = 1..7 (docs/theory.md §6)
+REFERENCE_PER_K_L1 = {
     "GRPO": [4.950, 6.481, 7.246, 7.483, 7.246, 6.481, 4.950],
     "Dr.GRPO": [1.75, 3, 3.75, 4, 3.75, 3, 1.75],
     "MaxRL": [14, 12, 10, 8, 6, 4, 2],
     "Softmax tau=1": [2.475, 3.606, 3.919, 3.697, 3.107, 2.252, 1.201],
 }
 
-# spec §6, "Expected L1 budget for a prompt of true pass rate p (G = 8)": p = .05/.25/.5/.75/.95, ratio .95:.05
-SPEC_EXPECTED_L1 = {
+# expected L1 budget for a prompt of true pass rate p, G = 8 (docs/theory.md §6): p = .05/.25/.5/.75/.95, ratio .95:.05
+REFERENCE_EXPECTED_L1 = {
     "GRPO": [1.758, 5.686, 6.943, 5.686, 1.758, 1.00],
     "MaxRL": [4.585, 10.398, 7.938, 4.000, 0.800, 0.174],
     "Softmax tau=0.5": [2.157, 6.074, 5.675, 3.201, 0.673, 0.312],
@@ -111,7 +113,7 @@ def computed():
     torch.set_num_threads(1)
     roster = population.roster()
     out = {
-        "c8": population.weights(population.spec5_entries(), 8),
+        "c8": population.weights(population.table_entries(), 8),
         "large_g": population.large_group_weights(roster),
         "per_k_l1": population.per_k_l1(roster, 8),
         "expected_l1": population.expected_l1(roster, 8),
@@ -124,41 +126,42 @@ def computed():
     return out
 
 
-def assert_table(name: str, computed: dict[str, list[float]], spec: dict[str, list[float]], scale=None) -> None:
-    """Every spec cell within TOL; ``scale[j]`` divides spec column j first (percent -> fraction)."""
+def assert_table(name: str, computed: dict[str, list[float]], reference: dict[str, list[float]], scale=None) -> None:
+    """Every reference cell within TOL; ``scale[j]`` divides reference column j first (percent -> fraction)."""
     worst = 0.0
-    for label, row in spec.items():
+    for label, row in reference.items():
         assert label in computed, f"{name}: no row {label!r} in the script's table ({sorted(computed)})"
         got = computed[label]
-        assert len(got) == len(row), f"{name} / {label}: {len(got)} columns, spec has {len(row)}"
+        assert len(got) == len(row), f"{name} / {label}: {len(got)} columns, the reference has {len(row)}"
         for j, value in enumerate(row):
             want = value / (scale[j] if scale else 1)
             diff = abs(got[j] - want)
-            assert math.isfinite(got[j]) and diff <= TOL, f"{name} / {label} column {j}: {got[j]:.6f} vs spec {want}"
+            message = f"{name} / {label} column {j}: {got[j]:.6f} vs reference {want}"
+            assert math.isfinite(got[j]) and diff <= TOL, message
             worst = max(worst, diff)
-    print(f"{name}: {sum(map(len, spec.values()))} cells within {TOL:g} (max |diff| {worst:.2e})")
+    print(f"{name}: {sum(map(len, reference.values()))} cells within {TOL:g} (max |diff| {worst:.2e})")
 
 
 def test_section5_weights_g8(computed):
-    assert_table("§5 c_G(p), G = 8", computed["c8"], SPEC_C8)
+    assert_table("§5 c_G(p), G = 8", computed["c8"], REFERENCE_C8)
 
 
 def test_section5_large_group_weights(computed):
-    assert_table("§5 large-G weight", computed["large_g"], SPEC_LARGE_G)
+    assert_table("§5 large-G weight", computed["large_g"], REFERENCE_LARGE_G)
 
 
-@pytest.mark.parametrize("key", list(SPEC_SHARES), ids=lambda k: f"G{k[0]}-{k[1]}")
+@pytest.mark.parametrize("key", list(REFERENCE_SHARES), ids=lambda k: f"G{k[0]}-{k[1]}")
 def test_section6_shares(computed, key):
     g, norm = key
-    assert_table(f"§6 {norm.upper()} shares, G = {g}", computed[key], SPEC_SHARES[key], scale=[100] * 5 + [1])
+    assert_table(f"§6 {norm.upper()} shares, G = {g}", computed[key], REFERENCE_SHARES[key], scale=[100] * 5 + [1])
 
 
 def test_section6_per_k_l1_budgets(computed):
-    assert_table("§6 per-K L1 budget, G = 8", computed["per_k_l1"], SPEC_PER_K_L1)
+    assert_table("§6 per-K L1 budget, G = 8", computed["per_k_l1"], REFERENCE_PER_K_L1)
 
 
 def test_section6_expected_l1_budget_by_pass_rate(computed):
-    assert_table("§6 expected L1 budget, G = 8", computed["expected_l1"], SPEC_EXPECTED_L1)
+    assert_table("§6 expected L1 budget, G = 8", computed["expected_l1"], REFERENCE_EXPECTED_L1)
 
 
 def test_large_group_richardson_matches_softmax_closed_form():

@@ -1,4 +1,5 @@
-"""Gradient budget by prompt difficulty (spec/estimators.md §6; output file §I; T16).
+"""Gradient budget by prompt difficulty (docs/theory.md §6); reference numbers from an independent numpy/scipy
+implementation of its formulas.
 
 Under the prior p ~ U(0, 1) every K = 0..G has probability 1/(G+1), so the expected share of a
 bucket is the budget of the G+1 binary groups (one per K), bucketed by K/G: exactly what
@@ -154,7 +155,7 @@ def test_no_mass_gives_zero_shares_and_bad_shapes_raise():
 
 
 # ---------------------------------------------------------------------------------------------
-# T16: per-K L1 budgets (output file §I, raw L1 budget per group)
+# per-K L1 budgets (raw L1 budget per group)
 # ---------------------------------------------------------------------------------------------
 
 PER_K_L1 = {
@@ -224,7 +225,7 @@ PER_K_L1 = {
 
 @pytest.mark.parametrize("g", sorted(PER_K_L1))
 def test_t16_per_k_l1_budget(g):
-    """T16: sum_i |A_i| of the binary group with K successes, K = 1..G-1 (1e-3)."""
+    """sum_i |A_i| of the binary group with K successes, K = 1..G-1 (1e-3)."""
     for est, row in PER_K_L1[g]:
         budget = est.binary_group_advantages(g)[1:-1].abs().sum(-1)
         torch.testing.assert_close(budget, torch.tensor(row, dtype=F64), rtol=0, atol=1e-3, msg=repr(est))
@@ -331,7 +332,7 @@ def test_softmax_moves_budget_away_from_near_solved(g):
 
 
 # ---------------------------------------------------------------------------------------------
-# expected L1 budget at a true pass rate p (G = 8, output file §I)
+# expected L1 budget at a true pass rate p (G = 8)
 # ---------------------------------------------------------------------------------------------
 
 EXPECTED_L1_AT_P = [

@@ -1,5 +1,5 @@
 """Every shipped config parses and instantiates (tiny local model, fixture data), and A/B pairs differ only
-in the estimator (spec T18)."""
+in the estimator (docs/theory.md §7.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Conformance suite: every class in ``estimators.ESTIMATORS`` must pass these (spec/estimators.md §7).
+"""Conformance suite: every class in ``estimators.ESTIMATORS`` must pass these (docs/theory.md §2.7, §8.2).
 
 The suite is parametrised over the export list, so a new estimator is covered by adding it to
 ``ESTIMATORS``. Classes whose constructor needs arguments, or that deviate from a property on
@@ -59,7 +59,7 @@ def zero_sum_exempt(est: AdvantageEstimator) -> bool:
 
 
 def constant_group_value(est: AdvantageEstimator, value: float) -> float:
-    """The advantage of every member of a constant group (spec §2, T2: 0 unless a variant says so)."""
+    """The advantage of every member of a constant group (docs/theory.md §2.1: 0 unless a variant says so)."""
     if isinstance(est, MaxRL) and est.variant == "cv_unbiased":
         return -1.0 if value == 0 else 0.0  # the control variate is kept when K = 0
     if isinstance(est, MaxRL) and est.variant == "nocv":
@@ -415,7 +415,7 @@ def test_softmax_accepts_real_number_types():
     for tau in (1, 0.5, np.float32(0.5), np.float64(2.0)):
         assert SoftmaxGRPO(tau).temperature == float(tau)
     with pytest.raises(TypeError):
-        SoftmaxGRPO()  # no default temperature: it is a required setting (spec §3.4)
+        SoftmaxGRPO()  # no default temperature: it is a required setting (docs/theory.md §2.6)
 
 
 def test_other_constructors_validate():

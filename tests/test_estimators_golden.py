@@ -1,6 +1,7 @@
-"""Golden values: spec/estimators.md §3.1, §5 and check_estimators_output.txt §A/§H (T6, T12).
+"""Golden values: SoftmaxGRPO's binary advantages and the c_G(p) table of docs/theory.md §8.1.
 
-Every number below is copied from the spec's output file (or computed by hand, as noted); the
+Every number below comes from an independent numpy/scipy implementation of the formulas (or by hand, as
+noted), not from the library; the
 library computes them from its estimators' ``__call__`` alone, through the exact binary theory.
 """
 
@@ -140,7 +141,7 @@ def test_binary_advantages_closed_forms(g):
 # T12: the §5 table of c_G(p), G = 8 (every row)
 # ---------------------------------------------------------------------------------------------
 
-#: rows of spec §5 / output file §H: c_8(p) at p = .05 .25 .5 .75 .95, then c(0+), c(1-)
+#: rows of docs/theory.md §8.1's table: c_8(p) at p = .05 .25 .5 .75 .95, then c(0+), c(1-)
 TABLE_5 = [
     (GRPO("population", eps=0.0), [19.7845, 16.2089, 14.8452, 16.2089, 19.7845], [21.166, 21.166]),
     (GRPO("sample", eps=0.0), [18.5067, 15.1621, 13.8865, 15.1621, 18.5067], [19.799, 19.799]),
@@ -159,7 +160,7 @@ TABLE_5 = [
 
 @pytest.mark.parametrize(("est", "row", "ends"), TABLE_5, ids=[repr(t[0]) for t in TABLE_5])
 def test_table5_population_weight_g8(est, row, ends):
-    """T12: spec §5 spot values (1e-4 absolute; the endpoints are printed to 3 decimals, so 1e-3).
+    """Spot values of docs/theory.md §8.1 (1e-4 absolute; the endpoints are printed to 3 decimals, so 1e-3).
 
     Hand checks: GRPO pop c(0+) = G sqrt(G-1) = 8 sqrt(7) = 21.166; sample (G-1) sqrt(G) = 7 sqrt(8)
     = 19.799; MaxRL practical c(0+) = G (G-1) = 56, cv_unbiased G^2 = 64, c(1-) = G = 8; softmax

@@ -1,7 +1,8 @@
 """Theory tests: limits (T7, T8, T14), stability (T9), exact expected updates (T11, T13, T15), the
 large-group weight and objective of SoftmaxGRPO, and the theory a user's new estimator inherits.
 
-References are spec/estimators.md §2-§4 and check_estimators_output.txt §B, §C2, §E, §H.
+The formulas are those of docs/theory.md §2-§4; reference values come from an independent numpy/scipy
+implementation of them (closed forms and Monte Carlo), not from the library.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def test_t9_extremes_stay_finite():
 
 
 # ---------------------------------------------------------------------------------------------
-# T11: closed forms of spec §4.3 against the generic lemma (binomial sum over the estimator)
+# T11: closed forms of docs/theory.md §4 against the generic lemma (binomial sum over the estimator)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -177,7 +178,7 @@ def binom_pmf(n: int, p: float) -> list[float]:
 
 
 def closed_delta(est: AdvantageEstimator, g: int) -> list[float]:
-    """Delta(k) = a_+(k+1) - a_-(k), k = 0..G-1, from spec §4.3."""
+    """Delta(k) = a_+(k+1) - a_-(k), k = 0..G-1, from docs/theory.md §4.2."""
     ks = range(g)
     if isinstance(est, GRPO):
         pop = [math.sqrt((g - 1 - k) / (k + 1)) + math.sqrt(k / (g - k)) for k in ks]
@@ -195,7 +196,7 @@ def closed_delta(est: AdvantageEstimator, g: int) -> list[float]:
 
 
 def closed_weight(est: AdvantageEstimator, g: int, p: float) -> float:
-    """c_G(p) in closed form where one exists (spec §4.3), else G E_k[Delta(k)], k ~ Bin(G-1, p)."""
+    """c_G(p) in closed form where one exists (docs/theory.md §4), else G E_k[Delta(k)], k ~ Bin(G-1, p)."""
     if isinstance(est, DrGRPO):
         return g - 1.0
     if isinstance(est, RLOO):
@@ -207,7 +208,7 @@ def closed_weight(est: AdvantageEstimator, g: int, p: float) -> float:
 
 
 def closed_objective(est: AdvantageEstimator, g: int, p: float) -> float:
-    """F_G(p) with F_G(0) = 0 (spec §4.2-4.3)."""
+    """F_G(p) with F_G(0) = 0 (docs/theory.md §3.2, §4)."""
     if isinstance(est, DrGRPO):
         return (g - 1) * p
     if isinstance(est, RLOO):
@@ -260,7 +261,7 @@ def test_t11_closed_forms_match_the_lemma(est):
 
 
 def test_t11_endpoint_closed_forms():
-    """c(0+), c(1-) of spec §4.3 at G = 16 (1e-10 relative)."""
+    """c(0+), c(1-) of docs/theory.md §4.1 at G = 16 (1e-10 relative)."""
     g, ends = 16, torch.tensor([0.0, 1.0], dtype=F64)
     expect = {
         GRPO("population", eps=0.0): [g * math.sqrt(g - 1)] * 2,
@@ -326,7 +327,7 @@ def test_large_group_objective_validation():
 
 
 # ---------------------------------------------------------------------------------------------
-# large-group weight of SoftmaxGRPO (spec §5 second table, §4.3)
+# large-group weight of SoftmaxGRPO (docs/theory.md §4.3, §8.1)
 # ---------------------------------------------------------------------------------------------
 
 LARGE_G_TABLE = {
