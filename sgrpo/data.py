@@ -55,10 +55,14 @@ class StepBatches(IterableDataset):
             self._perms = {epoch: torch.randperm(len(self.examples), generator=generator, device="cpu").tolist()}
         return self._perms[epoch][offset]
 
+    def batch(self, step: int) -> list[Example]:
+        """This process's prompts of training step ``step``."""
+        first = step * self.prompts_per_step
+        positions = range(first + self.rank, first + self.prompts_per_step, self.world_size)
+        return [self.examples[self._index(p)] for p in positions]
+
     def __iter__(self) -> Iterator[list[Example]]:
         step = self.start_step
         while True:
-            first = step * self.prompts_per_step
-            positions = range(first + self.rank, first + self.prompts_per_step, self.world_size)
-            yield [self.examples[self._index(p)] for p in positions]
+            yield self.batch(step)
             step += 1

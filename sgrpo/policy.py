@@ -15,7 +15,7 @@ from torch import Tensor
 from estimators import AdvantageEstimator, budget_mass, budget_shares
 from estimators.base import constant_groups
 from sgrpo.data import StepBatches, identity_collate, mix_seed
-from sgrpo.distributed import data_parallel_rank, data_parallel_size
+from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size
 from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
 from sgrpo.head import check_logit_head
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
@@ -75,6 +75,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         loss: PolicyLoss | None = None,
         mask_truncated: bool = False,
         dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 4,
         max_grad_norm: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
@@ -124,7 +125,10 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.loss = loss if loss is not None else ClippedSurrogate()
+        _require(max_sampling_rounds >= 1, f"max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
         self.mask_truncated, self.dynamic_sampling = mask_truncated, dynamic_sampling
+        self.max_sampling_rounds = max_sampling_rounds
+        self._refill: StepBatches | None = None  # more prompts for dynamic sampling, a stream of their own
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
@@ -183,6 +187,8 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         rank, world = data_parallel_rank(self.trainer.strategy), data_parallel_size(self.trainer.strategy)
         examples, self.prompts_dropped = self._within_prompt_limit("train")
         stream = StepBatches(examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world)
+        refill_seed = mix_seed(self.seed, 1) % 2**31  # a stream of its own (StepBatches scales the seed)
+        self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=identity_collate)
 
     def val_dataloader(self):
@@ -215,20 +221,63 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
     # ------------------------------------------------------------------ training
     def training_step(self, examples: list[Example], batch_idx: int) -> None:
         started = time.perf_counter()
-        rollout = self.sample(examples)
-        generated = time.perf_counter()
-        rewards, success, reward_log = self.score(examples, rollout)  # [B, G], [B, G]
+        rollout, rewards, success, reward_log = self.collect(examples)  # RolloutBatch, [B, G], [B, G]
         advantages = self.estimator(rewards)  # [B, G]
         update_log = self.update(rollout, advantages, self.informative_groups(rewards))
         self.rollout_step += 1
-        timing = {"rollout_s": generated - started, "step_s": time.perf_counter() - started}
+        timing = {"rollout_s": reward_log.pop("rollout_s"), "step_s": time.perf_counter() - started}
         logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
         self._log_step(rollout, rewards, success, advantages, logs, timing)
 
-    def sample(self, examples: list[Example]) -> RolloutBatch:
-        """``group_size`` completions per prompt, seeded from (seed, step, rank): a resumed run draws the same."""
+    def collect(self, examples: list[Example]) -> tuple[RolloutBatch, Tensor, Tensor, dict[str, Any]]:
+        """Sample and score one step's groups.
+
+        With ``dynamic_sampling``, groups whose rewards are all equal carry no signal (advantage 0 under
+        every zero-sum estimator): they are dropped and more prompts sampled, round after round (as
+        DAPO and verl's filter_groups do), until this step's ``prompts_per_step`` informative groups are
+        collected or ``max_sampling_rounds`` rounds have run. Every process runs as many rounds (their
+        rollouts may be collectives). Logs ``train/sampling/rounds`` and ``train/sampling/groups_dropped``;
+        ``train/zero_variance_groups`` counts every sampled group.
+        """
+        started = time.perf_counter()
+        rollout = self.sample(examples)
+        scored = time.perf_counter()
+        rewards, success, log = self.score(examples, rollout)
+        log["rollout_s"] = scored - started
+        if not self.dynamic_sampling:
+            log["train/zero_variance_groups"] = constant_groups(rewards).float().mean()
+            return rollout, rewards, success, log
+        kept, sampled, rounds = [], 0, 0
+        while True:
+            informative = (~constant_groups(rewards).squeeze(-1)).nonzero().squeeze(-1)
+            kept.append((rollout.select_groups(informative), rewards[informative], success[informative]))
+            sampled, rounds = sampled + len(rewards), rounds + 1
+            have = sum(len(r) for _, r, _ in kept)
+            if rounds == self.max_sampling_rounds or not any_process(have < len(examples), self.device):
+                break
+            more = self._refill.batch(self.rollout_step * self.max_sampling_rounds + rounds)
+            started = time.perf_counter()
+            rollout = self.sample(more, rounds)
+            log["rollout_s"] += time.perf_counter() - started
+            rewards, success, _ = self.score(more, rollout)
+        log |= {
+            "train/sampling/rounds": float(rounds),
+            "train/sampling/groups_dropped": float(sampled - have),
+            "train/zero_variance_groups": (sampled - have) / sampled,
+        }
+        if have == 0:  # nothing informative: the last round's groups, all dropped by informative_groups
+            return rollout, rewards, success, log
+        groups = torch.arange(min(have, len(examples)), device=self.device)  # this step's share, no more
+        rollout = RolloutBatch.cat([b for b, _, _ in kept]).select_groups(groups)
+        rewards, success = (torch.cat([part[i] for part in kept])[groups] for i in (1, 2))
+        return rollout, rewards, success, log
+
+    def sample(self, examples: list[Example], sampling_round: int = 0) -> RolloutBatch:
+        """``group_size`` completions per prompt, seeded from (seed, step, rank[, round]): a resumed run draws
+        the same."""
+        seed = mix_seed(self.seed, self.rollout_step, self.global_rank, *([sampling_round] if sampling_round else []))
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mix_seed(self.seed, self.rollout_step, self.global_rank))
+            torch.manual_seed(seed)
             return self.rollout.generate(self.model, self.tokenizer, examples, self.group_size)
 
     def informative_groups(self, rewards: Tensor) -> Tensor:
@@ -243,10 +292,9 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self._log_mean(
             logs
             | {
-                "train/success_rate": success.float().mean(),
                 "train/advantage/mean": advantages.mean(),
                 "train/advantage/abs_mean": advantages.abs().mean(),
-                "train/zero_variance_groups": constant_groups(rewards).float().mean(),
+
                 "train/completion/length_mean": lengths.mean(),
                 "train/completion/truncated": rollout.truncated.float().mean(),
                 "train/time/rollout_s": timing["rollout_s"],
@@ -275,6 +323,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         success = success.to(self.device).view_as(rewards)
         log = {
             "train/reward": rewards.mean(),
+            "train/success_rate": success.float().mean(),
             "train/reward_std": rewards.std(-1).mean(),
             "train/reward/failures": float(result.failures),
         }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 #: a chat prompt: [{"role": "system" | "user" | "assistant", "content": str}, ...]
@@ -65,3 +67,46 @@ class RolloutBatch:
             )
         if len(self.completions) != n or self.truncated.shape != (n,):
             raise ValueError(f"need {n} completions and truncated flags, got {len(self.completions)}")
+
+    def select_groups(self, groups: Tensor) -> RolloutBatch:
+        """The rows of groups ``groups`` ``[K]`` (indices), in that order."""
+        g = self.group_size
+        rows = (groups.unsqueeze(-1) * g + torch.arange(g, device=groups.device)).reshape(-1)  # [K * G]
+        return RolloutBatch(
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            completion_mask=self.completion_mask[rows],
+            completions=[self.completions[i] for i in rows.tolist()],
+            truncated=self.truncated[rows],
+            group_size=g,
+            logprobs=None if self.logprobs is None else self.logprobs[rows],
+        )
+
+    @staticmethod
+    def cat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Batches of one group size as one: prompts left-padded, completions right-padded to the longest.
+
+        Padding positions hold token 0 with attention 0 (never attended, never in the loss).
+        """
+        p = max(b.prompt_length for b in batches)
+        t = max(b.completion_mask.shape[1] for b in batches)
+
+        def right(x: Tensor) -> Tensor:  # [N, T_b] -> [N, T]
+            return F.pad(x, (0, t - x.shape[1]))
+
+        def pad(x: Tensor, b: RolloutBatch) -> Tensor:  # [N, P_b + T_b] -> [N, P + T]
+            prompt, completion = x[:, : b.prompt_length], x[:, b.prompt_length :]
+            return torch.cat([F.pad(prompt, (p - prompt.shape[1], 0)), right(completion)], 1)
+
+        logprobs = None
+        if all(b.logprobs is not None for b in batches):
+            logprobs = torch.cat([right(b.logprobs) for b in batches])
+        return RolloutBatch(
+            input_ids=torch.cat([pad(b.input_ids, b) for b in batches]),
+            attention_mask=torch.cat([pad(b.attention_mask, b) for b in batches]),
+            completion_mask=torch.cat([right(b.completion_mask) for b in batches]),
+            completions=[c for b in batches for c in b.completions],
+            truncated=torch.cat([b.truncated for b in batches]),
+            group_size=batches[0].group_size,
+            logprobs=logprobs,
+        )

@@ -33,7 +33,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 #: a second scenario: old log-probs from a no-grad pass (two PPO epochs), and processes with different
 #: numbers of micro-batches (dynamic sampling drops the constant group on rank 0 only)
-UNEVEN = {"ppo_epochs": 2, "dynamic_sampling": True, "micro_batch_size": 2}
+UNEVEN = {"ppo_epochs": 2, "dynamic_sampling": True, "max_sampling_rounds": 1, "micro_batch_size": 2}
 
 
 def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = "plain") -> None:
@@ -105,7 +105,8 @@ def fit_recording_lengths(root: str, steps: str) -> None:
     # decode through the sharded model token by token (no weights snapshot): the path whose loop must end
     # at the same step on every process
     no_snapshot = "--model.rollout.init_args.weights_snapshot=false"
-    fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps, "", no_snapshot)
+    # with dynamic sampling each process needs its own number of refill rounds: they must run as many
+    fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps, "", no_snapshot, "--model.dynamic_sampling=true")
     rank = torch.distributed.get_rank()
     (Path(root) / f"lengths_rank{rank}.json").write_text(json.dumps(lengths))
 

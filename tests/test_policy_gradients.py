@@ -143,7 +143,7 @@ def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregati
 
 def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch):
     # group 1 is constant: with dynamic sampling the update equals one over groups 0, 2, 3 alone
-    policy = make_policy(model_dir, batch, GRPO(), dynamic_sampling=True)
+    policy = make_policy(model_dir, batch, GRPO(), dynamic_sampling=True, max_sampling_rounds=1)  # no refill
     trainer = run_steps(policy)
     assert float(trainer.callback_metrics["train/zero_variance_groups"]) == 0.25
     kept = [0, 2, 3]
@@ -170,6 +170,25 @@ def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch
     )
     run_steps(reference)
     assert rel_err(flat(policy.captured[0]), flat(reference.captured[0])) < 1e-6
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(model_dir, batch):
+    """Round 1 keeps groups 0, 2, 3 (group 1 is constant); round 2 samples the 4 prompts again (a stream of
+    its own) and the first informative group tops the batch up to prompts_per_step = 4 groups."""
+    seen: list[tuple[int, torch.Tensor]] = []
+    for _ in range(2):  # twice: the refilled step is a pure function of (seed, step)
+        policy = make_policy(model_dir, batch, GRPO(), dynamic_sampling=True)
+        update = policy.update
+        policy.update = lambda rollout, advantages, keep, update=update: (
+            seen.append((rollout.num_groups, advantages.clone())) or update(rollout, advantages, keep)
+        )
+        trainer = run_steps(policy)
+    metrics = trainer.callback_metrics
+    assert float(metrics["train/sampling/rounds"]) == 2 and float(metrics["train/sampling/groups_dropped"]) == 2
+    assert float(metrics["train/zero_variance_groups"]) == 2 / 8  # of every sampled group
+    (groups, advantages), (_, again) = seen
+    assert groups == 4 and torch.equal(advantages, again)
+    assert (advantages.abs().sum(-1) > 0).all()  # all four are informative
 
 
 def test_a_batch_of_only_constant_groups_makes_an_empty_update(model_dir, batch):
