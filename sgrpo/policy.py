@@ -22,6 +22,7 @@ from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
+from sgrpo.samples import completion_rows, write_rows
 from sgrpo.types import Example, RolloutBatch
 from sgrpo.update import PolicyUpdate
 from tasks.base import Task
@@ -76,6 +77,8 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         mask_truncated: bool = False,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
+        log_completions_every: int = 50,
+        log_completions_groups: int = 2,
         max_grad_norm: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
@@ -128,6 +131,8 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         _require(max_sampling_rounds >= 1, f"max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
         self.mask_truncated, self.dynamic_sampling = mask_truncated, dynamic_sampling
         self.max_sampling_rounds = max_sampling_rounds
+        _require(log_completions_every >= 0, "log_completions_every must be >= 0 (0: off)")
+        self.log_completions_every, self.log_completions_groups = log_completions_every, log_completions_groups
         self._refill: StepBatches | None = None  # more prompts for dynamic sampling, a stream of their own
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
@@ -221,16 +226,18 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
     # ------------------------------------------------------------------ training
     def training_step(self, examples: list[Example], batch_idx: int) -> None:
         started = time.perf_counter()
-        rollout, rewards, success, reward_log = self.collect(examples)  # RolloutBatch, [B, G], [B, G]
+        rollout, rewards, success, parts, reward_log = self.collect(examples)  # RolloutBatch, [B, G] each
         advantages = self.estimator(rewards)  # [B, G]
+        if self.log_completions_every and self.rollout_step % self.log_completions_every == 0:
+            self.log_completions(rollout, rewards, success, parts, advantages)
         update_log = self.update(rollout, advantages, self.informative_groups(rewards))
         self.rollout_step += 1
         timing = {"rollout_s": reward_log.pop("rollout_s"), "step_s": time.perf_counter() - started}
         logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
         self._log_step(rollout, rewards, success, advantages, logs, timing)
 
-    def collect(self, examples: list[Example]) -> tuple[RolloutBatch, Tensor, Tensor, dict[str, Any]]:
-        """Sample and score one step's groups.
+    def collect(self, examples: list[Example]) -> tuple[RolloutBatch, Tensor, Tensor, dict[str, Tensor], dict]:
+        """Sample and score one step's groups: rollout, rewards, success, reward components, metrics.
 
         With ``dynamic_sampling``, groups whose rewards are all equal carry no signal (advantage 0 under
         every zero-sum estimator): they are dropped and more prompts sampled, round after round (as
@@ -242,35 +249,37 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         started = time.perf_counter()
         rollout = self.sample(examples)
         scored = time.perf_counter()
-        rewards, success, log = self.score(examples, rollout)
+        rewards, success, parts, log = self.score(examples, rollout)
         log["rollout_s"] = scored - started
         if not self.dynamic_sampling:
             log["train/zero_variance_groups"] = constant_groups(rewards).float().mean()
-            return rollout, rewards, success, log
+            return rollout, rewards, success, parts, log
         kept, sampled, rounds = [], 0, 0
         while True:
             informative = (~constant_groups(rewards).squeeze(-1)).nonzero().squeeze(-1)
-            kept.append((rollout.select_groups(informative), rewards[informative], success[informative]))
+            chosen = {name: values[informative] for name, values in parts.items()}
+            kept.append((rollout.select_groups(informative), rewards[informative], success[informative], chosen))
             sampled, rounds = sampled + len(rewards), rounds + 1
-            have = sum(len(r) for _, r, _ in kept)
+            have = sum(len(part[1]) for part in kept)
             if rounds == self.max_sampling_rounds or not any_process(have < len(examples), self.device):
                 break
             more = self._refill.batch(self.rollout_step * self.max_sampling_rounds + rounds)
             started = time.perf_counter()
             rollout = self.sample(more, rounds)
             log["rollout_s"] += time.perf_counter() - started
-            rewards, success, _ = self.score(more, rollout)
+            rewards, success, parts, _ = self.score(more, rollout)
         log |= {
             "train/sampling/rounds": float(rounds),
             "train/sampling/groups_dropped": float(sampled - have),
             "train/zero_variance_groups": (sampled - have) / sampled,
         }
         if have == 0:  # nothing informative: the last round's groups, all dropped by informative_groups
-            return rollout, rewards, success, log
+            return rollout, rewards, success, parts, log
         groups = torch.arange(min(have, len(examples)), device=self.device)  # this step's share, no more
-        rollout = RolloutBatch.cat([b for b, _, _ in kept]).select_groups(groups)
+        rollout = RolloutBatch.cat([part[0] for part in kept]).select_groups(groups)
         rewards, success = (torch.cat([part[i] for part in kept])[groups] for i in (1, 2))
-        return rollout, rewards, success, log
+        parts = {name: torch.cat([part[3][name] for part in kept])[groups] for name in parts}
+        return rollout, rewards, success, parts, log
 
     def sample(self, examples: list[Example], sampling_round: int = 0) -> RolloutBatch:
         """``group_size`` completions per prompt, seeded from (seed, step, rank[, round]): a resumed run draws
@@ -279,6 +288,17 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.rollout.generate(self.model, self.tokenizer, examples, self.group_size)
+
+    def log_completions(self, rollout, rewards, success, parts, advantages) -> None:
+        """A few groups of this step (this process's first ones), to ``completions.jsonl`` and the logger."""
+        if not self.trainer.is_global_zero:
+            return
+        p, g = rollout.prompt_length, rollout.group_size
+        prompts = self.tokenizer.batch_decode(rollout.input_ids[::g, :p], skip_special_tokens=True)
+        rows = completion_rows(
+            self.rollout_step, rollout, prompts, rewards, success, parts, advantages, self.log_completions_groups
+        )
+        write_rows(rows, Path(self.trainer.default_root_dir), self.trainer.loggers, self.rollout_step)
 
     def informative_groups(self, rewards: Tensor) -> Tensor:
         """``[B]`` bool: the groups the update trains on (with ``dynamic_sampling``, not the constant ones)."""
@@ -294,7 +314,6 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
             | {
                 "train/advantage/mean": advantages.mean(),
                 "train/advantage/abs_mean": advantages.abs().mean(),
-
                 "train/completion/length_mean": lengths.mean(),
                 "train/completion/truncated": rollout.truncated.float().mean(),
                 "train/time/rollout_s": timing["rollout_s"],
@@ -309,8 +328,8 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
         self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
 
-    def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Rewards and success flags ``[B, G]`` for a rollout, and the reward metrics to log.
+    def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor], dict]:
+        """Rewards, success flags and each reward component ``[B, G]`` for a rollout, and the metrics to log.
 
         Stops the run (``sgrpo.guards.RewardFailureWatch``) when too many rewards failed too long.
         """
@@ -327,8 +346,9 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
             "train/reward_std": rewards.std(-1).mean(),
             "train/reward/failures": float(result.failures),
         }
-        log |= {f"train/reward/{name}": values.float().mean() for name, values in result.parts.items()}
-        return rewards, success, log
+        parts = {name: values.to(self.device).float().view_as(rewards) for name, values in result.parts.items()}
+        log |= {f"train/reward/{name}": values.mean() for name, values in parts.items()}
+        return rewards, success, parts, log
 
     def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
         world = self.trainer.world_size if self._trainer else 1

@@ -1,0 +1,68 @@
+"""Sample completions in the logs: a few groups every N steps, as ``completions.jsonl`` and in the logger.
+
+Each row: the step, the group, the prompt (decoded from its tokens), the completion, its reward and every
+reward component, whether it succeeded, and its advantage. The run folder's ``completions.jsonl`` gets
+one JSON object per row; TensorBoard gets a markdown table as text (``completions``), W&B a table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from sgrpo.types import RolloutBatch
+
+
+def completion_rows(
+    step: int,
+    rollout: RolloutBatch,
+    prompts: list[str],
+    rewards: Tensor,
+    success: Tensor,
+    parts: dict[str, Tensor],
+    advantages: Tensor,
+    groups: int,
+) -> list[dict[str, Any]]:
+    """Rows for the first ``groups`` groups; ``rewards``/``success``/``parts``/``advantages`` ``[B, G]``."""
+    rows = []
+    size = rollout.group_size
+    for b in range(min(groups, rollout.num_groups)):
+        for g in range(size):
+            row = {"step": step, "group": b, "prompt": prompts[b], "completion": rollout.completions[b * size + g]}
+            row |= {"reward": float(rewards[b, g]), "success": bool(success[b, g])}
+            row |= {"advantage": float(advantages[b, g])}
+            row |= {f"reward/{name}": float(values[b, g]) for name, values in parts.items()}
+            rows.append(row)
+    return rows
+
+
+def write_rows(rows: list[dict[str, Any]], run_dir: Path, loggers: list, step: int) -> None:
+    """Append ``rows`` to ``run_dir/completions.jsonl`` and hand them to TensorBoard / W&B loggers."""
+    if not rows:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    columns = list(rows[0])
+    for logger in loggers:
+        kind = type(logger).__name__
+        if kind == "TensorBoardLogger":
+            logger.experiment.add_text("completions", markdown_table(columns, rows), global_step=step)
+        elif kind == "WandbLogger":
+            data = [[r[c] for c in columns] for r in rows]
+            logger.log_table(key="completions", columns=columns, data=data, step=step)
+
+
+def markdown_table(columns: list[str], rows: list[dict[str, Any]]) -> str:
+    """Rows as a markdown table (cells escaped: pipes, newlines)."""
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
