@@ -18,6 +18,7 @@ from sgrpo.data import StepBatches, identity_collate, mix_seed
 from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size
 from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
 from sgrpo.head import check_logit_head
+from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
@@ -90,6 +91,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         dtype: str = "float32",
         activation_checkpointing: bool = False,
         keep_dropout: bool = False,
+        peft: LoRA | None = None,
         seed: int = 0,
         export_dir: str | None = None,
         max_prompt_tokens: int | None = None,
@@ -140,7 +142,8 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts = share_prompts
         self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
-        self.keep_dropout = keep_dropout
+        self.keep_dropout, self.peft = keep_dropout, peft
+        self.strict_loading = peft is None  # LoRA checkpoints hold the adapters; the base is the model folder
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
@@ -159,6 +162,8 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         path = resolve_model_path(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if self.peft is not None:
+            apply_lora(self.model, self.peft)  # only the adapters train
         if not self.keep_dropout:
             disable_dropout(self.model)
         check_logit_head(self.model)  # refuses a model whose logits the loss would compute wrongly
@@ -172,7 +177,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
             shard_model(self.model, self.device_mesh["data_parallel"])
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.model.parameters())
+        optimizer = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer)}}
@@ -209,6 +214,10 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["sgrpo"] = {"rollout_step": self.rollout_step, "val_history": self.val_history}
+        # LoRA: the frozen base is the model folder. FSDP2's distributed checkpoint loads every key of the
+        # model, so sharded checkpoints keep the whole state
+        if self.peft is not None and self.device_mesh is None and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if is_adapter(k)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("sgrpo", {})
@@ -391,14 +400,30 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.log_dict(metrics, prog_bar=False, rank_zero_only=True)
 
     # ------------------------------------------------------------------ export
+    @property
+    def export_path(self) -> Path:
+        """Where fit's end writes the trained model (the adapter folder with LoRA): ``export_dir`` or
+        ``<run folder>/hf_model``."""
+        return Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model")
+
     def on_fit_end(self) -> None:
+        path = self.export_path
+        if self.peft is not None:  # gathers are collectives: every process takes part
+            adapter = adapter_state(self.model)
+            merged = merged_state(self.model) if self.peft.export_merged else None
+            if self.trainer.is_global_zero:
+                save_adapter(adapter, self.peft, str(resolve_model_path(self.model_path)), path)
+                self.tokenizer.save_pretrained(path)
+                if merged is not None:
+                    self.export(path / "merged", merged)
+            return
         state = None
         if self.device_mesh is not None:  # gather the shards (a collective: every process takes part)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.trainer.is_global_zero:
-            self.export(Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model"), state)
+            self.export(path, state)
 
     def export(self, path: Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Save the policy with ``save_pretrained`` (loadable by transformers alone)."""

@@ -117,7 +117,9 @@ def write_report(policy, trainer) -> None:
             title=f"{type(policy.estimator).__name__} on {type(policy.task).__name__}",
         )
         print(f"curves: {png}")
-    print(f"trained model: {root / 'hf_model'}\nrun folder: {root}")
+    what = "trained adapter (PEFT)" if policy.peft is not None else "trained model"
+    print(f"{what}: {policy.export_path}\nrun folder: {root}")
+
 
 
 def _smooth(values, window: int = 10) -> list[float]:

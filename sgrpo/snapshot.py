@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from sgrpo.distributed import is_sharded
+from sgrpo.lora import plain_weights
 
 
 def plain_class(model: nn.Module) -> type[nn.Module]:
@@ -77,11 +78,8 @@ class RolloutWeights:
 
 
 def copy_weights(source: nn.Module, target: nn.Module) -> None:
-    """Copy every parameter and buffer of ``source`` (gathered when sharded: a collective) into ``target``."""
-    params = dict(target.named_parameters())
-    for name, param in source.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        params[name].copy_(full)
-    buffers = dict(target.named_buffers())
-    for name, buffer in source.named_buffers():
-        buffers[name].copy_(buffer)
+    """Copy every parameter and buffer of ``source`` (gathered when sharded: a collective; LoRA adapters
+    merged in) into the plain model ``target``."""
+    tensors = dict(target.named_parameters()) | dict(target.named_buffers())
+    for name, value in plain_weights(source):
+        tensors[name].copy_(value)

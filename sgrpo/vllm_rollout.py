@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from sgrpo.lora import plain_weights
 from sgrpo.rollout import RolloutEngine, eos_ids, render_prompt
 from sgrpo.types import Example, RolloutBatch
 
@@ -159,19 +160,16 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(HF checkpoint name, full tensor) for each parameter of ``model``, lazily, one at a time.
 
     DTensor values (FSDP2 shards, tensor parallelism) are gathered with ``full_tensor()`` as they
-    are reached: a collective, so every process must iterate in step. The output embedding is
+    are reached: a collective, so every process must iterate in step. LoRA adapters are merged into
+    their weights (``sgrpo.lora.plain_weights``). The output embedding is
     skipped when the input embedding is tied to it (vLLM shares the tensor and ignores it).
     """
     config = getattr(_unwrap(model), "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    for raw_name, param in model.named_parameters():
+    for raw_name, value in plain_weights(model, buffers=False):  # LoRA adapters merged in
         name = hf_parameter_name(raw_name)
-        if tied and name == "lm_head.weight":
-            continue
-        value = param.detach()
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        yield name, value
+        if not (tied and name == "lm_head.weight"):
+            yield name, value
 
 
 def weight_chunks(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:

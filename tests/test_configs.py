@@ -15,6 +15,7 @@ from sgrpo.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+OVERLAYS = {"quickstart_lora.yaml": "quickstart.yaml"}  # a config given after its base: --config base --config it
 FIXTURES = {  # task class -> overrides that swap hub data for fixtures
     "tasks.DeepMath": ["path=tests/fixtures/deepmath.jsonl", "validation_size=1"],
     "tasks.GSM8K": ["path=tests/fixtures/gsm8k.jsonl"],
@@ -31,15 +32,22 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    raw = yaml.safe_load(config.read_text())
+    files = [REPO / "configs" / OVERLAYS[config.name], config] if config.name in OVERLAYS else [config]
+    raw = {}
+    for file in files:  # the overlay's blocks merged over its base's, key by key
+        for block, values in yaml.safe_load(file.read_text()).items():
+            raw[block] = {**raw.get(block, {}), **values} if isinstance(values, dict) else values
     task_class = raw["model"]["task"]["class_path"]
     overrides = [f"--model.task.init_args.{kv}" for kv in FIXTURES.get(task_class, [])]
-    cli = parse(["--config", str(config), f"--model.model={model_dir}", "--trainer.accelerator=cpu",
+    configs = [arg for file in files for arg in ("--config", str(file))]
+    cli = parse([*configs, f"--model.model={model_dir}", "--trainer.accelerator=cpu",
+
                  "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.precision=32-true",
                  f"--trainer.default_root_dir={tmp_path}", *overrides])
     policy = cli.model
     assert isinstance(policy, GRPOPolicy) and isinstance(policy.estimator, AdvantageEstimator)
     assert policy.model is None  # nothing loaded at parse time
+    assert (policy.peft is not None) == bool(raw["model"].get("peft"))  # an overlay's blocks reach the policy
     assert len(policy.task.examples("train")) > 0 and len(policy.task.examples("validation")) > 0
     assert type(policy.estimator).__name__ in raw["model"]["estimator"]["class_path"]
 

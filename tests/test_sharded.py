@@ -102,6 +102,23 @@ def test_sharded_rollouts_sample_the_unsharded_policy(model_dir, tmp_path):
         assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir, tmp_path, strategy):
+    """LoRA under FSDP2 (adapters sharded with their blocks, gathered for the weight snapshot and the export)
+    and under DDP: 2 steps, resume to 3 from the adapter-only checkpoint, a PEFT adapter folder that
+    reproduces the trained policy."""
+    from peft import PeftModel
+
+    root = tmp_path / "run"
+    extra = ["--model.peft.rank=4"] + (["--trainer.strategy=ddp"] if strategy == "ddp" else [])
+    launch("fit", str(root), model_dir, "2", "", *extra, cwd=tmp_path)
+    launch("fit", str(root), model_dir, "3", "last", *extra, cwd=tmp_path)
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), root / "hf_model")
+    with torch.no_grad():
+        logp, _ = completion_logprobs(exported, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))
+    torch.testing.assert_close(logp, torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-6)
+
+
 def test_sharded_fit_resumes_and_exports(model_dir, tmp_path):
 
     root = tmp_path / "run"

@@ -1,0 +1,117 @@
+"""LoRA through the ``peft`` library: adapters injected into the model itself, merged wherever weights leave it.
+
+``LoRA`` is the ``model.peft`` block of a config. ``apply_lora`` injects LoRA layers into the loaded model
+in place (``peft.inject_adapter_in_model``: the model keeps its own class, so the decoder, FSDP2 sharding
+and the LM head work as for full fine-tuning) and freezes everything else: only the adapters get
+gradients and optimiser state. Sampling runs through the adapted layers (adapter-aware), or on weights
+with the adapters merged in (``plain_weights``: ``W + scaling * B @ A``) where weights are copied out:
+the rollout's weight snapshot and the vLLM engine. Checkpoints hold the adapters (the base is the model
+folder), and the export writes a PEFT adapter folder and, on request, the merged model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torch import Tensor, nn
+
+ADAPTER = "default"
+
+
+@dataclass
+class LoRA:
+    """LoRA settings: rank r, scaling alpha / r, dropout, the Linear modules adapted ("all-linear": every
+    Linear but the LM head; or names such as [q_proj, v_proj]); ``export_merged`` also writes the merged model.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+    export_merged: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or not self.alpha > 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"peft: need rank >= 1, alpha > 0, 0 <= dropout < 1; got {self.rank}, {self.alpha}, "
+                             f"{self.dropout}")  # fmt: skip
+
+    def config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=self.target_modules, task_type="CAUSAL_LM")  # fmt: skip
+
+
+def apply_lora(model: nn.Module, spec: LoRA) -> nn.Module:
+    """Inject LoRA layers into ``model`` in place and freeze every other parameter."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(spec.config(), model, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_" in name
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(is_adapter(name) for name, _ in model.named_parameters())
+
+
+def plain_weights(model: nn.Module, buffers: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """The model's parameters (and buffers) under its plain (adapter-free) names, adapters merged in, gathered
+    from FSDP2 shards one tensor at a time (a collective per tensor: every process must iterate in step)."""
+    full = lambda t: t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach()  # noqa: E731
+    adapted = {name: module for name, module in model.named_modules() if hasattr(module, "base_layer")}
+    for name, param in model.named_parameters():
+        if is_adapter(name):
+            continue
+        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        if owner in adapted and name.endswith(".base_layer.weight"):
+            layer = adapted[owner]
+            a, b = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight)
+            yield f"{owner}.weight", full(param) + (b.float() @ a.float()).to(param.dtype) * layer.scaling[ADAPTER]
+        else:
+            yield name.replace(".base_layer.", "."), full(param)
+    for name, buffer in model.named_buffers() if buffers else ():
+        yield name.replace(".base_layer.", "."), buffer
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters' weights, gathered (a collective under FSDP2), under PEFT's saved names
+    (``base_model.model.<module>.lora_A.weight``), on the CPU."""
+    state = {}
+    for name, param in model.named_parameters():
+        if is_adapter(name):
+            value = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            state["base_model.model." + name.replace(f".{ADAPTER}.", ".")] = value.cpu()
+    return state
+
+
+def save_adapter(state: dict[str, Tensor], spec: LoRA, base: str, path: Path) -> None:
+    """A PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``): ``PeftModel.from_pretrained``."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = spec.config()
+    config.base_model_name_or_path = base
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "adapter_model.safetensors")
+    (path / "sgrpo_lora.json").write_text(json.dumps(asdict(spec)))
+
+
+def merged_state(model: nn.Module) -> dict[str, Tensor]:
+    """A full, adapter-free state dict (adapters merged) on the CPU: what ``save_pretrained`` of the merged
+    model would hold."""
+    return {name: tensor.detach().cpu() for name, tensor in plain_weights(model) if not _non_persistent(model, name)}
+
+
+def _non_persistent(model: nn.Module, name: str) -> bool:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return leaf in getattr(module, "_non_persistent_buffers_set", ())
