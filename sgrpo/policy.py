@@ -156,6 +156,7 @@ class GRPOPolicy(LightningModule):
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if not self.keep_dropout:
             disable_dropout(self.model)

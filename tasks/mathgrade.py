@@ -20,7 +20,7 @@ from sympy import Basic
 from sgrpo.types import Example
 from tasks.base import SampleReward, Scale
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
-from tasks.similarity import strip_think
+from tasks.similarity import strip_think, template_opens_think
 
 _TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}")
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad|\\left|\\right|\s+|\$")
@@ -57,17 +57,20 @@ def grade_math(
     require_box: bool = True,
     timeout: float | None = 5.0,
     max_answer_chars: int = MAX_ANSWER_CHARS,
+    require_think: bool = False,
 ) -> tuple[float, str]:
     """1.0 if ``response`` answers ``gold``, else 0.0, with a label for the outcome.
 
-    Labels: "correct", "wrong", "no_box" (no ``\\boxed{}`` after the think block), "unparsed"
-    (math-verify extracted nothing from the answer), and the cheap rejections "too_long", "junk",
-    "too_complex" (``tasks.mathguard``; a box spelt exactly like the gold is never rejected).
-    ``require_box=False`` grades the whole answer text when there is no box (then only the parsed-size
-    check applies). Raises ``ValueError`` if the gold answer itself does not parse (a data problem) and
-    ``TimeoutError`` if the grading outlives ``timeout`` seconds (fractions allowed; enforced on the main
-    thread only, ``None`` disables it).
+    Labels: "correct", "wrong", "unclosed_think" (``require_think`` and no ``</think>``), "no_box" (no
+    ``\\boxed{}`` after the think block), "unparsed" (math-verify extracted nothing from the answer), and the
+    cheap rejections "too_long", "junk", "too_complex" (``tasks.mathguard``; a box spelt exactly like the
+    gold is never rejected). ``require_box=False`` grades the whole answer text when there is no box (then
+    only the parsed-size check applies). Raises ``ValueError`` if the gold answer itself does not parse (a
+    data problem) and ``TimeoutError`` if the grading outlives ``timeout`` seconds (fractions allowed;
+    enforced on the main thread only, ``None`` disables it).
     """
+    if require_think and "</think>" not in response:
+        return 0.0, "unclosed_think"
     answer = strip_think(response)
     box = last_boxed(answer)
     if box is None and require_box:
@@ -108,14 +111,29 @@ def _parse_gold(gold: str) -> tuple:
 
 
 class MathVerifyReward(SampleReward):
-    """Binary reward: math-verify equivalence of the last ``\\boxed{}`` with ``Example.answer``.
+    """Binary reward: math-verify equivalence of the answer after ``</think>`` with ``Example.answer``.
+
+    ``grade_math`` grades the last ``\\boxed{}`` after the think block.
+
+    ``require_think``: True scores a completion without ``</think>`` 0 ("unclosed_think"): a thinking model
+    cut off mid-thought has given no answer, whatever its draft boxed. None (the default) lets the chat
+    template decide when the policy calls ``adapt_to_tokenizer``: True if the template opens ``<think>`` in
+    the prompt (DeepSeek-R1-Distill), where a cut-off completion carries neither tag and nothing else tells
+    it from an answer. Until then, or for a reward used on its own, None grades as False, which suits models
+    that write no think tags (and a completion that opens ``<think>`` itself and never closes it has no
+    answer either way).
+
+    ``require_box``: True (the default) scores an answer without a box after ``</think>`` 0 ("no_box");
+    False grades the text after ``</think>`` instead, as DeepMath's authors do ("Hence the answer is 4.").
+    The box is the default because the prompt asks for one and it states the answer unambiguously, while
+    math-verify reads free text by its last number ("3 steps, so 2 moves suffice" is graded as 2).
 
     Graded in ``workers`` processes with an outer ``timeout`` per answer; math-verify's grading of one
     answer has a deadline of ``timeout / 2`` (also in-process, on the main thread). A timeout, an
     exception or a gold answer that does not parse scores 0 and counts as a failure (labelled "timeout"
     or "error"; a hung pool is restarted). ``RewardResult.counts`` also holds "correct", "wrong" and the
-    zero-scored labels "no_box", "unparsed", "too_long", "junk", "too_complex" (see ``grade_math``).
-    DeepMath's authors use ``scale="pm1"``; {0, 1} is the canonical scale here.
+    zero-scored labels "unclosed_think", "no_box", "unparsed", "too_long", "junk", "too_complex" (see
+    ``grade_math``). DeepMath's authors use ``scale="pm1"``; {0, 1} is the canonical scale here.
     """
 
     name = "math_verify"
@@ -123,6 +141,7 @@ class MathVerifyReward(SampleReward):
     def __init__(
         self,
         require_box: bool = True,
+        require_think: bool | None = None,
         scale: Scale = "01",
         name: str | None = None,
         workers: int = 2,
@@ -133,11 +152,18 @@ class MathVerifyReward(SampleReward):
         if max_answer_chars < 1:
             raise ValueError(f"max_answer_chars must be >= 1, got {max_answer_chars}")
         self.require_box = require_box
+        self.require_think = require_think
         self.max_answer_chars = max_answer_chars
+
+    def adapt_to_tokenizer(self, tokenizer) -> None:
+        """With ``require_think=None``: require ``</think>`` if the chat template opens ``<think>``."""
+        if self.require_think is None:
+            self.require_think = template_opens_think(tokenizer)
 
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
         # half the outer limit: the deadline fires well before the pool gives up on the worker
-        return grade_math(example.answer, completion, self.require_box, self.timeout / 2, self.max_answer_chars)
+        timeout, think = self.timeout / 2, bool(self.require_think)
+        return grade_math(example.answer, completion, self.require_box, timeout, self.max_answer_chars, think)
 
 
 def numeric_answer(text: str) -> float | None:

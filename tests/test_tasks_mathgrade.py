@@ -1,0 +1,124 @@
+"""DeepMath grading rules through the public API, both ways: what must pass and what must still fail.
+
+Every case goes through ``DeepMath(reward=MathVerifyReward(...))``: its reward, and its success test,
+which must agree with the reward. The classes are those of issue 16: cut-off thinking, an answer after
+``</think>`` without a box, several boxes, numbers in other notations, spellings of one set; and the
+answers DeepMath's authors' reward wrongly accepts, which sgrpo must keep rejecting.
+"""
+
+import pytest
+
+from sgrpo.tiny import build_char_tokenizer
+from sgrpo.types import Example
+from tasks import DeepMath, MathVerifyReward, WeightedSum
+
+JSONL = "tests/fixtures/deepmath.jsonl"
+
+
+def graded(gold: str, completion: str, **options) -> tuple[float, str]:
+    """The reward (scale "01") and label of one completion; DeepMath's success test must agree with it."""
+    task = DeepMath(path=JSONL, reward=MathVerifyReward(workers=0, **options))
+    example = Example([{"role": "user", "content": "question"}], gold)
+    result = task.reward.score([example], [completion])
+    value, (label,) = result.total.item(), result.counts
+    assert task.success(example, completion) == (value == 1.0), (gold, completion)
+    return value, label
+
+
+# ---------------------------------------------------------------- 1. cut-off thinking
+R1_LIKE = (  # the R1-Distill layout: the generation prompt opens the think block
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
+)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+THINKING_OFF = CHATML.replace("assistant\\n{% endif %}", "assistant\\n<think>\\n\\n</think>\\n\\n{% endif %}")
+
+
+def tokenizer_with(template: str | None):
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("Maybe 4? Then \\boxed{4}? Let me check the case n = 2 again", (0.0, "unclosed_think")),  # cut off
+        ("<think>\nSo \\boxed{4}, but wait", (0.0, "unclosed_think")),
+        ("The answer is \\boxed{4}.", (0.0, "unclosed_think")),  # an answer without the closing tag is none
+        ("Try 4: it works.\n</think>\nThe answer is \\boxed{4}.", (1.0, "correct")),  # R1 layout: no opening tag
+        ("<think>\nTry 4.\n</think>\n\\boxed{4}", (1.0, "correct")),
+        ("Try \\boxed{4}.\n</think>\nThe answer is \\boxed{5}.", (0.0, "wrong")),  # the box after </think> counts
+    ],
+)
+def test_require_think_grades_only_a_finished_thought(completion, expected):
+    assert graded("4", completion, require_think=True) == expected
+
+
+def test_without_require_think_an_untagged_answer_is_graded():
+    # instruct models write no think tags: their box counts (the default until a template says otherwise)
+    assert graded("4", "So the answer is \\boxed{4}.") == (1.0, "correct")
+    assert graded("4", "<think>\nSo \\boxed{4}, but wait") == (0.0, "no_box")  # opened and never closed
+
+
+def test_unclosed_think_scores_minus_one_on_the_authors_scale():
+    reward = MathVerifyReward(require_think=True, scale="pm1", workers=0)
+    result = reward.score([Example("q", "4")] * 2, ["\\boxed{4}", "x </think> \\boxed{4}"])
+    assert result.total.tolist() == [-1.0, 1.0] and result.counts == {"unclosed_think": 1, "correct": 1}
+
+
+@pytest.mark.parametrize(
+    ("template", "opens"), [(R1_LIKE, True), (CHATML, False), (THINKING_OFF, False), (None, False)]
+)
+def test_require_think_follows_the_chat_template(template, opens):
+    task = DeepMath(path=JSONL)
+    assert task.reward.require_think is None and task.grader.require_think is None
+    task.adapt_to_tokenizer(tokenizer_with(template))
+    assert task.reward.require_think is opens and task.grader.require_think is opens  # reward and success
+    cut_off = "Maybe \\boxed{504}? Let me check"
+    assert graded("504", cut_off, require_think=task.reward.require_think)[0] == (0.0 if opens else 1.0)
+
+
+def test_an_explicit_require_think_overrides_the_template():
+    task = DeepMath(path=JSONL, reward=MathVerifyReward(require_think=False))
+    task.adapt_to_tokenizer(tokenizer_with(R1_LIKE))
+    assert task.reward.require_think is False and task.grader.require_think is False
+    summed = WeightedSum([MathVerifyReward()])  # a combined reward passes the tokenizer on
+    summed.adapt_to_tokenizer(tokenizer_with(R1_LIKE))
+    assert summed.rewards[0].require_think is True
+
+
+def test_the_policy_gives_the_task_its_tokenizer(tmp_path):
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(tmp_path / "tiny")
+    tokenizer_with(R1_LIKE).save_pretrained(model_dir)
+    task = DeepMath(path=JSONL)
+    GRPOPolicy(model=str(model_dir), task=task, estimator=GRPO()).configure_model()
+    assert task.reward.require_think is True and task.grader.require_think is True
+
+
+# ---------------------------------------------------------------- 2. an answer after </think> without a box
+@pytest.mark.parametrize(
+    ("gold", "completion", "expected"),
+    [
+        ("4", "<think>so \\boxed{4}</think>\nHence the answer is 4.", (1.0, "correct")),
+        ("6\\sqrt{2}", "<think>so \\boxed{6\\sqrt2}</think>\n$6\\sqrt{2}$", (1.0, "correct")),
+        ("4", "<think>so \\boxed{4}</think>\nHence the answer is 5.", (0.0, "wrong")),
+        ("4", "<think>so \\boxed{4}</think>\n", (0.0, "unparsed")),  # a box inside the thinking is not the answer
+        ("4", "<think>so \\boxed{4}</think>\nThe answer is \\boxed{5}, not 4.", (0.0, "wrong")),  # a box wins
+    ],
+)
+def test_require_box_false_grades_the_text_after_think(gold, completion, expected):
+    assert graded(gold, completion, require_box=False) == expected
+
+
+def test_by_default_an_unboxed_answer_scores_zero():
+    assert graded("4", "<think>so \\boxed{4}</think>\nHence the answer is 4.") == (0.0, "no_box")
+    # why the box is the default: free text is read by its last number
+    assert graded("3", "</think>\nWe need 3 steps, so 2 moves suffice.", require_box=False) == (0.0, "wrong")
