@@ -62,6 +62,9 @@ class DeepMath(Task):
       the default: the prompt asks for it, and free text is read by its last number, which is often not the
       answer ("3 steps, so 2 moves" is graded as 2).
     - ``scale`` (default "01"): "pm1" gives the authors' +1/-1.
+
+    Always on: a gold listing several parts (``2, 3``) is graded against all the boxes after ``</think>``
+    together.
     """
 
     def __init__(

@@ -20,35 +20,51 @@ from sympy import Basic
 from sgrpo.types import Example
 from tasks.base import SampleReward, Scale
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
+from tasks.mathnotation import normalize_answer, several_parts
 from tasks.similarity import strip_think, template_opens_think
 
-_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}")
-_SPACING = re.compile(r"\\[,;:! ]|\\q?quad|\\left|\\right|\s+|\$")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_BOX = re.compile(r"\\(?:boxed|fbox)")
 _YES_NO = {"yes", "no"}
+
+
+def _box_end(text: str, open_brace: int) -> int | None:
+    """Index of the ``}`` that closes the ``{`` at ``open_brace``, or None if it never closes."""
+    depth = 0
+    for i in range(open_brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return None
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    open_brace = text.find("{", start)
-    if open_brace < 0:
-        return None
-    depth = 0
-    for i in range(open_brace, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[open_brace + 1 : i]
-    return None  # unbalanced: the box was cut off
+    open_brace = text.find("{", start) if start >= 0 else -1
+    end = None if open_brace < 0 else _box_end(text, open_brace)
+    return None if end is None else text[open_brace + 1 : end]  # None when unbalanced: the box was cut off
 
 
-def normalize_answer(text: str) -> str:
-    """A spelling-insensitive form: no spaces, ``$``, ``\\left``, ``\\text{}``; ``\\dfrac`` -> ``\\frac``."""
-    text = _TEXT_WRAPPERS.sub(r"\1", text)
-    text = _SPACING.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return text.rstrip(".")
+def all_boxed(text: str) -> list[str]:
+    """Contents of every outermost ``\\boxed{...}`` (or ``\\fbox{...}``), in order, up to one cut off."""
+    boxes, position = [], 0
+    while match := _BOX.search(text, position):
+        open_brace = text.find("{", match.end())
+        end = None if open_brace < 0 else _box_end(text, open_brace)
+        if end is None:  # cut off: every later box lies inside it
+            break
+        boxes.append(text[open_brace + 1 : end])
+        position = end + 1
+    return boxes
+
+
+def graded_box(answer: str, gold: str) -> str | None:
+    """The box ``grade_math`` grades: the last one; every box, joined by commas, for a gold of several parts."""
+    if not several_parts(gold):
+        return last_boxed(answer)
+    boxes = all_boxed(answer)
+    return ", ".join(boxes) if boxes else None
 
 
 def grade_math(
@@ -72,7 +88,7 @@ def grade_math(
     if require_think and "</think>" not in response:
         return 0.0, "unclosed_think"
     answer = strip_think(response)
-    box = last_boxed(answer)
+    box = graded_box(answer, gold)
     if box is None and require_box:
         return 0.0, "no_box"
     target, reference = normalize_answer(answer if box is None else box), normalize_answer(gold)
@@ -113,7 +129,8 @@ def _parse_gold(gold: str) -> tuple:
 class MathVerifyReward(SampleReward):
     """Binary reward: math-verify equivalence of the answer after ``</think>`` with ``Example.answer``.
 
-    ``grade_math`` grades the last ``\\boxed{}`` after the think block.
+    ``grade_math`` grades the last ``\\boxed{}`` after the think block, or every box there, joined, when the
+    gold lists several parts (``2, 3``).
 
     ``require_think``: True scores a completion without ``</think>`` 0 ("unclosed_think"): a thinking model
     cut off mid-thought has given no answer, whatever its draft boxed. None (the default) lets the chat

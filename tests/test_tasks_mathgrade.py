@@ -122,3 +122,24 @@ def test_by_default_an_unboxed_answer_scores_zero():
     assert graded("4", "<think>so \\boxed{4}</think>\nHence the answer is 4.") == (0.0, "no_box")
     # why the box is the default: free text is read by its last number
     assert graded("3", "</think>\nWe need 3 steps, so 2 moves suffice.", require_box=False) == (0.0, "wrong")
+
+
+# ---------------------------------------------------------------- 3. several boxes
+@pytest.mark.parametrize(
+    ("gold", "completion", "score"),
+    [
+        ("2, 3", "The roots are $\\boxed{2}$ and $\\boxed{3}$.", 1.0),
+        ("2, 3", "$\\boxed{3}$ and $\\boxed{2}$", 1.0),
+        ("2, 3", "\\boxed{2, 3}", 1.0),
+        ("\\{2, 3\\}", "$x = \\boxed{2}$ or $x = \\boxed{3}$", 1.0),
+        ("x = 1; y = -2", "\\boxed{x = 1} and \\boxed{y = -2}", 1.0),
+        ("2, 3", "The roots are $\\boxed{2}$ and $3$.", 0.0),  # one part boxed
+        ("2, 3", "$\\boxed{2}$, $\\boxed{3}$, $\\boxed{4}$", 0.0),  # one part too many
+        ("2, 3", "<think>\\boxed{2}</think> so \\boxed{3}", 0.0),  # only boxes after </think> count
+        ("(2, 3)", "$\\boxed{2}$ and $\\boxed{3}$", 0.0),  # a pair is one answer: the last box is graded
+        ("1", "\\boxed{1} or maybe \\boxed{2}", 0.0),  # a single answer: the last box, as before
+        ("2", "\\boxed{1}, no: \\boxed{2}", 1.0),
+    ],
+)
+def test_several_boxes_are_graded_together_when_the_gold_has_several_parts(gold, completion, score):
+    assert graded(gold, completion)[0] == score
