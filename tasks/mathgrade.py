@@ -20,7 +20,7 @@ from sympy import Basic
 from sgrpo.types import Example
 from tasks.base import SampleReward, Scale
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
-from tasks.mathnotation import normalize_answer, several_parts
+from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, several_parts
 from tasks.similarity import strip_think, template_opens_think
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -108,29 +108,35 @@ def grade_math(
 
 
 def _verify(gold: str, target: str) -> tuple[float, str]:
-    gold_parsed = _parse_gold(gold)
+    gold_parsed, printed = _parse_gold(gold)
     if not gold_parsed:
         raise ValueError(f"gold answer {gold!r} does not parse")
-    predicted = parse(target, parsing_timeout=None)
+    predicted = parse(respell(target), parsing_timeout=None)
     if not predicted:
         return 0.0, "unparsed"
     if any(isinstance(p, Basic) and _log10_bound(p) > MAX_DIGITS for p in predicted):
         return 0.0, "too_complex"
-    correct = verify(list(gold_parsed), predicted, timeout_seconds=None)
+    # math-verify rounds floats to 6 places: never looser than the places the gold is printed with
+    rounding = 6 if printed is None else max(6, -printed.place)
+    correct = verify(list(gold_parsed), predicted, float_rounding=rounding, timeout_seconds=None)
+    if not correct and printed is not None and printed.rounded:
+        correct = printed.matches(predicted)
     return (1.0, "correct") if correct else (0.0, "wrong")
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str) -> tuple:
+def _parse_gold(gold: str) -> tuple[tuple, PrintedDecimal | None]:
     # a group of G completions shares one gold answer: parse it once per process
-    return tuple(parse(f"${gold}$", parsing_timeout=None))
+    return tuple(parse(f"${respell(gold)}$", parsing_timeout=None)), PrintedDecimal.read(gold)
 
 
 class MathVerifyReward(SampleReward):
     """Binary reward: math-verify equivalence of the answer after ``</think>`` with ``Example.answer``.
 
     ``grade_math`` grades the last ``\\boxed{}`` after the think block, or every box there, joined, when the
-    gold lists several parts (``2, 3``).
+    gold lists several parts (``2, 3``); both sides are read alike first (``tasks.mathnotation``: e-notation,
+    ``\\times10^{n}``), and a gold printed as a rounded decimal (0.866) is compared at its
+    printed precision, never looser.
 
     ``require_think``: True scores a completion without ``</think>`` 0 ("unclosed_think"): a thinking model
     cut off mid-thought has given no answer, whatever its draft boxed. None (the default) lets the chat

@@ -143,3 +143,49 @@ def test_by_default_an_unboxed_answer_scores_zero():
 )
 def test_several_boxes_are_graded_together_when_the_gold_has_several_parts(gold, completion, score):
     assert graded(gold, completion)[0] == score
+
+
+# ---------------------------------------------------------------- 4. numbers in other notations
+@pytest.mark.parametrize(
+    ("gold", "answer"),
+    [
+        ("120000", "1.2e5"),
+        ("120000", "1.2E+5"),
+        ("0.001", "1e-3"),
+        ("602000000000000000000000", "6.02\\times10^{23}"),
+        ("602000000000000000000000", "6.02 \\cdot 10^{23}"),
+        ("602000000000000000000000", "6.02e23"),
+        ("6.02 \\times 10^{23}", "602000000000000000000000"),
+        ("6.02 \\times 10^{23}", "6.022\\times10^{23}"),  # within the gold's printed precision
+        ("1.5\\times10^{-3}", "0.0015"),
+        ("0.866", "\\frac{\\sqrt{3}}{2}"),  # a gold printed as a rounded decimal
+        ("0.866", "0.86603"),
+        ("-0.866", "-\\frac{\\sqrt{3}}{2}"),
+        ("3.14", "\\pi"),
+        ("0.333", "\\frac{1}{3}"),
+        ("2e", "2e"),  # Euler's e stays e
+        ("e^{2}", "e^2"),
+    ],
+)
+def test_numbers_in_other_notations_are_read_as_meant(gold, answer):
+    assert graded(gold, f"\\boxed{{{answer}}}") == (1.0, "correct")
+
+
+@pytest.mark.parametrize(
+    ("gold", "answer"),
+    [
+        ("120000", "1.2e4"),
+        ("0.001", "1e-4"),
+        ("602000000000000000000000", "6.0221\\times10^{23}"),  # an integer gold is exact
+        ("6.02 \\times 10^{23}", "6.03\\times10^{23}"),
+        ("0.866", "0.87"),  # never looser than the gold's precision
+        ("0.866", "0.867"),
+        ("0.866", "\\frac{\\sqrt{2}}{2}"),
+        ("0.8660254", "0.866025"),  # 7 printed places: math-verify's 6 would accept it
+        ("0.5", "0.54"),  # a short decimal is taken as exact: 0.45 to 0.55 would be too loose
+        ("2.5", "2.46"),
+        ("7", "2e"),  # 2e is not 2 * 10^something
+    ],
+)
+def test_numbers_outside_the_gold_precision_still_fail(gold, answer):
+    assert graded(gold, f"\\boxed{{{answer}}}") == (0.0, "wrong")
