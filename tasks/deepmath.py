@@ -64,7 +64,7 @@ class DeepMath(Task):
     - ``scale`` (default "01"): "pm1" gives the authors' +1/-1.
 
     Always on: a gold listing several parts (``2, 3``) is graded against all the boxes after ``</think>``
-    together; e-notation (``1.2e5``) and ``d.dd\\times10^{n}`` are read as meant;
+    together; e-notation (``1.2e5``), ``d.dd\\times10^{n}`` and ``\\mathbb Z`` spellings are read as meant;
     a gold printed as a rounded decimal (``0.866``, 3 or more significant digits) accepts an answer within
     half a unit of its last digit (``\\frac{\\sqrt{3}}{2}``), never looser (not 0.87). Other golds get no
     tolerance beyond math-verify's own (decimals equal to 6 places): 400 or 0.04 for 4, 0.3333 for 1/3,

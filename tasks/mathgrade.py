@@ -135,7 +135,7 @@ class MathVerifyReward(SampleReward):
 
     ``grade_math`` grades the last ``\\boxed{}`` after the think block, or every box there, joined, when the
     gold lists several parts (``2, 3``); both sides are read alike first (``tasks.mathnotation``: e-notation,
-    ``\\times10^{n}``), and a gold printed as a rounded decimal (0.866) is compared at its
+    ``\\times10^{n}``, ``\\mathbb Z``), and a gold printed as a rounded decimal (0.866) is compared at its
     printed precision, never looser.
 
     ``require_think``: True scores a completion without ``</think>`` 0 ("unclosed_think"): a thinking model

@@ -1,11 +1,13 @@
 """Spellings of one math answer, read the same way before ``grade_math`` compares them.
 
-- ``respell`` (what math-verify reads, and the start of ``normalize_answer``): e-notation ``1.2e5`` and a
+- ``respell`` (what math-verify reads, and the start of ``normalize_answer``): ``\\mathbb Z`` ->
+  ``\\mathbb{Z}`` (math-verify reads only the braced form as the integers); e-notation ``1.2e5`` and a
   decimal times a power of ten ``6.02\\times10^{23}`` -> an integer times a power of ten
   (``12\\cdot10^{4}``, ``602\\cdot10^{21}``): math-verify reads ``1.2e5`` as 1.2*e*5 (Euler's e) and
   ``6.02\\times10^{23}`` as a float, never equal to the integer it stands for.
 - ``normalize_answer``: the string form of the cheap comparison: no spacing, ``$``, ``\\left``,
-  ``\\text{}``; ``\\dfrac`` -> ``\\frac``.
+  ``\\text{}``; ``\\dfrac`` -> ``\\frac``; one-character scripts ``_{2}`` -> ``_2`` (``\\mathbb{Z}_{2}``,
+  which math-verify leaves as text, then equals ``\\mathbb{Z}_2``).
 - ``PrintedDecimal``: a gold printed with a decimal point, graded at its printed precision.
 - ``several_parts``: a gold listing several answers (``2, 3``).
 """
@@ -17,10 +19,12 @@ from dataclasses import dataclass
 
 from sympy import Basic, Eq, Rational
 
+_MATHBB = re.compile(r"\\mathbb\s*(?:\{\s*([A-Za-z])\s*\}|([A-Za-z]))")
 _E_NOTATION = re.compile(r"(?<![\w.])(\d+)(?:\.(\d+))?[eE]([-+]?\d+)(?![\w.])")
 _TIMES_TEN = re.compile(r"(?<![\w.])(\d+)\.(\d+)\s*(?:\\times|\\cdot|\*)\s*10\s*\^\s*(?:\{\s*([-+]?\d+)\s*\}|(\d))")
 _TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}")
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad|\\left|\\right|\s+|\$")
+_SCRIPT = re.compile(r"([_^])\{([A-Za-z0-9])\}(?![A-Za-z0-9])")  # x_{2}y is x_2y; x_{2}3 is not x_23
 _DECIMAL = re.compile(r"(-?)(\d*)\.(\d+)(?:(?:[eE]|\\times10\^|\\cdot10\^)\{?([-+]?\d{1,4})\}?)?")
 
 #: a gold decimal with this many significant digits or more is taken as rounded (``PrintedDecimal``)
@@ -33,7 +37,8 @@ def _exact(integer: str, fraction: str, exponent: str) -> str:
 
 
 def respell(text: str) -> str:
-    """``text`` with e-notation and ``d.dd\\times10^{n}`` made exact (module docstring)."""
+    """``text`` with ``\\mathbb`` braced and e-notation or ``d.dd\\times10^{n}`` made exact (module docstring)."""
+    text = _MATHBB.sub(lambda m: f"\\mathbb{{{m[1] or m[2]}}}", text)
     text = _E_NOTATION.sub(lambda m: _exact(m[1], m[2] or "", m[3]), text)
     return _TIMES_TEN.sub(lambda m: _exact(m[1], m[2], m[3] or m[4]), text)
 
@@ -42,7 +47,7 @@ def normalize_answer(text: str) -> str:
     """A spelling-insensitive form (module docstring): ``respell``, then spacing and wrappers removed."""
     text = _TEXT_WRAPPERS.sub(r"\1", respell(text))
     text = _SPACING.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return text.rstrip(".")
+    return _SCRIPT.sub(r"\1\2", text).rstrip(".")
 
 
 def several_parts(gold: str) -> bool:

@@ -189,3 +189,57 @@ def test_numbers_in_other_notations_are_read_as_meant(gold, answer):
 )
 def test_numbers_outside_the_gold_precision_still_fail(gold, answer):
     assert graded(gold, f"\\boxed{{{answer}}}") == (0.0, "wrong")
+
+
+# ---------------------------------------------------------------- 5. spellings of one set
+@pytest.mark.parametrize(
+    ("gold", "answer"),
+    [
+        ("\\mathbb{Z}", "\\mathbb Z"),
+        ("\\mathbb{Z}", "\\mathbb{ Z }"),
+        ("\\mathbb{R}", "\\mathbb R"),
+        ("\\mathbb{Z}_2", "\\mathbb{Z}_{2}"),
+        ("\\mathbb{Z}_{2}", "\\mathbb{Z}_2"),
+        ("\\mathbb{Z}_2", "\\mathbb Z_2"),
+        ("\\mathbb{Z}_2 \\times \\mathbb{Z}_2", "\\mathbb Z_{2}\\times\\mathbb Z_{2}"),
+        ("\\mathbb{R} \\setminus \\{0\\}", "\\mathbb R\\setminus\\{0\\}"),
+    ],
+)
+def test_spellings_of_one_set_match(gold, answer):
+    assert graded(gold, f"\\boxed{{{answer}}}") == (1.0, "correct")
+
+
+@pytest.mark.parametrize(
+    ("gold", "answer"),
+    [
+        ("\\mathbb{Z}_2", "\\mathbb{Z}_3"),
+        ("\\mathbb{Z}_2", "\\mathbb Z"),
+        ("\\mathbb{Z}_2", "\\mathbb{Z}_{12}"),
+        ("\\mathbb{Z}", "\\mathbb R"),
+        ("\\mathbb{Z}_2", "\\mathbb{Z}_2 \\times \\mathbb{Z}_2"),
+    ],
+)
+def test_other_sets_still_fail(gold, answer):
+    assert graded(gold, f"\\boxed{{{answer}}}")[0] == 0.0
+
+
+# ---------------------------------------------------------------- where DeepMath's authors' reward is wrong
+@pytest.mark.parametrize(
+    ("gold", "wrong", "right"),
+    [
+        ("4", "400", "4"),  # their percentage rule: 400 % ...
+        ("4", "0.04", "4.0"),  # ... and 4 %
+        ("\\frac{1}{3}", "0.3333", "\\frac{2}{6}"),  # their 1e-4 relative tolerance ...
+        ("123456789012", "123456789013", "123456789012"),  # ... and off-by-one large integers
+        ("10^{18}", "1000000000000000001", "1000000000000000000"),
+        ("2^{2023}", "2^{2022}", "2 \\cdot 2^{2022}"),  # their float overflow
+        ("(-\\infty, 2]", "(-\\infty, 2)", "(-\\infty,2]"),  # their stripped brackets
+        ("[0, 1)", "[0, 1]", "[0,1)"),
+        ("\\mathbb{Z}_2", "\\mathbb{Z}_3", "\\mathbb{Z}_{2}"),
+    ],
+)
+def test_what_the_authors_reward_wrongly_accepts_is_rejected(gold, wrong, right):
+    for options in ({}, {"require_think": True, "require_box": False}):  # sgrpo's default and authors' gate
+        completion = "Thinking.\n</think>\nThe answer is \\boxed{{{}}}."
+        assert graded(gold, completion.format(wrong), **options)[0] == 0.0, wrong
+        assert graded(gold, completion.format(right), **options) == (1.0, "correct"), right
