@@ -1,9 +1,11 @@
 """Math answer checking: the last ``\\boxed{}`` graded by math-verify, and a cheap numeric check.
 
 ``grade_math`` follows the DeepMath recipe (spec tasks.md §1.3): grade only the text after
-``</think>``, compare the last box with the gold answer by math-verify with the gold FIRST (``verify``
-is asymmetric). A cheap normalised string comparison runs first: it settles exact spellings without
-sympy and is the only check for Yes/No answers (math-verify parses "Yes" as the product E*s*y).
+``</think>`` (none without it, under ``require_think``), compare the last box (every box, for a gold of
+several parts) with the gold answer by math-verify with the gold FIRST (``verify`` is asymmetric), both
+respelt alike first (``tasks.mathnotation``), and a gold printed as a rounded decimal at its printed
+precision. A cheap normalised string comparison runs first: it settles exact spellings without sympy
+and is the only check for Yes/No answers (math-verify parses "Yes" as the product E*s*y).
 
 Adversarial answers must not stall training: the cheap checks and the deadline of ``tasks.mathguard``
 run before and around sympy, so ``MathVerifyReward`` grades in worker processes.
