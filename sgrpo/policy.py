@@ -161,6 +161,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if self.peft is not None:
             apply_lora(self.model, self.peft)  # only the adapters train

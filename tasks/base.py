@@ -73,6 +73,9 @@ class Reward(ABC):
         """The training reward, ``[N]`` float32."""
         return self.score(examples, completions).total
 
+    def adapt_to_tokenizer(self, tokenizer) -> None:  # noqa: B027 (a hook: most rewards need nothing)
+        """Settle the settings that depend on the policy's tokenizer (its chat template); by default none."""
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
@@ -217,6 +220,10 @@ class WeightedSum(Reward):
         self.weights = weights
         self.name = name
 
+    def adapt_to_tokenizer(self, tokenizer) -> None:
+        for reward in self.rewards:
+            reward.adapt_to_tokenizer(tokenizer)
+
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
         total = torch.zeros(len(completions), dtype=torch.float32)  # [N]
         parts: dict[str, Tensor] = {}
@@ -262,6 +269,10 @@ class Task(ABC):
             limit = self.max_train_examples if split == "train" else self.max_eval_examples
             self._cache[split] = list(self.load(split))[:limit]
         return self._cache[split]
+
+    def adapt_to_tokenizer(self, tokenizer) -> None:
+        """Called by the policy with the tokenizer it samples with, before any grading: adapts the reward."""
+        self.reward.adapt_to_tokenizer(tokenizer)
 
     @abstractmethod
     def load(self, split: str) -> Sequence[Example]:

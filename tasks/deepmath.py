@@ -49,9 +49,26 @@ class DeepMath(Task):
     Rows are checked at load (``SCHEMAS``): a file row without a question or answer, or with a blank one,
     raises ``ValueError`` naming the file, the row and the column.
 
-    Reward (default ``MathVerifyReward``): 1 if math-verify finds the last ``\\boxed{}`` after
-    ``</think>`` equal to ``final_answer``, else 0. Success is that same check on the {0, 1} scale,
-    whatever reward is configured. ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5).
+    Reward (default ``MathVerifyReward()``): 1 if math-verify finds the answer after ``</think>`` equal to
+    ``final_answer``, else 0. Success is that same check on the {0, 1} scale, whatever reward is configured.
+    ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5). The grading options, set on the reward:
+
+    - ``require_think`` (default None: from the chat template): with a thinking model whose template opens
+      ``<think>`` in the prompt (DeepSeek-R1-Distill), a completion without ``</think>`` was cut off
+      mid-thought and scores 0, whatever its draft boxed. The policy calls ``adapt_to_tokenizer`` with its
+      tokenizer to decide; set True or False to override.
+    - ``require_box`` (default True): the answer is the last ``\\boxed{}`` after ``</think>``. False also
+      grades an unboxed answer there ("Hence the answer is 4.", as DeepMath's authors do). The box stays
+      the default: the prompt asks for it, and free text is read by its last number, which is often not the
+      answer ("3 steps, so 2 moves" is graded as 2).
+    - ``scale`` (default "01"): "pm1" gives the authors' +1/-1.
+
+    Always on: a gold listing several parts (``2, 3``) is graded against all the boxes after ``</think>``
+    together; e-notation (``1.2e5``), ``d.dd\\times10^{n}`` and ``\\mathbb Z`` spellings are read as meant;
+    a gold printed as a rounded decimal (``0.866``, 3 or more significant digits) accepts an answer within
+    half a unit of its last digit (``\\frac{\\sqrt{3}}{2}``), never looser (not 0.87). Other golds get no
+    tolerance beyond math-verify's own (decimals equal to 6 places): 400 or 0.04 for 4, 0.3333 for 1/3,
+    ``2^{2022}`` for ``2^{2023}``, ``(-\\infty, 2)`` for ``(-\\infty, 2]`` all score 0.
     """
 
     def __init__(
@@ -111,6 +128,10 @@ class DeepMath(Task):
             difficulty=None if difficulty in (None, "") else float(difficulty),
             metadata={"topic": row.get("topic") or "", "source": source},
         )
+
+    def adapt_to_tokenizer(self, tokenizer) -> None:
+        super().adapt_to_tokenizer(tokenizer)
+        self.grader.adapt_to_tokenizer(tokenizer)
 
     def success(self, example: Example, completion: str) -> bool:
         return bool(self.successes([example], [completion])[0])

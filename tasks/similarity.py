@@ -33,6 +33,19 @@ def strip_think(text: str) -> str:
     return "" if text.lstrip().startswith("<think>") else text
 
 
+def template_opens_think(tokenizer) -> bool:
+    """Does ``tokenizer``'s chat template open a ``<think>`` block in the prompt, as DeepSeek-R1-Distill's does?
+
+    Then every completion starts inside that block, so one cut off while thinking carries neither tag.
+    False for a tokenizer without a chat template, and for one that opens and closes the block (thinking off).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    messages = [{"role": "user", "content": "1 + 1 = ?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt.rfind("<think>") > prompt.rfind("</think>")
+
+
 def normalize_label(text: str) -> str:
     """``"Answer: Mythology & Folklore."`` -> ``"mythology and folklore"``."""
     text = _ANSWER_PREFIX.sub("", text).replace("&", " and ").lower()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tasks import DeepMath, MathVerifyReward, grade_math
-from tasks.mathgrade import MAX_ANSWER_CHARS, _Deadline, _deadline, _log10_bound, reject_box
+from tasks.mathguard import MAX_ANSWER_CHARS, _Deadline, _deadline, _log10_bound, reject_box
 from tasks.pool import get_pool
 
 JSONL = "tests/fixtures/deepmath.jsonl"
