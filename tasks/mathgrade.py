@@ -1,6 +1,6 @@
 """Math answer checking: the last ``\\boxed{}`` graded by math-verify, and a cheap numeric check.
 
-``grade_math`` follows the DeepMath recipe (spec tasks.md §1.3): grade only the text after
+``grade_math`` follows the DeepMath recipe (the DeepMath authors' reward; README, Tasks): grade only the text after
 ``</think>`` (none without it, under ``require_think``), compare the last box (every box, for a gold of
 several parts) with the gold answer by math-verify with the gold FIRST (``verify`` is asymmetric), both
 respelt alike first (``tasks.mathnotation``), and a gold printed as a rounded decimal at its printed

@@ -1,4 +1,4 @@
-"""Poetry (``merve/poetry``: author, content, poem name, age, type), the two hypotheses of spec §4.
+"""Poetry (``merve/poetry``: author, content, poem name, age, type), read two ways (H1, H2 below).
 
 The SoftmaxGRPO abstract (arXiv 2608.09271) reports a 1.5B instruct model going from 35.0 % to
 68.0 % on "Poetry" with text-similarity rewards; the exact task is not public. H1

@@ -1,4 +1,4 @@
-"""Synthetic verifiable tasks for CPU runs of a tiny char-level model (spec tasks.md §6)."""
+"""Synthetic verifiable tasks for CPU runs of a tiny char-level model."""
 
 from __future__ import annotations
 
