@@ -140,11 +140,6 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-
-
 def sgrpo_policy(work: Workload):
     """sgrpo's side of the workload: GRPOPolicy with the settings both frameworks agree on."""
     from estimators import GRPO
@@ -185,12 +180,14 @@ def sgrpo_policy(work: Workload):
 def run_sgrpo(work: Workload) -> None:
     from lightning.pytorch import Callback
 
+    from sgrpo.rollout import eos_ids
 
     gate = StepGate()
 
     class Gate(Callback):
         def on_fit_start(self, trainer, pl_module) -> None:
-            gate.wrap_generate(pl_module.rollout, "_generate_rows", _eos_ids(pl_module.model), returns_prompt=False)
+            eos = eos_ids(pl_module.model, pl_module.tokenizer)
+            gate.wrap_generate(pl_module.rollout, "_generate_rows", eos, returns_prompt=False)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             gate.at_step_start()

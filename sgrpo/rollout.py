@@ -134,8 +134,7 @@ class HFRollout(RolloutEngine):
             enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # [B, P]: distinct prompts
         row_prompt = torch.arange(len(examples), device=device).repeat_interleave(group_size)  # [N]
-        eos = eos_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        eos, pad = stop_and_pad_ids(model, tokenizer)
         was_training = model.training
         model.eval()
         try:
@@ -198,6 +197,13 @@ class HFRollout(RolloutEngine):
         )
         return out[:, ids.shape[1] :], None
 
+
+
+def stop_and_pad_ids(model: nn.Module, tokenizer) -> tuple[list[int], int]:
+    """The ids that end a completion (the model's generation_config, else the tokenizer's) and the pad id
+    (the tokenizer's, else the first end id)."""
+    eos = eos_ids(model, tokenizer)
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
 
 def eos_ids(model: nn.Module, tokenizer) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.lora import plain_weights
-from sgrpo.rollout import RolloutEngine, eos_ids, render_prompt
+from sgrpo.rollout import RolloutEngine, render_prompt, stop_and_pad_ids
 from sgrpo.types import Example, RolloutBatch
 
 INSTALL_HINT = "pip install -e '.[vllm]'"
@@ -273,8 +273,7 @@ class VLLMRollout(RolloutEngine):
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch:
         vllm = import_vllm()
-        eos = eos_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        eos, pad = stop_and_pad_ids(model, tokenizer)
         prompts = prompt_token_ids(tokenizer, examples)
         longest = max((len(p) for p in prompts), default=0)
         if self.max_model_len is not None and longest >= self.max_model_len:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from sgrpo.logprobs import position_ids_from_mask
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
 from tasks.synthetic import SyntheticTask
@@ -49,11 +50,6 @@ class Recipe:
     num_heads: int = 4
 
 
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Positions counted from each row's first real token, so left padding does not shift them."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> dict[str, Tensor]:
     """Left-padded ``prompt + answer + <eos>`` ids with labels (-100 except on answer and ``<eos>``)."""
     rows, targets = [], []
@@ -70,7 +66,7 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -
         ids[i, width - len(row) :] = torch.tensor(row, device="cpu")
         labels[i, width - len(row) :] = torch.tensor(target, device="cpu")
         mask[i, width - len(row) :] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": position_ids(mask)}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": position_ids_from_mask(mask)}
 
 
 def make_task(recipe: Recipe, eval_prompts: int = 200) -> SyntheticTask:

@@ -100,7 +100,7 @@ def test_greedy_decode_equals_transformers_generate(native_step, compact_below):
     )  # fmt: skip
     want = out[:, ids.shape[1] :]
     want = torch.nn.functional.pad(want, (0, 12 - want.shape[1]), value=0)
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     finished = torch.isin(got, torch.tensor(eos)).any(-1)
     assert finished.any() and not finished.all()  # the case exercises early stops and full-length rows
 
@@ -142,7 +142,8 @@ def test_sampler_draws_from_the_truncated_softmax():
         expected = want.double()[want > 0] * n
         chi2 = ((counts[want > 0] - expected) ** 2 / expected).sum()
         assert chi2 < 25, (k, top_p, counts, want)  # df <= 5: P(chi2 > 25) < 2e-4
-    assert torch.equal(sample(logits.expand(4, -1), 1.0, 0, 1.0, greedy=True), torch.zeros(4, dtype=torch.long))
+    greedy = sample(logits.expand(4, -1), 1.0, 0, 1.0, greedy=True)
+    torch.testing.assert_close(greedy, torch.zeros(4, dtype=torch.long), rtol=0, atol=0)
 
 
 def test_cache_capacity_is_enforced():
@@ -165,7 +166,7 @@ def test_unsupported_models_use_the_model_forward():
         input_ids=ids[rows], attention_mask=mask[rows], do_sample=False, max_new_tokens=6, min_new_tokens=6,
         eos_token_id=[1], pad_token_id=0,
     )  # fmt: skip
-    assert torch.equal(got[:, : out.shape[1] - ids.shape[1]], out[:, ids.shape[1] :])
+    torch.testing.assert_close(got[:, : out.shape[1] - ids.shape[1]], out[:, ids.shape[1] :], rtol=0, atol=0)
 
 
 def test_hf_rollout_decoders_agree(tmp_path):
@@ -180,7 +181,8 @@ def test_hf_rollout_decoders_agree(tmp_path):
         for d in ("lean", "generate")
     ]
     for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
-        assert torch.equal(getattr(batches[0], field), getattr(batches[1], field)), field
+        torch.testing.assert_close(getattr(batches[0], field), getattr(batches[1], field), rtol=0, atol=0,
+                                   msg=lambda m, field=field: f"{field}: {m}")
     assert batches[0].completions == batches[1].completions
     with pytest.raises(ValueError, match="decoder"):
         HFRollout(decoder="vllm")
@@ -249,8 +251,8 @@ def test_rollout_on_a_weights_snapshot_samples_the_same_policy(autocast):
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             batches.append(rollout.generate(model, tokenizer, examples, 4))
-    assert torch.equal(batches[0].input_ids, batches[1].input_ids)
-    assert torch.equal(batches[0].logprobs, batches[1].logprobs)
+    torch.testing.assert_close(batches[0].input_ids, batches[1].input_ids, rtol=0, atol=0)
+    torch.testing.assert_close(batches[0].logprobs, batches[1].logprobs, rtol=0, atol=0)
     shell = rollout._weights._shell
     assert shell is not None and all(p.device.type == "meta" for p in shell.parameters())  # memory given back
     linear_dtypes = {m.weight.dtype for m in shell.modules() if isinstance(m, torch.nn.Linear)}
@@ -273,7 +275,7 @@ def test_fixed_shape_steps_for_cuda_graphs_match_the_eager_decoder(name, compact
     for graphs in (False, True):
         torch.manual_seed(4)
         runs.append(decode(model, ids, mask, rows, 12, eos, pad=0, compact_below=compact_below, cuda_graphs=graphs))
-    assert torch.equal(runs[1][0], runs[0][0])
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
     torch.testing.assert_close(runs[1][1], runs[0][1], atol=1e-5, rtol=1e-5)
     finished = torch.isin(runs[0][0], torch.tensor(eos)).any(-1)
     assert finished.any() and not finished.all()

@@ -70,12 +70,12 @@ def test_chunked_logprobs_match_full_logits_and_padding_is_invisible(chunk):
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
     full = (logits[:, -5:-1].float() / 0.7).log_softmax(-1)
     want = full.gather(-1, ids[:, -4:].unsqueeze(-1)).squeeze(-1) * cmask
-    assert torch.allclose(logp, want, atol=1e-5)
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=1e-5)
     want_entropy = -(full.exp() * full).sum(-1) * cmask
-    assert torch.allclose(entropy, want_entropy, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
     # the padded row scores its tokens as if it had no padding at all
     alone, _ = completion_logprobs(model, ids[1:2, 3:], attn[1:2, 3:], cmask[1:2], temperature=0.7)
-    assert torch.allclose(alone, logp[1:2], atol=1e-5)
+    torch.testing.assert_close(alone, logp[1:2], atol=1e-5, rtol=1e-5)
     # gradients flow through the checkpointed chunks and match the full-logits path
     logp.sum().backward()
     got = model.lm_head.weight.grad.clone()
@@ -83,7 +83,7 @@ def test_chunked_logprobs_match_full_logits_and_padding_is_invisible(chunk):
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
     full = (logits[:, -5:-1].float() / 0.7).log_softmax(-1)
     (full.gather(-1, ids[:, -4:].unsqueeze(-1)).squeeze(-1) * cmask).sum().backward()
-    assert torch.allclose(got, model.lm_head.weight.grad, atol=1e-5)
+    torch.testing.assert_close(got, model.lm_head.weight.grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -120,7 +120,7 @@ def test_shared_prompts_give_the_full_forwards_logprobs_and_gradients(checkpoint
         (logp * weights).sum().backward()
         results.append((logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     (logp_full, grad_full), (logp_shared, grad_shared) = results
-    assert torch.allclose(logp_shared, logp_full, atol=1e-5)
+    torch.testing.assert_close(logp_shared, logp_full, atol=1e-5, rtol=1e-5)
     assert (logp_full[~cmask] == 0).all()
     assert float((grad_shared - grad_full).norm() / grad_full.norm()) < 1e-5
 

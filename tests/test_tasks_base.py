@@ -80,10 +80,10 @@ def test_weighted_sum_keeps_unweighted_parts_and_sums_failures():
     exact, edit = ExactMatch(), EditSimilarity()
     result = WeightedSum([exact, edit, Scripted()], [1.0, 0.5, 2.0]).score(examples, ["123", "132", "1"])
     # edit: "132" vs "123" is 2 substitutions of 3 chars -> 1/3; "1" vs "123": 2 insertions -> 1/3
-    assert torch.allclose(result.parts["edit"], torch.tensor([1.0, 1 / 3, 1 / 3]))
+    torch.testing.assert_close(result.parts["edit"], torch.tensor([1.0, 1 / 3, 1 / 3]), atol=1e-8, rtol=1e-5)
     assert result.parts["exact_match"].tolist() == [1.0, 0.0, 0.0]
     # total = 1 * exact + 0.5 * edit + 2 * scripted (scripted reads "123" -> 123 invalid -> 0, "1" -> 1)
-    assert torch.allclose(result.total, torch.tensor([1.5, 0.5 / 3, 0.5 / 3 + 2.0]))
+    torch.testing.assert_close(result.total, torch.tensor([1.5, 0.5 / 3, 0.5 / 3 + 2.0]), atol=1e-8, rtol=1e-5)
     assert result.failures == 2  # "123" and "132" are not numbers in [0, 1]
     failing = WeightedSum([Scripted(), Scripted(name="other")]).score(examples, completions)
     assert failing.failures == 2 * 3  # 123, 132 out of range; "raise"

@@ -34,5 +34,5 @@ def test_joined_batches_keep_every_rows_tokens_and_logprobs(tmp_path):
         t = part.shape[1]
         torch.testing.assert_close(got[rows, :t], part, atol=1e-5, rtol=1e-5)
         assert (got[rows, t:] == 0).all()  # completion padding is outside the mask
-        assert torch.equal(picked.completion_mask[rows, :t], source.completion_mask[:2])
-        assert torch.equal(picked.logprobs[rows, :t], source.logprobs[:2])
+        torch.testing.assert_close(picked.completion_mask[rows, :t], source.completion_mask[:2], rtol=0, atol=0)
+        torch.testing.assert_close(picked.logprobs[rows, :t], source.logprobs[:2], rtol=0, atol=0)

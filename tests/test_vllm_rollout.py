@@ -109,7 +109,7 @@ def test_outputs_become_a_left_and_right_padded_batch(tokenizer):
     assert batch.completions == ["5", "666", "", "78"]  # decoded without <eos>
     assert batch.logprobs.dtype == torch.float32
     expected = torch.tensor([[-0.5, -0.1, 0.0], [-1.0, -2.0, -3.0], [-0.2, 0.0, 0.0], [-0.3] * 3])  # 0 on padding
-    assert torch.allclose(batch.logprobs, expected)
+    torch.testing.assert_close(batch.logprobs, expected, atol=1e-8, rtol=1e-5)
     assert batch.group_size == 2 and batch.prompt_length == 3 and batch.num_groups == 2
 
 
@@ -221,8 +221,9 @@ def test_tis_weights_and_mismatch_by_hand():
     mask = torch.tensor([[True, True, False]])
     # log-ratio trainer - vllm = [0.5, -1.0, (masked)]: exp -> [1.6487 capped to 1.5, 0.3679], 0 off the mask
     weights = tis_weights(trainer, vllm, mask, cap=1.5)
-    assert torch.allclose(weights, torch.tensor([[1.5, math.exp(-1.0), 0.0]]))
-    assert torch.allclose(tis_weights(trainer, vllm, mask, cap=10.0), torch.tensor([[math.exp(0.5), math.exp(-1), 0]]))
+    torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1.0), 0.0]]), atol=1e-8, rtol=1e-5)
+    want = torch.tensor([[math.exp(0.5), math.exp(-1), 0]])
+    torch.testing.assert_close(tis_weights(trainer, vllm, mask, cap=10.0), want, atol=1e-8, rtol=1e-5)
     # d = vllm - trainer = [-0.5, 1.0]: k3 = exp(-d) - 1 + d = [0.148721, 0.367879] -> mean 0.258300
     stats = logprob_mismatch(trainer, vllm, mask)
     assert stats["kl"].item() == pytest.approx(0.2583, abs=1e-4)
@@ -363,7 +364,7 @@ def test_generate_syncs_weights_sleeps_and_wakes_in_order(fake_vllm, model_dir):
     # rows: prompt b, completion g; even g stop at <eos>, odd g run to max_new_tokens
     assert batch.completion_mask.tolist() == [[True, True, False], [True] * 3] * 2
     assert batch.truncated.tolist() == [False, True, False, True]
-    assert torch.allclose(batch.logprobs[1], torch.tensor([-0.1, -0.2, -0.3]))
+    torch.testing.assert_close(batch.logprobs[1], torch.tensor([-0.1, -0.2, -0.3]), atol=1e-8, rtol=1e-5)
     assert batch.completions[1] == "111"
 
     with torch.no_grad():

@@ -1,0 +1,38 @@
+"""The wheel installs exactly sgrpo, estimators and tasks, and a foreign ``tasks`` that would shadow sgrpo's
+stops the import with a message naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_declares_its_three_top_level_packages(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(REPO)], check=True, capture_output=True)  # fmt: skip
+    (wheel,) = tmp_path.glob("sgrpo-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["estimators", "sgrpo", "tasks"]
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {
+        "estimators", "sgrpo", "tasks"}  # fmt: skip
+    assert any(n.startswith("sgrpo/assets/quickstart_model/") for n in names)  # the quickstart runs installed
+
+
+def _import_sgrpo(cwd: Path) -> subprocess.CompletedProcess:
+    # -c puts the working directory first on sys.path, as `python -m sgrpo.fit` does
+    return subprocess.run([sys.executable, "-c", "import sgrpo"], cwd=cwd, capture_output=True, text=True)
+
+
+def test_a_tasks_folder_in_the_working_directory_is_named_not_imported(tmp_path):
+    assert _import_sgrpo(tmp_path).returncode == 0
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "__init__.py").write_text("")
+    result = _import_sgrpo(tmp_path)
+    assert result.returncode != 0
+    assert f"'tasks' resolves to {(tmp_path / 'tasks' / '__init__.py').resolve()}" in result.stderr
+    assert "Rename the other 'tasks'" in result.stderr
