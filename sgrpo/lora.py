@@ -23,8 +23,14 @@ ADAPTER = "default"
 
 @dataclass
 class LoRA:
-    """LoRA settings: rank r, scaling alpha / r, dropout, the Linear modules adapted ("all-linear": every
-    Linear but the LM head; or names such as [q_proj, v_proj]); ``export_merged`` also writes the merged model.
+    """LoRA settings (``model.peft``).
+
+    Args:
+        rank: Rank r of each adapter.
+        alpha: Scaling numerator: the update is alpha / r * B A.
+        dropout: Dropout on the adapters' input.
+        target_modules: Linear modules adapted: "all-linear" (every Linear but the LM head) or names ([q_proj, v_proj]).
+        export_merged: Also write the merged model to ``<export>/merged`` at the end of fit.
     """
 
     rank: int = 16

@@ -133,6 +133,13 @@ class ClippedSurrogate(PolicyLoss):
     sum l x weight over tokens, the weights given by ``aggregation`` (``token_weights``: token_mean as
     DAPO, seq_mean_token_mean as the original GRPO, seq_sum_const as Dr.GRPO). Statistics: tokens
     clipped below / above, the k3 KL and the importance weight w, summed over the masked tokens.
+
+    Args:
+        clip_low: Ratio clipped below at 1 - clip_low (TRL ``epsilon``, verl ``clip_ratio_low``).
+        clip_high: Ratio clipped above at 1 + clip_high (DAPO's clip-higher: 0.28).
+        aggregation: token_mean (DAPO), seq_mean_token_mean (original GRPO) or seq_sum_const (Dr.GRPO).
+        kl_coef: Weight of the k3 KL to the initial policy (0 loads no reference model).
+        importance_sampling_cap: Cap of the truncated importance weight for an external sampler (null: none).
     """
 
     stats = ("clip/low", "clip/high", "kl", "rollout/tis_weight_mean")

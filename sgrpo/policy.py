@@ -37,27 +37,15 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
     rollout for ``ppo_epochs`` x ``num_minibatches`` optimiser steps. The loss aggregation is a
     loss setting (docs/theory.md §7.4), so two runs can differ in the estimator alone.
     ``trainer.max_steps`` counts training steps (rollout batches). Rollout sampling is seeded from
-    ``(seed, step, rank)``, so a resumed run reproduces an uninterrupted one.
-
-    Each optimiser step's rows are cut into micro-batches of similar completion length (longest
-    first), at most ``micro_batch_size`` rows and ``micro_batch_tokens`` padded tokens each ("auto":
-    1,024 on CPU, where small matmuls are already efficient, 8,192 on accelerators), and
-    trimmed to their longest row; gradients accumulate over them with the global batch's
-    denominators, so the split changes memory and speed, not the update. With ``share_prompts``,
-    each distinct prompt of a micro-batch runs once and its completions run on its KV cache
-    (``sgrpo.logprobs.completion_hidden_states``).
+    ``(seed, step, rank)``, so a resumed run reproduces an uninterrupted one. Micro-batches accumulate
+    with the global batch's denominators, so their split changes memory and speed, not the update.
 
     The trained policy is the sampling policy: dropout is off unless ``keep_dropout``, the rollout's LM
     head is the loss's (``sgrpo.head``, float32, with the model's own logit transform; a model whose
     forward does something else to its logits is refused at load), and a rollout engine that truncates
-    the distribution (top-k, top-p, ``min_new_tokens``) is refused for training; ``val_rollout`` (by
-    default the training engine) may truncate. The LR scheduler steps once per training step; the
-    gradient norm is taken and clipped after mixed precision's loss scale is removed.
-
-    Prompts longer than ``max_prompt_tokens`` (default: the model's positions less the rollout's
-    ``max_new_tokens``) are dropped when the data is read, counted in ``train/prompts_dropped``. The run
-    stops with ``RewardFailureError`` when at least ``reward_failure_share`` of a step's rewards failed
-    for ``reward_failure_steps`` steps in a row (``sgrpo.guards``).
+    the distribution (top-k, top-p, ``min_new_tokens``) is refused for training. The LR scheduler steps
+    once per training step; the gradient norm is taken and clipped after mixed precision's loss scale
+    is removed.
     """
 
 
@@ -98,6 +86,45 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         reward_failure_share: float = 1.0,
         reward_failure_steps: int = 3,
     ) -> None:
+        """The config's ``model:`` block.
+
+        Args:
+            model: Hugging Face hub id or local folder of a causal LM.
+            task: Prompts, rewards and success (``tasks.Task``).
+            estimator: Advantages from a group's rewards (``estimators.AdvantageEstimator``).
+            rollout: Sampling engine for training (default ``HFRollout()``).
+            val_rollout: Sampling engine for validation; may truncate (top-k, top-p). Default: ``rollout``.
+            group_size: Completions per prompt (TRL ``num_generations``, verl ``rollout.n``).
+            prompts_per_step: Prompts per training step, over all processes.
+            ppo_epochs: Passes over each rollout batch (TRL ``num_iterations``).
+            num_minibatches: Optimiser steps per pass; each takes 1/num_minibatches of the rows.
+            micro_batch_size: Rows per forward/backward (null: no row limit).
+            micro_batch_tokens: Padded tokens per forward/backward; "auto": 1,024 on CPU, 8,192 on accelerators.
+            loss: The policy loss (default ``ClippedSurrogate()``: clip, aggregation, KL, importance sampling).
+            mask_truncated: Completions cut off at ``max_new_tokens`` get no gradient (DAPO's overlong filter).
+            dynamic_sampling: Drop groups whose rewards are all equal and sample more prompts (DAPO).
+            max_sampling_rounds: Sampling rounds per step at most, with dynamic sampling.
+            log_completions_every: Write a few groups' completions every N steps (0: never).
+            log_completions_groups: Groups written each time.
+            max_grad_norm: Clip the gradient norm to this (null: no clipping).
+            optimizer: Optimiser class and arguments (lr, weight_decay, ...).
+            scheduler: LR scheduler class and arguments; stepped once per training step.
+            val_samples: Completions per validation prompt (pass@k up to this k).
+            val_greedy: Validate with greedy decoding (one completion per prompt).
+            val_prompts_per_batch: Validation prompts per rollout call.
+            logits_chunk_mib: Memory bound of one chunk of float32 logits in the loss.
+            share_prompts: Run each distinct prompt once per micro-batch (off under FSDP2).
+            dtype: Weights' dtype at load ("float32" keeps float32 master weights under bf16-mixed).
+            activation_checkpointing: Recompute activations in the backward (less memory, ~1/3 more compute).
+            keep_dropout: Keep the model's dropout in training (off by default: the trained policy is the sampled one).
+            peft: LoRA adapters (``sgrpo.lora.LoRA``); null trains every weight.
+            seed: Seed of rollout sampling and data order, mixed with step and rank.
+            export_dir: Where fit's end writes the trained model (default ``<run folder>/hf_model``).
+            max_prompt_tokens: Longer prompts are dropped at read (default: positions less max_new_tokens).
+            reward_failure_share: Share of a step's rewards that failed, at or above which the step counts as failed.
+            reward_failure_steps: Failed steps in a row that stop the run.
+        """
+
         super().__init__()
         _require(group_size >= 2, f"group_size must be >= 2 to compare completions, got {group_size}")
         _require(prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {prompts_per_step}")

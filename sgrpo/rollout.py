@@ -79,6 +79,17 @@ class HFRollout(RolloutEngine):
     otherwise all-gather each block per token), its Linear weights cast once to autocast's dtype;
     the copy's memory is freed before the update. ``cuda_graphs`` (lean decoder, Llama-family models):
     fixed-shape decode steps replayed as CUDA graphs on a GPU (``sgrpo.graphs``; off until measured).
+
+    Args:
+        max_new_tokens: Completion length cap in tokens.
+        temperature: Sampling temperature (> 0; the loss uses the same).
+        top_p: Nucleus sampling (1: off; refused for training, allowed for ``val_rollout``).
+        top_k: Top-k sampling (0: off; refused for training).
+        max_batch_rows: Rows decoded at once (bounds the KV cache).
+        min_new_tokens: EOS masked for this many tokens (0: off; refused for training).
+        decoder: "lean" (sgrpo's decoder) or "generate" (transformers').
+        weights_snapshot: Decode on weights gathered once per rollout (null: on for FSDP2-sharded models).
+        cuda_graphs: Replay decode steps as CUDA graphs (GPU, lean decoder, Llama-family models).
     """
 
     def __init__(

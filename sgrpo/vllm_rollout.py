@@ -6,8 +6,8 @@ refreshed from the policy's parameters at the start of every ``generate`` call (
 parameters, gathered one tensor at a time). vLLM is a GPU extra (``pip install -e '.[vllm]'``): it is
 imported on first use only, so configs naming this engine parse and instantiate on any machine.
 
-The pure pieces (request building, output conversion, parameter names) are module functions with CPU
-tests; the engine calls them.
+The pure pieces (request building, output conversion) are module functions with CPU tests; the engine
+calls them, and ``sgrpo.weightsync`` turns the policy's weights into what the engine loads.
 """
 
 from __future__ import annotations
@@ -15,21 +15,17 @@ from __future__ import annotations
 import math
 import os
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from sgrpo.lora import plain_weights
 from sgrpo.rollout import RolloutEngine, render_prompt, stop_and_pad_ids
 from sgrpo.types import Example, RolloutBatch
+from sgrpo.weightsync import engine_weights, unwrap, weight_chunks
 
 INSTALL_HINT = "pip install -e '.[vllm]'"
-
-#: module-path components added by wrappers: torch.compile, FSDP1, activation-checkpoint wrappers
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
 
 def import_vllm():
     """The ``vllm`` module, or an ImportError that names the install command."""
@@ -142,62 +138,6 @@ def _sampled_logprobs(steps: Sequence[Any] | None, ids: list[int]) -> list[float
     return [float(step[token].logprob) for step, token in zip(steps, ids)]
 
 
-# ---------------------------------------------------------------------------------------------- weights
-def hf_parameter_name(name: str) -> str:
-    """A trainer parameter name -> the HF checkpoint name vLLM's ``load_weights`` expects.
-
-    Drops the path components that wrappers insert (``_orig_mod`` of torch.compile,
-    ``_fsdp_wrapped_module`` of FSDP1, ``_checkpoint_wrapped_module``) and leading ``module.``
-    (DDP). FSDP2 (``fully_shard``) keeps the names.
-    """
-    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
-    while parts and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(HF checkpoint name, full tensor) for each parameter of ``model``, lazily, one at a time.
-
-    DTensor values (FSDP2 shards, tensor parallelism) are gathered with ``full_tensor()`` as they
-    are reached: a collective, so every process must iterate in step. LoRA adapters are merged into
-    their weights (``sgrpo.lora.plain_weights``). The output embedding is
-    skipped when the input embedding is tied to it (vLLM shares the tensor and ignores it).
-    """
-    config = getattr(_unwrap(model), "config", None)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    for raw_name, value in plain_weights(model, buffers=False):  # LoRA adapters merged in
-        name = hf_parameter_name(raw_name)
-        if not (tied and name == "lm_head.weight"):
-            yield name, value
-
-
-def weight_chunks(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
-    chunk: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, value in weights:
-        nbytes = value.numel() * value.element_size()
-        if chunk and size + nbytes > max_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, value))
-        size += nbytes
-    if chunk:
-        yield chunk
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The innermost module below DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
 # ---------------------------------------------------------------------------------------------- engine
 class VLLMRollout(RolloutEngine):
     """Rollouts from a colocated vLLM engine, one per training process (GPU extra).
@@ -216,11 +156,23 @@ class VLLMRollout(RolloutEngine):
     Log-probs are vLLM's ``processed_logprobs`` (after temperature) of the sampled tokens; the loss
     corrects for vLLM's numerics (truncated importance sampling, ``sgrpo.loss.ClippedSurrogate``).
 
-    ``tensor_parallel_size`` > 1 splits each engine over consecutive processes (it must divide the
-    number of processes); the group's processes pool their prompts and each keeps its own rows.
-    Sleep level 2 (discard weights instead of offloading them) is not used: vLLM issue 29341
-    reports garbage outputs after a level-2 wake unless weights are reloaded from disk.
-    ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``max_num_seqs``, ``enable_prefix_caching``).
+    Sleep level 2 is not used: vLLM issue 29341 reports garbage outputs after a level-2 wake.
+
+    Args:
+        max_new_tokens: Completion length cap in tokens.
+        temperature: Sampling temperature (> 0; the loss uses the same).
+        top_p: Nucleus sampling (1: off; refused for training, allowed for ``val_rollout``).
+        top_k: Top-k sampling (0: off; refused for training).
+        gpu_memory_utilization: Share of the GPU vLLM may take while awake (weights and KV cache).
+        sleep: Offload the engine between rollouts so the update gets the memory.
+        tensor_parallel_size: Processes per engine (consecutive ranks; they pool their prompts).
+        max_model_len: Prompt + completion tokens per row (null: the model's).
+        dtype: vLLM's weights dtype.
+        seed: Engine seed.
+        seed_per_request: Per-request seeds from torch's RNG (a resumed run draws the same).
+        enforce_eager: No CUDA graphs in vLLM.
+        weight_chunk_mib: Size of a weight sync chunk.
+        engine_kwargs: Passed to ``vllm.LLM`` as they are (``max_num_seqs``, ``enable_prefix_caching``, ...).
     """
 
     samples_from_policy = False  # its own copy of the weights and its own kernels
@@ -338,7 +290,7 @@ class VLLMRollout(RolloutEngine):
         if self._llm is not None:
             return self._llm
         vllm = import_vllm()
-        path = getattr(_unwrap(model), "name_or_path", "")
+        path = getattr(unwrap(model), "name_or_path", "")
         if not path:
             raise ValueError("VLLMRollout loads the engine from the policy's folder or hub id (model.name_or_path)")
         env = launcher_env()

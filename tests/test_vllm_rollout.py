@@ -31,16 +31,8 @@ from sgrpo.loss import tis_weights
 from sgrpo.rollout import HFRollout, completion_mask_until_eos
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.types import Example
-from sgrpo.vllm_rollout import (
-    INSTALL_HINT,
-    VLLMRollout,
-    engine_weights,
-    hf_parameter_name,
-    prompt_token_ids,
-    rollout_batch_from_outputs,
-    sampling_kwargs,
-    weight_chunks,
-)
+from sgrpo.vllm_rollout import INSTALL_HINT, VLLMRollout, prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
+from sgrpo.weightsync import engine_weights, hf_parameter_name, weight_chunks
 from tasks.base import Reward, RewardResult
 
 REPO = Path(__file__).resolve().parents[1]
