@@ -36,3 +36,27 @@ def test_a_tasks_folder_in_the_working_directory_is_named_not_imported(tmp_path)
     assert result.returncode != 0
     assert f"'tasks' resolves to {(tmp_path / 'tasks' / '__init__.py').resolve()}" in result.stderr
     assert "Rename the other 'tasks'" in result.stderr
+
+
+#: dependencies used through another package, not imported by sgrpo's own code
+INDIRECT = {
+    "jsonargparse": "LightningCLI's parser (sgrpo.fit)",
+    "omegaconf": "the parser's omegaconf mode (interpolation in configs)",
+    "rich": "Lightning's RichProgressBar (sgrpo.fit)",
+}
+
+
+def test_every_runtime_dependency_is_used():
+    import re
+
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    sources = "\n".join(p.read_text() for pkg in ("sgrpo", "estimators", "tasks") for p in (REPO / pkg).rglob("*.py"))
+    unused = []
+    for requirement in declared:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)
+        module = name.lower().replace("-", "_")
+        if name not in INDIRECT and not re.search(rf"^\s*(import|from) {module}\b", sources, flags=re.M):
+            unused.append(name)
+    assert unused == [], f"declared in pyproject.toml but never imported: {unused}"
