@@ -77,8 +77,19 @@ class Reward(ABC):
         """Settle the settings that depend on the policy's tokenizer (its chat template); by default none."""
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
+        return settings_repr(self)
+
+
+def settings_repr(obj: object) -> str:
+    """``Type(setting=value, ...)`` of ``obj``'s public attributes: the repr of an object built from a config."""
+    fields = ", ".join(f"{k}={v!r}" for k, v in vars(obj).items() if not k.startswith("_"))
+    return f"{type(obj).__name__}({fields})"
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``condition``: the one way tasks and rewards check their arguments."""
+    if not condition:
+        raise ValueError(message)
 
 
 def check_batch(examples: Sequence[Example], completions: Sequence[str]) -> None:
@@ -143,12 +154,9 @@ class SampleReward(Reward):
     """
 
     def __init__(self, scale: Scale = "01", name: str | None = None, workers: int = 0, timeout: float = 10.0) -> None:
-        if scale not in ("01", "pm1"):
-            raise ValueError(f"scale must be '01' or 'pm1', got {scale!r}")
-        if workers < 0:
-            raise ValueError(f"workers must be >= 0 (0 scores in this process), got {workers}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        require(scale in ("01", "pm1"), f"scale must be '01' or 'pm1', got {scale!r}")
+        require(workers >= 0, f"workers must be >= 0 (0 scores in this process), got {workers}")
+        require(timeout > 0, f"timeout must be > 0 seconds, got {timeout}")
         self.scale = scale
         self.name = name or type(self).name
         self.workers = workers
@@ -208,14 +216,17 @@ class WeightedSum(Reward):
     name = "weighted_sum"
 
     def __init__(self, rewards: list[Reward], weights: list[float] | None = None, name: str = "weighted_sum") -> None:
-        if not rewards:
-            raise ValueError("rewards must hold at least one Reward")
+        require(bool(rewards), "rewards must hold at least one Reward")
         weights = [1.0] * len(rewards) if weights is None else list(weights)
-        if len(weights) != len(rewards):
-            raise ValueError(f"weights needs one number per reward: {len(weights)} for {len(rewards)} rewards")
+        require(
+            len(weights) == len(rewards),
+            f"weights needs one number per reward: {len(weights)} for {len(rewards)} rewards",
+        )
         names = [r.name for r in rewards]
-        if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique (they key the logged parts), got {names}; set name=...")
+        require(
+            len(set(names)) == len(names),
+            f"reward names must be unique (they key the logged parts), got {names}; set name=...",
+        )
         self.rewards = list(rewards)
         self.weights = weights
         self.name = name
@@ -243,6 +254,8 @@ class Task(ABC):
     Subclasses implement ``load(split)`` (called once per split, then cached) and ``success``.
     ``max_train_examples`` / ``max_eval_examples`` keep the first examples of the train split /
     of the validation and test splits.
+    These are the settings every task has: a subclass takes its own arguments and passes the rest on as
+    ``**settings`` (configs and ``--help`` see them all).
     """
 
     def __init__(
@@ -250,12 +263,8 @@ class Task(ABC):
     ) -> None:
         if not isinstance(reward, Reward):
             raise TypeError(f"reward must be a Reward, got {type(reward).__name__}")
-        for key, value in (
-            ("max_train_examples", max_train_examples),
-            ("max_eval_examples", max_eval_examples),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{key} must be >= 1 or None (no limit), got {value}")
+        for key, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
+            require(value is None or value >= 1, f"{key} must be >= 1 or None (no limit), got {value}")
         self.reward = reward
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
@@ -291,8 +300,7 @@ class Task(ABC):
         return torch.tensor(out, dtype=torch.bool)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
+        return settings_repr(self)
 
 
 def fill(template: str, **fields: object) -> str:
@@ -305,5 +313,4 @@ def fill(template: str, **fields: object) -> str:
 def check_template(template: str, required: Sequence[str], field: str = "template") -> None:
     """Raise unless ``template`` holds every ``{name}`` placeholder of ``required``."""
     missing = [name for name in required if "{" + name + "}" not in template]
-    if missing:
-        raise ValueError(f"{field} must contain the placeholder(s) {', '.join('{' + m + '}' for m in missing)}")
+    require(not missing, f"{field} must contain the placeholder(s) {', '.join('{' + m + '}' for m in missing)}")

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor
 
 from sgrpo.types import Example
-from tasks.base import Reward, Task
+from tasks.base import Reward, Task, require
 from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
 from tasks.mathgrade import MathVerifyReward
 
@@ -80,14 +80,14 @@ class DeepMath(Task):
         seed: int = 0,
         system_prompt: str | None = SYSTEM_PROMPT,
         reward: Reward | None = None,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward or MathVerifyReward(), max_train_examples, max_eval_examples)
+        super().__init__(reward or MathVerifyReward(), **settings)
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
-        if test_path is not None and test_size:
-            raise ValueError(f"set either test_path or test_size, not both (test_size={test_size!r})")
+        require(
+            test_path is None or not test_size, f"set either test_path or test_size, not both (test_size={test_size!r})"
+        )
         self.path, self.test_path, self.seed, self.system_prompt = path, test_path, seed, system_prompt
         sizes = {"validation": validation_size, "test": test_size}
         self._table = SplitTable(path, columns=_COLUMNS, schema=SCHEMAS, sizes=sizes, seed=seed)

@@ -59,10 +59,9 @@ class GSM8K(Task):
         test_size: int | float = 0,
         seed: int = 0,
         reward: Reward | None = None,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward or NumericMatch(), max_train_examples, max_eval_examples)
+        super().__init__(reward or NumericMatch(), **settings)
         check_template(template, ["question"])
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")

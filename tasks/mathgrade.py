@@ -20,7 +20,7 @@ from math_verify import parse, verify
 from sympy import Basic
 
 from sgrpo.types import Example
-from tasks.base import SampleReward, Scale
+from tasks.base import SampleReward, Scale, require
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
 from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, several_parts
 from tasks.similarity import strip_think, template_opens_think
@@ -174,8 +174,7 @@ class MathVerifyReward(SampleReward):
         max_answer_chars: int = MAX_ANSWER_CHARS,
     ) -> None:
         super().__init__(scale=scale, name=name, workers=workers, timeout=timeout)
-        if max_answer_chars < 1:
-            raise ValueError(f"max_answer_chars must be >= 1, got {max_answer_chars}")
+        require(max_answer_chars >= 1, f"max_answer_chars must be >= 1, got {max_answer_chars}")
         self.require_box = require_box
         self.require_think = require_think
         self.max_answer_chars = max_answer_chars

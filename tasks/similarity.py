@@ -17,7 +17,7 @@ from rapidfuzz.distance import Indel, Levenshtein
 from sacrebleu.metrics import BLEU, CHRF
 
 from sgrpo.types import Example
-from tasks.base import SampleReward, Scale
+from tasks.base import SampleReward, Scale, require
 
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 _ANSWER_PREFIX = re.compile(r"^\s*(final\s+)?answer\s*[:\-]\s*", re.IGNORECASE)
@@ -102,8 +102,7 @@ class ChrF(TextSimilarity):
 
     def __init__(self, word_order: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
-        if word_order < 0:
-            raise ValueError(f"word_order must be >= 0 (0: chrF, 2: chrF++), got {word_order}")
+        require(word_order >= 0, f"word_order must be >= 0 (0: chrF, 2: chrF++), got {word_order}")
         self.word_order = word_order
         self._metric = CHRF(word_order=word_order)
 
@@ -147,8 +146,7 @@ class EditSimilarity(TextSimilarity):
 
     def __init__(self, metric: Literal["levenshtein", "indel"] = "levenshtein", **kwargs) -> None:
         super().__init__(**kwargs)
-        if metric not in ("levenshtein", "indel"):
-            raise ValueError(f"metric must be 'levenshtein' or 'indel', got {metric!r}")
+        require(metric in ("levenshtein", "indel"), f"metric must be 'levenshtein' or 'indel', got {metric!r}")
         self.metric = metric
 
     def similarity(self, prediction: str, reference: str) -> float:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from sgrpo.types import Example, Messages
-from tasks.base import Reward, Task, check_batch
+from tasks.base import Reward, Task, check_batch, require
 from tasks.data import Schema, SplitTable, not_blank
 from tasks.similarity import ChrF, ExactMatch, TextSimilarity
 
@@ -24,7 +24,7 @@ class ReferenceTextTask(Task):
     ``test_size``: a count or a fraction).
     ``chat=True`` wraps the prompt text as one user message; ``False`` feeds it as raw text.
     Success: ``success_metric(completion, reference) >= success_threshold`` on [0, 1]; the default,
-    ``ExactMatch(normalize=True)`` with threshold 1, is normalised exact match.
+    ``ExactMatch(normalize=True)`` with threshold 1, is normalised exact match. ``settings``: ``Task``'s.
     """
 
     required_columns: tuple[str, ...] = ()
@@ -43,12 +43,10 @@ class ReferenceTextTask(Task):
         chat: bool = True,
         success_metric: TextSimilarity | None = None,
         success_threshold: float = 1.0,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward, max_train_examples, max_eval_examples)
-        if not 0.0 < success_threshold <= 1.0:
-            raise ValueError(f"success_threshold must be in (0, 1], got {success_threshold}")
+        super().__init__(reward, **settings)
+        require(0.0 < success_threshold <= 1.0, f"success_threshold must be in (0, 1], got {success_threshold}")
         self.path, self.seed, self.chat = path, seed, chat
         self.success_metric = success_metric or ExactMatch(normalize=True)
         self.success_threshold = success_threshold
