@@ -4,11 +4,12 @@ A ``Reward`` scores N completions (``examples[i]`` is the prompt of ``completion
 repeats each example G times) and never crashes a run: a scoring call that raises or times out, or a
 reward that is not finite, is scored as a wrong answer and counted in ``RewardResult.failures``. A
 ``Task`` holds its reward and a separate ``success`` test, so accuracy means the same whatever reward
-shaping a run uses.
+shaping a run uses; ``Task.score`` gives both, from one grading when the reward grades as the test does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -39,6 +40,7 @@ class RewardResult:
     parts: dict[str, Tensor]  # name -> [N] float32: each reward function's own (unweighted) value
     failures: int = 0  # scorings that raised or timed out and were scored as wrong
     counts: dict[str, int] = field(default_factory=dict)  # labelled outcomes, e.g. "no_box" -> 3, "timeout" -> 1
+    success: Tensor | None = None  # [N] bool: the success test's verdicts, when they came from this grading
 
     def __post_init__(self) -> None:
         if self.total.dim() != 1 or self.total.dtype != torch.float32:
@@ -46,6 +48,9 @@ class RewardResult:
         for name, part in self.parts.items():
             if part.shape != self.total.shape:
                 raise ValueError(f"part {name!r} has shape {tuple(part.shape)}, total {tuple(self.total.shape)}")
+        if self.success is not None and (self.success.shape != self.total.shape or self.success.dtype != torch.bool):
+            raise ValueError(f"success must be a bool tensor shaped like total, got {self.success.dtype} "
+                             f"{tuple(self.success.shape)}")  # fmt: skip
 
 
 class Reward(ABC):
@@ -115,11 +120,11 @@ def _protected(score):
     """``score`` checked and made safe (see ``Reward``)."""
 
     @functools.wraps(score)
-    def protected(self: Reward, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+    def protected(self: Reward, examples: Sequence[Example], completions: Sequence[str], **options) -> RewardResult:
         check_batch(examples, completions)  # the caller's mistake, not the reward's: raises
         n = len(completions)
         try:
-            result = score(self, examples, completions)
+            result = score(self, examples, completions, **options)
         except Exception as err:
             _warn_once(self, f"{type(err).__name__}: {err}")
             zeros = torch.zeros(n, dtype=torch.float32)
@@ -135,7 +140,8 @@ def _protected(score):
         _warn_once(self, f"{count} of {n} rewards were NaN or infinite")
         parts = {k: v.masked_fill(~torch.isfinite(v), 0.0) for k, v in result.parts.items()}
         counts = result.counts | {"error": result.counts.get("error", 0) + count}
-        return RewardResult(result.total.masked_fill(bad, 0.0), parts, result.failures + count, counts)
+        total, failures = result.total.masked_fill(bad, 0.0), result.failures + count
+        return dataclasses.replace(result, total=total, parts=parts, failures=failures, counts=counts)
 
     protected.protected = True
     return protected
@@ -187,12 +193,23 @@ class SampleReward(Reward):
             values.append(float(value))
         return values, failures, counts
 
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+    def score(
+        self, examples: Sequence[Example], completions: Sequence[str], success_at: float | None = None
+    ) -> RewardResult:
+        """The scaled rewards; with ``success_at``, also ``success``: raw value >= ``success_at`` (a failure: False)."""
         values, failures, counts = self.raw_scores(examples, completions)
-        total = torch.tensor(values, dtype=torch.float32)  # [N]
-        if self.scale == "pm1":
-            total = 2.0 * total - 1.0
-        return RewardResult(total, {self.name: total}, failures, counts)
+        raw = torch.tensor(values, dtype=torch.float32)  # [N]
+        total = 2.0 * raw - 1.0 if self.scale == "pm1" else raw
+        success = None if success_at is None else raw >= success_at - 1e-9
+        return RewardResult(total, {self.name: total}, failures, counts, success)
+
+    def grades_like(self, other: object) -> bool:
+        """Does ``other`` give each completion the raw value this gives? Same class and settings, but name and scale."""
+
+        def grading(reward: object) -> dict:
+            return {k: v for k, v in vars(reward).items() if not k.startswith("_") and k not in ("name", "scale")}
+
+        return type(other) is type(self) and grading(other) == grading(self)
 
 
 def _call_safely(fn, args: tuple) -> tuple[object, str]:
@@ -251,12 +268,17 @@ class WeightedSum(Reward):
 class Task(ABC):
     """A dataset of ``Example`` s per split (train / validation / test), a reward, and a success test.
 
-    Subclasses implement ``load(split)`` (called once per split, then cached) and ``success``.
+    Subclasses implement ``load(split)`` (called once per split, then cached) and either ``success`` or,
+    when success is a grader's raw value reaching a threshold, ``success_grader`` and ``success_threshold``
+    (then ``success``, ``successes`` and a single grading in ``score`` come with them).
     ``max_train_examples`` / ``max_eval_examples`` keep the first examples of the train split /
     of the validation and test splits.
     These are the settings every task has: a subclass takes its own arguments and passes the rest on as
     ``**settings`` (configs and ``--help`` see them all).
     """
+
+    success_grader: SampleReward | None = None  # whose raw value decides success, if the task has one
+    success_threshold: float = 1.0  # ... by reaching this value
 
     def __init__(
         self, reward: Reward, max_train_examples: int | None = None, max_eval_examples: int | None = None
@@ -280,24 +302,50 @@ class Task(ABC):
         return self._cache[split]
 
     def adapt_to_tokenizer(self, tokenizer) -> None:
-        """Called by the policy with the tokenizer it samples with, before any grading: adapts the reward."""
+        """Called by the policy with the tokenizer it samples with, before any grading: adapts the graders."""
         self.reward.adapt_to_tokenizer(tokenizer)
+        if self.success_grader is not None and self.success_grader is not self.reward:
+            self.success_grader.adapt_to_tokenizer(tokenizer)
 
     @abstractmethod
     def load(self, split: str) -> Sequence[Example]:
         """All examples of ``split`` (a valid split name)."""
 
-    @abstractmethod
     def success(self, example: Example, completion: str) -> bool:
-        """Is ``completion`` a correct answer to ``example``? Independent of the reward's shaping."""
+        """Is ``completion`` a correct answer to ``example``? Independent of the reward's shaping.
+
+        By default: the ``success_grader``'s raw value reaches ``success_threshold``.
+        """
+        if self.success_grader is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement success() or set success_grader")
+        return bool(self.successes([example], [completion])[0])
 
     def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: ``success`` of each pair; a test that raises counts as not successful."""
+        """``[N]`` bool: ``success`` of each pair; a test that raises, or a failed grading, counts as not successful."""
         check_batch(examples, completions)
+        if self.success_grader is not None:
+            graded = self.success_grader.score(examples, completions, success_at=self.success_threshold).success
+            return torch.zeros(len(completions), dtype=torch.bool) if graded is None else graded
         out = [
             bool(value) for value, _ in (_call_safely(self.success, c) for c in zip(examples, completions, strict=True))
         ]
         return torch.tensor(out, dtype=torch.bool)
+
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+        """The reward's result for each completion, with ``success`` filled in by the task's success test.
+
+        Graded once when the reward grades as ``success_grader`` does (``SampleReward.grades_like``: the same
+        class and settings, up to name and scale, as DeepMath's, GSM8K's and MeetingBank's defaults): its raw
+        values give both. Otherwise, or when that scoring failed as a whole, ``successes`` runs apart.
+        """
+        grader, reward = self.success_grader, self.reward
+        if grader is not None and isinstance(reward, SampleReward) and reward.grades_like(grader):
+            result = reward.score(examples, completions, success_at=self.success_threshold)
+            if result.success is not None:
+                return result
+        else:
+            result = reward.score(examples, completions)
+        return dataclasses.replace(result, success=self.successes(examples, completions))
 
     def __repr__(self) -> str:
         return settings_repr(self)

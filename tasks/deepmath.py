@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
-
-from torch import Tensor
 
 from sgrpo.types import Example
 from tasks.base import Reward, Task, require
@@ -50,7 +47,9 @@ class DeepMath(Task):
     raises ``ValueError`` naming the file, the row and the column.
 
     Reward (default ``MathVerifyReward()``): 1 if math-verify finds the answer after ``</think>`` equal to
-    ``final_answer``, else 0. Success is that same check on the {0, 1} scale, whatever reward is configured.
+    ``final_answer``, else 0. Success is that same check on the {0, 1} scale, whatever reward is configured:
+    with the reward's settings when it is a ``MathVerifyReward`` (then one grading gives reward and success,
+    ``Task.score``), else with the defaults.
     ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5). The grading options, set on the reward:
 
     - ``require_think`` (default None: from the chat template): with a thinking model whose template opens
@@ -94,7 +93,9 @@ class DeepMath(Task):
         self._test_table = (
             None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
         )
-        self.grader = _success_grader(self.reward)
+        # success is math-verify's verdict: the reward's own when it is one (its raw value, whatever its scale)
+        is_math_verify = isinstance(self.reward, MathVerifyReward)
+        self.success_grader = self.reward if is_math_verify else MathVerifyReward(name="success")
 
     def load(self, split: str) -> Sequence[Example]:
         if self._test_table is None:
@@ -128,26 +129,6 @@ class DeepMath(Task):
             difficulty=None if difficulty in (None, "") else float(difficulty),
             metadata={"topic": row.get("topic") or "", "source": source},
         )
-
-    def adapt_to_tokenizer(self, tokenizer) -> None:
-        super().adapt_to_tokenizer(tokenizer)
-        self.grader.adapt_to_tokenizer(tokenizer)
-
-    def success(self, example: Example, completion: str) -> bool:
-        return bool(self.successes([example], [completion])[0])
-
-    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: math-verify says the answer is right (graded in the worker pool)."""
-        return self.grader.score(examples, completions).total > 0.5
-
-
-def _success_grader(reward: Reward) -> MathVerifyReward:
-    """The reward's math-verify settings on the {0, 1} scale, or the defaults for another reward."""
-    if not isinstance(reward, MathVerifyReward):
-        return MathVerifyReward(name="success")
-    grader = copy.copy(reward)
-    grader.scale, grader.name = "01", "success"
-    return grader
 
 
 def _last_user_message(messages: object, source: str) -> str:

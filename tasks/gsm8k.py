@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from torch import Tensor
-
 from sgrpo.types import Example
 from tasks.base import Reward, Task, check_template, fill
 from tasks.data import Schema, SplitTable, check_size, is_blank, not_blank
@@ -68,7 +66,7 @@ class GSM8K(Task):
         self.path, self.template, self.system_prompt, self.seed = path, template, system_prompt, seed
         sizes = {"validation": validation_size, "test": test_size}
         self._table = SplitTable(path, config, ("question", "answer"), SCHEMA, sizes, seed)
-        self.checker = NumericMatch(name="success")
+        self.success_grader = NumericMatch(name="success")  # the default reward's check: graded once (Task.score)
 
     def load(self, split: str) -> Sequence[Example]:
         return [self._example(row) for row in self._table.rows(split)]
@@ -80,10 +78,3 @@ class GSM8K(Task):
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Example(messages, gold_answer(solution), steps, {"solution": solution})
-
-    def success(self, example: Example, completion: str) -> bool:
-        return bool(self.successes([example], [completion])[0])
-
-    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: the response's number equals the gold number."""
-        return self.checker.score(examples, completions).total > 0.5

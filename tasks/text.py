@@ -5,11 +5,8 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
-import torch
-from torch import Tensor
-
 from sgrpo.types import Example, Messages
-from tasks.base import Reward, Task, check_batch, require
+from tasks.base import Reward, Task, require
 from tasks.data import Schema, SplitTable, not_blank
 from tasks.similarity import ChrF, ExactMatch, TextSimilarity
 
@@ -66,14 +63,11 @@ class ReferenceTextTask(Task):
         """``text`` as one user message (``chat``) or as is."""
         return [{"role": "user", "content": text}] if self.chat else text
 
-    def success(self, example: Example, completion: str) -> bool:
-        return bool(self.successes([example], [completion])[0])
-
-    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: similarity to the reference >= ``success_threshold`` (failed scorings: False)."""
-        check_batch(examples, completions)
-        values, _, _ = self.success_metric.raw_scores(examples, completions)
-        return torch.tensor(values) >= self.success_threshold - 1e-9  # [N]
+    @property
+    def success_grader(self) -> TextSimilarity:
+        """Success: ``success_metric`` >= ``success_threshold`` (failed scorings: False); graded once with a reward
+        that grades alike (MeetingBank's and PoetryWriting's defaults)."""
+        return self.success_metric
 
 
 class ReferenceText(ReferenceTextTask):
