@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.base import require
+from tasks.reward import require
 
 EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 _SPLIT_NAMES = {

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example
-from tasks.base import Reward, Task, require
+from tasks.base import Task
 from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
 from tasks.mathgrade import MathVerifyReward
+from tasks.reward import Reward, require
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")

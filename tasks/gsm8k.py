@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example
-from tasks.base import Reward, Task, check_template, fill
+from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, check_size, is_blank, not_blank
 from tasks.mathgrade import NumericMatch
+from tasks.reward import Reward
 
 TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example
-from tasks.base import Reward, check_template, fill, require
+from tasks.base import check_template, fill
+from tasks.reward import Reward, require
 from tasks.similarity import RougeL, TextSimilarity
 from tasks.text import ReferenceTextTask
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from sgrpo.types import Example
-from tasks.base import Reward, check_template, fill, require
+from tasks.base import check_template, fill
+from tasks.reward import Reward, require
 from tasks.similarity import ChrF, TextSimilarity
 from tasks.text import ReferenceTextTask
 

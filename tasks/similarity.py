@@ -17,7 +17,7 @@ from rapidfuzz.distance import Indel, Levenshtein
 from sacrebleu.metrics import BLEU, CHRF
 
 from sgrpo.types import Example
-from tasks.base import SampleReward, Scale, require
+from tasks.reward import SampleReward, Scale, require
 
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 _ANSWER_PREFIX = re.compile(r"^\s*(final\s+)?answer\s*[:\-]\s*", re.IGNORECASE)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 from sgrpo.types import Example
-from tasks.base import Reward, Task, require
+from tasks.base import Task
+from tasks.reward import Reward, require
 from tasks.similarity import ExactMatch
 
 #: every character a synthetic prompt or answer uses

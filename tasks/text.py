@@ -6,8 +6,9 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example, Messages
-from tasks.base import Reward, Task, require
+from tasks.base import Task
 from tasks.data import Schema, SplitTable, not_blank
+from tasks.reward import Reward, require
 from tasks.similarity import ChrF, ExactMatch, TextSimilarity
 
 
