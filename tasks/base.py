@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +39,10 @@ class Task(ABC):
     when success is a grader's raw value reaching a threshold, ``success_grader`` and ``success_threshold``
     (then ``success``, ``successes`` and a single grading in ``score`` come with them).
     ``max_train_examples`` / ``max_eval_examples`` keep the first examples of the train split /
-    of the validation and test splits.
+    of the validation and test splits. ``system_prompt`` opens every chat prompt as a system message
+    (a task whose prompts are raw text refuses it), and ``chat_template_kwargs`` go with every chat prompt
+    to the tokenizer's chat template (``{"enable_thinking": false}`` for Qwen3), for sampling, for the
+    prompt-length guard and for the reward's reading of the template (``adapt_to_tokenizer``).
     These are the settings every task has: a subclass takes its own arguments and passes the rest on as
     ``**settings`` (configs and ``--help`` see them all).
     """
@@ -47,7 +51,12 @@ class Task(ABC):
     success_threshold: float = 1.0  # ... by reaching this value
 
     def __init__(
-        self, reward: Reward, max_train_examples: int | None = None, max_eval_examples: int | None = None
+        self,
+        reward: Reward,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+        system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(reward, Reward):
             raise TypeError(f"reward must be a Reward, got {type(reward).__name__}")
@@ -56,6 +65,7 @@ class Task(ABC):
         self.reward = reward
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
+        self.system_prompt, self.chat_template_kwargs = system_prompt, dict(chat_template_kwargs or {})
         self._cache: dict[str, list[Example]] = {}
 
     def examples(self, split: str) -> Sequence[Example]:
@@ -64,14 +74,27 @@ class Task(ABC):
             raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
         if split not in self._cache:
             limit = self.max_train_examples if split == "train" else self.max_eval_examples
-            self._cache[split] = list(self.load(split))[:limit]
+            self._cache[split] = [self._chat_settings(ex) for ex in list(self.load(split))[:limit]]
         return self._cache[split]
 
+    def _chat_settings(self, example: Example) -> Example:
+        """``example`` with the system prompt before its messages and the chat-template kwargs (its own win)."""
+        prompt = example.prompt
+        if self.system_prompt:
+            require(not isinstance(prompt, str), f"system_prompt needs chat prompts; {type(self).__name__} gave raw "
+                    f"text ({prompt[:40]!r}): set chat: true, or system_prompt: null")  # fmt: skip
+            prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
+        if prompt is example.prompt and not self.chat_template_kwargs:
+            return example
+        kwargs = {**self.chat_template_kwargs, **example.chat_template_kwargs}
+        return dataclasses.replace(example, prompt=prompt, chat_template_kwargs=kwargs)
+
     def adapt_to_tokenizer(self, tokenizer) -> None:
-        """Called by the policy with the tokenizer it samples with, before any grading: adapts the graders."""
-        self.reward.adapt_to_tokenizer(tokenizer)
+        """Called by the policy with the tokenizer it samples with, before any grading: adapts the graders to
+        its chat template as the task renders it (``chat_template_kwargs``)."""
+        self.reward.adapt_to_tokenizer(tokenizer, self.chat_template_kwargs)
         if self.success_grader is not None and self.success_grader is not self.reward:
-            self.success_grader.adapt_to_tokenizer(tokenizer)
+            self.success_grader.adapt_to_tokenizer(tokenizer, self.chat_template_kwargs)
 
     @abstractmethod
     def load(self, split: str) -> Sequence[Example]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example
@@ -35,7 +36,7 @@ SCHEMAS = (
 
 
 class DeepMath(Task):
-    """DeepMath: chat prompt (system ``SYSTEM_PROMPT`` + the question) -> ``final_answer``.
+    """DeepMath: chat prompt (system ``system_prompt``, default ``SYSTEM_PROMPT``, + the question) -> ``final_answer``.
 
     Reads ``zwhe99/DeepMath-103K`` (hub id) or local files in its schema (``question, final_answer,
     difficulty, topic``), or in the ``trl-lib/DeepMath-103K`` schema (``prompt`` = list of
@@ -82,13 +83,13 @@ class DeepMath(Task):
         reward: Reward | None = None,
         **settings,
     ) -> None:
-        super().__init__(reward or MathVerifyReward(), **settings)
+        super().__init__(reward or MathVerifyReward(), system_prompt=system_prompt, **settings)
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
         require(
             test_path is None or not test_size, f"set either test_path or test_size, not both (test_size={test_size!r})"
         )
-        self.path, self.test_path, self.seed, self.system_prompt = path, test_path, seed, system_prompt
+        self.path, self.test_path, self.seed = path, test_path, seed
         sizes = {"validation": validation_size, "test": test_size}
         self._table = SplitTable(path, columns=_COLUMNS, schema=SCHEMAS, sizes=sizes, seed=seed)
         self._test_table = (
@@ -121,11 +122,8 @@ class DeepMath(Task):
         else:
             question, answer = _last_user_message(row["prompt"], source), row["solution"]
         difficulty = row.get("difficulty")
-        messages = [{"role": "user", "content": str(question)}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Example(
-            prompt=messages,
+            prompt=[{"role": "user", "content": str(question)}],  # after the system prompt (Task.examples)
             answer=str(answer).strip(),
             difficulty=None if difficulty in (None, "") else float(difficulty),
             metadata={"topic": row.get("topic") or "", "source": source},
@@ -150,4 +148,4 @@ def _question(example: Example) -> str:
 def _with_difficulty(example: Example, difficulty: object) -> Example:
     if example.difficulty is not None or difficulty in (None, ""):
         return example
-    return Example(example.prompt, example.answer, float(difficulty), example.metadata)
+    return dataclasses.replace(example, difficulty=float(difficulty))

@@ -60,11 +60,11 @@ class GSM8K(Task):
         reward: Reward | None = None,
         **settings,
     ) -> None:
-        super().__init__(reward or NumericMatch(), **settings)
+        super().__init__(reward or NumericMatch(), system_prompt=system_prompt, **settings)
         check_template(template, ["question"])
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
-        self.path, self.template, self.system_prompt, self.seed = path, template, system_prompt, seed
+        self.path, self.template, self.seed = path, template, seed
         sizes = {"validation": validation_size, "test": test_size}
         self._table = SplitTable(path, config, ("question", "answer"), SCHEMA, sizes, seed)
         self.success_grader = NumericMatch(name="success")  # the default reward's check: graded once (Task.score)
@@ -76,6 +76,4 @@ class GSM8K(Task):
         solution = str(row["answer"])
         steps = sum(1 for line in solution.split("####")[0].splitlines() if line.strip())
         messages = [{"role": "user", "content": fill(self.template, question=str(row["question"]).strip())}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return Example(messages, gold_answer(solution), steps, {"solution": solution})
+        return Example(messages, gold_answer(solution), steps, {"solution": solution})  # system prompt: Task.examples

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from math_verify import parse, verify
 from sympy import Basic
@@ -179,10 +181,11 @@ class MathVerifyReward(SampleReward):
         self.require_think = require_think
         self.max_answer_chars = max_answer_chars
 
-    def adapt_to_tokenizer(self, tokenizer) -> None:
-        """With ``require_think=None``: require ``</think>`` if the chat template opens ``<think>``."""
+    def adapt_to_tokenizer(self, tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        """With ``require_think=None``: require ``</think>`` if the chat template, rendered with the task's
+        ``chat_template_kwargs``, opens ``<think>``."""
         if self.require_think is None:
-            self.require_think = template_opens_think(tokenizer)
+            self.require_think = template_opens_think(tokenizer, chat_template_kwargs)
 
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
         # half the outer limit: the deadline fires well before the pool gives up on the worker

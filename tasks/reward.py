@@ -14,9 +14,9 @@ import functools
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -76,8 +76,9 @@ class Reward(ABC):
         """The training reward, ``[N]`` float32."""
         return self.score(examples, completions).total
 
-    def adapt_to_tokenizer(self, tokenizer) -> None:  # noqa: B027 (a hook: most rewards need nothing)
-        """Settle the settings that depend on the policy's tokenizer (its chat template); by default none."""
+    def adapt_to_tokenizer(self, tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:  # noqa: B027
+        """Settle the settings that depend on the policy's tokenizer: its chat template, as the task renders its
+        prompts with it (with ``chat_template_kwargs``). A hook: by default nothing."""
 
     def __repr__(self) -> str:
         return settings_repr(self)
@@ -246,9 +247,9 @@ class WeightedSum(Reward):
         self.weights = weights
         self.name = name
 
-    def adapt_to_tokenizer(self, tokenizer) -> None:
+    def adapt_to_tokenizer(self, tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         for reward in self.rewards:
-            reward.adapt_to_tokenizer(tokenizer)
+            reward.adapt_to_tokenizer(tokenizer, chat_template_kwargs)
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
         total = torch.zeros(len(completions), dtype=torch.float32)  # [N]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import string
 from abc import abstractmethod
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from rapidfuzz.distance import Indel, Levenshtein
 from sacrebleu.metrics import BLEU, CHRF
@@ -33,16 +34,18 @@ def strip_think(text: str) -> str:
     return "" if text.lstrip().startswith("<think>") else text
 
 
-def template_opens_think(tokenizer) -> bool:
+def template_opens_think(tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> bool:
     """Does ``tokenizer``'s chat template open a ``<think>`` block in the prompt, as DeepSeek-R1-Distill's does?
 
     Then every completion starts inside that block, so one cut off while thinking carries neither tag.
-    False for a tokenizer without a chat template, and for one that opens and closes the block (thinking off).
+    False for a tokenizer without a chat template, and for one that opens and closes the block (thinking off,
+    as Qwen3's does with ``chat_template_kwargs={"enable_thinking": False}``: rendered as the rollout renders).
     """
     if not getattr(tokenizer, "chat_template", None):
         return False
     messages = [{"role": "user", "content": "1 + 1 = ?"}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    kwargs = dict(chat_template_kwargs or {})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return prompt.rfind("<think>") > prompt.rfind("</think>")
 
 

@@ -20,7 +20,8 @@ class ReferenceTextTask(Task):
     and ``make_example(row)``.
     Splits the source lacks are held out of its train rows with ``seed`` (``validation_size``,
     ``test_size``: a count or a fraction).
-    ``chat=True`` wraps the prompt text as one user message; ``False`` feeds it as raw text.
+    ``chat=True`` wraps the prompt text as one user message (after ``system_prompt``, when set); ``False``
+    feeds it as raw text.
     Success: ``success_metric(completion, reference) >= success_threshold`` on [0, 1]; the default,
     ``ExactMatch(normalize=True)`` with threshold 1, is normalised exact match. ``settings``: ``Task``'s.
     """
@@ -44,6 +45,9 @@ class ReferenceTextTask(Task):
         **settings,
     ) -> None:
         super().__init__(reward, **settings)
+        require(
+            chat or not self.system_prompt, "system_prompt needs chat prompts: set chat: true, or system_prompt: null"
+        )
         require(0.0 < success_threshold <= 1.0, f"success_threshold must be in (0, 1], got {success_threshold}")
         self.path, self.seed, self.chat = path, seed, chat
         self.success_metric = success_metric or ExactMatch(normalize=True)
