@@ -2,6 +2,7 @@
 
 from tasks.base import SPLITS, Task
 from tasks.deepmath import DeepMath
+from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
 from tasks.mathgrade import MathVerifyReward, NumericMatch, grade_math
 from tasks.meetingbank import MeetingBank
@@ -17,6 +18,7 @@ __all__ = [
     "ChrF",
     "DeepMath",
     "EditSimilarity",
+    "FunctionReward",
     "ExactMatch",
     "GSM8K",
     "MathVerifyReward",

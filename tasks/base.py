@@ -123,18 +123,27 @@ class Task(ABC):
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
         """The reward's result for each completion, with ``success`` filled in by the task's success test.
 
-        Graded once when the reward grades as ``success_grader`` does (``SampleReward.grades_like``: the same
-        class and settings, up to name and scale, as DeepMath's, GSM8K's and MeetingBank's defaults): its raw
-        values give both. Otherwise, or when that scoring failed as a whole, ``successes`` runs apart.
+        Graded once when the reward, or one part of a ``WeightedSum`` reward, grades as ``success_grader`` does
+        (``SampleReward.grades_like``: the same class and settings, up to name and scale, as DeepMath's, GSM8K's
+        and MeetingBank's defaults): its raw values give both. Otherwise, or when that scoring failed as a
+        whole, ``successes`` runs apart.
         """
-        grader, reward = self.success_grader, self.reward
-        if grader is not None and isinstance(reward, SampleReward) and reward.grades_like(grader):
-            result = reward.score(examples, completions, success_at=self.success_threshold)
-            if result.success is not None:
-                return result
+        reward, at = self.reward, self.success_threshold
+        parts = reward.rewards if isinstance(reward, WeightedSum) else [reward]
+        alike = [r for r in parts if self._grades_for_success(r)]
+        if alike and alike[0] is reward:
+            result = reward.score(examples, completions, success_at=at)
+        elif alike and isinstance(reward, WeightedSum):
+            result = reward.score(examples, completions, success_from=alike[0].name, success_at=at)
         else:
             result = reward.score(examples, completions)
-        return dataclasses.replace(result, success=self.successes(examples, completions))
+        if result.success is None or not alike:
+            result = dataclasses.replace(result, success=self.successes(examples, completions))
+        return result
+
+    def _grades_for_success(self, reward: Reward) -> bool:
+        grader = self.success_grader
+        return grader is not None and isinstance(reward, SampleReward) and reward.grades_like(grader)
 
     def __repr__(self) -> str:
         return settings_repr(self)

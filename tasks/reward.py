@@ -105,7 +105,7 @@ def check_batch(examples: Sequence[Example], completions: Sequence[str]) -> None
             raise TypeError(f"completions must be strings, got {type(text).__name__}")
 
 
-def _warn_once(reward: Reward, error: str) -> None:
+def warn_once(reward: Reward, error: str) -> None:
     if not getattr(reward, "_warned", False):
         log.warning(
             "reward %r: a scoring failed and was scored as wrong (%s); further ones are only counted",
@@ -125,7 +125,7 @@ def _protected(score):
         try:
             result = score(self, examples, completions, **options)
         except Exception as err:
-            _warn_once(self, f"{type(err).__name__}: {err}")
+            warn_once(self, f"{type(err).__name__}: {err}")
             zeros = torch.zeros(n, dtype=torch.float32)
             return RewardResult(zeros, {self.name: zeros}, n, {"error": n})
         if not isinstance(result, RewardResult):
@@ -136,7 +136,7 @@ def _protected(score):
         if not bad.any():
             return result
         count = int(bad.sum())
-        _warn_once(self, f"{count} of {n} rewards were NaN or infinite")
+        warn_once(self, f"{count} of {n} rewards were NaN or infinite")
         parts = {k: v.masked_fill(~torch.isfinite(v), 0.0) for k, v in result.parts.items()}
         counts = result.counts | {"error": result.counts.get("error", 0) + count}
         total, failures = result.total.masked_fill(bad, 0.0), result.failures + count
@@ -185,7 +185,7 @@ class SampleReward(Reward):
             value, label = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
             if error or not _valid(value):
                 failures += 1
-                _warn_once(self, error or f"score_one returned {value!r}, not a number in [0, 1]")
+                warn_once(self, error or f"score_one returned {value!r}, not a number in [0, 1]")
                 value, label = 0.0, "timeout" if error.startswith(("timeout", "TimeoutError")) else "error"
             if label:
                 counts[label] = counts.get(label, 0) + 1
@@ -226,7 +226,9 @@ class WeightedSum(Reward):
     """``total = sum_k weights[k] * rewards[k].total``; ``parts`` keeps every component unweighted.
 
     Failures and label counts are summed over the components (labels are prefixed with the
-    component's name). Component names must be unique, since they key ``parts``.
+    component's name). Component names must be unique, since they key ``parts``. ``score`` with
+    ``success_from`` (a component's name, a ``SampleReward``) and ``success_at`` also returns that
+    component's success verdicts (``SampleReward.score``), from its one grading.
     """
 
     name = "weighted_sum"
@@ -251,14 +253,22 @@ class WeightedSum(Reward):
         for reward in self.rewards:
             reward.adapt_to_tokenizer(tokenizer, chat_template_kwargs)
 
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+    def score(
+        self,
+        examples: Sequence[Example],
+        completions: Sequence[str],
+        success_from: str | None = None,
+        success_at: float | None = None,
+    ) -> RewardResult:
         total = torch.zeros(len(completions), dtype=torch.float32)  # [N]
         parts: dict[str, Tensor] = {}
-        failures, counts = 0, {}
+        failures, counts, success = 0, {}, None
         for reward, weight in zip(self.rewards, self.weights, strict=True):
-            result = reward.score(examples, completions)
+            asked = {"success_at": success_at} if reward.name == success_from else {}
+            result = reward.score(examples, completions, **asked)
+            success = result.success if asked else success
             total += weight * result.total
             parts.update(result.parts)
             failures += result.failures
             counts.update({f"{reward.name}/{k}": v for k, v in result.counts.items()})
-        return RewardResult(total, parts, failures, counts)
+        return RewardResult(total, parts, failures, counts, success)

@@ -12,6 +12,7 @@ from sgrpo.types import Example
 from tasks import (
     GSM8K,
     DeepMath,
+    EditSimilarity,
     ExactMatch,
     MathVerifyReward,
     MeetingBank,
@@ -19,7 +20,7 @@ from tasks import (
     PoetryWriting,
     RougeL,
 )
-from tasks.base import SampleReward, Task
+from tasks.base import SampleReward, Task, WeightedSum
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -155,3 +156,13 @@ def test_the_policy_scores_a_step_with_one_grading(tmp_path):
     )
     run_steps(policy, steps=1, root=str(tmp_path / "run"))
     assert Counting.calls == 2 * 2  # prompts x group size, once each
+
+
+def test_a_weighted_sum_with_a_part_that_grades_as_the_success_test_grades_it_once():
+    task = Graded(WeightedSum([EditSimilarity(), Counting(scale="pm1")], weights=[1.0, 2.0]))
+    result = task.score(EXAMPLES, COMPLETIONS)
+    assert Counting.calls == 4 and result.success.tolist() == [True, True, False, False]
+    assert result.parts["counting"].tolist() == [1.0, 1.0, -1.0, -1.0]
+    Counting.calls = 0
+    other = Graded(WeightedSum([EditSimilarity(), Counting(strip=False)])).score(EXAMPLES, COMPLETIONS)
+    assert Counting.calls == 8 and other.success.tolist() == [True, True, False, False]  # graded apart
