@@ -8,7 +8,10 @@ Run with ``.venv/bin/python benchmarks/rewards.py [--n 512] [--repeats 3] [--wor
    DeepMath-style responses (a 1-3K-character think block of LaTeX reasoning, then one sentence with
    the ``\\boxed{}`` answer), half right (often spelt differently from the gold answer, so sympy decides)
    and half wrong, against the fixture's gold answers and other typical ones (fractions, roots, intervals);
-2. each similarity reward (chrF, chrF++, BLEU, ROUGE-L, Levenshtein and Indel edit similarity, exact
+2. a training step's grading of those responses by the ``DeepMath`` task (its default reward in a pool of
+   ``--workers``): reward and success test apart (two gradings, as the policy did before ``Task.score``),
+   and ``Task.score`` (one grading gives both);
+3. each similarity reward (chrF, chrF++, BLEU, ROUGE-L, Levenshtein and Indel edit similarity, exact
    match) in this process, on 60-word poems scored against 60-word references (copies with words
    swapped or dropped, and unrelated poems).
 
@@ -34,6 +37,7 @@ from sgrpo.types import Example  # noqa: E402
 from tasks import (  # noqa: E402
     Bleu,
     ChrF,
+    DeepMath,
     EditSimilarity,
     ExactMatch,
     MathVerifyReward,
@@ -118,15 +122,32 @@ def similarity_batch(n: int, seed: int = 0) -> tuple[list[Example], list[str]]:
     return examples, hypotheses
 
 
-def timed(reward: Reward, examples: list[Example], completions: list[str], repeats: int) -> tuple[float, object]:
-    """Median wall seconds of ``reward.score`` over ``repeats`` runs after one warm-up, and the last result."""
-    result = reward.score(examples, completions)  # warm-up: imports, worker start, caches
+def timed(score, examples: list[Example], completions: list[str], repeats: int) -> tuple[float, object]:
+    """Median wall seconds of ``score(examples, completions)`` over ``repeats`` runs after one warm-up, and the
+    last result. ``score``: a ``Reward`` (its ``score``) or any such function."""
+    score = score.score if isinstance(score, Reward) else score
+    result = score(examples, completions)  # warm-up: imports, worker start, caches
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        result = reward.score(examples, completions)
+        result = score(examples, completions)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def step_gradings(examples: list[Example], completions: list[str], workers: int, repeats: int) -> list[tuple]:
+    """Rows: a DeepMath step graded as reward and success apart, and by ``Task.score`` (one grading)."""
+    task = DeepMath(path=str(_HERE.parent / "tests" / "fixtures" / "deepmath.jsonl"))
+    task.reward.workers = workers
+
+    def apart(examples, completions):
+        return task.reward.score(examples, completions), task.successes(examples, completions)
+
+    rows = []
+    for label, score in (("reward.score + successes (two gradings)", apart), ("Task.score (one grading)", task.score)):
+        seconds, _ = timed(score, examples, completions, repeats)
+        rows.append((f"DeepMath step: {label}", f"pool of {workers}, reward and success", seconds))
+    return rows
 
 
 def main() -> None:
@@ -152,6 +173,7 @@ def main() -> None:
         where = "in-process" if workers == 0 else f"pool of {workers}"
         detail = f"{right}/{args.n} right, {chars:.0f} chars; scored {ok} right, {result.failures} failures"
         rows.append((f"MathVerifyReward ({where})", detail, seconds))
+    rows += step_gradings(math_examples, responses, args.workers, args.repeats)
     close_pools()
 
     text_examples, hypotheses = similarity_batch(args.n)

@@ -74,7 +74,7 @@ def within_limit(
     if limit is None:
         return list(examples), 0
     longest = max(map(len, tokenizer.get_vocab()))  # characters one token can cover, at most
-    texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
+    texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
     short = [i for i, text in enumerate(texts) if len(text) <= limit * longest]
     keep = set()
     for start in range(0, len(short), 1024):

@@ -372,11 +372,10 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         """
         repeated = [ex for ex in examples for _ in range(self.group_size)]
         with torch.device("cpu"):  # tasks (user code) build host tensors whatever the default device is
-            result = self.task.reward.score(repeated, rollout.completions)
-            success = self.task.successes(repeated, rollout.completions)
+            result = self.task.score(repeated, rollout.completions)  # reward and success, graded once if they can be
         self.reward_watch.observe(result.failures, len(repeated), self.trainer.strategy)
         rewards = result.total.to(self.device, torch.float32).view(len(examples), self.group_size)
-        success = success.to(self.device).view_as(rewards)
+        success = result.success.to(self.device).view_as(rewards)
         log = {
             "train/reward": rewards.mean(),
             "train/success_rate": success.float().mean(),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -15,12 +16,14 @@ from sgrpo.snapshot import RolloutWeights
 from sgrpo.types import Example, Messages, RolloutBatch
 
 
-def render_prompt(tokenizer, prompt: str | Messages) -> str:
-    """Raw text stays as is; chat messages go through the tokenizer's chat template (a plain one if none)."""
+def render_prompt(tokenizer, prompt: str | Messages, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """Raw text stays as is; chat messages go through the tokenizer's chat template (a plain one if none),
+    with ``chat_template_kwargs`` (an ``Example``'s: Qwen3's ``enable_thinking``)."""
     if isinstance(prompt, str):
         return prompt
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        kwargs = dict(chat_template_kwargs or {})
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
     turns = [f"{m['role'].capitalize()}: {m['content']}" for m in prompt]
     return "\n\n".join(turns) + "\n\nAssistant:"
 
@@ -140,7 +143,7 @@ class HFRollout(RolloutEngine):
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool
     ) -> RolloutBatch:
         device = next(model.parameters()).device
-        texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
+        texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
         with torch.device("cpu"):  # host tensors whatever torch's default device is; moved below
             enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # [B, P]: distinct prompts

@@ -22,12 +22,14 @@ class Example:
     chat template, or a plain template when it has none). ``answer`` is the reference the reward and
     the success test compare against. ``difficulty`` drives per-difficulty metrics (DeepMath's
     AoPS rating, a synthetic task's level); ``metadata`` carries anything else (topic, id, ...).
+    ``chat_template_kwargs`` go to the chat template with the messages (Qwen3's ``enable_thinking``).
     """
 
     prompt: str | Messages
     answer: str
     difficulty: float | int | str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def import_vllm():
 # ---------------------------------------------------------------------------------------------- requests
 def prompt_token_ids(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
     """Token ids of each rendered prompt, without special tokens added (the same ids HFRollout feeds)."""
-    texts = [render_prompt(tokenizer, ex.prompt) for ex in examples]
+    texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 

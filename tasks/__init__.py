@@ -1,11 +1,13 @@
 """Tasks: datasets of ``Example`` s with a reward and a success test, one file per task."""
 
-from tasks.base import SPLITS, Reward, RewardResult, SampleReward, Task, WeightedSum
+from tasks.base import SPLITS, Task
 from tasks.deepmath import DeepMath
+from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
 from tasks.mathgrade import MathVerifyReward, NumericMatch, grade_math
 from tasks.meetingbank import MeetingBank
 from tasks.poetry import PoetryClassification, PoetryWriting
+from tasks.reward import Reward, RewardResult, SampleReward, WeightedSum
 from tasks.similarity import Bleu, ChrF, EditSimilarity, ExactMatch, RougeL, TextSimilarity
 from tasks.synthetic import SyntheticTask
 from tasks.text import ReferenceText, ReferenceTextTask
@@ -16,6 +18,7 @@ __all__ = [
     "ChrF",
     "DeepMath",
     "EditSimilarity",
+    "FunctionReward",
     "ExactMatch",
     "GSM8K",
     "MathVerifyReward",

@@ -1,264 +1,71 @@
-"""The task and reward interfaces: datasets of ``Example`` s, rewards, and a success test.
+"""The task interface: datasets of ``Example`` s, a reward, and a success test.
 
-A ``Reward`` scores N completions (``examples[i]`` is the prompt of ``completions[i]``; the caller
-repeats each example G times) and never crashes a run: a scoring call that raises or times out, or a
-reward that is not finite, is scored as a wrong answer and counted in ``RewardResult.failures``. A
-``Task`` holds its reward and a separate ``success`` test, so accuracy means the same whatever reward
-shaping a run uses.
+A ``Task`` holds its reward (``tasks.reward``: every ``Reward`` is protected, a failed scoring scores 0
+and is counted) and a separate ``success`` test, so accuracy means the same whatever reward shaping a run
+uses; ``Task.score`` gives both, from one grading when the reward grades as the test does. The reward
+interface is re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import math
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from sgrpo.types import Example
-from tasks.pool import get_pool
-
-log = logging.getLogger(__name__)
+from tasks.reward import (  # noqa: F401 (the reward interface stays importable from tasks.base)
+    Reward,
+    RewardResult,
+    SampleReward,
+    Scale,
+    WeightedSum,
+    call_safely,
+    check_batch,
+    require,
+    settings_repr,
+)
 
 SPLITS = ("train", "validation", "test")
-
-#: affine maps of a raw score in [0, 1]: "01" keeps it, "pm1" maps {0, 1} to {-1, +1} (2r - 1)
-Scale = Literal["01", "pm1"]
-
-
-@dataclass(frozen=True)
-class RewardResult:
-    """Rewards of N completions, with each component and the count of failed scorings."""
-
-    total: Tensor  # [N] float32: the training reward
-    parts: dict[str, Tensor]  # name -> [N] float32: each reward function's own (unweighted) value
-    failures: int = 0  # scorings that raised or timed out and were scored as wrong
-    counts: dict[str, int] = field(default_factory=dict)  # labelled outcomes, e.g. "no_box" -> 3, "timeout" -> 1
-
-    def __post_init__(self) -> None:
-        if self.total.dim() != 1 or self.total.dtype != torch.float32:
-            raise ValueError(f"total must be a 1-D float32 tensor, got {self.total.dtype} {tuple(self.total.shape)}")
-        for name, part in self.parts.items():
-            if part.shape != self.total.shape:
-                raise ValueError(f"part {name!r} has shape {tuple(part.shape)}, total {tuple(self.total.shape)}")
-
-
-class Reward(ABC):
-    """A reward function: ``score(examples, completions)`` -> ``RewardResult``; calling it gives the total.
-
-    Every subclass's ``score`` is protected, whoever calls it: a call that raises scores 0 for each
-    completion and counts them all as failures (labelled "error"); a total that is NaN or infinite
-    scores 0 and is counted. A result that is not a ``RewardResult`` of one reward per completion
-    raises, naming the reward and both lengths: that is a bug in the reward, not a failed scoring.
-    """
-
-    name: str = "reward"
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        score = cls.__dict__.get("score")
-        if score is not None and not (getattr(score, "__isabstractmethod__", False) or hasattr(score, "protected")):
-            cls.score = _protected(score)
-
-    @abstractmethod
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
-        """Score ``completions[i]`` as an answer to ``examples[i]``."""
-
-    def __call__(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """The training reward, ``[N]`` float32."""
-        return self.score(examples, completions).total
-
-    def adapt_to_tokenizer(self, tokenizer) -> None:  # noqa: B027 (a hook: most rewards need nothing)
-        """Settle the settings that depend on the policy's tokenizer (its chat template); by default none."""
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
-
-
-def check_batch(examples: Sequence[Example], completions: Sequence[str]) -> None:
-    """Raise if the batch is not one completion (a ``str``) per example."""
-    if len(examples) != len(completions):
-        raise ValueError(f"need one completion per example, got {len(completions)} for {len(examples)}")
-    for text in completions:
-        if not isinstance(text, str):
-            raise TypeError(f"completions must be strings, got {type(text).__name__}")
-
-
-def _warn_once(reward: Reward, error: str) -> None:
-    if not getattr(reward, "_warned", False):
-        log.warning(
-            "reward %r: a scoring failed and was scored as wrong (%s); further ones are only counted",
-            reward.name,
-            error,
-        )
-        reward._warned = True
-
-
-def _protected(score):
-    """``score`` checked and made safe (see ``Reward``)."""
-
-    @functools.wraps(score)
-    def protected(self: Reward, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
-        check_batch(examples, completions)  # the caller's mistake, not the reward's: raises
-        n = len(completions)
-        try:
-            result = score(self, examples, completions)
-        except Exception as err:
-            _warn_once(self, f"{type(err).__name__}: {err}")
-            zeros = torch.zeros(n, dtype=torch.float32)
-            return RewardResult(zeros, {self.name: zeros}, n, {"error": n})
-        if not isinstance(result, RewardResult):
-            raise TypeError(f"reward {self.name!r}: score returned a {type(result).__name__}, not a RewardResult")
-        if len(result.total) != n:
-            raise ValueError(f"reward {self.name!r} returned {len(result.total)} rewards for {n} completions")
-        bad = ~torch.isfinite(result.total)  # [N]
-        if not bad.any():
-            return result
-        count = int(bad.sum())
-        _warn_once(self, f"{count} of {n} rewards were NaN or infinite")
-        parts = {k: v.masked_fill(~torch.isfinite(v), 0.0) for k, v in result.parts.items()}
-        counts = result.counts | {"error": result.counts.get("error", 0) + count}
-        return RewardResult(result.total.masked_fill(bad, 0.0), parts, result.failures + count, counts)
-
-    protected.protected = True
-    return protected
-
-
-class SampleReward(Reward):
-    """A reward scored one completion at a time by ``score_one`` -> a raw value in [0, 1].
-
-    ``score_one`` may also return ``(value, label)``; labels are counted in ``RewardResult.counts``.
-    A call that raises, returns a non-finite value or one outside [0, 1] scores 0 and is counted as a
-    failure, labelled "timeout" (it timed out or raised ``TimeoutError``) or "error". With
-    ``workers > 0`` calls run in a shared process pool with a ``timeout`` (seconds) per call, so a call
-    that hangs is also scored 0 and counted (the reward must then be picklable); with ``workers = 0``
-    they run in the caller's process and ``timeout`` is not enforced.
-    The raw value r is mapped by ``scale``: "01" gives r, "pm1" gives 2r - 1 (a failure gives -1).
-    """
-
-    def __init__(self, scale: Scale = "01", name: str | None = None, workers: int = 0, timeout: float = 10.0) -> None:
-        if scale not in ("01", "pm1"):
-            raise ValueError(f"scale must be '01' or 'pm1', got {scale!r}")
-        if workers < 0:
-            raise ValueError(f"workers must be >= 0 (0 scores in this process), got {workers}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        self.scale = scale
-        self.name = name or type(self).name
-        self.workers = workers
-        self.timeout = timeout
-
-    @abstractmethod
-    def score_one(self, example: Example, completion: str) -> float | tuple[float, str]:
-        """Raw score in [0, 1] of one completion (optionally with a label to count)."""
-
-    def raw_scores(self, examples: Sequence[Example], completions: Sequence[str]) -> tuple[list[float], int, dict]:
-        """Unscaled values in [0, 1], the number of failures, and the label counts."""
-        check_batch(examples, completions)
-        calls = list(zip(examples, completions, strict=True))
-        if self.workers:
-            outcomes = get_pool(self.workers).run(self.score_one, calls, self.timeout)
-            results = [(o.value, "") if o.ok else (None, o.error) for o in outcomes]
-        else:
-            results = [_call_safely(self.score_one, call) for call in calls]
-        values, failures, counts = [], 0, {}
-        for value, error in results:
-            value, label = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
-            if error or not _valid(value):
-                failures += 1
-                _warn_once(self, error or f"score_one returned {value!r}, not a number in [0, 1]")
-                value, label = 0.0, "timeout" if error.startswith(("timeout", "TimeoutError")) else "error"
-            if label:
-                counts[label] = counts.get(label, 0) + 1
-            values.append(float(value))
-        return values, failures, counts
-
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
-        values, failures, counts = self.raw_scores(examples, completions)
-        total = torch.tensor(values, dtype=torch.float32)  # [N]
-        if self.scale == "pm1":
-            total = 2.0 * total - 1.0
-        return RewardResult(total, {self.name: total}, failures, counts)
-
-
-def _call_safely(fn, args: tuple) -> tuple[object, str]:
-    try:
-        return fn(*args), ""
-    except Exception as err:
-        return None, f"{type(err).__name__}: {err}"
-
-
-def _valid(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and -1e-6 <= value <= 1 + 1e-6
-
-
-class WeightedSum(Reward):
-    """``total = sum_k weights[k] * rewards[k].total``; ``parts`` keeps every component unweighted.
-
-    Failures and label counts are summed over the components (labels are prefixed with the
-    component's name). Component names must be unique, since they key ``parts``.
-    """
-
-    name = "weighted_sum"
-
-    def __init__(self, rewards: list[Reward], weights: list[float] | None = None, name: str = "weighted_sum") -> None:
-        if not rewards:
-            raise ValueError("rewards must hold at least one Reward")
-        weights = [1.0] * len(rewards) if weights is None else list(weights)
-        if len(weights) != len(rewards):
-            raise ValueError(f"weights needs one number per reward: {len(weights)} for {len(rewards)} rewards")
-        names = [r.name for r in rewards]
-        if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique (they key the logged parts), got {names}; set name=...")
-        self.rewards = list(rewards)
-        self.weights = weights
-        self.name = name
-
-    def adapt_to_tokenizer(self, tokenizer) -> None:
-        for reward in self.rewards:
-            reward.adapt_to_tokenizer(tokenizer)
-
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
-        total = torch.zeros(len(completions), dtype=torch.float32)  # [N]
-        parts: dict[str, Tensor] = {}
-        failures, counts = 0, {}
-        for reward, weight in zip(self.rewards, self.weights, strict=True):
-            result = reward.score(examples, completions)
-            total += weight * result.total
-            parts.update(result.parts)
-            failures += result.failures
-            counts.update({f"{reward.name}/{k}": v for k, v in result.counts.items()})
-        return RewardResult(total, parts, failures, counts)
 
 
 class Task(ABC):
     """A dataset of ``Example`` s per split (train / validation / test), a reward, and a success test.
 
-    Subclasses implement ``load(split)`` (called once per split, then cached) and ``success``.
+    Subclasses implement ``load(split)`` (called once per split, then cached) and either ``success`` or,
+    when success is a grader's raw value reaching a threshold, ``success_grader`` and ``success_threshold``
+    (then ``success``, ``successes`` and a single grading in ``score`` come with them).
     ``max_train_examples`` / ``max_eval_examples`` keep the first examples of the train split /
-    of the validation and test splits.
+    of the validation and test splits. ``system_prompt`` opens every chat prompt as a system message
+    (a task whose prompts are raw text refuses it), and ``chat_template_kwargs`` go with every chat prompt
+    to the tokenizer's chat template (``{"enable_thinking": false}`` for Qwen3), for sampling, for the
+    prompt-length guard and for the reward's reading of the template (``adapt_to_tokenizer``).
+    These are the settings every task has: a subclass takes its own arguments and passes the rest on as
+    ``**settings`` (configs and ``--help`` see them all).
     """
 
+    success_grader: SampleReward | None = None  # whose raw value decides success, if the task has one
+    success_threshold: float = 1.0  # ... by reaching this value
+
     def __init__(
-        self, reward: Reward, max_train_examples: int | None = None, max_eval_examples: int | None = None
+        self,
+        reward: Reward,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+        system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(reward, Reward):
             raise TypeError(f"reward must be a Reward, got {type(reward).__name__}")
-        for key, value in (
-            ("max_train_examples", max_train_examples),
-            ("max_eval_examples", max_eval_examples),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{key} must be >= 1 or None (no limit), got {value}")
+        for key, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
+            require(value is None or value >= 1, f"{key} must be >= 1 or None (no limit), got {value}")
         self.reward = reward
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
+        self.system_prompt, self.chat_template_kwargs = system_prompt, dict(chat_template_kwargs or {})
         self._cache: dict[str, list[Example]] = {}
 
     def examples(self, split: str) -> Sequence[Example]:
@@ -267,32 +74,79 @@ class Task(ABC):
             raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
         if split not in self._cache:
             limit = self.max_train_examples if split == "train" else self.max_eval_examples
-            self._cache[split] = list(self.load(split))[:limit]
+            self._cache[split] = [self._chat_settings(ex) for ex in list(self.load(split))[:limit]]
         return self._cache[split]
 
+    def _chat_settings(self, example: Example) -> Example:
+        """``example`` with the system prompt before its messages and the chat-template kwargs (its own win)."""
+        prompt = example.prompt
+        if self.system_prompt:
+            require(not isinstance(prompt, str), f"system_prompt needs chat prompts; {type(self).__name__} gave raw "
+                    f"text ({prompt[:40]!r}): set chat: true, or system_prompt: null")  # fmt: skip
+            prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
+        if prompt is example.prompt and not self.chat_template_kwargs:
+            return example
+        kwargs = {**self.chat_template_kwargs, **example.chat_template_kwargs}
+        return dataclasses.replace(example, prompt=prompt, chat_template_kwargs=kwargs)
+
     def adapt_to_tokenizer(self, tokenizer) -> None:
-        """Called by the policy with the tokenizer it samples with, before any grading: adapts the reward."""
-        self.reward.adapt_to_tokenizer(tokenizer)
+        """Called by the policy with the tokenizer it samples with, before any grading: adapts the graders to
+        its chat template as the task renders it (``chat_template_kwargs``)."""
+        self.reward.adapt_to_tokenizer(tokenizer, self.chat_template_kwargs)
+        if self.success_grader is not None and self.success_grader is not self.reward:
+            self.success_grader.adapt_to_tokenizer(tokenizer, self.chat_template_kwargs)
 
     @abstractmethod
     def load(self, split: str) -> Sequence[Example]:
         """All examples of ``split`` (a valid split name)."""
 
-    @abstractmethod
     def success(self, example: Example, completion: str) -> bool:
-        """Is ``completion`` a correct answer to ``example``? Independent of the reward's shaping."""
+        """Is ``completion`` a correct answer to ``example``? Independent of the reward's shaping.
+
+        By default: the ``success_grader``'s raw value reaches ``success_threshold``.
+        """
+        if self.success_grader is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement success() or set success_grader")
+        return bool(self.successes([example], [completion])[0])
 
     def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: ``success`` of each pair; a test that raises counts as not successful."""
+        """``[N]`` bool: ``success`` of each pair; a test that raises, or a failed grading, counts as not successful."""
         check_batch(examples, completions)
+        if self.success_grader is not None:
+            graded = self.success_grader.score(examples, completions, success_at=self.success_threshold).success
+            return torch.zeros(len(completions), dtype=torch.bool) if graded is None else graded
         out = [
-            bool(value) for value, _ in (_call_safely(self.success, c) for c in zip(examples, completions, strict=True))
+            bool(value) for value, _ in (call_safely(self.success, c) for c in zip(examples, completions, strict=True))
         ]
         return torch.tensor(out, dtype=torch.bool)
 
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
+        """The reward's result for each completion, with ``success`` filled in by the task's success test.
+
+        Graded once when the reward, or one part of a ``WeightedSum`` reward, grades as ``success_grader`` does
+        (``SampleReward.grades_like``: the same class and settings, up to name and scale, as DeepMath's, GSM8K's
+        and MeetingBank's defaults): its raw values give both. Otherwise, or when that scoring failed as a
+        whole, ``successes`` runs apart.
+        """
+        reward, at = self.reward, self.success_threshold
+        parts = reward.rewards if isinstance(reward, WeightedSum) else [reward]
+        alike = [r for r in parts if self._grades_for_success(r)]
+        if alike and alike[0] is reward:
+            result = reward.score(examples, completions, success_at=at)
+        elif alike and isinstance(reward, WeightedSum):
+            result = reward.score(examples, completions, success_from=alike[0].name, success_at=at)
+        else:
+            result = reward.score(examples, completions)
+        if result.success is None or not alike:
+            result = dataclasses.replace(result, success=self.successes(examples, completions))
+        return result
+
+    def _grades_for_success(self, reward: Reward) -> bool:
+        grader = self.success_grader
+        return grader is not None and isinstance(reward, SampleReward) and reward.grades_like(grader)
+
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
+        return settings_repr(self)
 
 
 def fill(template: str, **fields: object) -> str:
@@ -305,5 +159,4 @@ def fill(template: str, **fields: object) -> str:
 def check_template(template: str, required: Sequence[str], field: str = "template") -> None:
     """Raise unless ``template`` holds every ``{name}`` placeholder of ``required``."""
     missing = [name for name in required if "{" + name + "}" not in template]
-    if missing:
-        raise ValueError(f"{field} must contain the placeholder(s) {', '.join('{' + m + '}' for m in missing)}")
+    require(not missing, f"{field} must contain the placeholder(s) {', '.join('{' + m + '}' for m in missing)}")

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.reward import require
+
 EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 _SPLIT_NAMES = {
     "train": "train",
@@ -144,8 +146,10 @@ def check_rows(
 def check_size(value: int | float, field: str) -> None:
     """A held-out size is a count (int >= 0) or a fraction (float in [0, 1))."""
     ok = value >= 0 if isinstance(value, int) else 0.0 <= value < 1.0
-    if isinstance(value, bool) or not ok:
-        raise ValueError(f"{field} must be a count (int >= 0) or a fraction (float in [0, 1)), got {value!r}")
+    require(
+        ok and not isinstance(value, bool),
+        f"{field} must be a count (int >= 0) or a fraction (float in [0, 1)), got {value!r}",
+    )
 
 
 def held_out_count(size: int | float, n: int) -> int:
@@ -170,14 +174,9 @@ def check_source(path: str, field: str = "path") -> str:
     )
 
 
-def read_file(path: str | Path, columns: Sequence[str] | None = None) -> tuple[list[Row], list[str]]:
-    """The rows of one local file (keeping only ``columns``, those present, when given) and its columns."""
-    rows, names, _ = read_rows(path, columns)
-    return rows, names
-
-
 def read_rows(path: str | Path, columns: Sequence[str] | None = None) -> tuple[list[Row], list[str], Locate]:
-    """``read_file`` and where each row is in the file: "line 7" (jsonl), "row 3 (line 10)" (csv), "row 3"."""
+    """The rows of one local file (keeping only ``columns``, those present, when given), its columns, and where
+    each row is in the file: "line 7" (jsonl), "row 3 (line 10)" (csv), "row 3"."""
     path = Path(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -274,7 +273,6 @@ class SplitTable:
         self.kind = check_source(path, field)
         self.path, self.config, self.columns, self.seed, self.field = path, config, columns, seed, field
         self.schemas: list[Schema] = [schema] if isinstance(schema, Schema) else list(schema)
-        self.source_columns: list[str] = []  # every column of the source, known once it is read
         self.sizes = dict(sizes or {})
         for split, size in self.sizes.items():
             check_size(size, f"{split}_size")
@@ -299,9 +297,7 @@ class SplitTable:
         rows, names, locate = read_rows(file, self.columns)
         if not rows:
             raise ValueError(f"{file} holds no rows; give {self.field}= a file with data")
-        rows = check_rows(rows, names, self.schemas, str(file), locate)
-        self.source_columns = sorted(set(self.source_columns) | set(names))
-        return rows
+        return check_rows(rows, names, self.schemas, str(file), locate)
 
     def _read_native(self) -> dict[str, list[Row]]:
         if self.kind == "file":
@@ -330,7 +326,6 @@ class SplitTable:
                 continue
             data = datasets.load_dataset(self.path, self.config, split=name)
             names = data.column_names
-            self.source_columns = sorted(set(self.source_columns) | set(names))
             if self.columns is not None:
                 data = data.select_columns([c for c in self.columns if c in names])
             locate = lambda i, name=name: f"split {name!r} row {i + 1}"  # noqa: E731

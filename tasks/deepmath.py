@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 
-from torch import Tensor
-
 from sgrpo.types import Example
-from tasks.base import Reward, Task
+from tasks.base import Task
 from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
 from tasks.mathgrade import MathVerifyReward
+from tasks.reward import Reward, require
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")
@@ -37,7 +36,7 @@ SCHEMAS = (
 
 
 class DeepMath(Task):
-    """DeepMath: chat prompt (system ``SYSTEM_PROMPT`` + the question) -> ``final_answer``.
+    """DeepMath: chat prompt (system ``system_prompt``, default ``SYSTEM_PROMPT``, + the question) -> ``final_answer``.
 
     Reads ``zwhe99/DeepMath-103K`` (hub id) or local files in its schema (``question, final_answer,
     difficulty, topic``), or in the ``trl-lib/DeepMath-103K`` schema (``prompt`` = list of
@@ -50,7 +49,9 @@ class DeepMath(Task):
     raises ``ValueError`` naming the file, the row and the column.
 
     Reward (default ``MathVerifyReward()``): 1 if math-verify finds the answer after ``</think>`` equal to
-    ``final_answer``, else 0. Success is that same check on the {0, 1} scale, whatever reward is configured.
+    ``final_answer``, else 0. Success is that same check on the {0, 1} scale, whatever reward is configured:
+    with the reward's settings when it is a ``MathVerifyReward`` (then one grading gives reward and success,
+    ``Task.score``), else with the defaults.
     ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5). The grading options, set on the reward:
 
     - ``require_think`` (default None: from the chat template): with a thinking model whose template opens
@@ -80,21 +81,23 @@ class DeepMath(Task):
         seed: int = 0,
         system_prompt: str | None = SYSTEM_PROMPT,
         reward: Reward | None = None,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward or MathVerifyReward(), max_train_examples, max_eval_examples)
+        super().__init__(reward or MathVerifyReward(), system_prompt=system_prompt, **settings)
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
-        if test_path is not None and test_size:
-            raise ValueError(f"set either test_path or test_size, not both (test_size={test_size!r})")
-        self.path, self.test_path, self.seed, self.system_prompt = path, test_path, seed, system_prompt
+        require(
+            test_path is None or not test_size, f"set either test_path or test_size, not both (test_size={test_size!r})"
+        )
+        self.path, self.test_path, self.seed = path, test_path, seed
         sizes = {"validation": validation_size, "test": test_size}
         self._table = SplitTable(path, columns=_COLUMNS, schema=SCHEMAS, sizes=sizes, seed=seed)
         self._test_table = (
             None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
         )
-        self.grader = _success_grader(self.reward)
+        # success is math-verify's verdict: the reward's own when it is one (its raw value, whatever its scale)
+        is_math_verify = isinstance(self.reward, MathVerifyReward)
+        self.success_grader = self.reward if is_math_verify else MathVerifyReward(name="success")
 
     def load(self, split: str) -> Sequence[Example]:
         if self._test_table is None:
@@ -119,35 +122,12 @@ class DeepMath(Task):
         else:
             question, answer = _last_user_message(row["prompt"], source), row["solution"]
         difficulty = row.get("difficulty")
-        messages = [{"role": "user", "content": str(question)}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Example(
-            prompt=messages,
+            prompt=[{"role": "user", "content": str(question)}],  # after the system prompt (Task.examples)
             answer=str(answer).strip(),
             difficulty=None if difficulty in (None, "") else float(difficulty),
             metadata={"topic": row.get("topic") or "", "source": source},
         )
-
-    def adapt_to_tokenizer(self, tokenizer) -> None:
-        super().adapt_to_tokenizer(tokenizer)
-        self.grader.adapt_to_tokenizer(tokenizer)
-
-    def success(self, example: Example, completion: str) -> bool:
-        return bool(self.successes([example], [completion])[0])
-
-    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: math-verify says the answer is right (graded in the worker pool)."""
-        return self.grader.score(examples, completions).total > 0.5
-
-
-def _success_grader(reward: Reward) -> MathVerifyReward:
-    """The reward's math-verify settings on the {0, 1} scale, or the defaults for another reward."""
-    if not isinstance(reward, MathVerifyReward):
-        return MathVerifyReward(name="success")
-    grader = copy.copy(reward)
-    grader.scale, grader.name = "01", "success"
-    return grader
 
 
 def _last_user_message(messages: object, source: str) -> str:
@@ -168,4 +148,4 @@ def _question(example: Example) -> str:
 def _with_difficulty(example: Example, difficulty: object) -> Example:
     if example.difficulty is not None or difficulty in (None, ""):
         return example
-    return Example(example.prompt, example.answer, float(difficulty), example.metadata)
+    return dataclasses.replace(example, difficulty=float(difficulty))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from torch import Tensor
-
 from sgrpo.types import Example
-from tasks.base import Reward, Task, check_template, fill
+from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, check_size, is_blank, not_blank
 from tasks.mathgrade import NumericMatch
+from tasks.reward import Reward
 
 TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -59,17 +58,16 @@ class GSM8K(Task):
         test_size: int | float = 0,
         seed: int = 0,
         reward: Reward | None = None,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward or NumericMatch(), max_train_examples, max_eval_examples)
+        super().__init__(reward or NumericMatch(), system_prompt=system_prompt, **settings)
         check_template(template, ["question"])
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
-        self.path, self.template, self.system_prompt, self.seed = path, template, system_prompt, seed
+        self.path, self.template, self.seed = path, template, seed
         sizes = {"validation": validation_size, "test": test_size}
         self._table = SplitTable(path, config, ("question", "answer"), SCHEMA, sizes, seed)
-        self.checker = NumericMatch(name="success")
+        self.success_grader = NumericMatch(name="success")  # the default reward's check: graded once (Task.score)
 
     def load(self, split: str) -> Sequence[Example]:
         return [self._example(row) for row in self._table.rows(split)]
@@ -78,13 +76,4 @@ class GSM8K(Task):
         solution = str(row["answer"])
         steps = sum(1 for line in solution.split("####")[0].splitlines() if line.strip())
         messages = [{"role": "user", "content": fill(self.template, question=str(row["question"]).strip())}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return Example(messages, gold_answer(solution), steps, {"solution": solution})
-
-    def success(self, example: Example, completion: str) -> bool:
-        return bool(self.successes([example], [completion])[0])
-
-    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: the response's number equals the gold number."""
-        return self.checker.score(examples, completions).total > 0.5
+        return Example(messages, gold_answer(solution), steps, {"solution": solution})  # system prompt: Task.examples

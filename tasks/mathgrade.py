@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from math_verify import parse, verify
 from sympy import Basic
 
 from sgrpo.types import Example
-from tasks.base import SampleReward, Scale
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
 from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, several_parts
+from tasks.reward import SampleReward, Scale, require
 from tasks.similarity import strip_think, template_opens_think
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -174,16 +176,16 @@ class MathVerifyReward(SampleReward):
         max_answer_chars: int = MAX_ANSWER_CHARS,
     ) -> None:
         super().__init__(scale=scale, name=name, workers=workers, timeout=timeout)
-        if max_answer_chars < 1:
-            raise ValueError(f"max_answer_chars must be >= 1, got {max_answer_chars}")
+        require(max_answer_chars >= 1, f"max_answer_chars must be >= 1, got {max_answer_chars}")
         self.require_box = require_box
         self.require_think = require_think
         self.max_answer_chars = max_answer_chars
 
-    def adapt_to_tokenizer(self, tokenizer) -> None:
-        """With ``require_think=None``: require ``</think>`` if the chat template opens ``<think>``."""
+    def adapt_to_tokenizer(self, tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        """With ``require_think=None``: require ``</think>`` if the chat template, rendered with the task's
+        ``chat_template_kwargs``, opens ``<think>``."""
         if self.require_think is None:
-            self.require_think = template_opens_think(tokenizer)
+            self.require_think = template_opens_think(tokenizer, chat_template_kwargs)
 
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
         # half the outer limit: the deadline fires well before the pool gives up on the worker

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example
-from tasks.base import Reward, check_template, fill
+from tasks.base import check_template, fill
+from tasks.reward import Reward, require
 from tasks.similarity import RougeL, TextSimilarity
 from tasks.text import ReferenceTextTask
 
@@ -23,6 +24,7 @@ class MeetingBank(ReferenceTextTask):
     name or local folder) when given, else approximated as ``max_transcript_tokens * words_per_token``
     words. Success (the "accuracy" of a summary): ROUGE-L >= ``success_threshold`` (0.3, an arbitrary
     choice to state with any result). The paper's prompt and metric are unknown; ``TEMPLATE`` is ours.
+    ``settings``: those of ``ReferenceTextTask`` (``seed``, ``chat``, ...).
     """
 
     required_columns = ("summary", "transcript")
@@ -39,33 +41,25 @@ class MeetingBank(ReferenceTextTask):
         reward: Reward | None = None,
         validation_size: int | float = 0,
         test_size: int | float = 0,
-        seed: int = 0,
-        chat: bool = True,
         success_metric: TextSimilarity | None = None,
         success_threshold: float = 0.3,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
         check_template(template, ["transcript"])
-        if max_transcript_tokens is not None and max_transcript_tokens < 1:
-            raise ValueError(f"max_transcript_tokens must be >= 1 or None (no cut), got {max_transcript_tokens}")
-        if not words_per_token > 0:
-            raise ValueError(f"words_per_token must be > 0, got {words_per_token}")
+        limit = max_transcript_tokens
+        require(limit is None or limit >= 1, f"max_transcript_tokens must be >= 1 or None (no cut), got {limit}")
+        require(words_per_token > 0, f"words_per_token must be > 0, got {words_per_token}")
         self.template, self.max_transcript_tokens = template, max_transcript_tokens
         self.tokenizer, self.words_per_token = tokenizer, words_per_token
         self._tokenizer = None
         super().__init__(
-            path,
-            reward or RougeL(),
-            None,
-            validation_size,
-            test_size,
-            seed,
-            chat,
-            success_metric or RougeL(),
-            success_threshold,
-            max_train_examples,
-            max_eval_examples,
+            path=path,
+            reward=reward or RougeL(),
+            validation_size=validation_size,
+            test_size=test_size,
+            success_metric=success_metric or RougeL(),
+            success_threshold=success_threshold,
+            **settings,
         )
 
     def load(self, split: str) -> Sequence[Example]:

@@ -5,7 +5,8 @@ The SoftmaxGRPO abstract (arXiv 2608.09271) reports a 1.5B instruct model going 
 (``PoetryClassification``): name the poem's ``type`` (or ``age``), rewarded by chrF of the normalised
 label, success = normalised exact match. H2 (``PoetryWriting``): write the poem from its title and
 author, rewarded by chrF against the text, success = chrF >= 0.5. The set has one split (~573 rows):
-validation and test are held out by seed.
+validation and test are held out by seed. Settings not listed in a class's signature (``validation_size``,
+``seed``, ``chat``, ``success_metric``, ...) are those of ``ReferenceTextTask``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from sgrpo.types import Example
-from tasks.base import Reward, check_template, fill
+from tasks.base import check_template, fill
+from tasks.reward import Reward, require
 from tasks.similarity import ChrF, TextSimilarity
 from tasks.text import ReferenceTextTask
 
@@ -56,33 +58,19 @@ class PoetryClassification(ReferenceTextTask):
         choices: list[str] | None = None,
         template: str | None = None,
         reward: Reward | None = None,
-        validation_size: int | float = 0.1,
         test_size: int | float = 0.2,
-        seed: int = 0,
-        chat: bool = True,
-        success_metric: TextSimilarity | None = None,
-        success_threshold: float = 1.0,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        if label not in CLASSIFY_TEMPLATES:
-            raise ValueError(f"label must be one of {sorted(CLASSIFY_TEMPLATES)}, got {label!r}")
+        require(label in CLASSIFY_TEMPLATES, f"label must be one of {sorted(CLASSIFY_TEMPLATES)}, got {label!r}")
         self.label, self.choices = label, choices
         self.nonblank_columns = ("content", label)
         self.template = CLASSIFY_TEMPLATES[label] if template is None else template
         check_template(self.template, ["content"])
         super().__init__(
-            path,
-            reward or ChrF(normalize=True),
-            None,
-            validation_size,
-            test_size,
-            seed,
-            chat,
-            success_metric,
-            success_threshold,
-            max_train_examples,
-            max_eval_examples,
+            path=path,
+            reward=reward or ChrF(normalize=True),
+            test_size=test_size,
+            **settings,
         )
 
     def load(self, split: str) -> Sequence[Example]:
@@ -111,29 +99,20 @@ class PoetryWriting(ReferenceTextTask):
         path: str = "merve/poetry",
         template: str = WRITE_TEMPLATE,
         reward: Reward | None = None,
-        validation_size: int | float = 0.1,
         test_size: int | float = 0.2,
-        seed: int = 0,
-        chat: bool = True,
         success_metric: TextSimilarity | None = None,
         success_threshold: float = 0.5,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
         check_template(template, ["title"])
         self.template = template
         super().__init__(
-            path,
-            reward or ChrF(),
-            None,
-            validation_size,
-            test_size,
-            seed,
-            chat,
-            success_metric or ChrF(),
-            success_threshold,
-            max_train_examples,
-            max_eval_examples,
+            path=path,
+            reward=reward or ChrF(),
+            test_size=test_size,
+            success_metric=success_metric or ChrF(),
+            success_threshold=success_threshold,
+            **settings,
         )
 
     def make_example(self, row: Mapping) -> Example:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 import string
 from abc import abstractmethod
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from rapidfuzz.distance import Indel, Levenshtein
 from sacrebleu.metrics import BLEU, CHRF
 
 from sgrpo.types import Example
-from tasks.base import SampleReward, Scale
+from tasks.reward import SampleReward, Scale, require
 
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 _ANSWER_PREFIX = re.compile(r"^\s*(final\s+)?answer\s*[:\-]\s*", re.IGNORECASE)
@@ -33,16 +34,18 @@ def strip_think(text: str) -> str:
     return "" if text.lstrip().startswith("<think>") else text
 
 
-def template_opens_think(tokenizer) -> bool:
+def template_opens_think(tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> bool:
     """Does ``tokenizer``'s chat template open a ``<think>`` block in the prompt, as DeepSeek-R1-Distill's does?
 
     Then every completion starts inside that block, so one cut off while thinking carries neither tag.
-    False for a tokenizer without a chat template, and for one that opens and closes the block (thinking off).
+    False for a tokenizer without a chat template, and for one that opens and closes the block (thinking off,
+    as Qwen3's does with ``chat_template_kwargs={"enable_thinking": False}``: rendered as the rollout renders).
     """
     if not getattr(tokenizer, "chat_template", None):
         return False
     messages = [{"role": "user", "content": "1 + 1 = ?"}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    kwargs = dict(chat_template_kwargs or {})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return prompt.rfind("<think>") > prompt.rfind("</think>")
 
 
@@ -102,8 +105,7 @@ class ChrF(TextSimilarity):
 
     def __init__(self, word_order: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
-        if word_order < 0:
-            raise ValueError(f"word_order must be >= 0 (0: chrF, 2: chrF++), got {word_order}")
+        require(word_order >= 0, f"word_order must be >= 0 (0: chrF, 2: chrF++), got {word_order}")
         self.word_order = word_order
         self._metric = CHRF(word_order=word_order)
 
@@ -147,8 +149,7 @@ class EditSimilarity(TextSimilarity):
 
     def __init__(self, metric: Literal["levenshtein", "indel"] = "levenshtein", **kwargs) -> None:
         super().__init__(**kwargs)
-        if metric not in ("levenshtein", "indel"):
-            raise ValueError(f"metric must be 'levenshtein' or 'indel', got {metric!r}")
+        require(metric in ("levenshtein", "indel"), f"metric must be 'levenshtein' or 'indel', got {metric!r}")
         self.metric = metric
 
     def similarity(self, prediction: str, reference: str) -> float:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 from sgrpo.types import Example
-from tasks.base import Reward, Task
+from tasks.base import Task
+from tasks.reward import Reward, require
 from tasks.similarity import ExactMatch
 
 #: every character a synthetic prompt or answer uses
@@ -57,22 +58,15 @@ class SyntheticTask(Task):
         num_test: int = 256,
         seed: int = 0,
         reward: Reward | None = None,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward or ExactMatch(), max_train_examples, max_eval_examples)
-        if kind not in DEFAULT_LEVELS:
-            raise ValueError(f"kind must be one of {sorted(DEFAULT_LEVELS)}, got {kind!r}")
+        super().__init__(reward or ExactMatch(), **settings)
+        require(kind in DEFAULT_LEVELS, f"kind must be one of {sorted(DEFAULT_LEVELS)}, got {kind!r}")
         levels = list(DEFAULT_LEVELS[kind] if levels is None else levels)
-        if not levels or any(not 1 <= n <= MAX_LEVEL for n in levels):
-            raise ValueError(f"levels must be a non-empty list of integers in [1, {MAX_LEVEL}], got {levels}")
-        for key, value in (
-            ("num_train", num_train),
-            ("num_validation", num_validation),
-            ("num_test", num_test),
-        ):
-            if value < 0:
-                raise ValueError(f"{key} must be >= 0, got {value}")
+        ok = bool(levels) and all(1 <= n <= MAX_LEVEL for n in levels)
+        require(ok, f"levels must be a non-empty list of integers in [1, {MAX_LEVEL}], got {levels}")
+        for key, value in (("num_train", num_train), ("num_validation", num_validation), ("num_test", num_test)):
+            require(value >= 0, f"{key} must be >= 0, got {value}")
         self.kind, self.levels, self.seed = kind, levels, seed
         self.sizes = {"train": num_train, "validation": num_validation, "test": num_test}
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
-import torch
-from torch import Tensor
-
 from sgrpo.types import Example, Messages
-from tasks.base import Reward, Task, check_batch
+from tasks.base import Task
 from tasks.data import Schema, SplitTable, not_blank
+from tasks.reward import Reward, require
 from tasks.similarity import ChrF, ExactMatch, TextSimilarity
 
 
@@ -22,9 +20,10 @@ class ReferenceTextTask(Task):
     and ``make_example(row)``.
     Splits the source lacks are held out of its train rows with ``seed`` (``validation_size``,
     ``test_size``: a count or a fraction).
-    ``chat=True`` wraps the prompt text as one user message; ``False`` feeds it as raw text.
+    ``chat=True`` wraps the prompt text as one user message (after ``system_prompt``, when set); ``False``
+    feeds it as raw text.
     Success: ``success_metric(completion, reference) >= success_threshold`` on [0, 1]; the default,
-    ``ExactMatch(normalize=True)`` with threshold 1, is normalised exact match.
+    ``ExactMatch(normalize=True)`` with threshold 1, is normalised exact match. ``settings``: ``Task``'s.
     """
 
     required_columns: tuple[str, ...] = ()
@@ -43,12 +42,13 @@ class ReferenceTextTask(Task):
         chat: bool = True,
         success_metric: TextSimilarity | None = None,
         success_threshold: float = 1.0,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
+        **settings,
     ) -> None:
-        super().__init__(reward, max_train_examples, max_eval_examples)
-        if not 0.0 < success_threshold <= 1.0:
-            raise ValueError(f"success_threshold must be in (0, 1], got {success_threshold}")
+        super().__init__(reward, **settings)
+        require(
+            chat or not self.system_prompt, "system_prompt needs chat prompts: set chat: true, or system_prompt: null"
+        )
+        require(0.0 < success_threshold <= 1.0, f"success_threshold must be in (0, 1], got {success_threshold}")
         self.path, self.seed, self.chat = path, seed, chat
         self.success_metric = success_metric or ExactMatch(normalize=True)
         self.success_threshold = success_threshold
@@ -68,14 +68,11 @@ class ReferenceTextTask(Task):
         """``text`` as one user message (``chat``) or as is."""
         return [{"role": "user", "content": text}] if self.chat else text
 
-    def success(self, example: Example, completion: str) -> bool:
-        return bool(self.successes([example], [completion])[0])
-
-    def successes(self, examples: Sequence[Example], completions: Sequence[str]) -> Tensor:
-        """``[N]`` bool: similarity to the reference >= ``success_threshold`` (failed scorings: False)."""
-        check_batch(examples, completions)
-        values, _, _ = self.success_metric.raw_scores(examples, completions)
-        return torch.tensor(values) >= self.success_threshold - 1e-9  # [N]
+    @property
+    def success_grader(self) -> TextSimilarity:
+        """Success: ``success_metric`` >= ``success_threshold`` (failed scorings: False); graded once with a reward
+        that grades alike (MeetingBank's and PoetryWriting's defaults)."""
+        return self.success_metric
 
 
 class ReferenceText(ReferenceTextTask):

@@ -25,6 +25,8 @@ def test_readme_snippet_runs(index, monkeypatch, capsys):
     exec(compile(BLOCKS[index], f"README.md[python {index}]", "exec"), namespace)
     if "HalfRLOO" in namespace:  # "exact c_G(p) = 4.0, for free"
         assert namespace["HalfRLOO"]().population_weight(0.3, group_size=8).item() == pytest.approx(4.0)
+    if "brevity" in namespace:  # "tensor([1.2000, 0.1000]) tensor([1.0000, 0.5000])"
+        assert "tensor([1.2000, 0.1000]) tensor([1.0000, 0.5000])" in capsys.readouterr().out
     if "task" in namespace:  # "tensor([1.])"
         assert "tensor([1.])" in capsys.readouterr().out
     if "SoftmaxGRPO" in namespace and "p" in namespace:

@@ -189,3 +189,12 @@ def test_a_weighted_sum_keeps_the_components_that_work():
     examples = [Example("s:21=", "12")] * 2
     result = WeightedSum([ExactMatch(), Plain("raise")]).score(examples, ["12", "21"])
     assert result.total.tolist() == [1.0, 0.0] and result.failures == 2
+
+
+def test_rewards_and_tasks_show_their_settings():
+    assert (
+        repr(ExactMatch(normalize=True))
+        == "ExactMatch(scale='01', name='exact_match', workers=0, timeout=10.0, normalize=True)"
+    )
+    assert repr(Toy(ExactMatch(), max_train_examples=2)).startswith("Toy(reward=ExactMatch(scale='01'")
+    assert "_cache" not in repr(Toy(ExactMatch()))  # private state stays out

@@ -64,7 +64,19 @@ def test_config_instantiates_a_working_task(config):
     assert task.successes([example], [answer]).tolist() == [True]
 
 
-def test_a_misspelt_key_fails_at_parse_time():
-    config = {"class_path": "tasks.SyntheticTask", "init_args": {"num_trian": 8}}
-    with pytest.raises(Exception, match="num_trian"):
+def test_settings_passed_on_to_the_base_classes_are_config_keys():
+    # MeetingBank passes seed and chat on to ReferenceTextTask, max_train_examples on to Task (**settings)
+    config = {"path": F + "meetingbank.jsonl", "seed": 3, "chat": False, "max_train_examples": 2}
+    parser = _parser()
+    task = parser.instantiate(
+        parser.parse_object({"task": {"class_path": "tasks.MeetingBank", "init_args": config}})
+    ).task
+    assert (task.seed, task.chat, len(task.examples("train"))) == (3, False, 2)
+    assert isinstance(task.examples("train")[0].prompt, str)  # chat=False: raw text
+
+
+@pytest.mark.parametrize(("task", "key"), [("SyntheticTask", "num_trian"), ("MeetingBank", "max_train_exampls")])
+def test_a_misspelt_key_fails_at_parse_time(task, key):
+    config = {"class_path": f"tasks.{task}", "init_args": {key: 8}}
+    with pytest.raises(Exception, match=key):
         _parser().parse_object({"task": config})

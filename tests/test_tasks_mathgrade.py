@@ -75,9 +75,9 @@ def test_unclosed_think_scores_minus_one_on_the_authors_scale():
 )
 def test_require_think_follows_the_chat_template(template, opens):
     task = DeepMath(path=JSONL)
-    assert task.reward.require_think is None and task.grader.require_think is None
+    assert task.reward.require_think is None and task.success_grader.require_think is None
     task.adapt_to_tokenizer(tokenizer_with(template))
-    assert task.reward.require_think is opens and task.grader.require_think is opens  # reward and success
+    assert task.reward.require_think is opens and task.success_grader.require_think is opens  # reward and success
     cut_off = "Maybe \\boxed{504}? Let me check"
     assert graded("504", cut_off, require_think=task.reward.require_think)[0] == (0.0 if opens else 1.0)
 
@@ -85,7 +85,7 @@ def test_require_think_follows_the_chat_template(template, opens):
 def test_an_explicit_require_think_overrides_the_template():
     task = DeepMath(path=JSONL, reward=MathVerifyReward(require_think=False))
     task.adapt_to_tokenizer(tokenizer_with(R1_LIKE))
-    assert task.reward.require_think is False and task.grader.require_think is False
+    assert task.reward.require_think is False and task.success_grader.require_think is False
     summed = WeightedSum([MathVerifyReward()])  # a combined reward passes the tokenizer on
     summed.adapt_to_tokenizer(tokenizer_with(R1_LIKE))
     assert summed.rewards[0].require_think is True
@@ -100,7 +100,7 @@ def test_the_policy_gives_the_task_its_tokenizer(tmp_path):
     tokenizer_with(R1_LIKE).save_pretrained(model_dir)
     task = DeepMath(path=JSONL)
     GRPOPolicy(model=str(model_dir), task=task, estimator=GRPO()).configure_model()
-    assert task.reward.require_think is True and task.grader.require_think is True
+    assert task.reward.require_think is True and task.success_grader.require_think is True
 
 
 # ---------------------------------------------------------------- 2. an answer after </think> without a box
