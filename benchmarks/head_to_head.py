@@ -178,11 +178,21 @@ def validations(metrics_csv: Path, val_every: int) -> list[dict]:
     history = []
     for i, row in enumerate(rows):
         levels = {k.rsplit("/", 1)[-1]: float(v) for k, v in row.items() if k.startswith("val/accuracy/") and v}
-        passes = {k.rsplit("@", 1)[-1]: float(v) for k, v in row.items() if k.startswith("val/pass@") and v}
+        passes = {k.rsplit("@", 1)[-1]: float(v) for k, v in row.items() if re.fullmatch(r"val/pass@\d+", k) and v}
+        by_level: dict[str, dict[str, float]] = {}  # val/pass@<k>/<level>, when the run logged it
+        for key, value in row.items():
+            if (m := re.fullmatch(r"val/pass@(\d+)/(.+)", key)) and value:
+                by_level.setdefault(m[2], {})[m[1]] = float(value)
+        counts = {int(k.rsplit("/", 1)[-1]): float(v) for k, v in row.items() if k.startswith("val/successes/") and v}
         history.append({
             "step": i * val_every,
             "by_difficulty": dict(sorted(levels.items(), key=lambda kv: _level_key(kv[0]))),
             "pass_at_k": dict(sorted(passes.items(), key=lambda kv: int(kv[0]))),
+            "pass_at_k_by_difficulty": {
+                lv: dict(sorted(by_k.items(), key=lambda kv: int(kv[0])))
+                for lv, by_k in sorted(by_level.items(), key=lambda kv: _level_key(kv[0]))
+            },
+            "success_counts": [counts[c] for c in sorted(counts)],
             "mean_over_levels": sum(levels.values()) / max(len(levels), 1),
         })  # fmt: skip
     return history
