@@ -26,7 +26,7 @@ of K in a training group) or the binomial mixture mean_l Bin(G, p_l) at the meas
 p_l (levels homogeneous). And the estimator's ``population_weight`` c_G(p_l) at those accuracies: the
 share sum_{l hard} c_G(p_l) / sum_l c_G(p_l) of the expected update (weight on grad p) given to levels 7-9.
 
-    python benchmarks/head_to_head_tail.py              # the full protocol (~45 min on 2 cores), resumes
+    python benchmarks/head_to_head_tail.py              # the full protocol (37.5 min on 2 shared cores), resumes
     python benchmarks/head_to_head_tail.py --report-only
     python benchmarks/head_to_head_tail.py --quick      # 2 estimators x 1 seed x 2 steps: a smoke test
 """
