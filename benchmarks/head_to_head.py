@@ -16,7 +16,8 @@ Estimators are class paths with JSON init args, so a new estimator joins without
     --estimators estimators.GRPO 'estimators.SoftmaxGRPO:{"temperature": 0.25}' mymodule.HalfRLOO
 
 or a YAML/JSON file holding a list of ``{class_path, init_args}``. The default roster is GRPO,
-Dr.GRPO, MaxRL (practical) and SoftmaxGRPO (tau = 0.5), 3 seeds each.
+Dr.GRPO, MaxRL (practical) and SoftmaxGRPO (tau = 0.5), 3 seeds each. The powered recipe of issue 15
+(sort 3..9, 8 estimators x 12 seeds, a pre-registered primary metric) is ``head_to_head_tail.py``.
 
 Budget, measured on a project 2-core CPU machine shared with other jobs (load average about 4): the
 default 12 runs of 200 steps took 9.6 and 11.4 min of wall clock (two invocations, identical
@@ -27,8 +28,9 @@ training step against 0.15 s with one, and a whole 200-step quickstart run took 
 Outputs in ``--out`` (default ``benchmarks/results/head_to_head``): one folder per run,
 ``<estimator>/seed<S>/``, with ``lightning_logs/version_0/metrics.csv``, ``log.txt``, ``hf_model/``
 (checkpoints are deleted once the run finished) and ``result.json`` (initial and final accuracy per
-difficulty, pass@k, every validation, wall time); and the report: ``report.md`` (final accuracy per
-difficulty with 95 % t-intervals over seeds, the best estimator and its seed-paired difference against
+difficulty, pass@k overall and per difficulty, the histogram of correct samples per prompt, every
+validation, wall time); and the report: ``report.md`` (final accuracy per difficulty with 95 %
+t-intervals over seeds, the best estimator and its seed-paired difference against
 the runner-up and GRPO, pass@k, gradient budget shares, run times) with ``accuracy_by_difficulty.png``,
 ``accuracy_curves.png``, ``pass_at_k.png`` and ``budget_shares.png``.
 
@@ -178,11 +180,21 @@ def validations(metrics_csv: Path, val_every: int) -> list[dict]:
     history = []
     for i, row in enumerate(rows):
         levels = {k.rsplit("/", 1)[-1]: float(v) for k, v in row.items() if k.startswith("val/accuracy/") and v}
-        passes = {k.rsplit("@", 1)[-1]: float(v) for k, v in row.items() if k.startswith("val/pass@") and v}
+        passes = {k.rsplit("@", 1)[-1]: float(v) for k, v in row.items() if re.fullmatch(r"val/pass@\d+", k) and v}
+        by_level: dict[str, dict[str, float]] = {}  # val/pass@<k>/<level>, when the run logged it
+        for key, value in row.items():
+            if (m := re.fullmatch(r"val/pass@(\d+)/(.+)", key)) and value:
+                by_level.setdefault(m[2], {})[m[1]] = float(value)
+        counts = {int(k.rsplit("/", 1)[-1]): float(v) for k, v in row.items() if k.startswith("val/successes/") and v}
         history.append({
             "step": i * val_every,
             "by_difficulty": dict(sorted(levels.items(), key=lambda kv: _level_key(kv[0]))),
             "pass_at_k": dict(sorted(passes.items(), key=lambda kv: int(kv[0]))),
+            "pass_at_k_by_difficulty": {
+                lv: dict(sorted(by_k.items(), key=lambda kv: int(kv[0])))
+                for lv, by_k in sorted(by_level.items(), key=lambda kv: _level_key(kv[0]))
+            },
+            "success_counts": [counts[c] for c in sorted(counts)],
             "mean_over_levels": sum(levels.values()) / max(len(levels), 1),
         })  # fmt: skip
     return history

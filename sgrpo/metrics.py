@@ -37,3 +37,31 @@ def _sort_key(level: str) -> tuple[int, float | str]:
         return (0, float(level))
     except ValueError:
         return (1, level)
+
+
+def pass_at_k_by_difficulty(correct: Tensor, difficulties: Sequence[object]) -> dict[str, dict[int, float]]:
+    """Unbiased pass@k for k = 1..n, averaged over the prompts of each difficulty: ``{level: {k: value}}``.
+
+    ``correct`` ``[B, n]``; per prompt ``1 - C(n - c, k) / C(n, k)`` with c its correct samples
+    (``pass_at_k``), then the mean over the prompts of the level.
+    """
+    n = correct.shape[-1]
+    counts = correct.sum(-1)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, level in enumerate(difficulties):
+        groups[str(level)].append(i)
+    return {
+        level: {k: pass_at_k(counts[idx], n, k).mean().item() for k in range(1, n + 1)}
+        for level, idx in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))
+    }
+
+
+def success_count_histogram(correct: Tensor) -> list[float]:
+    """Share of prompts with c correct samples out of n, for c = 0..n: ``h[c] = #{b : sum_i correct[b, i] = c} / B``.
+
+    With n equal to the training group size G this is a sample of the law of the number of successes K
+    in a training group drawn from the same prompts and policy (docs/theory.md §6, expected shares).
+    """
+    n = correct.shape[-1]
+    counts = torch.bincount(correct.sum(-1).long().flatten(), minlength=n + 1).to(torch.float64)
+    return (counts / counts.sum().clamp_min(1)).tolist()

@@ -20,7 +20,7 @@ from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
 from sgrpo.head import check_logit_head
 from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
-from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
+from sgrpo.metrics import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.samples import completion_rows, write_rows
@@ -421,6 +421,9 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         metrics["val/accuracy"] = correct.float().mean().item()
         by_level = accuracy_by_difficulty(correct, levels)
         metrics |= {f"val/accuracy/{level}": acc for level, acc in by_level.items()}
+        for level, by_k in pass_at_k_by_difficulty(correct, levels).items():
+            metrics |= {f"val/pass@{k}/{level}": value for k, value in by_k.items()}
+        metrics |= {f"val/successes/{c}": share for c, share in enumerate(success_count_histogram(correct))}
         self.val_history.append(
             {"step": self.rollout_step, "accuracy": metrics["val/accuracy"], "by_difficulty": by_level}
         )

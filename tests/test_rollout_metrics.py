@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
+from sgrpo.metrics import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
 from sgrpo.rollout import HFRollout, completion_mask_until_eos, render_prompt
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
@@ -71,3 +71,13 @@ def test_accuracy_by_difficulty_groups_and_sorts_levels():
     acc = accuracy_by_difficulty(correct, [5, 3, 5, 10])
     assert list(acc) == ["3", "5", "10"]
     assert acc == {"3": 0.5, "5": 0.5, "10": 0.5}
+
+
+def test_pass_at_k_by_difficulty_and_success_histogram_by_hand():
+    # level 3: prompts with 2/4 and 0/4 correct; level 7: one prompt with 1/4 correct
+    correct = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]])
+    by_level = pass_at_k_by_difficulty(correct, [3, 3, 7])
+    assert list(by_level) == ["3", "7"] and list(by_level["3"]) == [1, 2, 3, 4]
+    assert by_level["3"][1] == pytest.approx(0.25) and by_level["3"][2] == pytest.approx((5 / 6 + 0) / 2)
+    assert by_level["7"][2] == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2)) and by_level["7"][4] == 1.0
+    assert success_count_histogram(correct) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0, 0.0])

@@ -1,0 +1,355 @@
+"""Head-to-head with power (issue 15): eight estimators on a sort mixture with a long tail of hard prompts.
+
+The protocol below (``PROTOCOL``) was fixed and committed before the full run; change it and you run a
+different benchmark. It drives ``benchmarks/head_to_head.py`` (same run folders, resuming, ``--jobs``,
+one torch thread per run) with ``configs/sort_tail.yaml``: the quickstart warm start on ``sort`` levels
+3..9 (balanced), which it solves at 49, 32, 19, 11, 10, 2.3 and 0.2 % (levels 3..9, sampled, measured
+before the protocol was fixed). Roster: GRPO, Dr.GRPO, RLOO, MaxRL (practical) and SoftmaxGRPO at
+tau 0.25, 0.5, 1, 2; identical rollouts per step (16 prompts x G = 8), same warm start, same seeds.
+
+Primary metric (stated before the runs): final validation accuracy averaged over the three hardest levels
+(7, 8, 9), 100 prompts x 8 samples each; the test is the seed-paired difference (estimator - GRPO) with a
+95 % Student-t interval over seeds, target half-width <= 1.5 points. With the differences d_s over n
+seeds, half-width h = t(0.975, n - 1) sd(d) / sqrt(n); the power note gives the smallest n with
+t(0.975, n - 1) sd(d) / sqrt(n) <= 1 point, at the measured sd. Secondary: pass@1 and unbiased pass@k
+(k = 1..G) per level.
+
+Theory against practice: the measured L1 budget shares (``train/budget/l1/<bucket>``, mean over steps and
+seeds) against two predictions, each the trapezoid average over the run's validations (steps 0, 100,
+200) of the expected shares
+
+    share_b = sum_K P(K) B1(K) [K/G in b] / sum_K P(K) B1(K),    B1(K) = sum_i |A_i| of the binary group
+                                                                  with K successes (the estimator's own table)
+
+with P(K) either the validation success-count histogram (8 samples per prompt = G, so it samples the law
+of K in a training group) or the binomial mixture mean_l Bin(G, p_l) at the measured per-level accuracies
+p_l (levels homogeneous). And the estimator's ``population_weight`` c_G(p_l) at those accuracies: the
+share sum_{l hard} c_G(p_l) / sum_l c_G(p_l) of the expected update (weight on grad p) given to levels 7-9.
+
+    python benchmarks/head_to_head_tail.py              # the full protocol (37.5 min on 2 shared cores), resumes
+    python benchmarks/head_to_head_tail.py --report-only
+    python benchmarks/head_to_head_tail.py --quick      # 2 estimators x 1 seed x 2 steps: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "benchmarks"]  # shadows `estimators`
+sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks import head_to_head as h2h  # noqa: E402
+from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
+from benchmarks._h2h_stats import budget_series, ci, fmt  # noqa: E402
+from estimators import BUCKETS, difficulty_bucket  # noqa: E402
+from estimators.base import binomial_pmf  # noqa: E402
+
+#: fixed 2026-12-01 before the full run (issue 15); the README reports the run of exactly this
+PROTOCOL = {
+    "config": "configs/sort_tail.yaml",
+    "estimators": [
+        "estimators.GRPO",
+        "estimators.DrGRPO",
+        "estimators.RLOO",
+        'estimators.MaxRL:{"variant": "practical"}',
+        'estimators.SoftmaxGRPO:{"temperature": 0.25}',
+        'estimators.SoftmaxGRPO:{"temperature": 0.5}',
+        'estimators.SoftmaxGRPO:{"temperature": 1.0}',
+        'estimators.SoftmaxGRPO:{"temperature": 2.0}',
+    ],
+    "seeds": list(range(12)),
+    "steps": 200,
+    "val_every": 100,
+    "val_samples": 8,
+    "group_size": 8,
+    "primary_levels": ["7", "8", "9"],
+    "target_half_width": 0.015,
+    "extra": "",
+    "out": "benchmarks/results/head_to_head_tail",
+}
+QUICK = PROTOCOL | {
+    "estimators": ["estimators.GRPO", 'estimators.SoftmaxGRPO:{"temperature": 0.5}'],
+    "seeds": [0],
+    "steps": 2,
+    "val_every": 1,
+    "val_samples": 2,
+    "group_size": 2,
+    "extra": "--model.group_size=2 --model.prompts_per_step=2 --model.task.init_args.num_validation=14 "
+    "--model.val_prompts_per_batch=14",
+    "out": "benchmarks/results/head_to_head_tail_quick",
+}
+
+
+# ---------------------------------------------------------------------------------------------- maths
+def t_quantile(df: int, level: float = 0.95) -> float:
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(0.5 + level / 2, df))
+
+
+def seeds_needed(sd: float, half_width: float, level: float = 0.95) -> int | None:
+    """Smallest n >= 2 with ``t(0.5 + level/2, n - 1) * sd / sqrt(n) <= half_width`` (None past 10,000)."""
+    if sd == 0:
+        return 2
+    for n in range(2, 10_001):
+        if t_quantile(n - 1, level) * sd / math.sqrt(n) <= half_width:
+            return n
+    return None
+
+
+def group_l1_mass(estimator, group_size: int) -> torch.Tensor:
+    """``B1(K) = sum_i |A_i|`` of the binary group with K successes, K = 0..G: float64 ``[G+1]``."""
+    return estimator.binary_group_advantages(group_size).abs().sum(-1)
+
+
+def expected_shares(estimator, group_size: int, k_law: torch.Tensor) -> dict[str, float]:
+    """Expected L1 budget shares when a group's success count K has law ``k_law`` ``[G+1]``:
+    ``share_b = sum_K P(K) B1(K) [K/G in b] / sum_K P(K) B1(K)`` (docs/theory.md §6)."""
+    mass = k_law.to(torch.float64) * group_l1_mass(estimator, group_size)  # [G+1]
+    buckets = difficulty_bucket(torch.arange(group_size + 1, dtype=torch.float64) / group_size)
+    per_bucket = torch.zeros(len(BUCKETS), dtype=torch.float64).index_add_(0, buckets, mass)
+    per_bucket = per_bucket / per_bucket.sum().clamp_min(torch.finfo(torch.float64).tiny)
+    return dict(zip(BUCKETS, per_bucket.tolist(), strict=True))
+
+
+def binomial_law(rates: list[float], group_size: int) -> torch.Tensor:
+    """Law of K for a group of a prompt drawn uniformly from prompts of pass rates ``rates``:
+    ``P(K) = mean_l Bin(K; G, p_l)``, ``[G+1]``."""
+    return binomial_pmf(torch.tensor(rates, dtype=torch.float64), group_size).mean(0)
+
+
+def hard_weight_share(estimator, group_size: int, rates: dict[str, float], hard: list[str]) -> float:
+    """``sum_{l in hard} c_G(p_l) / sum_l c_G(p_l)``: the hard levels' share of the expected update weight
+    (``population_weight``, docs/theory.md §3.1) at per-level pass rates ``rates``."""
+    weights = {lv: float(estimator.population_weight(p, group_size)) for lv, p in rates.items()}
+    total = sum(weights.values())
+    return sum(weights[lv] for lv in hard if lv in weights) / total if total > 0 else math.nan
+
+
+def trapezoid(values: list[dict[str, float]]) -> dict[str, float]:
+    """Average over equally spaced validations with the end points at half weight (one: itself)."""
+    if len(values) == 1:
+        return values[0]
+    w = [0.5] + [1.0] * (len(values) - 2) + [0.5]
+    return {k: sum(wi * v[k] for wi, v in zip(w, values, strict=True)) / sum(w) for k in values[0]}
+
+
+def primary(result: dict, levels: list[str]) -> float:
+    """The primary metric of one run: final accuracy averaged over ``levels``."""
+    return sum(result["final"]["by_difficulty"][lv] for lv in levels) / len(levels)
+
+
+def hard_pass(result: dict, levels: list[str], k: str) -> float:
+    return sum(result["final"]["pass_at_k_by_difficulty"][lv][k] for lv in levels) / len(levels)
+
+
+# ---------------------------------------------------------------------------------------------- report
+def primary_section(results, specs, proto) -> str:
+    levels, target = proto["primary_levels"], proto["target_half_width"]
+    ref = specs[0].label  # GRPO, first in the roster
+    rows, halves = [], []
+    for spec in specs:
+        runs = results[spec.label]
+        if not runs:
+            continue
+        values = [primary(r, levels) for r in runs.values()]
+        row = [spec.label, fmt(values), len(values)]
+        if spec.label != ref:
+            diffs = [primary(runs[s], levels) - primary(results[ref][s], levels)
+                     for s in sorted(set(runs) & set(results[ref]))]  # fmt: skip
+            mean, half = ci(diffs)
+            sd = float(torch.tensor(diffs, dtype=torch.float64).std()) if len(diffs) > 1 else math.nan
+            need = seeds_needed(sd, 0.01) if not math.isnan(sd) else None
+            sig = "" if math.isnan(half) else ("yes" if abs(mean) > half else "no")
+            halves.append(half)
+            lo, hi = 100 * (mean - half), 100 * (mean + half)
+            row += [f"{100 * mean:+.2f}", f"± {100 * half:.2f}", f"[{lo:+.2f}, {hi:+.2f}]", sig,
+                    f"{100 * sd:.2f}", need if need is not None else "> 10,000"]  # fmt: skip
+        else:
+            row += ["(reference)", "", "", "", "", ""]
+        rows.append(row)
+    header = ["estimator", f"accuracy on levels {', '.join(levels)}", "seeds", "Δ vs GRPO (pts)", "95 % half-width",
+              "95 % CI", "significant", "sd of Δ (pts)", "seeds for ± 1 pt"]  # fmt: skip
+    finite = [h for h in halves if not math.isnan(h)]
+    worst = max(finite) if finite else math.nan
+    verdict = (
+        "no interval (fewer than 2 paired seeds)"
+        if math.isnan(worst)
+        else f"largest achieved half-width **± {100 * worst:.2f} pts** against the target ± {100 * target:.1f}: "
+        + ("met" if worst <= target else "**not met**")
+    )
+    return (
+        markdown_table(header, rows)
+        + f'\n\nPower: {verdict}. "seeds for ± 1 pt" = smallest n with t(0.975, n-1) sd / sqrt(n) <= 1 pt at the '
+        "measured sd of the paired differences. Seven comparisons against one reference: at 95 % each, "
+        'if none differed, about 30 % of such tables (1 - 0.95^7) would show a spurious "yes" '
+        "(Bonferroni would ask for the 99.3 % interval)."
+    )
+
+
+def pass_section(results, specs, proto) -> str:
+    first = next(r for runs in results.values() for r in runs.values())
+    by_level = first["final"].get("pass_at_k_by_difficulty") or {}
+    if not by_level:
+        return "(these runs did not log pass@k by difficulty)"
+    levels = list(by_level)
+    kmax = list(by_level[levels[0]])[-1]
+    rows = []
+    for spec in specs:
+        runs = list(results[spec.label].values())
+        if runs:
+            rows.append([spec.label, *(f"{fmt([r['final']['pass_at_k_by_difficulty'][lv]['1'] for r in runs])} / "
+                                       f"{fmt([r['final']['pass_at_k_by_difficulty'][lv][kmax] for r in runs])}"
+                                       for lv in levels)])  # fmt: skip
+    hard, ref = proto["primary_levels"], specs[0].label
+    lines = []
+    for spec in specs[1:]:
+        common = sorted(set(results[spec.label]) & set(results[ref]))
+        if len(common) > 1:
+            d = [hard_pass(results[spec.label][s], hard, kmax) - hard_pass(results[ref][s], hard, kmax) for s in common]
+            mean, half = ci(d)
+            star = " \\*" if abs(mean) > half else ""
+            lines.append(f"| {spec.label} | {100 * mean:+.2f} ± {100 * half:.2f}{star} |")
+    table2 = (
+        f"\n\nPaired Δ pass@{kmax} on levels {', '.join(hard)} vs GRPO (pts, 95 % CI; \\* excludes 0):\n\n"
+        f"| estimator | Δ pass@{kmax} |\n|---|---:|\n" + "\n".join(lines)
+        if lines
+        else ""
+    )
+    return (
+        f"Final pass@1 / pass@{kmax} per level (unbiased, {kmax} samples per prompt; mean ± 95 % CI over seeds):\n\n"
+        + markdown_table(["estimator", *(f"level {lv}" for lv in levels)], rows)
+        + table2
+    )
+
+
+def budget_section(results, specs, proto, out: Path) -> str:
+    g, hard = proto["group_size"], proto["primary_levels"]
+    rows = []
+    for spec in specs:
+        runs = results[spec.label]
+        if not runs:
+            continue
+        est = h2h_estimator(spec)
+        measured = {b: [] for b in BUCKETS}
+        from_hist, from_levels, c_share = [], [], []
+        for seed, run in runs.items():
+            for b, value in measured_shares(out / spec.slug / f"seed{seed}").items():
+                measured[b].append(value)
+            vals = run["history"]
+            if all(v.get("success_counts") for v in vals):
+                from_hist.append(trapezoid([expected_shares(est, g, torch.tensor(v["success_counts"])) for v in vals]))
+            from_levels.append(trapezoid([expected_shares(est, g, binomial_law(list(v["by_difficulty"].values()), g))
+                                          for v in vals]))  # fmt: skip
+            c_share.append(trapezoid([{"s": hard_weight_share(est, g, v["by_difficulty"], hard)} for v in vals])["s"])
+        meas = {b: sum(v) / len(v) for b, v in measured.items() if v}
+        if not meas:
+            continue
+        hist = {b: sum(d[b] for d in from_hist) / len(from_hist) for b in BUCKETS} if from_hist else {}
+        lev = {b: sum(d[b] for d in from_levels) / len(from_levels) for b in BUCKETS}
+        gap = max(abs(meas[b] - hist[b]) for b in meas) if hist else math.nan
+        gap_lev = max(abs(meas[b] - lev[b]) for b in meas)
+
+        def cell(b, meas=meas, hist=hist, lev=lev):
+            return f"{100 * meas.get(b, math.nan):.1f} / {100 * hist.get(b, math.nan):.1f} / {100 * lev[b]:.1f}"
+
+        share = sum(c_share) / len(c_share)
+        rows.append([spec.label, cell("hard"), cell("mid_hard"), cell("half"), cell("near_solved"),
+                     f"{100 * gap:.1f}", f"{100 * gap_lev:.1f}", f"{100 * share:.1f}"])  # fmt: skip
+    header = ["estimator", "hard", "mid-hard", "half", "near-solved", "max gap, histogram (pts)",
+              "max gap, levels (pts)", f"c_G share of levels {', '.join(hard)}"]  # fmt: skip
+    return (
+        "L1 share of |A| per bucket, **measured** during training (mean over steps and seeds) / **predicted** from "
+        "the validation success-count histogram / **predicted** from Bin(G, p_level) at the measured per-level "
+        'accuracies (both: trapezoid average over the run\'s validations, mean over seeds), percent. "max gap": '
+        "largest |measured - predicted| over all seven buckets. Last column: the hard levels' share of "
+        "sum_l c_G(p_l) (the estimator's population_weight at the measured per-level accuracies).\n\n"
+        + markdown_table(header, rows)
+        + "\n\nA per-step share is a ratio of masses over that step's 16 groups, averaged over steps; the "
+        "predictions are ratios of expectations, so a small gap remains even when the theory holds."
+    )
+
+
+def measured_shares(run_dir: Path) -> dict[str, float]:
+    """Mean over training steps of ``train/budget/l1/<bucket>``, over the steps with any advantage mass
+    (a step whose groups are all constant logs 0 in every bucket and carries no budget)."""
+    per_step: dict[int, dict[str, float]] = {}
+    for b in BUCKETS:
+        for step, value in budget_series(run_dir, b):
+            per_step.setdefault(step, {})[b] = value
+    steps = [v for v in per_step.values() if sum(v.values()) > 0.5]
+    return {b: sum(v.get(b, 0.0) for v in steps) / len(steps) for b in BUCKETS} if steps else {}
+
+
+def h2h_estimator(spec):
+    import importlib
+
+    module, _, name = spec.class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)(**spec.init_args)
+
+
+def protocol_section(proto, quick: bool) -> str:
+    return (
+        ("**Quick mode (smoke test, not the protocol)**. " if quick else "")
+        + f"Config `{proto['config']}`, {proto['steps']} steps, validation every {proto['val_every']} steps and "
+        f"before training, {proto['val_samples']} samples per validation prompt, group size {proto['group_size']}, "
+        f"seeds {proto['seeds'][0]}..{proto['seeds'][-1]} ({len(proto['seeds'])}), roster "
+        + ", ".join(f"`{e}`" for e in proto["estimators"])
+        + f". Primary metric: final accuracy averaged over levels {', '.join(proto['primary_levels'])}; "
+        f"seed-paired difference against GRPO with a 95 % t-interval, target half-width ± "
+        f"{100 * proto['target_half_width']:.1f} pts. Fixed in `benchmarks/head_to_head_tail.py` before the run."
+    )
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 estimators x 1 seed x 2 steps (the test suite's)")
+    parser.add_argument("--out", type=Path, default=None, help="run folders and report (default: the protocol's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--report-only", action="store_true", help="no training: report the finished runs")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    opts = parse_args(argv)
+    proto = QUICK if opts.quick else PROTOCOL
+    out = (opts.out or _ROOT / proto["out"]).resolve()
+    h2h_argv = [
+        "--estimators", *proto["estimators"], "--seeds", *map(str, proto["seeds"]),
+        "--steps", str(proto["steps"]), "--val-every", str(proto["val_every"]),
+        "--val-samples", str(proto["val_samples"]), "--config", str(_ROOT / proto["config"]),
+        "--jobs", str(opts.jobs), "--threads", "1", "--out", str(out), f"--extra={proto['extra']}",
+        *(["--report-only"] if opts.report_only else []),
+    ]  # fmt: skip
+    args = h2h.parse_args(h2h_argv)
+    specs = h2h.parse_estimators(args.estimators)
+    for spec in specs:
+        spec.check()
+    results = h2h.run_all(specs, args)
+    path = h2h.write_report(results, specs, args)
+    if not any(results.values()):
+        return path
+    ours = [
+        "## Protocol\n\n" + protocol_section(proto, opts.quick),
+        f"## Primary: final accuracy on levels {', '.join(proto['primary_levels'])}, paired against GRPO\n\n"
+        + primary_section(results, specs, proto),
+        "## pass@1 and pass@k by difficulty\n\n" + pass_section(results, specs, proto),
+        "## Gradient budget: theory against practice\n\n" + budget_section(results, specs, proto, out),
+    ]
+    title, _, rest = path.read_text().partition("\n## Setup")
+    text = title.replace("the quickstart task", "the sort 3..9 tail") + "\n" + "\n\n".join(ours) + "\n\n## Setup" + rest
+    path.write_text(text)
+    (out / "protocol.json").write_text(json.dumps(proto, indent=1) + "\n")
+    print("\n\n".join(ours) + f"\n\nreport: {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
