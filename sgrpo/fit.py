@@ -4,7 +4,8 @@ A LightningCLI over ``GRPOPolicy`` with no subcommand: the YAML's ``model`` bloc
 signature (task, estimator and rollout are ``class_path`` / ``init_args`` objects), ``trainer`` is
 Lightning's Trainer. Every key and type is checked at parse time, and so are the values that would
 only fail once a model has loaded (``sgrpo.preflight``). The run folder is
-``trainer.default_root_dir``: checkpoints in ``checkpoints/``, logs and the resolved config in
+``trainer.default_root_dir``: checkpoints in ``checkpoints/``, the metrics the report draws in
+``metrics.jsonl`` (whatever the logger), the logger's files and the resolved config in
 ``lightning_logs/version_N/``, the trained policy in ``hf_model/``; it holds one run, locked while a
 fit runs (``sgrpo.runs``).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -26,6 +28,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
 from sgrpo.guards import RewardFailureError
+from sgrpo.metrics_file import MarkResume, MetricsFile
 from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import check_config_files, check_policy, check_values
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, launches_run
@@ -45,7 +48,7 @@ class StepProgressBar(RichProgressBar):
 
 class SgrpoCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
-        """Lightning's trainer with sgrpo's checkpoints (atomic writes), exit codes and progress bar.
+        """Lightning's trainer with sgrpo's checkpoints (atomic writes), metrics file, exit codes and progress bar.
 
         First the values that would fail only once the model has loaded (``sgrpo.preflight``).
         """
@@ -58,8 +61,12 @@ class SgrpoCLI(LightningCLI):
         callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit()]
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
-        if config.get("logger") in (None, True):  # metrics.csv written every step: a kill loses no curve
-            config["logger"] = CSVLogger(root, flush_logs_every_n_steps=1)
+        logger = config.get("logger")
+        if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
+            logger = CSVLogger(root, flush_logs_every_n_steps=1)
+        loggers = [] if logger is False else list(logger) if isinstance(logger, Iterable) else [logger]
+        metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
+        config["logger"], callbacks = [*loggers, metrics], [*callbacks, MarkResume(metrics)]
         trainer = self._instantiate_trainer(config, callbacks)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

@@ -29,7 +29,9 @@ from sgrpo.checkpoints import remove_path, remove_unfinished, resumable
 log = logging.getLogger(__name__)
 
 #: what a run writes into its folder; their presence means the folder holds a run
-RUN_OUTPUTS = ("checkpoints", "lightning_logs", "hf_model", "report.md", "curves.png")
+RUN_OUTPUTS = (
+    "checkpoints", "lightning_logs", "metrics.jsonl", "completions.jsonl", "hf_model", "report.md", "curves.png"
+)
 LOCK_FILE = ".sgrpo.lock"
 
 _held: list[IO[str]] = []  # lock files this process holds
@@ -103,6 +105,16 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
         log.warning("--overwrite: deleting %s", path)
         remove_path(path)
     return ckpt_path
+
+
+def logger_versions(root: Path, name: str) -> list[Path]:
+    """``root/lightning_logs/version_N/<name>`` for every N that has one, oldest first."""
+
+    def number(path: Path) -> int:
+        suffix = path.parent.name.removeprefix("version_")
+        return int(suffix) if suffix.isdigit() else -1
+
+    return sorted(root.glob(f"lightning_logs/version_*/{name}"), key=number)
 
 
 def _latest(folder: Path) -> str:
