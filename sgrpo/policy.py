@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -16,11 +15,12 @@ from estimators import AdvantageEstimator, budget_mass, budget_shares
 from estimators.base import constant_groups
 from sgrpo.data import StepBatches, identity_collate, mix_seed
 from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size
+from sgrpo.evaluation import PolicyEvaluation
+from sgrpo.export import policy_record, save_policy
 from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
 from sgrpo.head import check_logit_head
-from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
+from sgrpo.lora import LoRA, apply_lora, is_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
-from sgrpo.metrics import accuracy_by_difficulty, pass_at_k
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.samples import completion_rows, write_rows
@@ -29,7 +29,7 @@ from sgrpo.update import PolicyUpdate
 from tasks.base import Task
 
 
-class GRPOPolicy(PolicyUpdate, LightningModule):
+class GRPOPolicy(PolicyEvaluation, PolicyUpdate, LightningModule):
     """Group-relative policy optimisation with a pluggable advantage estimator (manual optimisation).
 
     One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
@@ -148,6 +148,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.tokenizer = None
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
         self.val_history: list[dict[str, Any]] = []
+        self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.evaluation)
         self._val_outputs: list[tuple[Tensor, list[object]]] = []
         self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
         self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
@@ -202,10 +203,6 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=identity_collate)
 
-    def val_dataloader(self):
-        examples, _ = self._within_prompt_limit("validation")
-        return torch.utils.data.DataLoader(examples, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
-
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
         limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
@@ -214,7 +211,11 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         return batch  # prompts are text; the rollout engine tokenizes them onto the model's device
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["sgrpo"] = {"rollout_step": self.rollout_step, "val_history": self.val_history}
+        checkpoint["sgrpo"] = {
+            "rollout_step": self.rollout_step,
+            "val_history": self.val_history,
+            "policy": self.policy_record(),  # for `python -m sgrpo.export`
+        }
         # LoRA: the frozen base is the model folder. FSDP2's distributed checkpoint loads every key of the
         # model, so sharded checkpoints keep the whole state
         if self.peft is not None and self.device_mesh is None and "state_dict" in checkpoint:
@@ -366,40 +367,6 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
             value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
             self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
 
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, examples: list[Example], batch_idx: int) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mix_seed(self.seed, batch_idx, self.global_rank, 7))
-            rollout = self.val_rollout.generate(
-                self.model, self.tokenizer, examples, self.val_samples, greedy=self.val_greedy
-            )
-        repeated = [ex for ex in examples for _ in range(self.val_samples)]
-        with torch.device("cpu"):  # host tensors from the task, as in `score`
-            correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
-        self._val_outputs.append((correct.cpu(), [ex.difficulty for ex in examples]))
-
-    def on_validation_epoch_end(self) -> None:
-        outputs, self._val_outputs = self._val_outputs, []
-        if self.trainer.world_size > 1:
-            gathered: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, outputs)
-            outputs = [o for part in gathered for o in part]
-        if not outputs or self.trainer.sanity_checking:
-            return
-        correct = torch.cat([c for c, _ in outputs])  # [prompts, n]
-        levels = [lv for _, lvs in outputs for lv in lvs]
-        metrics = {
-            f"val/pass@{k}": pass_at_k(correct.sum(-1), self.val_samples, k).mean().item()
-            for k in range(1, self.val_samples + 1)
-        }
-        metrics["val/accuracy"] = correct.float().mean().item()
-        by_level = accuracy_by_difficulty(correct, levels)
-        metrics |= {f"val/accuracy/{level}": acc for level, acc in by_level.items()}
-        self.val_history.append(
-            {"step": self.rollout_step, "accuracy": metrics["val/accuracy"], "by_difficulty": by_level}
-        )
-        self.log_dict(metrics, prog_bar=False, rank_zero_only=True)
-
     # ------------------------------------------------------------------ export
     @property
     def export_path(self) -> Path:
@@ -408,36 +375,14 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         return Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model")
 
     def on_fit_end(self) -> None:
-        path = self.export_path
-        if self.peft is not None:  # gathers are collectives: every process takes part
-            adapter = adapter_state(self.model)
-            merged = merged_state(self.model) if self.peft.export_merged else None
-            if self.trainer.is_global_zero:
-                save_adapter(adapter, self.peft, str(resolve_model_path(self.model_path)), path)
-                self.tokenizer.save_pretrained(path)
-                if merged is not None:
-                    self.export(path / "merged", merged)
-            return
-        state = None
-        if self.device_mesh is not None:  # gather the shards (a collective: every process takes part)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        base = self.policy_record()["base"]
+        merged = self.peft is not None and self.peft.export_merged
+        save_policy(self.model, self.tokenizer, self.export_path, self.peft, base, merged,
+                    leader=self.trainer.is_global_zero, sharded=self.device_mesh is not None)  # fmt: skip
 
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.trainer.is_global_zero:
-            self.export(path, state)
-
-    def export(self, path: Path, state_dict: dict[str, Tensor] | None = None) -> Path:
-        """Save the policy with ``save_pretrained`` (loadable by transformers alone)."""
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, state_dict=state_dict)
-        # FSDP2 swaps in a subclass named FSDP<Model>: record the model's own class
-        base = next(c for c in type(self.model).__mro__ if not c.__name__.startswith("FSDP"))
-        config = json.loads((path / "config.json").read_text())
-        config["architectures"] = [base.__name__]
-        (path / "config.json").write_text(json.dumps(config, indent=2))
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(path)
-        return path
+    def policy_record(self) -> dict[str, Any]:
+        """The base model, dtype and LoRA settings: what a checkpoint needs to be exported on its own."""
+        return policy_record(self.model_path, self.model_dtype, self.peft)
 
 
 def _require(condition: bool, message: str) -> None:
