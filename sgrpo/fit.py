@@ -1,15 +1,17 @@
-"""``python -m sgrpo.fit --config X.yaml [--model.key=value ...] [--ckpt_path last]``.
+"""``python -m sgrpo.fit [validate|test] --config X.yaml [--model.key=value ...] [--ckpt_path last]``.
 
-A LightningCLI over ``GRPOPolicy`` with no subcommand: the YAML's ``model`` block is the policy's
-signature (task, estimator and rollout are ``class_path`` / ``init_args`` objects), ``trainer`` is
-Lightning's Trainer. Every key and type is checked at parse time, and so are the values that would
-only fail once a model has loaded (``sgrpo.preflight``). The run folder is
-``trainer.default_root_dir``: checkpoints in ``checkpoints/``, logs and the resolved config in
-``lightning_logs/version_N/``, the trained policy in ``hf_model/``; it holds one run, locked while a
-fit runs (``sgrpo.runs``).
+A LightningCLI over ``GRPOPolicy``: the YAML's ``model`` block is the policy's signature (task, estimator
+and rollout are ``class_path`` / ``init_args`` objects), ``trainer`` is Lightning's Trainer. Every key
+and type is checked at parse time, and so are the values that would only fail once a model has loaded
+(``sgrpo.preflight``). Without a subcommand it trains into the run folder ``trainer.default_root_dir``:
+checkpoints in ``checkpoints/``, the metrics the report draws in ``metrics.jsonl`` (whatever the logger),
+the logger's files and the resolved config in ``lightning_logs/version_N/``, the trained policy in
+``hf_model/``; the folder holds one run, locked while a fit runs (``sgrpo.runs``). ``validate`` and
+``test`` evaluate a checkpoint (``--ckpt_path``) or a model folder (``--model.model``) on that split
+and print its accuracy by difficulty, without training.
 
-Exit codes: 0 done; 1 an error (a reward that keeps failing: one line); 2 a configuration or run
-folder refused before anything ran (one line); 143 after SIGTERM and 130 after Ctrl-C, once
+Exit codes: 0 done; 1 an error (a reward that keeps failing: one line); 2 a configuration, run folder or
+checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 after Ctrl-C, once
 ``last.ckpt`` is saved.
 """
 
@@ -17,18 +19,32 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
+from sgrpo.evaluation import evaluation_table
+from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.guards import RewardFailureError
+from sgrpo.metrics_file import MarkResume, MetricsFile
+from sgrpo.modeling import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import check_config_files, check_policy, check_values
-from sgrpo.runs import RunRefused, SignalExit, claimed_run, launches_run
+from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
+
+MODES = ("fit", "validate", "test")
+DESCRIPTION = (
+    "Train a policy (the default), or evaluate one without training: `validate` or `test` as the first argument "
+    "evaluates --ckpt_path (a checkpoint, or 'last': the run's newest), else the model folder --model.model, on "
+    "the task's validation or test split and prints its accuracy by difficulty."
+)
 
 
 class StepProgressBar(RichProgressBar):
@@ -44,8 +60,12 @@ class StepProgressBar(RichProgressBar):
 
 
 class SgrpoCLI(LightningCLI):
+    def __init__(self, *args, mode: str = "fit", **kwargs) -> None:
+        self.mode = mode  # "fit", or "validate" / "test": an evaluation, which keeps no checkpoints or metrics file
+        super().__init__(*args, **kwargs)
+
     def instantiate_trainer(self, **kwargs):
-        """Lightning's trainer with sgrpo's checkpoints (atomic writes), exit codes and progress bar.
+        """Lightning's trainer with sgrpo's checkpoints (atomic writes), metrics file, exit codes and progress bar.
 
         First the values that would fail only once the model has loaded (``sgrpo.preflight``).
         """
@@ -55,11 +75,17 @@ class SgrpoCLI(LightningCLI):
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = Path(config["default_root_dir"])
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
-        callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit()]
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
-        if config.get("logger") in (None, True):  # metrics.csv written every step: a kill loses no curve
-            config["logger"] = CSVLogger(root, flush_logs_every_n_steps=1)
+        logger = config.get("logger")
+        if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
+            logger = CSVLogger(root, flush_logs_every_n_steps=1)
+        loggers = [] if logger is False else list(logger) if isinstance(logger, Iterable) else [logger]
+        if self.mode == "fit":
+            metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
+            loggers.append(metrics)
+            callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit(), MarkResume(metrics)]
+        config["logger"] = loggers or False
         trainer = self._instantiate_trainer(config, callbacks)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -101,7 +127,7 @@ class SgrpoCLI(LightningCLI):
         )
 
 
-def parse(args: list[str] | None = None) -> SgrpoCLI:
+def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
     """Parse and instantiate (trainer, policy, task, estimator, rollout) without loading any model.
 
     Every key, type and class is checked here; a constructor's check (group_size, temperature, ...)
@@ -111,10 +137,11 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
         check_config_files(sys.argv[1:] if args is None else args)
         return SgrpoCLI(
             GRPOPolicy,
+            mode=mode,
             run=False,
             args=args,
             auto_configure_optimizers=False,
-            parser_kwargs={"parser_mode": "omegaconf"},
+            parser_kwargs={"parser_mode": "omegaconf", "description": DESCRIPTION},
             save_config_kwargs={"overwrite": True},
             trainer_defaults={
                 "log_every_n_steps": 1,
@@ -129,27 +156,78 @@ def parse(args: list[str] | None = None) -> SgrpoCLI:
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:
-    """Parse, claim the run folder, fit (resuming from ``--ckpt_path``), then report if asked."""
+    """Parse, then fit or evaluate (``validate`` / ``test`` as the first argument)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cli = parse(args)
-    trainer, policy, config = cli.trainer, cli.model, cli.config
-    root = Path(trainer.default_root_dir)
+    given = sys.argv[1:] if args is None else list(args)
+    mode = given[0] if given[:1] and given[0] in MODES else "fit"
+    if given[:1] == [mode]:  # the mode is no option of the parser
+        if args is None:
+            sys.argv[1:2] = []
+        else:
+            args = given[1:]
+    cli = parse(args, mode)
     try:
-        with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer)) as ckpt_path:
-            if config.validate_before and ckpt_path is None:
-                trainer.validate(policy, verbose=False)
-            fit(trainer, policy, ckpt_path)
-            if config.report and trainer.is_global_zero:
-                from sgrpo.report import write_report
-
-                write_report(policy, trainer)
-    except RunRefused as err:
+        if mode == "fit":
+            train(cli)
+        else:
+            evaluate(cli, mode)
+    except (RunRefused, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except RewardFailureError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     return cli
+
+
+def train(cli: SgrpoCLI) -> None:
+    """Claim the run folder, fit (resuming from ``--ckpt_path``), then report if asked."""
+    trainer, policy, config = cli.trainer, cli.model, cli.config
+    root = Path(trainer.default_root_dir)
+    with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer)) as ckpt_path:
+        if config.validate_before and ckpt_path is None:
+            trainer.validate(policy, verbose=False)
+        fit(trainer, policy, ckpt_path)
+        if config.report and trainer.is_global_zero:
+            from sgrpo.report import write_report
+
+            write_report(policy, trainer)
+
+
+def evaluate(cli: SgrpoCLI, mode: str) -> None:
+    """``validate`` or ``test`` the policy of ``--ckpt_path`` (a path or ``last``), else of ``model.model``, and
+    print its accuracy by difficulty. Writes no checkpoint, export or metrics file; the logger logs as usual."""
+    trainer, policy = cli.trainer, cli.model
+    ckpt_path = evaluated_checkpoint(cli.config.ckpt_path, trainer, policy)
+    with warnings.catch_warnings():  # that the callbacks which wrote the checkpoint are absent: on purpose
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+        (trainer.validate if mode == "validate" else trainer.test)(policy, ckpt_path=ckpt_path, verbose=False)
+    result = policy.last_evaluation
+    if trainer.is_global_zero and result is not None:
+        source = f"{ckpt_path} (step {result['step']})" if ckpt_path else resolve_model_path(policy.model_path)
+        print(f"\n{result['split'].capitalize()} accuracy by difficulty: {source}")
+        print(evaluation_table(result))
+
+
+def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> str | None:
+    """The checkpoint to evaluate, refused in one line when missing, broken, sharded under a strategy that
+    cannot read it, or trained with(out) LoRA when the config says otherwise."""
+    if ckpt_path == "last":
+        hint = "give a checkpoint's path, or evaluate a model folder with --model.model"
+        ckpt_path = latest_checkpoint(Path(trainer.default_root_dir) / "checkpoints", hint)
+    if ckpt_path is None:
+        return None
+    checkpoint = open_checkpoint(Path(ckpt_path))
+    if Path(ckpt_path).is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
+        raise CheckpointError(
+            f"{ckpt_path} is sharded: evaluate it with the strategy that wrote it (the run's config), or export it "
+            f"(python -m sgrpo.export {ckpt_path} OUT) and evaluate OUT with --model.model=OUT"
+        )
+    record = recorded_policy(checkpoint)
+    if record is not None and (record["peft"] is None) != (policy.peft is None):
+        trained = "with LoRA adapters" if record["peft"] else "without LoRA"
+        raise CheckpointError(f"{ckpt_path} was trained {trained}; give model.peft as the run's config does")
+    return ckpt_path
 
 
 def fit(trainer, policy: GRPOPolicy, ckpt_path: str | None) -> None:

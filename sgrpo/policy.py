@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -14,13 +13,15 @@ from torch import Tensor
 
 from estimators import AdvantageEstimator, budget_mass, budget_shares
 from estimators.base import constant_groups
+from sgrpo.checks import require
 from sgrpo.data import StepBatches, identity_collate, mix_seed
 from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size
+from sgrpo.evaluation import PolicyEvaluation
+from sgrpo.export import PolicyExport
 from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
 from sgrpo.head import check_logit_head
-from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
+from sgrpo.lora import LoRA, apply_lora, is_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
-from sgrpo.metrics import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.samples import completion_rows, write_rows
@@ -29,7 +30,7 @@ from sgrpo.update import PolicyUpdate
 from tasks.base import Task
 
 
-class GRPOPolicy(PolicyUpdate, LightningModule):
+class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
     """Group-relative policy optimisation with a pluggable advantage estimator (manual optimisation).
 
     One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
@@ -126,18 +127,18 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         """
 
         super().__init__()
-        _require(group_size >= 2, f"group_size must be >= 2 to compare completions, got {group_size}")
-        _require(prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        _require(ppo_epochs >= 1 and num_minibatches >= 1, "ppo_epochs and num_minibatches must be >= 1")
-        _require(micro_batch_size is None or micro_batch_size >= 1, "micro_batch_size must be >= 1 or null")
-        _require(
+        require(group_size >= 2, f"group_size must be >= 2 to compare completions, got {group_size}")
+        require(prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        require(ppo_epochs >= 1 and num_minibatches >= 1, "ppo_epochs and num_minibatches must be >= 1")
+        require(micro_batch_size is None or micro_batch_size >= 1, "micro_batch_size must be >= 1 or null")
+        require(
             micro_batch_tokens in (None, "auto") or (isinstance(micro_batch_tokens, int) and micro_batch_tokens >= 1),
             f"micro_batch_tokens must be >= 1, 'auto' or null, got {micro_batch_tokens!r}",
         )
-        _require(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm must be > 0 or null")
-        _require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
-        _require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
-        _require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
+        require(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm must be > 0 or null")
+        require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
+        require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
+        require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
         self.reward_watch = RewardFailureWatch(reward_failure_share, reward_failure_steps)
         self.max_prompt_tokens, self.prompts_dropped = max_prompt_tokens, 0
         self.automatic_optimization = False
@@ -146,7 +147,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.estimator = estimator
         self.rollout = rollout if rollout is not None else HFRollout()
         truncation = self.rollout.truncation()
-        _require(
+        require(
             truncation is None,
             f"rollout samples with {truncation}, a truncated distribution, but the loss's log-probs are those of "
             "the full softmax(logits / temperature), so every importance ratio would be off: train with top_k 0, "
@@ -157,10 +158,10 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.loss = loss if loss is not None else ClippedSurrogate()
-        _require(max_sampling_rounds >= 1, f"max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
+        require(max_sampling_rounds >= 1, f"max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
         self.mask_truncated, self.dynamic_sampling = mask_truncated, dynamic_sampling
         self.max_sampling_rounds = max_sampling_rounds
-        _require(log_completions_every >= 0, "log_completions_every must be >= 0 (0: off)")
+        require(log_completions_every >= 0, "log_completions_every must be >= 0 (0: off)")
         self.log_completions_every, self.log_completions_groups = log_completions_every, log_completions_groups
         self._refill: StepBatches | None = None  # more prompts for dynamic sampling, a stream of their own
         self.max_grad_norm = max_grad_norm
@@ -175,6 +176,7 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self.tokenizer = None
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
         self.val_history: list[dict[str, Any]] = []
+        self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.evaluation)
         self._val_outputs: list[tuple[Tensor, list[object]]] = []
         self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
         self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
@@ -229,10 +231,6 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=identity_collate)
 
-    def val_dataloader(self):
-        examples, _ = self._within_prompt_limit("validation")
-        return torch.utils.data.DataLoader(examples, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
-
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
         limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
@@ -241,7 +239,11 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         return batch  # prompts are text; the rollout engine tokenizes them onto the model's device
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["sgrpo"] = {"rollout_step": self.rollout_step, "val_history": self.val_history}
+        checkpoint["sgrpo"] = {
+            "rollout_step": self.rollout_step,
+            "val_history": self.val_history,
+            "policy": self.policy_record(),  # for `python -m sgrpo.export`
+        }
         # LoRA: the frozen base is the model folder. FSDP2's distributed checkpoint loads every key of the
         # model, so sharded checkpoints keep the whole state
         if self.peft is not None and self.device_mesh is None and "state_dict" in checkpoint:
@@ -391,84 +393,3 @@ class GRPOPolicy(PolicyUpdate, LightningModule):
         for key, value in values.items():
             value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
             self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
-
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, examples: list[Example], batch_idx: int) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(mix_seed(self.seed, batch_idx, self.global_rank, 7))
-            rollout = self.val_rollout.generate(
-                self.model, self.tokenizer, examples, self.val_samples, greedy=self.val_greedy
-            )
-        repeated = [ex for ex in examples for _ in range(self.val_samples)]
-        with torch.device("cpu"):  # host tensors from the task, as in `score`
-            correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
-        self._val_outputs.append((correct.cpu(), [ex.difficulty for ex in examples]))
-
-    def on_validation_epoch_end(self) -> None:
-        outputs, self._val_outputs = self._val_outputs, []
-        if self.trainer.world_size > 1:
-            gathered: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, outputs)
-            outputs = [o for part in gathered for o in part]
-        if not outputs or self.trainer.sanity_checking:
-            return
-        correct = torch.cat([c for c, _ in outputs])  # [prompts, n]
-        levels = [lv for _, lvs in outputs for lv in lvs]
-        metrics = {
-            f"val/pass@{k}": pass_at_k(correct.sum(-1), self.val_samples, k).mean().item()
-            for k in range(1, self.val_samples + 1)
-        }
-        metrics["val/accuracy"] = correct.float().mean().item()
-        by_level = accuracy_by_difficulty(correct, levels)
-        metrics |= {f"val/accuracy/{level}": acc for level, acc in by_level.items()}
-        for level, by_k in pass_at_k_by_difficulty(correct, levels).items():
-            metrics |= {f"val/pass@{k}/{level}": value for k, value in by_k.items()}
-        metrics |= {f"val/successes/{c}": share for c, share in enumerate(success_count_histogram(correct))}
-        self.val_history.append(
-            {"step": self.rollout_step, "accuracy": metrics["val/accuracy"], "by_difficulty": by_level}
-        )
-        self.log_dict(metrics, prog_bar=False, rank_zero_only=True)
-
-    # ------------------------------------------------------------------ export
-    @property
-    def export_path(self) -> Path:
-        """Where fit's end writes the trained model (the adapter folder with LoRA): ``export_dir`` or
-        ``<run folder>/hf_model``."""
-        return Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model")
-
-    def on_fit_end(self) -> None:
-        path = self.export_path
-        if self.peft is not None:  # gathers are collectives: every process takes part
-            adapter = adapter_state(self.model)
-            merged = merged_state(self.model) if self.peft.export_merged else None
-            if self.trainer.is_global_zero:
-                save_adapter(adapter, self.peft, str(resolve_model_path(self.model_path)), path)
-                self.tokenizer.save_pretrained(path)
-                if merged is not None:
-                    self.export(path / "merged", merged)
-            return
-        state = None
-        if self.device_mesh is not None:  # gather the shards (a collective: every process takes part)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.trainer.is_global_zero:
-            self.export(path, state)
-
-    def export(self, path: Path, state_dict: dict[str, Tensor] | None = None) -> Path:
-        """Save the policy with ``save_pretrained`` (loadable by transformers alone)."""
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, state_dict=state_dict)
-        # FSDP2 swaps in a subclass named FSDP<Model>: record the model's own class
-        base = next(c for c in type(self.model).__mro__ if not c.__name__.startswith("FSDP"))
-        config = json.loads((path / "config.json").read_text())
-        config["architectures"] = [base.__name__]
-        (path / "config.json").write_text(json.dumps(config, indent=2))
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(path)
-        return path
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
-from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from estimators import BUCKETS
+from sgrpo.metrics_file import METRICS_FILE, Series, merge_records, read_metrics_file
+from sgrpo.runs import logger_versions
 
 
 def accuracy_table(history: list[dict[str, Any]]) -> str:
@@ -31,38 +33,30 @@ def accuracy_table(history: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
+def read_metrics(path: Path) -> Series:
     """``metrics.csv`` of Lightning's CSVLogger as ``{key: [(step, value), ...]}``."""
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    return merge_records(_csv_records(path))
+
+
+def read_run_metrics(root: Path) -> Series:
+    """The run's metrics: its ``metrics.jsonl`` (``sgrpo.metrics_file``, kept whatever the logger).
+
+    A run folder from before that file falls back to every ``lightning_logs/version_N/metrics.csv`` (one per
+    start or resume), read in order: a step logged again by a later version takes the later value.
+    """
+    if (root / METRICS_FILE).exists():
+        return read_metrics_file(root / METRICS_FILE)
+    paths = logger_versions(root, "metrics.csv")
+    return merge_records(record for path in paths for record in _csv_records(path))
+
+
+def _csv_records(path: Path) -> Iterator[dict[str, float]]:
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key not in ("step", "epoch") and value not in ("", None):
-                    series[key].append((step, float(value)))
-    return series
+            yield {key: float(value) for key, value in row.items() if key != "epoch" and value not in ("", None)}
 
 
-def read_run_metrics(root: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every ``lightning_logs/version_N/metrics.csv`` of a run folder (one per start or resume), merged.
-
-    Versions are read in order; a step logged again by a later version (a resume from an older
-    checkpoint) takes the later value.
-    """
-    paths = sorted(root.glob("lightning_logs/version_*/metrics.csv"), key=lambda p: _version(p.parent.name))
-    merged: dict[str, dict[int, float]] = defaultdict(dict)
-    for path in paths:
-        for key, points in read_metrics(path).items():
-            merged[key].update(points)
-    return {key: sorted(points.items()) for key, points in merged.items()}
-
-
-def _version(name: str) -> int:
-    suffix = name.removeprefix("version_")
-    return int(suffix) if suffix.isdigit() else -1
-
-
-def plot_curves(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
+def plot_curves(series: Series, path: Path, title: str = "") -> Path:
     """Reward and success rate, validation accuracy per difficulty, and L1 budget shares over steps."""
     import matplotlib
 

@@ -29,8 +29,11 @@ from sgrpo.checkpoints import remove_path, remove_unfinished, resumable
 log = logging.getLogger(__name__)
 
 #: what a run writes into its folder; their presence means the folder holds a run
-RUN_OUTPUTS = ("checkpoints", "lightning_logs", "hf_model", "report.md", "curves.png")
+RUN_OUTPUTS = (
+    "checkpoints", "lightning_logs", "metrics.jsonl", "completions.jsonl", "hf_model", "report.md", "curves.png"
+)
 LOCK_FILE = ".sgrpo.lock"
+FRESH = "run without --ckpt_path to start fresh (with --overwrite true if the folder holds a run)"
 
 _held: list[IO[str]] = []  # lock files this process holds
 
@@ -88,7 +91,7 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
         for path in remove_unfinished(folder):
             log.info("removed %s, left by a write that did not finish", path)
     if ckpt_path == "last":
-        return _latest(folder)
+        return latest_checkpoint(folder)
     held = [name for name in RUN_OUTPUTS if (root / name).exists()]
     resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
     if not leader or not held or resuming:
@@ -105,16 +108,25 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
     return ckpt_path
 
 
-def _latest(folder: Path) -> str:
+def logger_versions(root: Path, name: str) -> list[Path]:
+    """``root/lightning_logs/version_N/<name>`` for every N that has one, oldest first."""
+
+    def number(path: Path) -> int:
+        suffix = path.parent.name.removeprefix("version_")
+        return int(suffix) if suffix.isdigit() else -1
+
+    return sorted(root.glob(f"lightning_logs/version_*/{name}"), key=number)
+
+
+def latest_checkpoint(folder: Path, hint: str = FRESH) -> str:
+    """``--ckpt_path last``: the newest checkpoint of ``folder`` that loads, saying which newer ones it skipped;
+    ``RunRefused`` (ending with ``hint``) when none does."""
     path, skipped = resumable(folder)
     for line in skipped:
         log.warning(line)
     if path is None:
         found = f"no checkpoint in {folder} loads ({'; '.join(skipped)})" if skipped else f"{folder} has none"
-        raise RunRefused(
-            f"--ckpt_path last: {found}; run without --ckpt_path to start fresh (with --overwrite true if the "
-            f"folder holds a run)"
-        )
+        raise RunRefused(f"--ckpt_path last: {found}; {hint}")
     if skipped:
         log.warning("resuming from %s", path)
     return str(path)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.reward import require
+from sgrpo.checks import require
 
 EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 _SPLIT_NAMES = {

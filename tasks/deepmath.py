@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import Task
 from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
 from tasks.mathgrade import MathVerifyReward
-from tasks.reward import Reward, require
+from tasks.reward import Reward
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")

@@ -12,9 +12,10 @@ from typing import Any, Literal
 
 import torch
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.pool import get_pool
-from tasks.reward import Reward, RewardResult, require, warn_once
+from tasks.reward import Reward, RewardResult, warn_once
 
 #: keyword arguments a reward function gets besides the example's metadata columns
 RESERVED = ("prompts", "completions", "answer", "difficulty")

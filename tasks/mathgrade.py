@@ -21,10 +21,11 @@ from typing import Any
 from math_verify import parse, verify
 from sympy import Basic
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
 from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, several_parts
-from tasks.reward import SampleReward, Scale, require
+from tasks.reward import SampleReward, Scale
 from tasks.similarity import strip_think, template_opens_think
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import check_template, fill
-from tasks.reward import Reward, require
+from tasks.reward import Reward
 from tasks.similarity import RougeL, TextSimilarity
 from tasks.text import ReferenceTextTask
 

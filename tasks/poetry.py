@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import check_template, fill
-from tasks.reward import Reward, require
+from tasks.reward import Reward
 from tasks.similarity import ChrF, TextSimilarity
 from tasks.text import ReferenceTextTask
 

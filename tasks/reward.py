@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.pool import get_pool
 
@@ -88,12 +89,6 @@ def settings_repr(obj: object) -> str:
     """``Type(setting=value, ...)`` of ``obj``'s public attributes: the repr of an object built from a config."""
     fields = ", ".join(f"{k}={v!r}" for k, v in vars(obj).items() if not k.startswith("_"))
     return f"{type(obj).__name__}({fields})"
-
-
-def require(condition: bool, message: str) -> None:
-    """Raise ``ValueError(message)`` unless ``condition``: the one way tasks and rewards check their arguments."""
-    if not condition:
-        raise ValueError(message)
 
 
 def check_batch(examples: Sequence[Example], completions: Sequence[str]) -> None:

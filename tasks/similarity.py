@@ -17,8 +17,9 @@ from typing import Any, Literal
 from rapidfuzz.distance import Indel, Levenshtein
 from sacrebleu.metrics import BLEU, CHRF
 
+from sgrpo.checks import require
 from sgrpo.types import Example
-from tasks.reward import SampleReward, Scale, require
+from tasks.reward import SampleReward, Scale
 
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 _ANSWER_PREFIX = re.compile(r"^\s*(final\s+)?answer\s*[:\-]\s*", re.IGNORECASE)

@@ -6,9 +6,10 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
+from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import Task
-from tasks.reward import Reward, require
+from tasks.reward import Reward
 from tasks.similarity import ExactMatch
 
 #: every character a synthetic prompt or answer uses

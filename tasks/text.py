@@ -5,10 +5,11 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 
+from sgrpo.checks import require
 from sgrpo.types import Example, Messages
 from tasks.base import Task
 from tasks.data import Schema, SplitTable, not_blank
-from tasks.reward import Reward, require
+from tasks.reward import Reward
 from tasks.similarity import ChrF, ExactMatch, TextSimilarity
 
 

@@ -3,6 +3,7 @@
 sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of the fixed batch, results to OUT_DIR
 sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes
 sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped model, recording completion lengths
+sharded_worker.py validate ROOT MODEL_DIR CHECKPOINT   sgrpo.fit validate of a sharded checkpoint over 2 processes
 torchrun --nproc-per-node 2 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
 """
 
@@ -87,6 +88,19 @@ def fit(root: str, model_dir: str, steps: str, resume: str = "", *extra: str) ->
         torch.save(logp, Path(root) / "probe_logprobs.pt")
 
 
+def validate(root: str, model_dir: str, checkpoint: str) -> None:
+    """``sgrpo.fit validate`` of a sharded checkpoint under the strategy that wrote it; the result to
+    ``ROOT/validation.json``."""
+    from sgrpo.fit import main
+
+    cli = main(["validate", "--config", str(REPO / "configs" / "tiny.yaml"), "--config",
+                str(REPO / "tests/fixtures/sharded_cpu.yaml"), f"--model.model={model_dir}",
+                f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+                f"--ckpt_path={checkpoint}"])  # fmt: skip
+    if cli.trainer.is_global_zero:
+        (Path(root) / "validation.json").write_text(json.dumps(cli.model.last_evaluation))
+
+
 def fit_recording_lengths(root: str, steps: str) -> None:
     """``fit`` with the shipped quickstart model, whose rows end at different lengths on each process, decoding
     through the sharded forwards;
@@ -144,7 +158,8 @@ def decode(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode}
+    modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
+             "validate": validate}  # fmt: skip
     modes[sys.argv[1]](*sys.argv[2:])
 
 

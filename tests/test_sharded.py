@@ -14,11 +14,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from sgrpo.export import main as export
+from sgrpo.fit import main
 from sgrpo.logprobs import completion_logprobs
+from sgrpo.report import read_run_metrics
 from sgrpo.tiny import ensure_tiny_model
 from tests.sharded_worker import PROBE, update
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +117,16 @@ def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir,
     extra = ["--model.peft.rank=4"] + (["--trainer.strategy=ddp"] if strategy == "ddp" else [])
     launch("fit", str(root), model_dir, "2", "", *extra, cwd=tmp_path)
     launch("fit", str(root), model_dir, "3", "last", *extra, cwd=tmp_path)
-    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), root / "hf_model")
-    with torch.no_grad():
-        logp, _ = completion_logprobs(exported, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))
-    torch.testing.assert_close(logp, torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-6)
+    # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole model
+    # (the shards gathered), DDP's a file of the adapters
+    export([str(root / "checkpoints" / "last.ckpt"), str(tmp_path / "exported")])
+    assert (root / "checkpoints" / "last.ckpt").is_dir() == (strategy == "fsdp2")
+    for folder in (root / "hf_model", tmp_path / "exported"):
+        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
+        torch.testing.assert_close(probe(exported), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-6)
 
 
-def test_sharded_fit_resumes_and_exports(model_dir, tmp_path):
+def test_sharded_fit_resumes_and_exports(model_dir, tmp_path, capsys):
 
     root = tmp_path / "run"
     launch("fit", str(root), model_dir, "3", cwd=tmp_path)
@@ -131,8 +138,22 @@ def test_sharded_fit_resumes_and_exports(model_dir, tmp_path):
         with open(path) as f:
             steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
     assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3
-    exported = AutoModelForCausalLM.from_pretrained(root / "hf_model")
+    records = [line for line in (root / "metrics.jsonl").read_text().splitlines() if "train/reward" in line]
+    assert len(records) == 5 and [s for s, _ in read_run_metrics(root)["train/reward"]] == [0, 1, 2, 3, 4]  # rank 0's
+    export([str(checkpoint), str(tmp_path / "exported")])  # python -m sgrpo.export, the shards gathered here
+    for folder in (root / "hf_model", tmp_path / "exported"):
+        exported = AutoModelForCausalLM.from_pretrained(folder)
+        torch.testing.assert_close(probe(exported), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
+        assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(SystemExit) as refused:  # one process cannot read it: export it, or use the run's strategy
+        main(["validate", "--config", str(TINY), f"--model.model={model_dir}", f"--trainer.default_root_dir={root}",
+              f"--ckpt_path={checkpoint}"])  # fmt: skip
+    assert refused.value.code == 2 and "is sharded: evaluate it with the strategy" in capsys.readouterr().err
+    launch("validate", str(root), model_dir, str(checkpoint), cwd=tmp_path)  # with that strategy it evaluates
+    result = json.loads((root / "validation.json").read_text())
+    assert result["step"] == 5 and result["prompts"] == 16 and set(result["by_difficulty"]) == {"3", "5"}
+
+
+def probe(model) -> torch.Tensor:
     with torch.no_grad():
-        logp, _ = completion_logprobs(exported, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))
-    torch.testing.assert_close(logp, torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
-    assert json.loads((root / "hf_model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        return completion_logprobs(model, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))[0]

@@ -1,0 +1,231 @@
+"""Export a policy to an HF folder: at the end of a fit, or from any checkpoint (``python -m sgrpo.export``).
+
+``python -m sgrpo.export CKPT OUT [--merged] [--base MODEL]`` reads a single-process Lightning checkpoint
+(``.ckpt``), a sharded FSDP2 checkpoint (a folder written by ``torch.distributed.checkpoint``: its model
+shards are gathered into one state dict in this process, the optimiser's are not read) or a LoRA
+checkpoint, and writes what a fit's end writes: the model (``from_pretrained`` with transformers alone),
+or for LoRA the PEFT adapter folder and, with ``--merged``, the merged model in ``OUT/merged``.
+
+The base model, its dtype and the LoRA settings are recorded in every checkpoint (``checkpoint["sgrpo"]
+["policy"]``); Lightning stores no hyperparameters for the policy, and its ``config.yaml`` lies in a
+logger's folder (somewhere else under W&B) with paths relative to where the fit ran. A checkpoint saved
+before that record falls back to the run's newest ``lightning_logs/version_N/config.yaml``, then to
+``--base``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import Tensor, nn
+
+from sgrpo.checkpoints import checkpoint_problem
+from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
+from sgrpo.modeling import resolve_model_path
+from sgrpo.runs import logger_versions
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or exported as asked; the message says why in one line."""
+
+
+def policy_record(model_path: str, dtype: str, peft: LoRA | None) -> dict[str, Any]:
+    """What a checkpoint records to be exported on its own: the base model (a local folder made absolute,
+    or a hub id), the dtype and the LoRA settings."""
+    base = resolve_model_path(model_path)
+    base = str(Path(base).resolve()) if Path(base).is_dir() else base
+    return {"base": base, "dtype": dtype, "peft": asdict(peft) if peft is not None else None}
+
+
+def save_hf(model: nn.Module, tokenizer, path: Path, state_dict: dict[str, Tensor] | None = None) -> Path:
+    """``save_pretrained`` of the model (or of ``state_dict`` in its place) and the tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state_dict)
+    # FSDP2 swaps in a subclass named FSDP<Model>: record the model's own class
+    own = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = [own.__name__]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merged: bool, leader: bool = True,
+                sharded: bool = False) -> None:  # fmt: skip
+    """The trained policy to ``path``: the model, or with LoRA the adapter folder (and the merged model in
+    ``path/merged`` if ``merged``). Sharded weights are gathered, a collective: every process calls this,
+    and the ``leader`` writes."""
+    if peft is not None:
+        adapter = adapter_state(model)
+        full = merged_state(model) if merged else None
+        if leader:
+            save_adapter(adapter, peft, base, path)
+            tokenizer.save_pretrained(path)
+            if full is not None:
+                save_hf(model, tokenizer, path / "merged", full)
+        return
+    state = None
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if leader:
+        save_hf(model, tokenizer, path, state)
+
+
+class PolicyExport:
+    """Mixin of ``GRPOPolicy``: the export at the end of a fit, and the record its checkpoints keep."""
+
+    @property
+    def export_path(self) -> Path:
+        """Where fit's end writes the trained model (the adapter folder with LoRA): ``export_dir`` or
+        ``<run folder>/hf_model``."""
+        return Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model")
+
+    def on_fit_end(self) -> None:
+        base = self.policy_record()["base"]
+        merged = self.peft is not None and self.peft.export_merged
+        save_policy(self.model, self.tokenizer, self.export_path, self.peft, base, merged,
+                    leader=self.trainer.is_global_zero, sharded=self.device_mesh is not None)  # fmt: skip
+
+    def policy_record(self) -> dict[str, Any]:
+        """The base model, dtype and LoRA settings: what a checkpoint needs to be exported on its own."""
+        return policy_record(self.model_path, self.model_dtype, self.peft)
+
+
+def open_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint file (its tensors memory-mapped), or a sharded folder's ``meta.pt`` (all but the weights)."""
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if path.is_dir() and not (path / ".metadata").is_file():
+        hint = ": an HF model folder already" if (path / "config.json").is_file() else ""
+        raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata){hint}")
+    problem = checkpoint_problem(path)
+    if problem:
+        raise CheckpointError(f"{path} does not load: {problem}")
+    checkpoint = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", mmap=not path.is_dir())
+    if not isinstance(checkpoint, dict) or not (path.is_dir() or "state_dict" in checkpoint):
+        raise CheckpointError(f"{path} is not a Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The policy model's weights (its own parameter names) and the rest of a checkpoint, file or sharded folder."""
+    checkpoint = open_checkpoint(path)
+    weights = _read_shards(path) if path.is_dir() else checkpoint["state_dict"]
+    return {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}, checkpoint
+
+
+def recorded_policy(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``policy_record`` a checkpoint holds (None in one saved before sgrpo recorded it)."""
+    return (checkpoint.get("sgrpo") or {}).get("policy")
+
+
+def _read_shards(path: Path) -> dict[str, Tensor]:
+    """The model entries of a distributed checkpoint (Lightning saves them under ``state_dict``), loaded whole."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    wanted = {
+        key.removeprefix("state_dict."): torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("state_dict.") and isinstance(meta, dcp.TensorStorageMetadata)
+    }
+    state = {"state_dict": wanted}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["state_dict"]
+
+
+def policy_of(path: Path, checkpoint: dict[str, Any], base: str | None) -> dict[str, Any]:
+    """The checkpoint's ``policy_record``: its own, else its run's newest ``config.yaml``; ``base`` overrides."""
+    record = recorded_policy(checkpoint) or _from_run_config(path)
+    if record is None and base is None:
+        raise CheckpointError(
+            f"{path} does not name its base model (a checkpoint from before sgrpo recorded it, and no "
+            f"lightning_logs/version_N/config.yaml beside its checkpoints folder): give it with --base"
+        )
+    record = dict(record or {"dtype": "float32", "peft": None})
+    if base is not None:
+        record["base"] = base
+    return record
+
+
+def _from_run_config(path: Path) -> dict[str, Any] | None:
+    run = path.resolve().parent.parent  # <run>/checkpoints/<checkpoint>
+    for config in reversed(logger_versions(run, "config.yaml")):
+        model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
+        if model.get("model"):
+            return {"base": model["model"], "dtype": model.get("dtype", "float32"), "peft": model.get("peft")}
+    return None
+
+
+def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
+    """The base model with the checkpoint's weights (and LoRA adapters), and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = resolve_model_path(record["base"])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, record["dtype"]))
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    except (OSError, ValueError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"cannot load the base model {record['base']} ({why}): give it with --base") from None
+    peft = LoRA(**record["peft"]) if record.get("peft") else None
+    if peft is None and any(is_adapter(k) for k in weights):
+        raise CheckpointError("the checkpoint holds LoRA adapters but its record has no LoRA settings")
+    if peft is not None:
+        apply_lora(model, peft)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    own = model.state_dict()
+    if unexpected:
+        raise CheckpointError(f"the checkpoint does not fit the base model {record['base']}: {unexpected[0]} unknown")
+    # tied weights (the LM head and the embedding) are saved once; a LoRA file checkpoint holds only the adapters
+    loaded = {own[k].data_ptr() for k in weights}
+    adapters_only = peft is not None and all(is_adapter(k) for k in weights)
+    lost = [k for k in missing if own[k].data_ptr() not in loaded and (is_adapter(k) or not adapters_only)]
+    if lost:
+        raise CheckpointError(f"the checkpoint lacks {len(lost)} of the model's weights, e.g. {lost[0]}")
+    return model, tokenizer, peft
+
+
+def export_checkpoint(path: Path, out: Path, merged: bool = False, base: str | None = None) -> Path:
+    """Write ``out`` from the checkpoint at ``path`` (see the module docstring); refuses a non-empty ``out``."""
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty: choose another folder or remove it")
+    weights, checkpoint = read_checkpoint(path)
+    record = policy_of(path, checkpoint, base)
+    if merged and not record.get("peft"):
+        raise CheckpointError("--merged applies to LoRA checkpoints; this one holds the whole model")
+    model, tokenizer, peft = load_policy(weights, record)
+    save_policy(model, tokenizer, out, peft, str(resolve_model_path(record["base"])), merged)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sgrpo.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a .ckpt file or a sharded checkpoint folder")
+    parser.add_argument("out", type=Path, help="the HF folder to write (new or empty)")
+    parser.add_argument("--merged", action="store_true", help="LoRA: also write the merged model to OUT/merged")
+    parser.add_argument("--base", help="the base model (hub id or folder), for a checkpoint that does not name it")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.merged, args.base)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"exported {args.checkpoint} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The run's own metrics file, ``<run folder>/metrics.jsonl``: what the report draws, whatever logger the run uses.
+
+Lightning hands every logged step to each of the trainer's loggers; ``MetricsFile`` is one of them, added by
+``sgrpo.fit`` next to the logger the run chose (CSV by default, TensorBoard, W&B, or none). Global rank 0
+appends one JSON object per logged step, ``{"step": N, "train/reward": ..., ...}``, and never rewrites the
+file: a resumed run extends it. A fit resumed from a checkpoint first appends ``{"resumed_at": S}``, S the
+first step it logs (Lightning's logging step, known only then), which supersedes what the earlier starts
+logged at steps S and later: a resume from an older checkpoint (after a kill) logs those steps again, and
+the curves show each step once, from the start that continued. A line cut short by a kill is skipped when
+the file is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+METRICS_FILE = "metrics.jsonl"
+RESUMED_AT = "resumed_at"
+
+Series = dict[str, list[tuple[int, float]]]
+
+
+class MetricsFile(Logger):
+    """A Lightning logger that appends every logged step to ``<root>/metrics.jsonl`` (global rank 0 only)."""
+
+    def __init__(self, root: str | Path) -> None:
+        super().__init__()
+        self.path = Path(root) / METRICS_FILE
+        self._line_started = False  # whether this process checked that the file ends with a whole line
+        self._resuming = False
+
+    @property
+    def name(self) -> str:
+        return "sgrpo"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.path.parent)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the resolved config is Lightning's ``config.yaml``."""
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        values = {key: float(value) for key, value in metrics.items() if key != "epoch"}
+        if not values:
+            return
+        if self._resuming:  # the first step this start logs: what the earlier starts logged from here is stale
+            self._resuming = False
+            self._append({RESUMED_AT: step})
+        self._append({"step": step, **values})
+
+    def mark_resume(self) -> None:
+        """This start resumed from a checkpoint: its first logged step supersedes that step and later ones."""
+        self._resuming = True
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as f:
+            if not self._line_started:  # a kill mid-line left a partial record: end it, so this one stays whole
+                self._line_started = True
+                end = f.seek(0, 2)
+                if end and (f.seek(end - 1), f.read(1))[1] != b"\n":
+                    f.write(b"\n")
+            f.write(json.dumps(record).encode() + b"\n")
+
+
+class MarkResume(Callback):
+    """Appends the resume record of ``MetricsFile`` when a fit starts from a checkpoint."""
+
+    def __init__(self, metrics: MetricsFile) -> None:
+        self.metrics = metrics
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.ckpt_path is not None:
+            self.metrics.mark_resume()
+
+
+def read_metrics_file(path: Path) -> Series:
+    """``metrics.jsonl`` as ``{key: [(step, value), ...]}``, each step once (see the module docstring)."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # cut short by a kill
+            continue
+    return merge_records(records)
+
+
+def merge_records(records: Iterable[Mapping[str, Any]]) -> Series:
+    """Per-step records in the order written, merged: a later value of a key at a step replaces an earlier one,
+    and ``{"resumed_at": S}`` drops every earlier point at step S or later."""
+    merged: dict[str, dict[int, float]] = defaultdict(dict)
+    for record in records:
+        if RESUMED_AT in record:
+            start = int(record[RESUMED_AT])
+            for points in merged.values():
+                for step in [s for s in points if s >= start]:
+                    del points[step]
+            continue
+        step = int(record.get("step") or 0)
+        for key, value in record.items():
+            if key != "step":
+                merged[key][step] = float(value)
+    return {key: sorted(points.items()) for key, points in merged.items() if points}

@@ -1,0 +1,198 @@
+"""Evaluation without training (``sgrpo.fit validate|test``) and ``python -m sgrpo.export`` from checkpoints.
+
+Sharded (FSDP2) checkpoints are exported in tests/test_sharded.py, where 2 processes write them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sgrpo.evaluation import evaluation_table
+from sgrpo.export import main as export
+from sgrpo.fit import main
+from sgrpo.metrics_file import METRICS_FILE
+from sgrpo.report import read_metrics
+from sgrpo.runs import lock_run, unlock_run
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "sgrpo" / "assets" / "quickstart_model"
+IDS = torch.tensor([[16, 15, 6, 4, 7, 14, 5, 6, 7, 2]])  # "s:314=" and a completion
+LORA = ["--model.peft.rank=4", "--model.peft.alpha=8", "--model.optimizer.init_args.lr=0.01"]
+
+
+def args(root: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--model.task.init_args.num_test=24", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("run")
+    main(args(root, "--trainer.max_steps=2", "--trainer.val_check_interval=100"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lora")
+    main(args(root, "--trainer.max_steps=2", "--trainer.val_check_interval=100", "--model.peft.export_merged=true",
+              *LORA))  # fmt: skip
+    return root
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def test_validate_a_checkpoint_and_its_exported_folder_alike(run, capsys):
+    """``validate`` from the run's last checkpoint and from the folder its fit exported: the same policy, the same
+    seeded samples, the same accuracy; neither touches the run's checkpoints or metrics file, nor needs its lock."""
+    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    metrics = (run / METRICS_FILE).read_bytes()
+    lock = lock_run(run)  # a fit still running in the folder does not stop an evaluation of its checkpoints
+    try:
+        checkpoint = main(["validate", *args(run, "--ckpt_path=last")]).model.last_evaluation
+    finally:
+        unlock_run(lock)
+    out = capsys.readouterr().out
+    assert f"Validation accuracy by difficulty: {run / 'checkpoints' / 'last.ckpt'} (step 2)" in out
+    assert evaluation_table(checkpoint) in out and "| mean over levels |" in out
+    folder = main(["validate", *args(run, f"--model.model={run / 'hf_model'}")]).model.last_evaluation
+    assert checkpoint["split"] == folder["split"] == "validation" and checkpoint["prompts"] == 16
+    for key in ("accuracy", "by_difficulty", "pass_at_k"):
+        assert folder[key] == checkpoint[key], key
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before
+    assert (run / METRICS_FILE).read_bytes() == metrics
+
+
+def test_test_evaluates_the_test_split_and_logs_test_metrics(run, capsys):
+    cli = main(["test", *args(run, f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}")])
+    result = cli.model.last_evaluation
+    assert result["split"] == "test" and result["prompts"] == 24  # num_test, not the 16 validation prompts
+    assert "Test accuracy by difficulty" in capsys.readouterr().out
+    logged = read_metrics(Path(cli.trainer.logger.log_dir) / "metrics.csv")
+    assert logged["test/accuracy"] == [(0, pytest.approx(result["accuracy"]))]
+    for level, accuracy in result["by_difficulty"].items():
+        assert logged[f"test/accuracy/{level}"] == [(0, pytest.approx(accuracy))]
+    assert logged["test/pass@2"] == [(0, pytest.approx(result["pass_at_k"][2]))]
+    assert not any(key.startswith("val/") for key in logged)
+
+
+def lora_record(run: Path, tmp_path: Path) -> str:
+    """The full run's checkpoint, saying it was trained with LoRA."""
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint["sgrpo"]["policy"]["peft"] = {"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                                            "target_modules": "all-linear", "export_merged": False}  # fmt: skip
+    torch.save(checkpoint, tmp_path / "lora.ckpt")
+    return str(tmp_path / "lora.ckpt")
+
+
+@pytest.mark.parametrize("case", ["missing", "no_last", "truncated", "lora_without_peft"])
+def test_evaluation_refuses_a_bad_checkpoint_in_one_line(case, run, tmp_path, capsys):
+    if case == "truncated":
+        (tmp_path / "cut.ckpt").write_bytes((run / "checkpoints" / "last.ckpt").read_bytes()[:5000])
+    ckpt = {"missing": str(tmp_path / "nothing.ckpt"), "no_last": "last", "truncated": str(tmp_path / "cut.ckpt"),
+            "lora_without_peft": lora_record(run, tmp_path) if case == "lora_without_peft" else ""}[case]  # fmt: skip
+    with pytest.raises(SystemExit) as refused:
+        main(["validate", *args(tmp_path / "eval", f"--ckpt_path={ckpt}")])
+    assert refused.value.code == 2
+    line = error_line(capsys)
+    assert {"missing": "no such checkpoint", "no_last": "--ckpt_path last:", "truncated": "does not load",
+            "lora_without_peft": "trained with LoRA adapters"}[case] in line  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ export
+def test_export_of_a_checkpoint_is_the_model_the_fit_exported(run, tmp_path, capsys):
+    export([str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "out")])
+    assert "exported" in capsys.readouterr().out
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # transformers alone
+    torch.testing.assert_close(logits(got), logits(AutoModelForCausalLM.from_pretrained(run / "hf_model")),
+                               atol=0, rtol=0)  # fmt: skip
+    assert not torch.equal(logits(got), logits(AutoModelForCausalLM.from_pretrained(SHIPPED)))  # trained
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("s:31=")["input_ids"]
+
+
+def test_export_of_a_lora_checkpoint_writes_the_adapter_and_the_merged_model(lora_run, tmp_path):
+    from peft import PeftModel
+
+    checkpoint = torch.load(lora_run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert all(".lora_" in key for key in checkpoint["state_dict"])  # adapters only: the base is the model folder
+    export([str(lora_run / "checkpoints" / "last.ckpt"), str(tmp_path / "out"), "--merged"])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(SHIPPED), tmp_path / "out")
+    want = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(SHIPPED), lora_run / "hf_model"))
+    torch.testing.assert_close(logits(adapted), want, atol=0, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+    torch.testing.assert_close(logits(merged), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, logits(AutoModelForCausalLM.from_pretrained(SHIPPED)))
+
+
+def test_a_checkpoint_without_its_record_takes_the_base_from_the_run_config_or_base(run, tmp_path, capsys):
+    """A checkpoint saved before sgrpo recorded its base model: the run's config.yaml names it, else --base."""
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    del checkpoint["sgrpo"]["policy"]
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    torch.save(checkpoint, tmp_path / "old" / "checkpoints" / "last.ckpt")
+    with pytest.raises(SystemExit):
+        export([str(tmp_path / "old" / "checkpoints" / "last.ckpt"), str(tmp_path / "a")])
+    assert "--base" in error_line(capsys)
+    export([str(tmp_path / "old" / "checkpoints" / "last.ckpt"), str(tmp_path / "a"), f"--base={SHIPPED}"])
+    (tmp_path / "old" / "lightning_logs" / "version_0").mkdir(parents=True)
+    shutil.copy(run / "lightning_logs" / "version_0" / "config.yaml", tmp_path / "old/lightning_logs/version_0")
+    export([str(tmp_path / "old" / "checkpoints" / "last.ckpt"), str(tmp_path / "b")])
+    want = logits(AutoModelForCausalLM.from_pretrained(run / "hf_model"))
+    for out in ("a", "b"):
+        torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / out)), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["missing", "hf_folder", "truncated", "out_not_empty", "merged_without_lora",
+                                  "base_missing"])
+def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
+    ckpt, out, extra = run / "checkpoints" / "last.ckpt", tmp_path / "out", []
+    if case == "missing":
+        ckpt = tmp_path / "nothing.ckpt"
+    elif case == "hf_folder":
+        ckpt = run / "hf_model"
+    elif case == "truncated":
+        ckpt = tmp_path / "cut.ckpt"
+        ckpt.write_bytes((run / "checkpoints" / "last.ckpt").read_bytes()[:5000])
+    elif case == "out_not_empty":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    elif case == "merged_without_lora":
+        extra = ["--merged"]
+    else:
+        extra = ["--base=/nonexistent/model"]
+    with pytest.raises(SystemExit) as refused:
+        export([str(ckpt), str(out), *extra])
+    assert refused.value.code == 2
+    line = error_line(capsys)
+    assert {"missing": "no checkpoint at", "hf_folder": "an HF model folder already", "truncated": "does not load",
+            "out_not_empty": "is not empty", "merged_without_lora": "--merged applies to LoRA",
+            "base_missing": "cannot load the base model /nonexistent/model"}[case] in line
+    assert case == "out_not_empty" or not out.exists()
+
+
+def test_validate_a_lora_checkpoint_as_its_merged_export(lora_run):
+    """A LoRA checkpoint holds only the adapters: evaluated with the run's config (its peft block) on the base
+    model folder, it scores as the merged model its fit exported."""
+    adapters = main(["validate", *args(lora_run, "--ckpt_path=last", *LORA)]).model.last_evaluation
+    merged = main(["validate", *args(lora_run, f"--model.model={lora_run / 'hf_model' / 'merged'}")])
+    for key in ("accuracy", "by_difficulty", "pass_at_k"):
+        assert merged.model.last_evaluation[key] == adapters[key], key

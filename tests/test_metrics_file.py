@@ -1,0 +1,107 @@
+"""The run's own metrics file: the report's curves whatever the logger, each step once across resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sgrpo.fit import main
+from sgrpo.metrics_file import METRICS_FILE, MetricsFile, merge_records, read_metrics_file
+from sgrpo.report import read_metrics, read_run_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fit(root: Path, *extra: str):
+    return main([
+        "--config", str(REPO / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", *extra,
+    ])  # fmt: skip
+
+
+def test_a_resume_supersedes_the_steps_it_logs_again_and_a_cut_line_is_skipped(tmp_path):
+    metrics = MetricsFile(tmp_path)
+    for step in range(4):
+        metrics.log_metrics({"train/reward": float(step), "epoch": 0.0}, step)
+    metrics.log_metrics({"val/accuracy": 0.5}, 1)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"step": 4, "train/rew')  # a kill mid-write
+    resumed = MetricsFile(tmp_path)  # the resumed process, from a checkpoint at step 2
+    resumed.mark_resume()
+    resumed.log_metrics({"train/reward": 20.0}, 2)
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert lines[-3] == '{"step": 4, "train/rew' and json.loads(lines[-2]) == {"resumed_at": 2}  # kept whole
+    series = read_metrics_file(tmp_path / METRICS_FILE)
+    assert series == {"train/reward": [(0, 0.0), (1, 1.0), (2, 20.0)], "val/accuracy": [(1, 0.5)]}  # no step 3
+    assert merge_records([{"step": 0, "a": 1.0}, {"step": 0, "a": 2.0}]) == {"a": [(0, 2.0)]}  # later wins
+
+
+def spy_on(logger_class: str, monkeypatch) -> list[int]:
+    """The steps at which the chosen logger's ``log_metrics`` received a training reward."""
+    import lightning.pytorch.loggers as loggers
+
+    cls, steps = getattr(loggers, logger_class), []
+    original = cls.log_metrics
+
+    def log_metrics(self, metrics, step=None):
+        if "train/reward" in metrics:
+            steps.append(step)
+        return original(self, metrics, step)
+
+    monkeypatch.setattr(cls, "log_metrics", log_metrics)
+    return steps
+
+
+@pytest.mark.parametrize("logger", ["default", "false", "TensorBoardLogger", "WandbLogger"])
+def test_the_report_draws_its_curves_whatever_the_logger(logger, tmp_path, monkeypatch):
+    """Lightning's default logger is TensorBoard when tensorboard is installed, and then the report, which read
+    metrics.csv, drew no curves. Every logger choice now gives the same metrics file, report and curves, and
+    the chosen logger still gets every step."""
+    extra, steps = [], None
+    if logger == "false":
+        extra = ["--trainer.logger=false"]
+    elif logger != "default":
+        pytest.importorskip({"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb"}[logger])
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.chdir(tmp_path)  # anything a logger writes beside its save_dir stays in the test's folder
+        steps = spy_on(logger, monkeypatch)
+        extra = [f"--trainer.logger={logger}", f"--trainer.logger.save_dir={tmp_path}"]
+    fit(tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=2", "--validate_before=true",
+        "--report=true", *extra)  # fmt: skip
+    if logger == "WandbLogger":
+        import wandb
+
+        wandb.finish()
+    series = read_metrics_file(tmp_path / METRICS_FILE)
+    assert [s for s, _ in series["train/reward"]] == [0, 1, 2]
+    assert [s for s, _ in series["val/accuracy"]] == [0, 1]  # before training, and after step 2 (logged at 1)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert "| mean over levels |" in (tmp_path / "report.md").read_text()
+    if logger == "default":  # the CSV logger's file holds the same values
+        assert read_metrics(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") == series
+    if steps is not None:
+        assert steps == [0, 1, 2]
+    if logger == "TensorBoardLogger":
+        assert list(tmp_path.glob("lightning_logs/version_0/events.out.tfevents.*"))
+    if logger == "WandbLogger":
+        assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_a_resume_from_an_older_checkpoint_counts_each_step_once(tmp_path):
+    """A run killed after step 5 whose newest checkpoint that loads is at step 4 resumes there: its steps 4 and 5
+    are logged again by the resumed run, and when that run ends at step 5 (max_steps 5) the first start's
+    step 5 must not stay in the curves."""
+    fit(tmp_path, "--trainer.max_steps=6", "--checkpoint_every=2", "--keep_last=null",
+        "--trainer.val_check_interval=100")  # fmt: skip
+    first = dict(read_run_metrics(tmp_path)["train/reward"])
+    for name in ("last.ckpt", "step6.ckpt"):  # lost with the kill
+        (tmp_path / "checkpoints" / name).unlink()
+    fit(tmp_path, "--trainer.max_steps=5", "--trainer.val_check_interval=100", "--ckpt_path=last")
+    resumed = read_run_metrics(tmp_path)["train/reward"]
+    assert [s for s, _ in resumed] == [0, 1, 2, 3, 4]
+    for step, value in resumed:  # the resumed run reproduces the first start's steps
+        assert value == pytest.approx(first[step], rel=1e-5, abs=1e-7), step
+    records = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [r for r in records if "resumed_at" in r] == [{"resumed_at": 4}]
