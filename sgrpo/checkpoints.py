@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,13 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning warns that the folder "exists and is not empty": a resume's is, and a fresh run into a
+        folder holding another run is refused before this (``sgrpo.runs``)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """Save ``last.ckpt`` at the last completed step (not a numbered checkpoint outside ``keep_last``)."""
         if self._should_save_on_exception(trainer):
@@ -174,7 +182,9 @@ class RunCheckpoint(ModelCheckpoint):
         The final one is saved here, like the periodic ones, rather than after the validation that may
         follow: Lightning resumes from a checkpoint saved after that validation one logged step late.
         """
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        with warnings.catch_warnings():  # "the checkpoint will contain the model state AFTER optimization":
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")  # wanted
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
