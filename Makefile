@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Tests run on TEST_WORKERS processes (pytest-xdist), one thread each: many tests wait on subprocesses
+# or start 2-process runs, so two workers keep a 2-core machine busy (8.5 -> 6.5 minutes measured).
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 quickstart: $(STAMP)
 	$(PY) -m sgrpo.fit --config configs/quickstart.yaml --overwrite true

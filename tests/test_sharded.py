@@ -34,7 +34,8 @@ def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = False) 
     """Run the worker (Lightning starts its second process, or torchrun both); a hang fails the test and
     kills both processes."""
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"] if torchrun else [sys.executable]
+    torchrun_args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]  # a free port
+    launcher = [sys.executable, *torchrun_args] if torchrun else [sys.executable]
     with subprocess.Popen(
         [*launcher, str(WORKER), *args],
         env=env,
