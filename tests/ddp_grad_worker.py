@@ -1,4 +1,4 @@
-"""Run by test_policy_gradients: one update of the fixed batch with 2 DDP processes on CPU (gloo).
+"""Run by test_policy_gradients under torchrun: one update of the fixed batch with 2 DDP processes on CPU (gloo).
 
 Micro-batches of 2 rows, so each process runs several backwards per optimiser step (4 on one, 2 plus 2
 dummy passes on the other); a DDP communication hook counts the gradient all-reduce rounds.

@@ -1,4 +1,5 @@
-"""Run by test_sharded.py in a fresh interpreter: Lightning launches the second process itself.
+"""Run by test_sharded.py on 2 processes: under torchrun (both started at once), or with Lightning's launcher
+(run once, Lightning starts the second process itself).
 
 sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of the fixed batch, results to OUT_DIR
 sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes

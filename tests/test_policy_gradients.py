@@ -126,7 +126,8 @@ def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregati
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     script = Path(__file__).with_name("ddp_grad_worker.py")
     done = subprocess.run(
-        [sys.executable, str(script), str(model_dir), aggregation, str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",  # both at once
+         str(script), str(model_dir), aggregation, str(out)],  # fmt: skip
         env=env,
         capture_output=True,
         text=True,
