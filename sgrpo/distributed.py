@@ -26,6 +26,18 @@ def world_size() -> int:
     return 1
 
 
+def release_process_group() -> None:
+    """Destroy the default process group once every process is done with it (a barrier first).
+
+    Lightning leaves it alive; a gloo group left to the interpreter's exit can abort a process there
+    ("terminate called without an active exception", SIGABRT), which torchrun or SLURM then report as a
+    failed job after a run that finished. A no-op without a process group.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def any_process(flag: bool, device: torch.device) -> bool:
     """``flag`` OR-ed over all processes (a collective: every process must call it)."""
     if world_size() == 1:

@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
+from sgrpo.distributed import release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.guards import RewardFailureError
@@ -243,3 +244,4 @@ def fit(trainer, policy: GRPOPolicy, ckpt_path: str | None) -> None:
 
 if __name__ == "__main__":
     main()
+    release_process_group()  # only here: a caller of main() may still use a sharded model's collectives

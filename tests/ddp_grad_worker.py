@@ -15,6 +15,7 @@ from lightning.pytorch import Callback
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from estimators import DrGRPO
+from sgrpo.distributed import release_process_group
 from sgrpo.loss import ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy
@@ -60,6 +61,7 @@ def main(model_dir: str, aggregation: str, out: str) -> None:
             "allreduce_rounds_per_rank": [int(c[1]) for c in gathered],
         }
         Path(out).with_name("grads.json").write_text(json.dumps(info))
+    release_process_group()
 
 
 if __name__ == "__main__":

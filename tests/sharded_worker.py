@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from estimators import GRPO  # noqa: E402
+from sgrpo.distributed import release_process_group  # noqa: E402
 from sgrpo.logprobs import completion_logprobs  # noqa: E402
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps  # noqa: E402
 from tests.test_policy_gradients import MAX_NEW, G, make_policy  # noqa: E402
@@ -155,12 +156,12 @@ def decode(model_dir: str, out: str) -> None:
         results[name]["sharded_forwards"] = len(forwards)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate}  # fmt: skip
     modes[sys.argv[1]](*sys.argv[2:])
+    release_process_group()
 
 

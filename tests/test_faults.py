@@ -123,6 +123,7 @@ def error_line(capsys) -> str:
 
 
 # ------------------------------------------------------------------------------------------ kills
+@pytest.mark.slow
 def test_kill_9_then_sigterm_at_random_instants_then_resume_reproduces_the_run(model_dir, reference, other_tmpdir,
                                                                                tmp_path, capsys):  # fmt: skip
     root, rng = tmp_path / "run", random.Random(18)
@@ -147,6 +148,7 @@ def test_kill_9_then_sigterm_at_random_instants_then_resume_reproduces_the_run(m
     assert not list((root / "checkpoints").glob(f".*{PARTIAL}"))  # what the kill left was cleared
 
 
+@pytest.mark.slow
 def test_kill_9_in_the_middle_of_writing_last_ckpt(model_dir, reference, other_tmpdir, tmp_path):
     root, marker = tmp_path / "run", tmp_path / "stalled"
     process = launch(root, model_dir, other_tmpdir, str(WORKER), "5", str(marker))
@@ -177,6 +179,7 @@ def test_saves_do_not_need_a_usable_tmpdir(model_dir, tmp_path, monkeypatch):
     assert last_step(tmp_path) == 3
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130(model_dir, other_tmpdir, tmp_path):
     process = launch(tmp_path / "run", model_dir, other_tmpdir)
     wait_for(lambda: logged_steps(tmp_path / "run") >= 3, process)

@@ -104,6 +104,7 @@ def test_resume_continues_and_reproduces_the_uninterrupted_run(tmp_path, model_d
 @pytest.mark.parametrize(
     ("arg", "needle"), [("--model.grup_size=8", "grup_size"), ("--model.group_size=1", "group_size")]
 )
+@pytest.mark.slow
 def test_bad_config_fails_fast_naming_the_key(arg, needle, tmp_path):
     started = time.perf_counter()
     done = subprocess.run(

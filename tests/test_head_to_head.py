@@ -47,6 +47,7 @@ def test_paired_difference_uses_seed_pairs():
     assert "**Best: A**" in text and "+20.0 pts" in text and "significant difference" in text
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_reports_and_skips_finished_runs(tmp_path, capsys):
     args = [
         *("--estimators", *ESTIMATORS),

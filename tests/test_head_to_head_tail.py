@@ -47,6 +47,7 @@ def test_report_maths_by_hand():
     assert tail.primary(run, ["8", "9"]) == pytest.approx(0.05)
 
 
+@pytest.mark.slow
 def test_quick_runs_end_to_end(tmp_path, capsys):
     report = tail.main(["--quick", "--out", str(tmp_path)])
     text = report.read_text()

@@ -115,6 +115,7 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.slow
 def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, tmp_path):
     """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
     gradient with a single all-reduce (DDP's no_sync on all but the last backward)."""

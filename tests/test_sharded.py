@@ -23,6 +23,7 @@ from tests.sharded_worker import PROBE, update
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+pytestmark = pytest.mark.slow  # every test here starts 2 processes
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +119,8 @@ def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir,
 
     root = tmp_path / "run"
     extra = ["--model.peft.rank=4"] + (["--trainer.strategy=ddp"] if strategy == "ddp" else [])
-    by_lightning = strategy == "ddp"  # DDP as Lightning's launcher starts it, FSDP2 under torchrun
-    launch("fit", str(root), model_dir, "2", "", *extra, cwd=tmp_path, torchrun=not by_lightning)
-    launch("fit", str(root), model_dir, "3", "last", *extra, cwd=tmp_path, torchrun=not by_lightning)
+    launch("fit", str(root), model_dir, "2", "", *extra, cwd=tmp_path)
+    launch("fit", str(root), model_dir, "3", "last", *extra, cwd=tmp_path)
     # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole model
     # (the shards gathered), DDP's a file of the adapters
     export([str(root / "checkpoints" / "last.ckpt"), str(tmp_path / "exported")])

@@ -148,6 +148,7 @@ def test_the_batch_is_as_adversarial_as_advertised():
     assert {r"\boxed{10^{10^{10^{10}}}}", r"\boxed{(1+x)^{100000}}"} <= set(by_kind["bomb"])
 
 
+@pytest.mark.slow
 def test_a_thousand_adversarial_completions_score_safely_within_budget():
     examples, completions, kinds = adversarial_batch()
     reward = MathVerifyReward(workers=WORKERS, timeout=TIMEOUT)
