@@ -38,7 +38,9 @@ class CountAllReduces(Callback):
         trainer.strategy.model.register_comm_hook(None, counting_allreduce)
 
 
-def main(model_dir: str, aggregation: str, out: str) -> None:
+def run(model_dir: str, aggregation: str, out: Path) -> None:
+    """One update with ``aggregation``: the gradient to ``out/grads_<aggregation>.pt``, counts beside it."""
+    Recorder.rows, Recorder.allreduce_rounds = [], 0
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
     policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation), micro_batch_size=2)
     generate = policy.rollout.generate
@@ -54,15 +56,16 @@ def main(model_dir: str, aggregation: str, out: str) -> None:
     gathered = [torch.zeros(2) for _ in range(2)]
     torch.distributed.all_gather(gathered, counts)
     if trainer.is_global_zero:
-        torch.save(policy.captured[0], out)
+        torch.save(policy.captured[0], out / f"grads_{aggregation}.pt")
         info = {
             "world_size": trainer.world_size,
             "rows_per_rank": [int(c[0]) for c in gathered],
             "allreduce_rounds_per_rank": [int(c[1]) for c in gathered],
         }
-        Path(out).with_name("grads.json").write_text(json.dumps(info))
+        (out / f"grads_{aggregation}.json").write_text(json.dumps(info))
+
+
+if __name__ == "__main__":  # ddp_grad_worker.py MODEL_DIR OUT_DIR AGGREGATION...: one trainer each, one process group
+    for name in sys.argv[3:]:
+        run(sys.argv[1], name, Path(sys.argv[2]))
     release_process_group()
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:4])

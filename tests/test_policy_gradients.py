@@ -114,31 +114,37 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
     assert lengths[torch.cat(chunks[2])].tolist() == sorted(lengths.tolist(), reverse=True)
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.fixture(scope="module")
+def ddp_gradients(model_dir, tmp_path_factory) -> Path:
+    """tests/ddp_grad_worker.py under torchrun: one update per aggregation with 2 DDP processes, in one launch."""
+    out = tmp_path_factory.mktemp("ddp")
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    script = Path(__file__).with_name("ddp_grad_worker.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",  # both at once
+         str(script), str(model_dir), str(out), *AGGREGATIONS],  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
-def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, tmp_path):
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, ddp_gradients):
     """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
     gradient with a single all-reduce (DDP's no_sync on all but the last backward)."""
     policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
     run_steps(policy)
     single = flat(policy.captured[0])
 
-    out = tmp_path / "grads.pt"
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    script = Path(__file__).with_name("ddp_grad_worker.py")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",  # both at once
-         str(script), str(model_dir), aggregation, str(out)],  # fmt: skip
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    info = json.loads((tmp_path / "grads.json").read_text())
+    info = json.loads((ddp_gradients / f"grads_{aggregation}.json").read_text())
     assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8]
-    assert rel_err(flat(torch.load(out)), single) < 1e-6
+    assert rel_err(flat(torch.load(ddp_gradients / f"grads_{aggregation}.pt")), single) < 1e-6
     # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
     assert info["allreduce_rounds_per_rank"] == [1, 1]
 
