@@ -25,11 +25,20 @@ def pass_at_k(num_correct: Tensor, num_samples: int, k: int) -> Tensor:
 
 def accuracy_by_difficulty(correct: Tensor, difficulties: Sequence[object]) -> dict[str, float]:
     """Mean of ``correct`` ``[B, n]`` (per prompt, over samples) grouped by each prompt's difficulty."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    per_prompt = correct.float().mean(-1).tolist()
-    for acc, level in zip(per_prompt, difficulties, strict=True):
-        groups[str(level)].append(acc)
-    return {level: sum(v) / len(v) for level, v in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))}
+    per_prompt = correct.float().mean(-1)
+    groups = rows_by_difficulty(difficulties, len(per_prompt))
+    return {level: per_prompt[rows].mean().item() for level, rows in groups.items()}
+
+
+def rows_by_difficulty(difficulties: Sequence[object], prompts: int) -> dict[str, list[int]]:
+    """The indices of each difficulty (as a string) among ``prompts`` rows, one difficulty per row: levels in
+    numeric order, then the others by name."""
+    if len(difficulties) != prompts:
+        raise ValueError(f"{len(difficulties)} difficulties for {prompts} prompts")
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, level in enumerate(difficulties):
+        groups[str(level)].append(i)
+    return dict(sorted(groups.items(), key=lambda kv: _sort_key(kv[0])))
 
 
 def _sort_key(level: str) -> tuple[int, float | str]:
@@ -45,14 +54,10 @@ def pass_at_k_by_difficulty(correct: Tensor, difficulties: Sequence[object]) -> 
     ``correct`` ``[B, n]``; per prompt ``1 - C(n - c, k) / C(n, k)`` with c its correct samples
     (``pass_at_k``), then the mean over the prompts of the level.
     """
-    n = correct.shape[-1]
-    counts = correct.sum(-1)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, level in enumerate(difficulties):
-        groups[str(level)].append(i)
+    n, counts = correct.shape[-1], correct.sum(-1)
     return {
-        level: {k: pass_at_k(counts[idx], n, k).mean().item() for k in range(1, n + 1)}
-        for level, idx in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))
+        level: {k: pass_at_k(counts[rows], n, k).mean().item() for k in range(1, n + 1)}
+        for level, rows in rows_by_difficulty(difficulties, len(counts)).items()
     }
 
 
