@@ -2,10 +2,15 @@
 (run once, Lightning starts the second process itself).
 
 sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of the fixed batch, results to OUT_DIR
-sharded_worker.py fit ROOT MODEL_DIR STEPS [last]       fit configs/tiny.yaml sharded over 2 processes
+sharded_worker.py fit ROOT MODEL_DIR STEPS [last [ARGS...]]   fit configs/tiny.yaml sharded over 2 processes
 sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped model, recording completion lengths
 sharded_worker.py validate ROOT MODEL_DIR CHECKPOINT   sgrpo.fit validate of a sharded checkpoint over 2 processes
-torchrun --nproc-per-node 2 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
+sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
+
+Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
+each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
+per job spares the tests an interpreter start and the torch/Lightning/transformers imports (about 4 s of CPU
+per process) for each job.
 """
 
 from __future__ import annotations
@@ -137,7 +142,8 @@ def decode(model_dir: str, out: str) -> None:
     from sgrpo.modeling import shard_model
     from sgrpo.rollout import HFRollout
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # run alone; after another job the group exists already
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     plain = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -158,10 +164,17 @@ def decode(model_dir: str, out: str) -> None:
     (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
 
 
+def jobs(argv: list[str]) -> list[list[str]]:
+    """``["update", "a", "+", "decode", "b"]`` -> ``[["update", "a"], ["decode", "b"]]``."""
+    split: list[list[str]] = [[]]
+    for arg in argv:
+        split.append([]) if arg == "+" else split[-1].append(arg)
+    return [job for job in split if job]
+
+
 if __name__ == "__main__":
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate}  # fmt: skip
-    modes[sys.argv[1]](*sys.argv[2:])
+    for mode, *args in jobs(sys.argv[1:]):
+        modes[mode](*args)
     release_process_group()
-
-

@@ -57,26 +57,102 @@ def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = True) -
     assert proc.returncode == 0, stderr[-4000:]
 
 
-@pytest.mark.parametrize("scenario", ["plain", "uneven"])
-def test_sharded_update_equals_single_process_update(model_dir, tmp_path, scenario):
-    """One update sharded over 2 processes equals the single-process one. "uneven": two PPO epochs (old
-    log-probs from a no-grad pass) with processes running different numbers of micro-batches."""
-    update(model_dir, str(tmp_path / "single"), "single", scenario)
-    launch("update", model_dir, str(tmp_path / "sharded"), "sharded", scenario, cwd=tmp_path)
-    one = json.loads((tmp_path / "single" / "info.json").read_text())
-    two = json.loads((tmp_path / "sharded" / "info.json").read_text())
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
-    # each process holds about half of the parameters
+def chain(*jobs: list[str]) -> list[str]:
+    """The worker's arguments for several jobs in one launch (see tests/sharded_worker.py)."""
+    return [arg for i, job in enumerate(jobs) for arg in (["+"] if i else []) + job]
+
+
+def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
+    """Six jobs in one 2-process launch (one interpreter start per process instead of six; each job builds its
+    own trainer and model): a sharded update in two scenarios, rollouts from the sharded model, a 3-step fit,
+    its resume to step 5 from the sharded checkpoint, and ``sgrpo.fit validate`` of that checkpoint. Each is
+    checked below by its own function."""
+    root, out = tmp_path / "run", tmp_path / "out"
+    checkpoint = root / "checkpoints" / "last.ckpt"
+    for scenario in SCENARIOS:
+        update(model_dir, str(out / f"single_{scenario}"), "single", scenario)
+    launch(
+        *chain(
+            *(["update", model_dir, str(out / f"sharded_{s}"), "sharded", s] for s in SCENARIOS),
+            ["decode", model_dir, str(out / "decode")],
+            ["fit", str(root), model_dir, "3"],
+            ["fit", str(root), model_dir, "5", "last"],
+            ["validate", str(root), model_dir, str(checkpoint)],
+        ),
+        cwd=tmp_path,
+    )
+    for scenario in SCENARIOS:
+        check_sharded_update_equals_single_process_update(model_dir, out, scenario)
+    check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
+    check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
+    check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
+
+
+#: "uneven": two PPO epochs (old log-probs from a no-grad pass) with processes running different numbers of
+#: micro-batches
+SCENARIOS = ("plain", "uneven")
+
+
+def check_sharded_update_equals_single_process_update(model_dir: str, out: Path, scenario: str) -> None:
+    """One update sharded over 2 processes equals the single-process one, each process holding about half of
+    the parameters."""
+    one = json.loads((out / f"single_{scenario}" / "info.json").read_text())
+    two = json.loads((out / f"sharded_{scenario}" / "info.json").read_text())
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), scenario
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), scenario
     assert sum(two["local_params"]) == one["local_params"][0]
     assert all(abs(n / one["local_params"][0] - 0.5) < 0.02 for n in two["local_params"])
-    a = torch.load(tmp_path / "single" / "params.pt")
-    b = torch.load(tmp_path / "sharded" / "params.pt")
+    a = torch.load(out / f"single_{scenario}" / "params.pt")
+    b = torch.load(out / f"sharded_{scenario}" / "params.pt")
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert not torch.equal(a[name], initial[name]) or "norm" in name  # the update moved the weights
-        assert (a[name] - b[name]).norm() <= 1e-5 * a[name].norm(), name
+        assert (a[name] - b[name]).norm() <= 1e-5 * a[name].norm(), (scenario, name)
+
+
+def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
+    """Rollouts from the FSDP2-sharded model, on weights gathered once per rollout (the default) or through
+    the sharded forwards token by token, give the unsharded model's tokens and log-probs, each process
+    sampling its own prompts."""
+    for rank in (0, 1):
+        runs = json.loads((out / f"decode_rank{rank}.json").read_text())
+        for name in ("gathered", "per_token"):
+            assert runs[name]["ids"] == runs["plain"]["ids"], (rank, name)
+            got, want = torch.tensor(runs[name]["logprobs"]), torch.tensor(runs["plain"]["logprobs"])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert runs["gathered"]["sharded_forwards"] == 0  # no collective per token: one gather per rollout
+        assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
+
+
+def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:
+    """A 3-step FSDP2 fit wrote one checkpoint shard per process; the resume picked up at step 3; the run's
+    export and ``python -m sgrpo.export`` of the sharded checkpoint (gathered in this one process) both hold
+    the trained policy."""
+    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
+    steps = []
+    for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
+        with open(path) as f:
+            steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
+    assert steps == [[0, 1, 2], [3, 4], []]  # the resumed run picks up at step 3; the third log is validate's
+    records = [line for line in (root / "metrics.jsonl").read_text().splitlines() if "train/reward" in line]
+    assert len(records) == 5 and [s for s, _ in read_run_metrics(root)["train/reward"]] == [0, 1, 2, 3, 4]  # rank 0's
+    export([str(checkpoint), str(exported)])
+    for folder in (root / "hf_model", exported):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        torch.testing.assert_close(probe(model), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
+        assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def check_sharded_checkpoint_validates_with_its_strategy_only(model_dir: str, root: Path, checkpoint: Path, capsys):
+    """One process cannot read a sharded checkpoint (export it, or use the run's strategy); under that strategy
+    (the launch's last job) ``sgrpo.fit validate`` evaluates it."""
+    with pytest.raises(SystemExit) as refused:
+        main(["validate", "--config", str(TINY), f"--model.model={model_dir}", f"--trainer.default_root_dir={root}",
+              f"--ckpt_path={checkpoint}"])  # fmt: skip
+    assert refused.value.code == 2 and "is sharded: evaluate it with the strategy" in capsys.readouterr().err
+    result = json.loads((root / "validation.json").read_text())
+    assert result["step"] == 5 and result["prompts"] == 16 and set(result["by_difficulty"]) == {"3", "5"}
 
 
 def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path):
@@ -95,67 +171,29 @@ def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path)
     assert (root / "hf_model" / "config.json").exists()
 
 
-def test_sharded_rollouts_sample_the_unsharded_policy(model_dir, tmp_path):
-    """Rollouts from the FSDP2-sharded model, on weights gathered once per rollout (the default) or through
-    the sharded forwards token by token, give the unsharded model's tokens and log-probs, each process
-    sampling its own prompts."""
-    launch("decode", model_dir, str(tmp_path), cwd=tmp_path, timeout=180, torchrun=True)
-    for rank in (0, 1):
-        runs = json.loads((tmp_path / f"decode_rank{rank}.json").read_text())
-        for name in ("gathered", "per_token"):
-            assert runs[name]["ids"] == runs["plain"]["ids"], (rank, name)
-            got, want = torch.tensor(runs[name]["logprobs"]), torch.tensor(runs["plain"]["logprobs"])
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert runs["gathered"]["sharded_forwards"] == 0  # no collective per token: one gather per rollout
-        assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
-
-
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir, tmp_path, strategy):
+def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir, tmp_path):
     """LoRA under FSDP2 (adapters sharded with their blocks, gathered for the weight snapshot and the export)
-    and under DDP: 2 steps, resume to 3 from the adapter-only checkpoint, a PEFT adapter folder that
-    reproduces the trained policy."""
+    and under DDP, in one launch: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter
+    folder that reproduces the trained policy."""
     from peft import PeftModel
 
-    root = tmp_path / "run"
-    extra = ["--model.peft.rank=4"] + (["--trainer.strategy=ddp"] if strategy == "ddp" else [])
-    launch("fit", str(root), model_dir, "2", "", *extra, cwd=tmp_path)
-    launch("fit", str(root), model_dir, "3", "last", *extra, cwd=tmp_path)
-    # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole model
-    # (the shards gathered), DDP's a file of the adapters
-    export([str(root / "checkpoints" / "last.ckpt"), str(tmp_path / "exported")])
-    assert (root / "checkpoints" / "last.ckpt").is_dir() == (strategy == "fsdp2")
-    for folder in (root / "hf_model", tmp_path / "exported"):
-        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
-        torch.testing.assert_close(probe(exported), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-6)
-
-
-def test_sharded_fit_resumes_and_exports(model_dir, tmp_path, capsys):
-
-    root = tmp_path / "run"
-    launch("fit", str(root), model_dir, "3", cwd=tmp_path)
-    checkpoint = root / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
-    launch("fit", str(root), model_dir, "5", "last", cwd=tmp_path)
-    steps = []
-    for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
-        with open(path) as f:
-            steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
-    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3
-    records = [line for line in (root / "metrics.jsonl").read_text().splitlines() if "train/reward" in line]
-    assert len(records) == 5 and [s for s, _ in read_run_metrics(root)["train/reward"]] == [0, 1, 2, 3, 4]  # rank 0's
-    export([str(checkpoint), str(tmp_path / "exported")])  # python -m sgrpo.export, the shards gathered here
-    for folder in (root / "hf_model", tmp_path / "exported"):
-        exported = AutoModelForCausalLM.from_pretrained(folder)
-        torch.testing.assert_close(probe(exported), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
-        assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    with pytest.raises(SystemExit) as refused:  # one process cannot read it: export it, or use the run's strategy
-        main(["validate", "--config", str(TINY), f"--model.model={model_dir}", f"--trainer.default_root_dir={root}",
-              f"--ckpt_path={checkpoint}"])  # fmt: skip
-    assert refused.value.code == 2 and "is sharded: evaluate it with the strategy" in capsys.readouterr().err
-    launch("validate", str(root), model_dir, str(checkpoint), cwd=tmp_path)  # with that strategy it evaluates
-    result = json.loads((root / "validation.json").read_text())
-    assert result["step"] == 5 and result["prompts"] == 16 and set(result["by_difficulty"]) == {"3", "5"}
+    runs = {"fsdp2": [], "ddp": ["--trainer.strategy=ddp"]}
+    fits = []
+    for strategy, extra in runs.items():
+        root = str(tmp_path / strategy)
+        fits += [["fit", root, model_dir, "2", "", "--model.peft.rank=4", *extra],
+                 ["fit", root, model_dir, "3", "last", "--model.peft.rank=4", *extra]]  # fmt: skip
+    launch(*chain(*fits), cwd=tmp_path)
+    for strategy in runs:
+        root = tmp_path / strategy
+        # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole
+        # model (the shards gathered), DDP's a file of the adapters
+        export([str(root / "checkpoints" / "last.ckpt"), str(root / "exported")])
+        assert (root / "checkpoints" / "last.ckpt").is_dir() == (strategy == "fsdp2")
+        for folder in (root / "hf_model", root / "exported"):
+            exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
+            want = torch.load(root / "probe_logprobs.pt")
+            torch.testing.assert_close(probe(exported), want, atol=1e-6, rtol=1e-6, msg=f"{strategy}: {folder}")
 
 
 def probe(model) -> torch.Tensor:
