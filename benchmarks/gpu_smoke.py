@@ -162,7 +162,7 @@ def fit(engine_name: str, model_dir: Path, size: dict, args, root: Path) -> dict
         prompts_per_step=size["prompts"],
         loss=ClippedSurrogate(aggregation="token_mean"),
         activation_checkpointing=True,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True),  # as the recipes
         export_dir=str(root / f"export_{engine_name}"),
     )
     recorder = Recorder()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from estimators import AdvantageEstimator
@@ -50,6 +51,14 @@ def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch
     assert (policy.peft is not None) == bool(raw["model"].get("peft"))  # an overlay's blocks reach the policy
     assert len(policy.task.examples("train")) > 0 and len(policy.task.examples("validation")) > 0
     assert type(policy.estimator).__name__ in raw["model"]["estimator"]["class_path"]
+    # the config's optimiser (fused AdamW in the GPU recipes) builds and steps
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = policy.optimizer_factory([weight])
+    assert type(optimizer).__name__ == raw["model"]["optimizer"]["class_path"].rsplit(".", 1)[1]
+    assert optimizer.defaults.get("fused") == raw["model"]["optimizer"].get("init_args", {}).get("fused")
+    weight.sum().backward()
+    optimizer.step()
+    assert (weight < 1).all()
 
 
 def _without_estimator(path: Path) -> dict:

@@ -24,6 +24,7 @@ from tests.sharded_worker import PROBE, update
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 pytestmark = pytest.mark.slow  # every test here starts 2 processes
+FUSED = "--model.optimizer.init_args.fused=true"
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +76,8 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
         *chain(
             *(["update", model_dir, str(out / f"sharded_{s}"), "sharded", s] for s in SCENARIOS),
             ["decode", model_dir, str(out / "decode")],
-            ["fit", str(root), model_dir, "3"],
-            ["fit", str(root), model_dir, "5", "last"],
+            ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
+            ["fit", str(root), model_dir, "5", "last", FUSED],
             ["validate", str(root), model_dir, str(checkpoint)],
         ),
         cwd=tmp_path,
