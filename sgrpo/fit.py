@@ -159,6 +159,9 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
 def main(args: list[str] | None = None) -> SgrpoCLI:
     """Parse, then fit or evaluate (``validate`` / ``test`` as the first argument)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch (2.13 here) deprecates the LeafSpec that Lightning's CombinedLoader builds: a line per process per run
+    # that no user can act on
+    warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
     given = sys.argv[1:] if args is None else list(args)
     mode = given[0] if given[:1] and given[0] in MODES else "fit"
     if given[:1] == [mode]:  # the mode is no option of the parser
