@@ -93,6 +93,14 @@ class SgrpoCLI(LightningCLI):
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # the classes the policy falls back on, named for the parser: `--model.loss.init_args.kl_coef=0.05` then
+        # works on a config that names no loss (without a class the parser refuses it: "PolicyLoss is abstract")
+        parser.set_defaults(
+            {
+                "model.loss": {"class_path": "sgrpo.loss.ClippedSurrogate"},
+                "model.rollout": {"class_path": "sgrpo.rollout.HFRollout"},
+            }
+        )
         parser.add_argument(
             "--ckpt_path",
             type=str | None,

@@ -11,7 +11,9 @@ import yaml
 
 from estimators import AdvantageEstimator
 from sgrpo.fit import parse
+from sgrpo.loss import ClippedSurrogate
 from sgrpo.policy import GRPOPolicy
+from sgrpo.rollout import HFRollout
 from sgrpo.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,3 +82,35 @@ def test_configs_of_one_task_differ_only_in_the_estimator(family):
     reference = _without_estimator(files[0])
     for other in files[1:]:
         assert _without_estimator(other) == reference, other.name
+
+
+@pytest.mark.parametrize("names_them", [False, True])
+def test_loss_and_rollout_settings_apply_whether_or_not_the_config_names_their_class(names_them, tmp_path):
+    """``--model.loss.init_args.kl_coef`` on a config that names no loss takes the policy's default class
+    (the parser refused it before: "PolicyLoss is abstract"); a config that names a class keeps it."""
+    config = {
+        "model": {
+            "model": "sgrpo/assets/quickstart_model",
+            "task": {"class_path": "tasks.synthetic.SyntheticTask", "init_args": {"num_train": 8, "num_validation": 4}},
+            "estimator": {"class_path": "estimators.GRPO"},
+        },
+        "trainer": {"accelerator": "cpu", "max_steps": 1, "default_root_dir": str(tmp_path / "run")},
+        "seed_everything": 0,
+    }
+    if names_them:
+        config["model"] |= {
+            "loss": {"class_path": "tests.test_configs.HalfClip", "init_args": {"clip_low": 0.1}},
+            "rollout": {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"temperature": 0.7}},
+        }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = parse(["--config", str(path), "--model.loss.init_args.kl_coef=0.05",
+                 "--model.rollout.init_args.max_new_tokens=5"])  # fmt: skip
+    loss, rollout = cli.model.loss, cli.model.rollout
+    assert type(loss) is (HalfClip if names_them else ClippedSurrogate) and loss.kl_coef == 0.05
+    assert type(rollout) is HFRollout and rollout.max_new_tokens == 5
+    assert (loss.clip_low, rollout.temperature) == ((0.1, 0.7) if names_them else (0.2, 1.0))
+
+
+class HalfClip(ClippedSurrogate):
+    """A user's loss class, named by import path in a config."""
