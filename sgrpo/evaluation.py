@@ -35,14 +35,18 @@ class PolicyEvaluation:
         return self._evaluation_loader("test")
 
     def _evaluation_loader(self, split: str):
+        """Batches of (index in the split, example). Over several processes Lightning's ``DistributedSampler``
+        hands each as many prompts by repeating the first ones (under FSDP2 every process must run as many
+        rollouts); the index lets ``_evaluation_end`` count each prompt once."""
         examples, _ = self._within_prompt_limit(split)
-        return torch.utils.data.DataLoader(examples, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
+        indexed = list(enumerate(examples))
+        return torch.utils.data.DataLoader(indexed, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
 
-    def validation_step(self, examples: list[Example], batch_idx: int) -> None:
-        self._evaluate(examples, batch_idx, "validation")
+    def validation_step(self, batch: list[tuple[int, Example]], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "validation")
 
-    def test_step(self, examples: list[Example], batch_idx: int) -> None:
-        self._evaluate(examples, batch_idx, "test")
+    def test_step(self, batch: list[tuple[int, Example]], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "test")
 
     def on_validation_epoch_end(self) -> None:
         result = self._evaluation_end("validation")
@@ -52,7 +56,8 @@ class PolicyEvaluation:
     def on_test_epoch_end(self) -> None:
         self._evaluation_end("test")
 
-    def _evaluate(self, examples: list[Example], batch_idx: int, split: str) -> None:
+    def _evaluate(self, batch: list[tuple[int, Example]], batch_idx: int, split: str) -> None:
+        examples = [example for _, example in batch]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, batch_idx, self.global_rank, SPLITS[split][1]))
             rollout = self.val_rollout.generate(
@@ -61,11 +66,11 @@ class PolicyEvaluation:
         repeated = [ex for ex in examples for _ in range(self.val_samples)]
         with torch.device("cpu"):  # host tensors from the task, as in `score`
             correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
-        self._val_outputs.append((correct.cpu(), [ex.difficulty for ex in examples]))
+        self._val_outputs.append(([i for i, _ in batch], correct.cpu(), [ex.difficulty for ex in examples]))
 
     def _evaluation_end(self, split: str) -> dict[str, Any] | None:
         """Gather every process's results, log them, and return them (None in the sanity check)."""
-        outputs: list[tuple[Tensor, list[object]]]
+        outputs: list[tuple[list[int], Tensor, list[object]]]
         outputs, self._val_outputs = self._val_outputs, []
         if self.trainer.world_size > 1:
             gathered: list[Any] = [None] * self.trainer.world_size
@@ -73,8 +78,12 @@ class PolicyEvaluation:
             outputs = [o for part in gathered for o in part]
         if not outputs or self.trainer.sanity_checking:
             return None
-        correct = torch.cat([c for c, _ in outputs])  # [prompts, n]
-        levels = [lv for _, lvs in outputs for lv in lvs]
+        first: dict[int, tuple[Tensor, object]] = {}  # each prompt once: the sampler repeats some across processes
+        for indices, correct, levels in outputs:
+            for index, row, level in zip(indices, correct, levels, strict=True):
+                first.setdefault(index, (row, level))
+        correct = torch.stack([row for row, _ in first.values()])  # [prompts, n]
+        levels = [level for _, level in first.values()]
         solved, n = correct.sum(-1), self.val_samples
         passes = {k: pass_at_k(solved, n, k).mean().item() for k in range(1, n + 1)}
         result = {

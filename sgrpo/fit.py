@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
 from sgrpo.distributed import release_process_group
@@ -167,16 +168,11 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
 def main(args: list[str] | None = None) -> SgrpoCLI:
     """Parse, then fit or evaluate (``validate`` / ``test`` as the first argument)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # torch (2.13 here) deprecates the LeafSpec that Lightning's CombinedLoader builds: a line per process per run
-    # that no user can act on
-    warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+    quiet_dependency_warnings()
     given = sys.argv[1:] if args is None else list(args)
     mode = given[0] if given[:1] and given[0] in MODES else "fit"
-    if given[:1] == [mode]:  # the mode is no option of the parser
-        if args is None:
-            sys.argv[1:2] = []
-        else:
-            args = given[1:]
+    if given[:1] == [mode]:  # the mode is no option of the parser; sys.argv keeps it, for Lightning's launcher
+        args = given[1:]  # starts the other processes with sys.argv (they trained while this one validated: a hang)
     cli = parse(args, mode)
     try:
         if mode == "fit":
@@ -190,6 +186,18 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     return cli
+
+
+def quiet_dependency_warnings() -> None:
+    """Silence warnings that do not apply to sgrpo's runs, which users could only learn to ignore."""
+    # `validate`/`test` hand the parser sys.argv without the mode, knowingly
+    warnings.filterwarnings("ignore", r"LightningCLI's args parameter is intended to run from within Python")
+    # torch (2.13 here) deprecates the LeafSpec that Lightning's CombinedLoader builds: a line per process per run
+    warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+    # over several processes, a line per evaluation metric and one for the sampler: the evaluation gathers every
+    # process's results before it computes its metrics, and counts a prompt the sampler repeats once
+    warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
+    warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
 
 
 def train(cli: SgrpoCLI) -> None:

@@ -23,6 +23,7 @@ from tests.sharded_worker import PROBE, update
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+SHARDED = Path(__file__).with_name("fixtures") / "sharded_cpu.yaml"
 pytestmark = pytest.mark.slow  # every test here starts 2 processes
 FUSED = "--model.optimizer.init_args.fused=true"
 
@@ -32,17 +33,22 @@ def model_dir(tmp_path_factory) -> str:
     return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
-def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = True) -> None:
-    """Run the worker on 2 processes, a hang failing the test and killing both. torchrun starts both at once
-    (they import in parallel: about 40 % less wall time than Lightning's launcher, which starts the second
-    only once the first has imported and built its trainer); ``torchrun=False`` is the launch a user's
-    ``python -m sgrpo.fit`` makes, which Lightning's launcher turns into 2 processes."""
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = True) -> tuple[str, str]:
+    """Run the worker on 2 processes. torchrun starts both at once (they import in parallel: about 40 % less
+    wall time than Lightning's launcher, which starts the second only once the first has imported and built
+    its trainer); ``torchrun=False`` is the launch a user's ``python -m sgrpo.fit`` makes, which Lightning's
+    launcher turns into 2 processes."""
     torchrun_args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]  # a free port
     launcher = [sys.executable, *torchrun_args] if torchrun else [sys.executable]
+    return run_processes([*launcher, str(WORKER), *args], cwd=cwd, timeout=timeout)
+
+
+def run_processes(command: list[str], cwd: Path, timeout: float = 300) -> tuple[str, str]:
+    """Run ``command`` (which starts 2 processes) to its end and return its stdout and stderr; a hang fails the
+    test and kills both, a non-zero exit fails it with the end of stderr."""
     with subprocess.Popen(
-        [*launcher, str(WORKER), *args],
-        env=env,
+        command,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -50,12 +56,13 @@ def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = True) -
         start_new_session=True,  # one process group: the timeout kills Lightning's second process too
     ) as proc:
         try:
-            _, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             _, stderr = proc.communicate()
             pytest.fail(f"the 2-process run hung for {timeout:.0f} s (collectives out of step?):\n{stderr[-3000:]}")
     assert proc.returncode == 0, stderr[-4000:]
+    return stdout, stderr
 
 
 def chain(*jobs: list[str]) -> list[str]:
@@ -170,6 +177,26 @@ def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path)
     # some step's rows all finished on one process before max_new_tokens (8) while the other's ran on
     assert any(a != b and min(a, b) < 8 for a, b in zip(*lengths)), lengths
     assert (root / "hf_model" / "config.json").exists()
+
+
+def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_does(tmp_path, capsys):
+    """``python -m sgrpo.fit validate`` over 2 FSDP2 processes started by Lightning's launcher, 15 prompts in
+    batches of 4: the second process must validate too (it re-ran sys.argv without the mode, trained, and the
+    run hung), and the prompt the sampler repeats to even out the processes (16 = 2 x 8) counts once. Greedy,
+    so the printed table is the one-process table."""
+    args = ["validate", "--config", str(TINY), "--model.task.init_args.num_validation=15",
+            "--trainer.limit_val_batches=null", "--model.val_prompts_per_batch=4", "--model.val_greedy=true",
+            "--model.val_samples=1", "--trainer.enable_progress_bar=false"]  # fmt: skip
+    sharded = ["--config", str(SHARDED), f"--trainer.default_root_dir={tmp_path}/2"]
+    two, log = run_processes([sys.executable, "-m", "sgrpo.fit", *args, *sharded], cwd=TINY.parents[1], timeout=120)
+    # nor does Lightning's advice to sync the metrics or not to use its sampler apply: they are gathered, and
+    # each prompt counts once
+    assert "It is recommended to use `self.log(" not in log and "Using `DistributedSampler`" not in log
+    main([*args, f"--trainer.default_root_dir={tmp_path}/1"])
+    one = capsys.readouterr().out
+    table = one[one.index("Validation accuracy by difficulty") :]
+    assert "(15 prompts, 1 samples each)" in table
+    assert two[two.index("Validation accuracy by difficulty") :] == table
 
 
 def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir, tmp_path):
