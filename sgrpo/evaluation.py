@@ -112,4 +112,5 @@ def evaluation_table(result: dict[str, Any]) -> str:
     lines += [f"| {level} | {accuracy:.1%} |" for level, accuracy in levels.items()]
     lines.append(f"| mean over levels | {sum(levels.values()) / len(levels):.1%} |")
     passes = ", ".join(f"pass@{k} {value:.1%}" for k, value in result["pass_at_k"].items())
-    return "\n".join(lines) + f"\n\n{passes} ({result['prompts']} prompts, {len(result['pass_at_k'])} samples each)"
+    n = len(result["pass_at_k"])
+    return "\n".join(lines) + f"\n\n{passes} ({result['prompts']} prompts, {n} sample{'s' * (n != 1)} each)"

@@ -195,7 +195,7 @@ def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_do
     main([*args, f"--trainer.default_root_dir={tmp_path}/1"])
     one = capsys.readouterr().out
     table = one[one.index("Validation accuracy by difficulty") :]
-    assert "(15 prompts, 1 samples each)" in table
+    assert "(15 prompts, 1 sample each)" in table
     assert two[two.index("Validation accuracy by difficulty") :] == table
 
 
