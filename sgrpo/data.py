@@ -18,9 +18,25 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
-def identity_collate(batch):
-    """Keep a batch of ``Example`` objects as a plain list."""
-    return batch
+class PromptBatch:
+    """A loader's batch of prompts (a list of ``Example``, or of (index, ``Example``) for evaluation), opaque to
+    Lightning on its way to the step.
+
+    Lightning hands every batch to the precision plugin's ``convert_input`` before any hook: under ``bf16-true``,
+    ``16-true`` or ``64-true`` it walks the batch and rebuilds each dataclass it meets, which fails on the
+    frozen ``Example`` (such runs stopped at step 1) and would copy every prompt each step. The policy's
+    ``on_before_batch_transfer`` unwraps it.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+
+def prompt_collate(batch: list) -> PromptBatch:
+    """The loaders' ``collate_fn``: the batch as it is, wrapped (``PromptBatch``)."""
+    return PromptBatch(batch)
 
 
 class StepBatches(IterableDataset):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sgrpo.data import identity_collate, mix_seed
+from sgrpo.data import mix_seed, prompt_collate
 from sgrpo.metrics import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
 from sgrpo.types import Example
 
@@ -40,7 +40,7 @@ class PolicyEvaluation:
         rollouts); the index lets ``_evaluation_end`` count each prompt once."""
         examples, _ = self._within_prompt_limit(split)
         indexed = list(enumerate(examples))
-        return torch.utils.data.DataLoader(indexed, batch_size=self.val_prompts_per_batch, collate_fn=identity_collate)
+        return torch.utils.data.DataLoader(indexed, batch_size=self.val_prompts_per_batch, collate_fn=prompt_collate)
 
     def validation_step(self, batch: list[tuple[int, Example]], batch_idx: int) -> None:
         self._evaluate(batch, batch_idx, "validation")

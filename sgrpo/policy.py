@@ -14,7 +14,7 @@ from torch import Tensor
 from estimators import AdvantageEstimator, budget_mass, budget_shares
 from estimators.base import constant_groups
 from sgrpo.checks import require
-from sgrpo.data import StepBatches, identity_collate, mix_seed
+from sgrpo.data import PromptBatch, StepBatches, mix_seed, prompt_collate
 from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size
 from sgrpo.evaluation import PolicyEvaluation
 from sgrpo.export import PolicyExport
@@ -229,11 +229,14 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
         stream = StepBatches(examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world)
         refill_seed = mix_seed(self.seed, 1) % 2**31  # a stream of its own (StepBatches scales the seed)
         self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
-        return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=identity_collate)
+        return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
 
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
         limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
+
+    def on_before_batch_transfer(self, batch: PromptBatch, dataloader_idx: int) -> list:
+        return batch.items  # past the precision plugin's convert_input (sgrpo.data.PromptBatch)
 
     def transfer_batch_to_device(self, batch: list[Example], device, dataloader_idx: int) -> list[Example]:
         return batch  # prompts are text; the rollout engine tokenizes them onto the model's device

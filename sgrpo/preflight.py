@@ -161,3 +161,25 @@ def check_policy(policy: Any) -> None:
     for table in vars(policy.task).values():
         if isinstance(table, SplitTable) and table.kind == "hub":
             check_hub(table.path, "dataset", f"model.task.init_args.{table.field}")
+
+
+def check_float16_training(precision: str, policy: Any) -> None:
+    """Refuse float16 weights trained by an optimiser that keeps squared gradients (those with an ``eps``: Adam,
+    AdamW, RMSprop, ...). In float16 a squared gradient below 6e-8 (a gradient below 2.4e-4) is 0, so such a
+    step divides by ``eps`` alone: after one ``16-true`` AdamW step (eps 1e-4) the quickstart model's weights
+    had moved by up to 54x the learning rate and every reward after was 0; with eps 1e-8, which float16 rounds
+    to 0, the gradient norm was NaN from the second step. Evaluation in float16 is not refused.
+    """
+    if precision == "16-true":
+        source = "trainer.precision=16-true"
+    elif policy.model_dtype == "float16":
+        source = "model.dtype=float16"
+    else:
+        return
+    optimizer = policy.optimizer_factory([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
+    if "eps" in optimizer.defaults:
+        raise ConfigError(
+            f"{source} trains float16 weights, whose squared gradients in {type(optimizer).__name__} round to 0 "
+            "and wreck the model in a step: use --trainer.precision=16-mixed (float32 weights, loss scaling) on "
+            "a GPU without bfloat16, else bf16-mixed or bf16-true, with model.dtype float32 or bfloat16"
+        )

@@ -228,6 +228,8 @@ BAD_CONFIGS = [
     ("hub-dataset", ["--model.task=tasks.DeepMath", "--model.task.init_args.path=someone/no-such-data"],
      "dataset 'someone/no-such-data' is not in the local cache"),
     ("last-without-checkpoint", ["--ckpt_path=last"], "has none"),
+    ("float16-training", ["--trainer.precision=16-true"], "16-true trains float16 weights, whose squared gradients"),
+    ("float16-weights", ["--model.dtype=float16"], "model.dtype=float16 trains float16 weights"),
 ]  # fmt: skip
 
 

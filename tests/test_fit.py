@@ -71,16 +71,20 @@ def test_tiny_fit_logs_checkpoints_and_exports(tmp_path, model_dir):
     assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())  # it learned something
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
 def test_the_sampler_is_the_trained_policy(tmp_path, precision):
     """The shipped model (rows with rewards that vary, so the update runs) logs the gap between the rollout's
-    log-probs and the trainer's on the same tokens: float noise in fp32; under bf16-mixed, where the
-    rollout runs in autocast, small, since both take the LM head in float32 (sgrpo.head)."""
-    fit(tmp_path, str(REPO / "sgrpo" / "assets" / "quickstart_model"), "--trainer.max_steps=2",
-        f"--trainer.precision={precision}", "--trainer.val_check_interval=100")  # fmt: skip
+    log-probs and the trainer's on the same tokens: float noise in fp32 and fp64; under bf16-mixed, where the
+    rollout runs in autocast, small, since both take the LM head in float32 (sgrpo.head); bf16-true likewise.
+    The "-true" precisions convert each batch before any hook sees it (they failed on the prompts at step 1);
+    the run validates at its end, whose batches go through the same conversion."""
+    cli = fit(tmp_path, str(REPO / "sgrpo" / "assets" / "quickstart_model"), "--trainer.max_steps=2",
+              f"--trainer.precision={precision}", "--trainer.val_check_interval=2")  # fmt: skip
+    assert [v["step"] for v in cli.model.val_history] == [2]
     rows = [r for r in metrics(tmp_path) if r["train/rollout/mismatch_max_abs"]]
     assert rows, "no step measured the gap"
-    bound = {"32-true": (1e-4, 1e-5), "bf16-mixed": (0.1, 5e-3)}[precision]
+    bound = {"32-true": (1e-4, 1e-5), "64-true": (1e-4, 1e-5), "bf16-mixed": (0.1, 5e-3), "bf16-true": (0.1, 5e-3)}
+    bound = bound[precision]
     for row in rows:
         assert float(row["train/rollout/mismatch_max_abs"]) < bound[0]
         assert float(row["train/rollout/mismatch_abs_diff"]) < bound[1]
