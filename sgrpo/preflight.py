@@ -56,6 +56,30 @@ def check_values(config: Any) -> None:
         )
     check_checkpoint_path(config.ckpt_path)
     check_devices(config.trainer.accelerator, config.trainer.devices)
+    check_trainer_keys(config.trainer)
+
+
+#: trainer keys of automatic optimisation, which the policy does itself: the key that does it in sgrpo
+_OWN_KEYS = {
+    "gradient_clip_val": "model.max_grad_norm",
+    "accumulate_grad_batches": "model.micro_batch_size or micro_batch_tokens (the rows of a step are accumulated "
+    "micro-batch by micro-batch) and model.num_minibatches (optimiser steps per training step)",
+}
+
+
+def check_trainer_keys(trainer: Any) -> None:
+    """Trainer keys that Lightning refuses for a policy that optimises itself, and validation intervals that
+    are not step counts, named here in one line instead of in Lightning's traceback."""
+    for key, ours in _OWN_KEYS.items():
+        value = trainer.get(key)
+        if value is not None and not (key == "accumulate_grad_batches" and value == 1):
+            raise ConfigError(f"trainer.{key} is not for sgrpo, which steps the optimiser itself: use {ours}")
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float):  # Lightning reads a float as a fraction of an epoch
+        raise ConfigError(
+            f"trainer.val_check_interval must count training steps (an integer; the prompt stream has no epochs "
+            f"to take a fraction of), got {interval}"
+        )
 
 
 def check_checkpoint_path(ckpt_path: str | None) -> None:

@@ -230,6 +230,9 @@ BAD_CONFIGS = [
     ("last-without-checkpoint", ["--ckpt_path=last"], "has none"),
     ("float16-training", ["--trainer.precision=16-true"], "16-true trains float16 weights, whose squared gradients"),
     ("float16-weights", ["--model.dtype=float16"], "model.dtype=float16 trains float16 weights"),
+    ("clip-by-lightning", ["--trainer.gradient_clip_val=1.0"], "use model.max_grad_norm"),
+    ("accumulate-by-lightning", ["--trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches is not for"),
+    ("fractional-validation", ["--trainer.val_check_interval=0.5"], "val_check_interval must count training steps"),
 ]  # fmt: skip
 
 
