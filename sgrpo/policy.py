@@ -235,8 +235,9 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
         limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
-    def on_before_batch_transfer(self, batch: PromptBatch, dataloader_idx: int) -> list:
-        return batch.items  # past the precision plugin's convert_input (sgrpo.data.PromptBatch)
+    def on_before_batch_transfer(self, batch: PromptBatch | list, dataloader_idx: int) -> list:
+        # past the precision plugin's convert_input (sgrpo.data.PromptBatch); a loader of one's own may give lists
+        return batch.items if isinstance(batch, PromptBatch) else batch
 
     def transfer_batch_to_device(self, batch: list[Example], device, dataloader_idx: int) -> list[Example]:
         return batch  # prompts are text; the rollout engine tokenizes them onto the model's device

@@ -1,8 +1,9 @@
 """Checks at parse time, before anything large loads: each error is one line naming the key and the fix.
 
 ``check_config_files`` runs on the command line (a missing or empty ``--config``), ``check_values`` on
-the parsed values (steps, checkpoint path, GPUs), ``check_policy`` on the policy built from them (the
-model, optimizer and scheduler arguments, hub datasets); nothing has loaded yet. A hub id must be in
+the parsed values (steps, checkpoint path, GPUs, trainer keys sgrpo does its own way), ``check_policy`` on
+the policy built from them (the model, optimizer and scheduler arguments, hub datasets), and
+``check_float16_training`` on the precision the trainer resolved; nothing has loaded yet. A hub id must be in
 the local cache or the hub reachable: without hub access the error names the model or dataset,
 instead of retries and an error about something else once loading starts.
 """
@@ -169,10 +170,7 @@ def _cached(repo_id: str, kind: str) -> bool:
 def check_policy(policy: Any) -> None:
     """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there."""
     check_model(policy.model_path)
-    try:
-        optimizer = policy.optimizer_factory([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"model.optimizer: {err}") from None
+    optimizer = stand_in_optimizer(policy)
     for group in optimizer.param_groups:
         lr = float(group.get("lr", 1.0))
         if not (math.isfinite(lr) and lr > 0):
@@ -185,6 +183,14 @@ def check_policy(policy: Any) -> None:
     for table in vars(policy.task).values():
         if isinstance(table, SplitTable) and table.kind == "hub":
             check_hub(table.path, "dataset", f"model.task.init_args.{table.field}")
+
+
+def stand_in_optimizer(policy: Any) -> torch.optim.Optimizer:
+    """The configured optimiser, built on a stand-in parameter (nothing has loaded yet)."""
+    try:
+        return policy.optimizer_factory([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.optimizer: {err}") from None
 
 
 def check_float16_training(precision: str, policy: Any) -> None:
@@ -200,7 +206,7 @@ def check_float16_training(precision: str, policy: Any) -> None:
         source = "model.dtype=float16"
     else:
         return
-    optimizer = policy.optimizer_factory([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
+    optimizer = stand_in_optimizer(policy)
     if "eps" in optimizer.defaults:
         raise ConfigError(
             f"{source} trains float16 weights, whose squared gradients in {type(optimizer).__name__} round to 0 "
