@@ -98,8 +98,11 @@ class PolicyExport:
                     leader=self.trainer.is_global_zero, sharded=self.device_mesh is not None)  # fmt: skip
 
     def policy_record(self) -> dict[str, Any]:
-        """The base model, dtype and LoRA settings: what a checkpoint needs to be exported on its own."""
-        return policy_record(self.model_path, self.model_dtype, self.peft)
+        """The base model, dtype and LoRA settings: what a checkpoint needs to be exported on its own. The
+        dtype is the weights' as trained: a "-true" precision converts them from ``model.dtype``."""
+        weight = next(self.model.parameters(), None) if self.model is not None else None
+        dtype = str(weight.dtype).removeprefix("torch.") if weight is not None else self.model_dtype
+        return policy_record(self.model_path, dtype, self.peft)
 
 
 def open_checkpoint(path: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from sgrpo.export import main as export
 from sgrpo.fit import main
 from sgrpo.tiny import ensure_tiny_model
 
@@ -81,6 +83,10 @@ def test_the_sampler_is_the_trained_policy(tmp_path, precision):
     cli = fit(tmp_path, str(REPO / "sgrpo" / "assets" / "quickstart_model"), "--trainer.max_steps=2",
               f"--trainer.precision={precision}", "--trainer.val_check_interval=2")  # fmt: skip
     assert [v["step"] for v in cli.model.val_history] == [2]
+    export([str(tmp_path / "checkpoints" / "last.ckpt"), str(tmp_path / "exported")])  # in the trained dtype
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["dtype"] == json.loads((tmp_path / "hf_model" / "config.json").read_text())["dtype"]
+    assert config["dtype"] == {"bf16-true": "bfloat16", "64-true": "float64"}.get(precision, "float32")
     rows = [r for r in metrics(tmp_path) if r["train/rollout/mismatch_max_abs"]]
     assert rows, "no step measured the gap"
     bound = {"32-true": (1e-4, 1e-5), "64-true": (1e-4, 1e-5), "bf16-mixed": (0.1, 5e-3), "bf16-true": (0.1, 5e-3)}
