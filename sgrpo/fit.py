@@ -38,7 +38,7 @@ from sgrpo.guards import RewardFailureError
 from sgrpo.metrics_file import MarkResume, MetricsFile
 from sgrpo.modeling import resolve_model_path
 from sgrpo.policy import GRPOPolicy
-from sgrpo.preflight import check_config_files, check_float16_training, check_policy, check_values
+from sgrpo.preflight import ConfigError, check_config_files, check_float16_training, check_policy, check_values
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
 MODES = ("fit", "validate", "test")
@@ -183,6 +183,9 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
             evaluate(cli, mode)
     except (RunRefused, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ConfigError as err:  # one known only once the processes exist (before any model loads)
+        print(f"error: invalid configuration: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except RewardFailureError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -23,6 +23,7 @@ from sgrpo.head import check_logit_head
 from sgrpo.lora import LoRA, apply_lora, is_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
+from sgrpo.preflight import ConfigError
 from sgrpo.rollout import HFRollout, RolloutEngine
 from sgrpo.samples import completion_rows, write_rows
 from sgrpo.types import Example, RolloutBatch
@@ -212,14 +213,20 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer)}}
 
-    def on_fit_start(self) -> None:
+    def setup(self, stage: str) -> None:
+        """Checks that need the processes (they exist now) but not the model (it loads after this hook)."""
+        if stage != "fit":
+            return
         if self.trainer.max_steps is None or self.trainer.max_steps < 0:
-            raise ValueError("set trainer.max_steps: the prompt stream is endless, steps bound the run")
+            raise ConfigError("set trainer.max_steps: the prompt stream is endless, steps bound the run")
         processes = data_parallel_size(self.trainer.strategy)
         if self.prompts_per_step % processes:
-            raise ValueError(
-                f"prompts_per_step ({self.prompts_per_step}) must divide evenly over {processes} processes"
+            raise ConfigError(
+                f"model.prompts_per_step ({self.prompts_per_step}) must divide evenly over the {processes} "
+                f"data-parallel processes"
             )
+
+    def on_fit_start(self) -> None:
         if self._reference is not None:
             self._reference.to(self.device)
 

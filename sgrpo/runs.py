@@ -92,7 +92,7 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
             log.info("removed %s, left by a write that did not finish", path)
     if ckpt_path == "last":
         return latest_checkpoint(folder)
-    held = [name for name in RUN_OUTPUTS if (root / name).exists()]
+    held = [name for name in RUN_OUTPUTS if (root / name).exists() and not _only_configs(root / name)]
     resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
     if not leader or not held or resuming:
         return ckpt_path
@@ -106,6 +106,13 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
         log.warning("--overwrite: deleting %s", path)
         remove_path(path)
     return ckpt_path
+
+
+def _only_configs(path: Path) -> bool:
+    """A ``lightning_logs`` folder that holds nothing but the configs of starts that stopped before their first
+    step (a configuration refused once the processes existed, a model that did not load): no run to lose."""
+    files = [f for f in path.rglob("*") if f.is_file()] if path.name == "lightning_logs" else [path]
+    return all(f.name in ("config.yaml", "hparams.yaml") for f in files)
 
 
 def logger_versions(root: Path, name: str) -> list[Path]:

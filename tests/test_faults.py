@@ -251,6 +251,28 @@ def test_a_bad_configuration_fails_in_one_line_before_loading(extra, needle, mod
     assert not (tmp_path / "run" / "lightning_logs").exists()  # nothing ran
 
 
+@pytest.mark.slow
+def test_a_step_that_does_not_split_over_the_processes_is_refused_before_loading_and_frees_the_folder(
+    model_dir, tmp_path
+):
+    """3 prompts per step over 2 DDP processes: known once the processes exist, refused then in one line on
+    each (exit 2), before the model loads; the folder, which holds only that start's config, then takes the
+    corrected run without --overwrite."""
+    extra = ["--trainer.max_steps=1", "--trainer.devices=2", "--trainer.strategy=ddp", "--model.prompts_per_step=3"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "sgrpo.fit", *args(tmp_path, model_dir, *extra)],
+        cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: invalid configuration: model.prompts_per_step (3) must divide evenly over the 2 "
+                     "data-parallel processes"] * 2  # fmt: skip
+    assert "Traceback" not in refused.stderr and "Loading weights" not in refused.stderr
+    assert [p.name for p in (tmp_path / "lightning_logs").rglob("*") if p.is_file()] == ["config.yaml"]
+    main(args(tmp_path, model_dir, "--trainer.max_steps=1"))
+    assert last_step(tmp_path) == 1
+
+
 def test_an_empty_config_file_fails_in_one_line(tmp_path, capsys):
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     with pytest.raises(SystemExit) as refused:
