@@ -70,6 +70,11 @@ def chain(*jobs: list[str]) -> list[str]:
     return [arg for i, job in enumerate(jobs) for arg in (["+"] if i else []) + job]
 
 
+#: "uneven": two PPO epochs (old log-probs from a no-grad pass) with processes running different numbers of
+#: micro-batches
+SCENARIOS = ("plain", "uneven")
+
+
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
     """Six jobs in one 2-process launch (one interpreter start per process instead of six; each job builds its
     own trainer and model): a sharded update in two scenarios, rollouts from the sharded model, a 3-step fit,
@@ -94,11 +99,6 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
-
-
-#: "uneven": two PPO epochs (old log-probs from a no-grad pass) with processes running different numbers of
-#: micro-batches
-SCENARIOS = ("plain", "uneven")
 
 
 def check_sharded_update_equals_single_process_update(model_dir: str, out: Path, scenario: str) -> None:
