@@ -38,7 +38,14 @@ from sgrpo.guards import RewardFailureError
 from sgrpo.metrics_file import MarkResume, MetricsFile
 from sgrpo.modeling import resolve_model_path
 from sgrpo.policy import GRPOPolicy
-from sgrpo.preflight import ConfigError, check_config_files, check_float16_training, check_policy, check_values
+from sgrpo.preflight import (
+    ConfigError,
+    check_config_files,
+    check_float16_training,
+    check_policy,
+    check_strategy,
+    check_values,
+)
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
 MODES = ("fit", "validate", "test")
@@ -89,6 +96,7 @@ class SgrpoCLI(LightningCLI):
             callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
         trainer = self._instantiate_trainer(config, callbacks)
+        check_strategy(trainer.strategy)
         if self.mode == "fit":
             check_float16_training(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose

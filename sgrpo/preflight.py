@@ -213,3 +213,17 @@ def check_float16_training(precision: str, policy: Any) -> None:
             "and wreck the model in a step: use --trainer.precision=16-mixed (float32 weights, loss scaling) on "
             "a GPU without bfloat16, else bf16-mixed or bf16-true, with model.dtype float32 or bfloat16"
         )
+
+
+def check_strategy(strategy: Any) -> None:
+    """One device, DDP, or FSDP2 through ``ModelParallelStrategy``: the layouts sgrpo's rollouts and update keep
+    in step. Lightning's ``FSDPStrategy`` (FSDP1) and ``DeepSpeedStrategy`` shard in ways the rollout does not
+    see: each process would leave its decode loop at its own step while the other waits in a collective."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
+    if not supported or type(strategy).__name__ == "DeepSpeedStrategy":  # DeepSpeed's derives from DDP's
+        raise ConfigError(
+            f"trainer.strategy: {type(strategy).__name__} is not supported; shard with FSDP2 through "
+            "lightning.pytorch.strategies.ModelParallelStrategy (configs/scale_deepmath_8gpu.yaml), or use ddp"
+        )

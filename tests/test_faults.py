@@ -23,6 +23,7 @@ import torch
 from sgrpo.checkpoints import PARTIAL
 from sgrpo.fit import main
 from sgrpo.guards import prompt_limit, within_limit
+from sgrpo.preflight import ConfigError, check_strategy
 from sgrpo.report import read_run_metrics
 from sgrpo.tiny import build_char_tokenizer, ensure_tiny_model
 from sgrpo.types import Example
@@ -271,6 +272,23 @@ def test_a_step_that_does_not_split_over_the_processes_is_refused_before_loading
     assert [p.name for p in (tmp_path / "lightning_logs").rglob("*") if p.is_file()] == ["config.yaml"]
     main(args(tmp_path, model_dir, "--trainer.max_steps=1"))
     assert last_step(tmp_path) == 1
+
+
+def test_strategies_whose_sharding_the_rollout_cannot_see_are_refused():
+    """FSDP1 (Lightning's ``fsdp``) and DeepSpeed gather weights inside each forward, out of the rollout's
+    sight: refused, naming FSDP2. (Lightning builds neither on CPU, so the check is called here directly; the
+    supported strategies pass through it in every fit of the suite.)"""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    class DeepSpeedStrategy(DDPStrategy):  # the name Lightning's has (it needs the deepspeed package)
+        pass
+
+    for strategy in (SingleDeviceStrategy("cpu"), DDPStrategy(), ModelParallelStrategy()):
+        check_strategy(strategy)
+    for strategy in (FSDPStrategy(), DeepSpeedStrategy()):
+        name = type(strategy).__name__
+        with pytest.raises(ConfigError, match=f"trainer.strategy: {name} is not supported; shard with FSDP2"):
+            check_strategy(strategy)
 
 
 def test_an_empty_config_file_fails_in_one_line(tmp_path, capsys):
