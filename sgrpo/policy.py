@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -11,7 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from estimators import AdvantageEstimator, budget_mass, budget_shares
+from estimators import AdvantageEstimator
 from estimators.base import constant_groups
 from sgrpo.checks import require
 from sgrpo.data import PromptBatch, StepBatches, mix_seed, prompt_collate
@@ -25,13 +24,13 @@ from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.preflight import ConfigError
 from sgrpo.rollout import HFRollout, RolloutEngine
-from sgrpo.samples import completion_rows, write_rows
+from sgrpo.step_logging import StepLogging
 from sgrpo.types import Example, RolloutBatch
 from sgrpo.update import PolicyUpdate
 from tasks.base import Task
 
 
-class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
+class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, LightningModule):
     """Group-relative policy optimisation with a pluggable advantage estimator (manual optimisation).
 
     One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
@@ -339,44 +338,11 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
             torch.manual_seed(seed)
             return self.rollout.generate(self.model, self.tokenizer, examples, self.group_size)
 
-    def log_completions(self, rollout, rewards, success, parts, advantages) -> None:
-        """A few groups of this step (this process's first ones), to ``completions.jsonl`` and the logger."""
-        if not self.trainer.is_global_zero:
-            return
-        p, g = rollout.prompt_length, rollout.group_size
-        prompts = self.tokenizer.batch_decode(rollout.input_ids[::g, :p], skip_special_tokens=True)
-        rows = completion_rows(
-            self.rollout_step, rollout, prompts, rewards, success, parts, advantages, self.log_completions_groups
-        )
-        write_rows(rows, Path(self.trainer.default_root_dir), self.trainer.loggers, self.rollout_step)
-
     def informative_groups(self, rewards: Tensor) -> Tensor:
         """``[B]`` bool: the groups the update trains on (with ``dynamic_sampling``, not the constant ones)."""
         if not self.dynamic_sampling:
             return torch.ones_like(rewards[:, 0], dtype=torch.bool)
         return ~constant_groups(rewards).squeeze(-1)
-
-    def _log_step(self, rollout, rewards, success, advantages, logs: dict[str, Tensor], timing: dict[str, float]):
-        lengths = rollout.completion_mask.sum(-1).float()  # [N]
-        advantages = advantages.float()
-        self._log_mean(
-            logs
-            | {
-                "train/advantage/mean": advantages.mean(),
-                "train/advantage/abs_mean": advantages.abs().mean(),
-                "train/completion/length_mean": lengths.mean(),
-                "train/completion/truncated": rollout.truncated.float().mean(),
-                "train/time/rollout_s": timing["rollout_s"],
-                "train/time/step_s": timing["step_s"],
-                "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
-            },
-            prog_bar=("train/reward", "train/success_rate"),
-        )
-        maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
-        self.log_dict(maxima, sync_dist=True, reduce_fx="max")
-        self.log("train/advantage/min", advantages.min(), sync_dist=True, reduce_fx="min")
-        mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
-        self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
 
     def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor], dict]:
         """Rewards, success flags and each reward component ``[B, G]`` for a rollout, and the metrics to log.
@@ -398,9 +364,3 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, LightningModule):
         parts = {name: values.to(self.device).float().view_as(rewards) for name, values in result.parts.items()}
         log |= {f"train/reward/{name}": values.mean() for name, values in parts.items()}
         return rewards, success, parts, log
-
-    def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
-        world = self.trainer.world_size if self._trainer else 1
-        for key, value in values.items():
-            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
-            self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)

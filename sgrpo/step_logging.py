@@ -1,0 +1,56 @@
+"""What a training step logs: its metrics (means over every process; maxima, minima and the gradient
+budget by difficulty reduced over processes) and, every ``log_completions_every`` steps, a few groups of
+completions (``sgrpo.samples``). ``StepLogging`` is mixed into ``GRPOPolicy``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from estimators import budget_mass, budget_shares
+from sgrpo.samples import completion_rows, write_rows
+
+
+class StepLogging:
+    """The logging half of ``GRPOPolicy.training_step``."""
+
+    def log_completions(self, rollout, rewards, success, parts, advantages) -> None:
+        """A few groups of this step (this process's first ones), to ``completions.jsonl`` and the logger."""
+        if not self.trainer.is_global_zero:
+            return
+        p, g = rollout.prompt_length, rollout.group_size
+        prompts = self.tokenizer.batch_decode(rollout.input_ids[::g, :p], skip_special_tokens=True)
+        rows = completion_rows(
+            self.rollout_step, rollout, prompts, rewards, success, parts, advantages, self.log_completions_groups
+        )
+        write_rows(rows, Path(self.trainer.default_root_dir), self.trainer.loggers, self.rollout_step)
+
+    def _log_step(self, rollout, rewards, success, advantages, logs: dict[str, Tensor], timing: dict[str, float]):
+        lengths = rollout.completion_mask.sum(-1).float()  # [N]
+        advantages = advantages.float()
+        self._log_mean(
+            logs
+            | {
+                "train/advantage/mean": advantages.mean(),
+                "train/advantage/abs_mean": advantages.abs().mean(),
+                "train/completion/length_mean": lengths.mean(),
+                "train/completion/truncated": rollout.truncated.float().mean(),
+                "train/time/rollout_s": timing["rollout_s"],
+                "train/time/step_s": timing["step_s"],
+                "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
+            },
+            prog_bar=("train/reward", "train/success_rate"),
+        )
+        maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
+        self.log_dict(maxima, sync_dist=True, reduce_fx="max")
+        self.log("train/advantage/min", advantages.min(), sync_dist=True, reduce_fx="min")
+        mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
+        self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
+
+    def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
+        world = self.trainer.world_size if self._trainer else 1
+        for key, value in values.items():
+            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+            self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
