@@ -92,7 +92,7 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
             log.info("removed %s, left by a write that did not finish", path)
     if ckpt_path == "last":
         return latest_checkpoint(folder)
-    held = [name for name in RUN_OUTPUTS if (root / name).exists() and not _only_configs(root / name)]
+    held = [name for name in RUN_OUTPUTS if _holds_output(root / name)]
     resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
     if not leader or not held or resuming:
         return ckpt_path
@@ -108,11 +108,13 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
     return ckpt_path
 
 
-def _only_configs(path: Path) -> bool:
-    """A ``lightning_logs`` folder that holds nothing but the configs of starts that stopped before their first
-    step (a configuration refused once the processes existed, a model that did not load): no run to lose."""
-    files = [f for f in path.rglob("*") if f.is_file()] if path.name == "lightning_logs" else [path]
-    return all(f.name in ("config.yaml", "hparams.yaml") for f in files)
+def _holds_output(path: Path) -> bool:
+    """``path`` (one of ``RUN_OUTPUTS``) holds something of a run. A ``lightning_logs`` folder with nothing but
+    configs holds none: those of starts that stopped before their first step (a configuration refused once the
+    processes existed, a model that did not load)."""
+    if path.name != "lightning_logs":
+        return path.exists()
+    return any(f.is_file() and f.name not in ("config.yaml", "hparams.yaml") for f in path.rglob("*"))
 
 
 def logger_versions(root: Path, name: str) -> list[Path]:
