@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
+from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint, resume_failure
 from sgrpo.distributed import release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
@@ -264,14 +264,20 @@ def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> 
 
 
 def fit(trainer, policy: GRPOPolicy, ckpt_path: str | None) -> None:
-    """``trainer.fit``, exiting 143 after SIGTERM and 130 after Ctrl-C (Lightning exits 0 and 1)."""
+    """``trainer.fit``, exiting 143 after SIGTERM and 130 after Ctrl-C (Lightning exits 0 and 1); a checkpoint that
+    does not load into this run is refused in one line (``CheckpointError``), and left as it was."""
     signal_exit = next(c for c in trainer.callbacks if isinstance(c, SignalExit))
+    checkpoints = next(c for c in trainer.callbacks if isinstance(c, RunCheckpoint))
     try:
         trainer.fit(policy, ckpt_path=ckpt_path)
     except SystemExit:
         if signal_exit.status is None:
             raise
         raise SystemExit(signal_exit.status) from None
+    except Exception as err:
+        if checkpoints.failed_resume is err:  # nothing was written: one line, exit 2
+            raise CheckpointError(resume_failure(ckpt_path, err)) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Lightning hands every logged step to each of the trainer's loggers; ``MetricsFil
 ``sgrpo.fit`` next to the logger the run chose (CSV by default, TensorBoard, W&B, or none). Global rank 0
 appends one JSON object per logged step, ``{"step": N, "train/reward": ..., ...}``, and never rewrites the
 file: a resumed run extends it. A fit resumed from a checkpoint first appends ``{"resumed_at": S}``, S the
-first step it logs (Lightning's logging step, known only then), which supersedes what the earlier starts
+first training step it logs, which supersedes what the earlier starts
 logged at steps S and later: a resume from an older checkpoint (after a kill) logs those steps again, and
 the curves show each step once, from the start that continued. A line cut short by a kill is skipped when
 the file is read.
@@ -35,7 +35,7 @@ class MetricsFile(Logger):
         super().__init__()
         self.path = Path(root) / METRICS_FILE
         self._line_started = False  # whether this process checked that the file ends with a whole line
-        self._resuming = False
+        self._resuming: int | bool | None = None  # True, or the step this start resumed at, until written
 
     @property
     def name(self) -> str:
@@ -58,14 +58,15 @@ class MetricsFile(Logger):
         values = {key: float(value) for key, value in metrics.items() if key != "epoch"}
         if not values:
             return
-        if self._resuming:  # the first step this start logs: what the earlier starts logged from here is stale
-            self._resuming = False
-            self._append({RESUMED_AT: step})
+        if self._resuming is not None:  # this start's first record: what the earlier starts logged from here is stale
+            self._append({RESUMED_AT: step if self._resuming is True else self._resuming})
+            self._resuming = None
         self._append({"step": step, **values})
 
-    def mark_resume(self) -> None:
-        """This start resumed from a checkpoint: its first logged step supersedes that step and later ones."""
-        self._resuming = True
+    def mark_resume(self, step: int | None = None) -> None:
+        """This start resumed from a checkpoint at training step ``step`` (default: its first logged step): that
+        step and later ones supersede what earlier starts logged there."""
+        self._resuming = True if step is None else step
 
     def _append(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +86,8 @@ class MarkResume(Callback):
         self.metrics = metrics
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.ckpt_path is not None:
-            self.metrics.mark_resume()
+        if trainer.ckpt_path is not None:  # its first training step logs at rollout_step (a validation redone
+            self.metrics.mark_resume(pl_module.rollout_step)  # first, of the step before, logs one step earlier)
 
 
 def read_metrics_file(path: Path) -> Series:

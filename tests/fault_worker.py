@@ -1,12 +1,17 @@
-"""Run by test_faults.py in a fresh interpreter: ``sgrpo.fit`` whose write of ``last.ckpt`` at one step stalls.
+"""Run by test_faults.py in a fresh interpreter: ``sgrpo.fit`` with a fault injected at one point.
 
-fault_worker.py STEP MARKER FIT_ARGS...   the write of last.ckpt at global step STEP writes half of its
-                                          bytes, creates MARKER and hangs there (the test kills it)
+fault_worker.py stall STEP MARKER FIT_ARGS...   the write of last.ckpt at global step STEP writes half of its
+                                                bytes, creates MARKER and hangs there (the test kills it)
+fault_worker.py raise RANK STEP FIT_ARGS...     process RANK (of a multi-process fit: Lightning's launcher runs
+                                                this same command for the others) raises inside the gradient
+                                                accumulation of training step STEP (1-based), as a CUDA
+                                                out-of-memory would (ROOT/raised.RANK marks the moment)
 """
 
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +20,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+INJECTED = "injected fault: out of memory in the gradient accumulation"
 
 
 def stall_at(step: int, marker: Path) -> None:
@@ -34,8 +41,27 @@ def stall_at(step: int, marker: Path) -> None:
     torch.save = stalling_save
 
 
+def raise_at(rank: int, step: int) -> None:
+    from sgrpo.update import PolicyUpdate
+
+    accumulate = PolicyUpdate.accumulate_gradients
+    this_rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+    def failing(self, *args, **kwargs):
+        if this_rank == rank and self.rollout_step == step - 1:
+            Path(self.trainer.default_root_dir, f"raised.{rank}").touch()
+            raise RuntimeError(f"{INJECTED} (process {rank}, step {step})")
+        return accumulate(self, *args, **kwargs)
+
+    PolicyUpdate.accumulate_gradients = failing
+
+
 if __name__ == "__main__":
-    stall_at(int(sys.argv[1]), Path(sys.argv[2]))
+    mode, first, second, *fit_args = sys.argv[1:]
+    if mode == "stall":
+        stall_at(int(first), Path(second))
+    else:
+        raise_at(int(first), int(second))
     from sgrpo.fit import main
 
-    main(sys.argv[3:])
+    main(fit_args)

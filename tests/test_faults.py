@@ -7,6 +7,7 @@ run; everything refused is refused in one line (exit 2) before any model loads.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -152,7 +153,7 @@ def test_kill_9_then_sigterm_at_random_instants_then_resume_reproduces_the_run(m
 @pytest.mark.slow
 def test_kill_9_in_the_middle_of_writing_last_ckpt(model_dir, reference, other_tmpdir, tmp_path):
     root, marker = tmp_path / "run", tmp_path / "stalled"
-    process = launch(root, model_dir, other_tmpdir, str(WORKER), "5", str(marker))
+    process = launch(root, model_dir, other_tmpdir, str(WORKER), "stall", "5", str(marker))
     wait_for(marker.exists, process)
     process.kill()
     process.wait()
@@ -187,6 +188,53 @@ def test_ctrl_c_saves_and_exits_130(model_dir, other_tmpdir, tmp_path):
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=120) == 130
     assert last_step(tmp_path / "run") >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2-process-1-fails", "ddp-process-0-fails"])
+def test_an_error_on_one_process_ends_every_process_within_seconds(strategy, model_dir, tmp_path):
+    """One of 2 processes raises inside the gradient accumulation of step 2 (as an out-of-memory would) while the
+    other waits in a collective: both end within 60 s, non-zero, the error's traceback shown, nothing saved after
+    it. Process 1 is started by Lightning's launcher in process 0; process 0 failing must end it too."""
+    root, rank = tmp_path / "run", "1" if strategy.startswith("fsdp2") else "0"
+    layout = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml")]
+    if strategy.startswith("ddp"):
+        layout = ["--trainer.devices=2", "--trainer.strategy=ddp"]
+    fit_args = args(root, model_dir, "--trainer.max_steps=5", *layout)
+    command = [sys.executable, str(WORKER), "raise", rank, "2", *fit_args]
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            wait_for((root / f"raised.{rank}").exists, process, timeout=240)
+            raised = time.monotonic()
+            code = process.wait(timeout=60)
+            ended = time.monotonic() - raised
+            time.sleep(0.5)
+            assert live_processes(process.pid) == []  # no process of the job is left (zombies aside)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code != 0, text[-3000:]
+    assert f"error: process {rank} of 2 failed at step 1" in text and "Traceback" in text, text[-3000:]
+    assert "injected fault: out of memory" in text and "RuntimeError" in text
+    last = root / "checkpoints" / "last.ckpt"
+    state = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=False, mmap=not last.is_dir())
+    assert state["global_step"] == 1  # the step before the error: nothing was saved after it
+    print(f"{strategy}: every process ended {ended:.1f} s after the error, exit {code}")
+
+
+def live_processes(group: int) -> list[int]:
+    """The processes of process group ``group`` still running (a zombie has ended; no reaper may collect it)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state ppid pgrp ...
+            if int(fields[2]) == group and fields[0] != "Z":
+                alive.append(int(stat.parent.name))
+    return alive
 
 
 # ------------------------------------------------------------------------------------------ run folders

@@ -1,0 +1,128 @@
+"""SIGTERM and Ctrl-C land anywhere in a fit of configs/tiny.yaml; the resume continues it exactly.
+
+Each signal is sent by the process to itself from a hook at one landing point (mid-step, during a validation,
+just after one, during a checkpoint write), so the point is the same every time. The interrupted run then
+resumes with ``--ckpt_path last`` to the end; its ``metrics.jsonl`` must hold the uninterrupted run's rows,
+value for value (timings aside). A resume that fails to load (another optimiser, LoRA added) writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgrpo.checkpoints import AtomicCheckpointIO
+from sgrpo.fit import main
+from sgrpo.metrics_file import read_metrics_file
+from sgrpo.policy import GRPOPolicy
+from sgrpo.tiny import ensure_tiny_model
+from sgrpo.update import PolicyUpdate
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4  # validation after steps 2 and 4
+TIMINGS = ("train/time/", "train/throughput/")
+
+
+def args(root: Path, model_dir: str, *extra: str) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+        f"--model.model={model_dir}", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=2", "--checkpoint_every=2", *extra,
+    ]  # fmt: skip
+
+
+def rows(root: Path) -> dict[str, list[tuple[int, float]]]:
+    series = read_metrics_file(root / "metrics.jsonl")
+    return {key: points for key, points in series.items() if not key.startswith(TIMINGS)}
+
+
+def last_step(root: Path) -> int:
+    return torch.load(root / "checkpoints" / "last.ckpt", weights_only=False, mmap=True)["global_step"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
+    root = tmp_path_factory.mktemp("reference")
+    main(args(root, model_dir))
+    return rows(root)
+
+
+def signal_at(monkeypatch, cls, name: str, signum: int, when) -> None:
+    """Send ``signum`` to this process on the first call of ``cls.name`` where ``when(self)`` holds, before it runs."""
+    original, sent = getattr(cls, name), []
+
+    def wrapped(self, *a, **k):
+        if not sent and when(self):
+            sent.append(os.getpid())
+            os.kill(os.getpid(), signum)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(cls, name, wrapped)
+
+
+def in_step(n: int):  # training step n (1-based) is under way: rollout_step counts the steps done
+    return lambda policy: policy.rollout_step == n - 1
+
+
+def after_step(n: int):
+    return lambda obj: getattr(obj, "trainer", None) is None or obj.trainer.global_step == n
+
+
+LANDINGS = {  # (where, the signal, the step whose end last.ckpt must hold)
+    "sigterm-mid-step": ((PolicyUpdate, "accumulate_gradients", in_step(2)), signal.SIGTERM, 2),
+    "ctrl-c-mid-step": ((PolicyUpdate, "accumulate_gradients", in_step(2)), signal.SIGINT, 2),
+    "sigterm-during-validation": ((GRPOPolicy, "validation_step", after_step(2)), signal.SIGTERM, 2),
+    "ctrl-c-during-validation": ((GRPOPolicy, "validation_step", after_step(2)), signal.SIGINT, 2),
+    "sigterm-just-after-validation": ((GRPOPolicy, "on_validation_end", after_step(2)), signal.SIGTERM, 3),
+    "sigterm-during-checkpoint-write": ((AtomicCheckpointIO, "save_checkpoint", lambda io: True), signal.SIGTERM, 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("landing", list(LANDINGS))
+def test_a_signal_anywhere_resumes_to_the_uninterrupted_runs_metrics(landing, model_dir, reference, tmp_path,
+                                                                      monkeypatch):  # fmt: skip
+    (cls, name, when), signum, saved = LANDINGS[landing]
+    with monkeypatch.context() as patched:
+        signal_at(patched, cls, name, signum, when)
+        with pytest.raises(SystemExit) as stopped:
+            main(args(tmp_path, model_dir))
+    assert stopped.value.code == 128 + signum
+    assert last_step(tmp_path) == saved  # the end of the last complete step
+    main(args(tmp_path, model_dir, "--ckpt_path=last"))
+    got = rows(tmp_path)
+    assert sorted(got) == sorted(reference)
+    for key, points in reference.items():
+        assert got[key] == points, key  # row by row, value for value
+
+
+def test_a_failed_resume_writes_nothing_and_says_why_in_one_line(model_dir, tmp_path, capsys):
+    """Another optimiser (SGD has no Adam state: KeyError 'momentum') or LoRA added (other parameter groups):
+    the load fails; last.ckpt keeps its bytes, and the error is one line, exit 2."""
+    main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--trainer.val_check_interval=100"))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    changes = {
+        "optimizer": ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.01",
+                      "--model.optimizer.init_args.momentum=0.9"],
+        "lora": ["--model.peft.rank=4"],
+    }  # fmt: skip
+    for change in changes.values():
+        with pytest.raises(SystemExit) as refused:
+            main(args(tmp_path, model_dir, "--trainer.max_steps=3", "--ckpt_path=last", *change))
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+        assert f"--ckpt_path {last} does not load into this run" in lines[0] and "left as it was" in lines[0]
+        assert last.read_bytes() == before
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "step2.ckpt"]
