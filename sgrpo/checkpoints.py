@@ -50,7 +50,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a hidden file beside the target, ``fsync``, then ``os.replace`` over the target.
 
     A kill mid-write leaves the old checkpoint whole and a ``.NAME.partial`` file that the next run
-    removes. Local paths only (sgrpo refuses remote checkpoint paths).
+    removes; a write that fails (a full disk) removes its own. Local paths only (sgrpo refuses remote checkpoint paths).
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -59,10 +59,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = _hidden(path, PARTIAL)
-        with open(partial, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(partial, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk: free what the write took
+            partial.unlink(missing_ok=True)
+            raise
         os.replace(partial, path)
         _fsync_dir(path.parent)
 
@@ -221,6 +225,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._step_end: int | None = None  # the step whose end the weights and optimiser hold (None: mid-update)
         self._validation_pending = False  # the validation due after that step has not run yet
         self._checked_step: int | None = None  # the last step _after_step handled
+        self._writing = False  # a checkpoint is being written
         self.failed_resume: BaseException | None = None  # an error while the checkpoint to resume from loaded
         self._loaded_optimizers: list[str] | None = None  # the optimisers the checkpoint was trained with
 
@@ -282,7 +287,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._end_watch()
         if loading:
             self.failed_resume = exception
-        elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step:
+        elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step and not self._writing:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -351,6 +356,11 @@ class RunCheckpoint(ModelCheckpoint):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
+        self._writing = True  # until the write is done: an error in it saves nothing more
+        self._save_checkpoint_atomically(trainer, filepath)
+        self._writing = False
+
+    def _save_checkpoint_atomically(self, trainer, filepath: str) -> None:
         # Lightning's ModelParallelStrategy writes a sharded checkpoint as a folder, in place and from
         # every process: write it under a hidden name, then swap it in from global rank 0.
         if not getattr(trainer.strategy, "_save_distributed_checkpoint", False):

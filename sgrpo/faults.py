@@ -30,6 +30,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -155,24 +156,33 @@ def fail_fast(trainer, exception: BaseException, line: str | None = None, status
     """
     rank, world = trainer.global_rank, trainer.world_size
     summary = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}".rstrip(": ")
-    notice = f"process {rank} failed at step {trainer.global_step} ({summary})"
-    store, first = _store(), True
-    if store is not None:
-        try:
-            first = store.add(FAILURES_KEY, 1) == 1
-            if first:
-                store.set(ABORT_KEY, notice)
-        except Exception:  # the store is gone with process 0: the launchers end the rest
-            pass
-    if line is None:
-        cause = "" if first else " (after another process failed)"
+    where = f"after {trainer.global_step} training steps"
+    first, notice = _announce(f"process {rank} failed {where} ({summary})")
+    if line is None and not first:  # most likely a consequence (a peer gone mid-collective): one line
+        line = f"error: process {rank} stops: {notice}; here: {summary}"
+    elif line is None:
         stack = "".join(traceback.format_exception(exception))
-        line = f"error: process {rank} of {world} failed at step {trainer.global_step}{cause}:\n{stack}"
+        line = f"error: process {rank} of {world} failed {where}:\n{stack}"
         line += "error: stopping every process (no checkpoint is saved after an error in one process)"
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     _kill_started_processes(trainer)
     os._exit(exit_status(exception) if status is None else status)
+
+
+def _announce(notice: str) -> tuple[bool, str]:
+    """Publish ``notice`` in the store if this is the job's first failure; return (first, the first's notice)."""
+    store = _store()
+    if store is None:
+        return True, notice
+    try:
+        if store.add(FAILURES_KEY, 1) == 1:
+            store.set(ABORT_KEY, notice)
+            return True, notice
+        store.wait([ABORT_KEY], timedelta(seconds=2))
+        return False, store.get(ABORT_KEY).decode()
+    except Exception:  # the store is gone with process 0: the launchers end the rest
+        return True, notice
 
 
 def _kill_started_processes(trainer) -> None:

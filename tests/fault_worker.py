@@ -6,12 +6,16 @@ fault_worker.py raise RANK STEP FIT_ARGS...     process RANK (of a multi-process
                                                 this same command for the others) raises inside the gradient
                                                 accumulation of training step STEP (1-based), as a CUDA
                                                 out-of-memory would (ROOT/raised.RANK marks the moment)
+fault_worker.py raise_hang RANK STEP FIT_ARGS... the same, while the other processes hang at that point, as in
+                                                an NCCL collective (which a peer's death does not end)
+fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
 """
 
 from __future__ import annotations
 
 import io
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,16 +45,21 @@ def stall_at(step: int, marker: Path) -> None:
     torch.save = stalling_save
 
 
-def raise_at(rank: int, step: int) -> None:
+def raise_at(rank: int, step: int, others_hang: bool = False, sigterm: bool = False) -> None:
     from sgrpo.update import PolicyUpdate
 
-    accumulate = PolicyUpdate.accumulate_gradients
+    accumulate, sent = PolicyUpdate.accumulate_gradients, []
     this_rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
     def failing(self, *args, **kwargs):
-        if this_rank == rank and self.rollout_step == step - 1:
+        if this_rank == rank and self.rollout_step == step - 1 and sigterm and not sent:
+            sent.append(os.getpid())
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif this_rank == rank and self.rollout_step == step - 1 and not sigterm:
             Path(self.trainer.default_root_dir, f"raised.{rank}").touch()
             raise RuntimeError(f"{INJECTED} (process {rank}, step {step})")
+        if others_hang and self.rollout_step == step - 1:
+            time.sleep(600)
         return accumulate(self, *args, **kwargs)
 
     PolicyUpdate.accumulate_gradients = failing
@@ -61,7 +70,7 @@ if __name__ == "__main__":
     if mode == "stall":
         stall_at(int(first), Path(second))
     else:
-        raise_at(int(first), int(second))
+        raise_at(int(first), int(second), others_hang=mode == "raise_hang", sigterm=mode == "sigterm")
     from sgrpo.fit import main
 
     main(fit_args)

@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -190,40 +191,76 @@ def test_ctrl_c_saves_and_exits_130(model_dir, other_tmpdir, tmp_path):
     assert last_step(tmp_path / "run") >= 3
 
 
+FAILURES = {  # how the 2 processes start, which one fails, and what the other does meanwhile
+    "fsdp2-process-1-fails": ("lightning", "raise", "1", ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml")]),
+    "ddp-process-0-fails": ("lightning", "raise", "0", ["--trainer.devices=2", "--trainer.strategy=ddp"]),
+    "separate-processes-the-other-hangs": ("separate", "raise_hang", "1", ["--trainer.devices=2",
+                                                                           "--trainer.strategy=ddp"]),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp2-process-1-fails", "ddp-process-0-fails"])
-def test_an_error_on_one_process_ends_every_process_within_seconds(strategy, model_dir, tmp_path):
-    """One of 2 processes raises inside the gradient accumulation of step 2 (as an out-of-memory would) while the
-    other waits in a collective: both end within 60 s, non-zero, the error's traceback shown, nothing saved after
-    it. Process 1 is started by Lightning's launcher in process 0; process 0 failing must end it too."""
-    root, rank = tmp_path / "run", "1" if strategy.startswith("fsdp2") else "0"
-    layout = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml")]
-    if strategy.startswith("ddp"):
-        layout = ["--trainer.devices=2", "--trainer.strategy=ddp"]
-    fit_args = args(root, model_dir, "--trainer.max_steps=5", *layout)
-    command = [sys.executable, str(WORKER), "raise", rank, "2", *fit_args]
-    log = tmp_path / "log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            wait_for((root / f"raised.{rank}").exists, process, timeout=240)
-            raised = time.monotonic()
-            code = process.wait(timeout=60)
-            ended = time.monotonic() - raised
-            time.sleep(0.5)
-            assert live_processes(process.pid) == []  # no process of the job is left (zombies aside)
-        finally:
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_an_error_on_one_process_ends_every_process_within_seconds(case, model_dir, tmp_path):
+    """One of 2 processes raises inside the gradient accumulation of step 2 (as an out-of-memory would): every
+    process ends within 60 s, non-zero, the error's traceback shown, nothing saved after it.
+
+    Lightning's launcher starts process 1 from process 0: process 0 failing must end it. Processes started
+    separately (as srun starts them) with the other one hanging where it waits (as in an NCCL collective, which
+    a peer's death does not end) are ended by the notice in the process group's store alone.
+    """
+    launch_kind, mode, rank, layout = FAILURES[case]
+    root = tmp_path / "run"
+    command = [sys.executable, str(WORKER), mode, rank, "2", *args(root, model_dir, "--trainer.max_steps=5", *layout)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    ranks = [{}] if launch_kind == "lightning" else [group | {"LOCAL_RANK": str(r), "RANK": str(r)} for r in (0, 1)]
+    logs = [tmp_path / f"log{i}" for i in range(len(ranks))]
+    processes = [subprocess.Popen(command, cwd=REPO, env=env | extra, stdout=open(log, "w"),  # noqa: SIM115
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+                 for extra, log in zip(ranks, logs, strict=True)]  # fmt: skip
+    try:
+        wait_for((root / f"raised.{rank}").exists, processes[0], timeout=240)
+        raised = time.monotonic()
+        codes = [process.wait(timeout=60) for process in processes]
+        ended = time.monotonic() - raised
+        time.sleep(0.5)
+        assert [live_processes(p.pid) for p in processes] == [[]] * len(processes)  # none left (zombies aside)
+    finally:
+        for process in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code != 0, text[-3000:]
-    assert f"error: process {rank} of 2 failed at step 1" in text and "Traceback" in text, text[-3000:]
+    text = "".join(log.read_text() for log in logs)
+    assert all(code != 0 for code in codes), text[-3000:]
+    assert f"error: process {rank} of 2 failed after 1 training steps" in text and "Traceback" in text, text[-3000:]
     assert "injected fault: out of memory" in text and "RuntimeError" in text
+    if launch_kind == "separate":
+        assert "error: process 0 stops: process 1 failed after 1 training steps" in text
     last = root / "checkpoints" / "last.ckpt"
     state = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=False, mmap=not last.is_dir())
     assert state["global_step"] == 1  # the step before the error: nothing was saved after it
-    print(f"{strategy}: every process ended {ended:.1f} s after the error, exit {code}")
+    print(f"{case}: every process ended {ended:.1f} s after the error, exit {codes}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_first_of_2_sharded_processes_stops_both_at_one_steps_end(model_dir, tmp_path):
+    """SIGTERM to process 0 (Lightning's launcher passes it on to process 1) in the middle of step 2: both finish
+    the step, save it together (a sharded checkpoint: a collective) and exit 143."""
+    root = tmp_path / "run"
+    layout = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"), "--checkpoint_every=100"]
+    command = [sys.executable, str(WORKER), "sigterm", "0", "2", *args(root, model_dir, "--trainer.max_steps=5",
+                                                                      *layout)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert torch.load(root / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == 2
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def live_processes(group: int) -> list[int]:

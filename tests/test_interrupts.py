@@ -8,6 +8,7 @@ value for value (timings aside). A resume that fails to load (another optimiser,
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
@@ -103,6 +104,34 @@ def test_a_signal_anywhere_resumes_to_the_uninterrupted_runs_metrics(landing, mo
     assert sorted(got) == sorted(reference)
     for key, points in reference.items():
         assert got[key] == points, key  # row by row, value for value
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_that_fails_loses_no_metrics_row(model_dir, reference, tmp_path, monkeypatch):
+    """A full disk during step 2's checkpoint: that step's metrics are already written, the half-written file is
+    removed, nothing else is saved after the error; the resume from step 1 continues the run exactly."""
+    save = torch.save
+
+    def full_once(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("global_step") == 2 and not failed:
+            failed.append(f.name)
+            f.write(b"x" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, *a, **k)
+
+    failed: list[str] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "save", full_once)
+        with pytest.raises(OSError, match="No space left"):
+            main(args(tmp_path, model_dir, "--checkpoint_every=1"))
+    assert failed and not Path(failed[0]).exists()  # the partial file, removed
+    assert last_step(tmp_path) == 1
+    assert [step for step, _ in rows(tmp_path)["train/reward"]] == [0, 1]  # step 2 is logged at 1
+    main(args(tmp_path, model_dir, "--checkpoint_every=1", "--ckpt_path=last"))
+    got = rows(tmp_path)
+    assert sorted(got) == sorted(reference)
+    for key, points in reference.items():
+        assert got[key] == points, key
 
 
 def test_a_failed_resume_writes_nothing_and_says_why_in_one_line(model_dir, tmp_path, capsys):
