@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint, resume_failure
+from sgrpo.checkpoints import AtomicCheckpointIO
 from sgrpo.distributed import release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
@@ -46,6 +46,7 @@ from sgrpo.preflight import (
     check_strategy,
     check_values,
 )
+from sgrpo.run_checkpoint import RunCheckpoint, resume_failure
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
 MODES = ("fit", "validate", "test")

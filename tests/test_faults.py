@@ -13,16 +13,19 @@ import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from sgrpo.checkpoints import PARTIAL
+from sgrpo.checkpoints import PARTIAL, resumable
+from sgrpo.export import CheckpointError, open_checkpoint
 from sgrpo.fit import main
 from sgrpo.guards import prompt_limit, within_limit
 from sgrpo.preflight import ConfigError, check_strategy
@@ -173,6 +176,36 @@ def test_a_broken_last_ckpt_falls_back_to_the_newest_that_loads(model_dir, refer
     assert "resuming from " + str(tmp_path / "checkpoints" / "step5.ckpt") in caplog.text
 
 
+def flip_tensor_bytes(path: Path) -> None:
+    """Change 8 bytes in the middle of the largest tensor of a checkpoint file, its zip structure intact."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_length + extra_length + info.file_size // 2)
+        data = f.read(8)
+        f.seek(-8, os.SEEK_CUR)
+        f.write(bytes(b ^ 0x5A for b in data))
+
+
+def test_a_checkpoint_whose_bytes_changed_is_skipped(model_dir, tmp_path):
+    """Bytes flipped inside the weights still load (torch does not notice), so the SHA-256 recorded at the write
+    finds them: the file is skipped like a truncated one, and refused by export and validate."""
+    main(args(tmp_path, model_dir, "--trainer.max_steps=3"))
+    folder = tmp_path / "checkpoints"
+    last = folder / "last.ckpt"
+    assert resumable(folder) == (last, [])
+    flip_tensor_bytes(last)
+    torch.load(last, map_location="cpu", mmap=True, weights_only=False)  # silent to torch
+    assert resumable(folder) == (folder / "step3.ckpt", [f"skipped {last}: it does not load (corrupt: its SHA-256 "
+                                                         "is not that of the bytes written)"])  # fmt: skip
+    with pytest.raises(CheckpointError, match="corrupt"):
+        open_checkpoint(last)
+    hidden = sorted(p.name for p in folder.glob(".*"))  # keep_last 2 pruned step1.ckpt and its checksum
+    assert hidden == [".last.ckpt.sha256", ".step2.ckpt.sha256", ".step3.ckpt.sha256"]
+
+
 def test_saves_do_not_need_a_usable_tmpdir(model_dir, tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -288,14 +321,14 @@ def test_a_second_fresh_run_into_a_folder_is_refused_and_last_is_this_runs(model
     main(second + ["--trainer.max_steps=4", "--ckpt_path=last"])
     state = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
     assert state["global_step"] == 4 and state["optimizer_states"][0]["param_groups"][0]["lr"] == 0.01
-    assert [p.name for p in sorted((root / "checkpoints").iterdir())] == ["last.ckpt", "step3.ckpt", "step4.ckpt"]
+    assert [p.name for p in sorted((root / "checkpoints").glob("[!.]*"))] == ["last.ckpt", "step3.ckpt", "step4.ckpt"]
     assert sorted(rewards(root)) == [0, 1, 2, 3]
 
 
 def test_last_ckpt_is_the_final_step_and_only_the_newest_are_kept(model_dir, tmp_path):
     run = args(tmp_path, model_dir, "--checkpoint_every=2", "--keep_last=2", "--trainer.val_check_interval=7")
     main(run + ["--trainer.max_steps=7"])  # it validates after its last step
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt", "step4.ckpt", "step6.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("[!.]*")) == ["last.ckpt", "step4.ckpt", "step6.ckpt"]
     assert last_step(tmp_path) == 7
     main(run + ["--trainer.max_steps=9", "--ckpt_path=last"])  # a finished run continues from its end
     assert sorted(rewards(tmp_path)) == list(range(9))

@@ -1,0 +1,259 @@
+"""``RunCheckpoint``: which state a run saves, and when; what is never saved (after an error mid-update, while a
+checkpoint loads, after one process's error); and a signal's stop at a step's end.
+
+Every checkpoint holds the state at the end of a training step, the one state a resume continues exactly.
+It is written after Lightning logged that step's metrics (a failed write loses no metrics row), before
+the validation or the step that follows, and its loop counters are those of that step's end
+(``step_end_loops``), noting whether the validation due after it has run. Files are written by
+``sgrpo.checkpoints``; what a fault does is ``sgrpo.faults``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, replace_folder
+from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
+
+#: a checkpoint's record of the step whose end it holds: ``{"step": N, "validation_pending": bool, "optimizers"}``
+STEP_END = "sgrpo_step_end"
+
+
+def step_end_loops(loops: dict[str, Any], step: int, validation_pending: bool, validating: bool) -> dict[str, Any]:
+    """Lightning's loop counters as they stand at the end of training step ``step`` (``on_train_batch_end``).
+
+    A state saved later (during the validation after that step, or the next step's rollout, nothing
+    having changed since) resumes as if saved there. Lightning resumes such a checkpoint with the next
+    step and skips the validation due after ``step``; with ``validation_pending`` the counters say that
+    validation was interrupted before its first batch, so it runs first, logged at its own step.
+    """
+    loops = copy.deepcopy(loops)
+    fit = loops["fit_loop"]
+    batches = fit["epoch_loop.batch_progress"]
+    earlier = batches["total"]["ready"] - batches["current"]["ready"]  # batches of earlier epochs
+    total = {"ready": step, "started": step, "processed": step, "completed": step - 1}
+    batches.update(total=total, current={k: v - earlier for k, v in total.items()}, is_last_batch=False)
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = step - (2 if validation_pending else 1)
+    if validation_pending:
+        val = fit["epoch_loop.val_loop.batch_progress"]
+        done = val["total"]["completed"] - (val["current"]["completed"] if validating else 0)
+        val.update(
+            total={"ready": done + 1, "started": done + 1, "processed": done, "completed": done},
+            current={"ready": 1, "started": 1, "processed": 0, "completed": 0},
+            is_last_batch=False,
+        )
+    return loops
+
+
+def resume_failure(ckpt_path, exception: BaseException) -> str:
+    """One line for a checkpoint that failed to load into this run (nothing is written after it)."""
+    message = str(exception).splitlines()[0] if str(exception) else ""
+    return (
+        f"--ckpt_path {ckpt_path} does not load into this run ({type(exception).__name__}: {message}); it was "
+        "left as it was. Resume with the config that wrote it (model, model.peft, model.optimizer), or start "
+        "a fresh run in another --trainer.default_root_dir"
+    )
+
+
+class ResumeError(Exception):
+    """A checkpoint that loaded but cannot continue in this run (it was trained with another optimiser)."""
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """sgrpo's checkpoints: ``last.ckpt`` (after every save, at a signal, at the end of fit) and ``stepN.ckpt``
+    every ``checkpoint_every`` training steps, of which the newest ``keep_last`` are kept (None: all; 0: none,
+    only ``last.ckpt``).
+
+    Every checkpoint holds the state at the end of a training step, the one state a resume continues
+    exactly: saved there, or (after an error in a single process, or one every process raises) where
+    nothing has changed since, during the next step's rollout or a validation. Its loop counters are
+    written as at that step's end (``step_end_loops``), recording whether the validation due after it
+    is still to run. An error inside an update (after some of its optimiser steps), or while a
+    checkpoint loads, saves nothing: ``last.ckpt`` stays what it was. Under several processes an error
+    in one ends them all without saving (``sgrpo.faults``). A file of the same name is replaced, never
+    versioned (``last-v1.ckpt``); writes are atomic (``AtomicCheckpointIO``; sharded folders are written
+    hidden and swapped in).
+    """
+
+    def __init__(self, dirpath: str | None = None, checkpoint_every: int = 50, keep_last: int | None = 3) -> None:
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 training steps, got {checkpoint_every}")
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 keeps only last.ckpt) or null (keep all), got {keep_last}")
+        super().__init__(
+            dirpath=dirpath,
+            filename="step{step}",
+            monitor="step",  # "the highest steps" are the newest: save_top_k keeps the last N
+            mode="max",
+            save_top_k=-1 if keep_last is None else keep_last,
+            every_n_train_steps=checkpoint_every,
+            save_last=True,
+            save_on_exception=False,  # on_exception decides
+            auto_insert_metric_name=False,
+            enable_version_counter=False,
+        )
+        self.stops = StopRequests()
+        self._watch: AbortWatch | None = None
+        self._step_end: int | None = None  # the step whose end the weights and optimiser hold (None: mid-update)
+        self._validation_pending = False  # the validation due after that step has not run yet
+        self._checked_step: int | None = None  # the last step _after_step handled
+        self._writing = False  # a checkpoint is being written
+        self.failed_resume: BaseException | None = None  # an error while the checkpoint to resume from loaded
+        self._loaded_optimizers: list[str] | None = None  # the optimisers the checkpoint was trained with
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning warns that the folder "exists and is not empty": a resume's is, and a fresh run into a
+        folder holding another run is refused before this (``sgrpo.runs``)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
+        if trainer.world_size > 1 and self._watch is None:
+            self._watch = AbortWatch(trainer.global_rank)
+            self._watch.start()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._end_watch()
+        super().teardown(trainer, pl_module, stage)
+
+    def _end_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        ours = [_qualified(type(o)) for o in trainer.optimizers]
+        if self._loaded_optimizers is not None and self._loaded_optimizers != ours:
+            # its state loads into another optimiser's groups and fails at the first step (SGD: KeyError 'momentum')
+            trained = ", ".join(self._loaded_optimizers)
+            raise ResumeError(f"it was trained with {trained}, this run has {', '.join(ours)}")
+        self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
+        self._checked_step = None
+        self.stops.install(forward_signal(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """The last step's checkpoints, if no validation followed it; ``last.ckpt`` also where a fit ended before
+        ``max_steps`` (a callback stopped it)."""
+        self._after_step(trainer, pl_module)
+        self.stops.uninstall()
+        if self._step_end == trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self._step_end = None  # from here to the step's end the state is half a step
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._validation_pending = False
+        super().on_validation_end(trainer, pl_module)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Never save after an error in one of several processes (``fail_fast``), mid-update, or while loading."""
+        self.stops.uninstall()
+        loading = bool(trainer._checkpoint_connector._loaded_checkpoint)  # set from resume_start to resume_end
+        loading = loading or isinstance(exception, ResumeError)
+        if trainer.world_size > 1 and not isinstance(exception, EVERY_PROCESS):
+            line = None if not loading else f"error: {resume_failure(trainer.ckpt_path, exception)}"
+            fail_fast(trainer, exception, line, status=2 if loading else None)
+        self._end_watch()
+        if loading:
+            self.failed_resume = exception
+        elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step and not self._writing:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        """A step has ended: its state is the one to save, once its metrics are logged (``_after_step``)."""
+        self._step_end = trainer.global_step
+        self._validation_pending = trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._after_step(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._after_step(trainer, pl_module)
+
+    def _after_step(self, trainer, pl_module) -> None:
+        """Once per step, after Lightning logged its metrics and before the validation or the step that follows:
+        the periodic checkpoint, ``last.ckpt`` after the final step, and the stop a signal asked for.
+
+        The final checkpoint, like the periodic ones, is saved before the validation that may follow, which
+        its loop counters mark as still to run.
+        """
+        step = trainer.global_step
+        if self._step_end != step or self._checked_step == step:
+            return
+        self._checked_step = step
+        candidates = self._monitor_candidates(trainer)
+        if step % self._every_n_train_steps == 0 and not self._should_skip_saving_checkpoint(trainer):
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        signum = self.stops.agreed(pl_module.device)  # every process, every step: they stop at the same one
+        final = 0 < trainer.max_steps <= step
+        if (final or signum) and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, candidates)
+        if signum:
+            raise Stopped(signum)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx=0) -> None:
+        """A signal during a fit's validation: save the step before it (the validation runs again on resume)."""
+        if trainer.state.fn != "fit" or trainer.sanity_checking or self._step_end != trainer.global_step:
+            return
+        signum = self.stops.agreed(pl_module.device)
+        if signum:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            raise Stopped(signum)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if self._step_end is not None and self._step_end == trainer.global_step and "loops" in checkpoint:
+            validating = trainer.validating
+            checkpoint["loops"] = step_end_loops(
+                checkpoint["loops"], self._step_end, self._validation_pending, validating
+            )
+            checkpoint[STEP_END] = {
+                "step": self._step_end,
+                "validation_pending": self._validation_pending,
+                "optimizers": [_qualified(type(o)) for o in trainer.optimizers],
+            }
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """Step-end counters stand (the policy's repair of older, mid-step checkpoints does not apply)."""
+        if STEP_END in checkpoint:
+            mark = checkpoint[STEP_END]
+            state = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
+            state["_batches_that_stepped"] = mark["step"] - (2 if mark["validation_pending"] else 1)
+            self._loaded_optimizers = mark.get("optimizers")
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            checksum_path(Path(filepath)).unlink(missing_ok=True)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        self._writing = True  # until the write is done: an error in it saves nothing more
+        self._save_checkpoint_atomically(trainer, filepath)
+        self._writing = False
+
+    def _save_checkpoint_atomically(self, trainer, filepath: str) -> None:
+        # Lightning's ModelParallelStrategy writes a sharded checkpoint as a folder, in place and from
+        # every process: write it under a hidden name, then swap it in from global rank 0.
+        if not getattr(trainer.strategy, "_save_distributed_checkpoint", False):
+            return super()._save_checkpoint(trainer, filepath)
+        staged = hidden_name(Path(filepath), PARTIAL)
+        super()._save_checkpoint(trainer, str(staged))
+        if trainer.is_global_zero:
+            replace_folder(staged, Path(filepath))
+        trainer.strategy.barrier("RunCheckpoint.replace_folder")
+        self._last_checkpoint_saved = filepath
