@@ -11,6 +11,7 @@ the validation or the step that follows, and its loop counters are those of that
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, replace_folder
 from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
+
+log = logging.getLogger(__name__)
 
 #: a checkpoint's record of the step whose end it holds: ``{"step": N, "validation_pending": bool, "optimizers"}``
 STEP_END = "sgrpo_step_end"
@@ -107,6 +110,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._validation_pending = False  # the validation due after that step has not run yet
         self._checked_step: int | None = None  # the last step _after_step handled
         self._writing = False  # a checkpoint is being written
+        self._training = False  # the training loop has started
         self.failed_resume: BaseException | None = None  # an error while the checkpoint to resume from loaded
         self._loaded_optimizers: list[str] | None = None  # the optimisers the checkpoint was trained with
 
@@ -137,7 +141,7 @@ class RunCheckpoint(ModelCheckpoint):
             trained = ", ".join(self._loaded_optimizers)
             raise ResumeError(f"it was trained with {trained}, this run has {', '.join(ours)}")
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
-        self._checked_step = None
+        self._checked_step, self._training = None, True
         self.stops.install(forward_signal(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -145,6 +149,7 @@ class RunCheckpoint(ModelCheckpoint):
         ``max_steps`` (a callback stopped it)."""
         self._after_step(trainer, pl_module)
         self.stops.uninstall()
+        self._training = False
         if self._step_end == trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
@@ -170,6 +175,9 @@ class RunCheckpoint(ModelCheckpoint):
             self.failed_resume = exception
         elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step and not self._writing:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        elif not isinstance(exception, Stopped) and trainer.is_global_zero and (self._writing or self._training):
+            where = "a checkpoint write" if self._writing else "an update (after some of its optimiser steps)"
+            log.warning("stopped inside %s: nothing saved; the newest checkpoint is as it was", where)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         """A step has ended: its state is the one to save, once its metrics are logged (``_after_step``)."""
