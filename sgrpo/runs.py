@@ -166,7 +166,8 @@ def launches_run(trainer) -> bool:
 class SignalExit(Callback):
     """Records the exit status an interrupted fit owes its scheduler: 143 after SIGTERM, 130 after Ctrl-C.
 
-    Lightning saves (``RunCheckpoint``) and then exits 0 after SIGTERM, which SLURM reads as success.
+    A stop at a step's end (``sgrpo.faults.Stopped``) carries its own; Lightning exits 1 after a second
+    Ctrl-C, and 0 after a SIGTERM it handles itself (before training starts), which SLURM reads as success.
     """
 
     def __init__(self) -> None:

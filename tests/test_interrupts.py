@@ -106,6 +106,46 @@ def test_a_signal_anywhere_resumes_to_the_uninterrupted_runs_metrics(landing, mo
         assert got[key] == points, key  # row by row, value for value
 
 
+def test_an_error_inside_an_update_saves_nothing(model_dir, tmp_path, monkeypatch):
+    """An error after the first of a step's two optimiser steps (num_minibatches 2): the state is half a step,
+    so last.ckpt stays the previous step's, byte for byte (it used to get those weights with that step's
+    counter, and a resume applied the first optimiser step twice)."""
+    extra = ["--model.num_minibatches=2", "--checkpoint_every=1", "--trainer.val_check_interval=100"]
+    main(args(tmp_path, model_dir, "--trainer.max_steps=2", *extra))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    step, calls = PolicyUpdate._optimizer_step, []
+
+    def fails_second(self, *a, **k):
+        calls.append(self.rollout_step)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory in the second optimiser step")
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(PolicyUpdate, "_optimizer_step", fails_second)
+    with pytest.raises(RuntimeError, match="second optimiser step"):
+        main(args(tmp_path, model_dir, "--trainer.max_steps=4", "--ckpt_path=last", *extra))
+    assert calls == [2, 2] and last.read_bytes() == before
+
+
+def test_a_second_ctrl_c_stops_at_once_saving_only_a_steps_end(model_dir, tmp_path, monkeypatch):
+    """Ctrl-C twice before step 2's first optimiser step: the fit stops there (exit 130) and saves step 1's
+    end, which the state still is."""
+    original = PolicyUpdate.accumulate_gradients
+
+    def twice(self, *a, **k):
+        if self.rollout_step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(PolicyUpdate, "accumulate_gradients", twice)
+    with pytest.raises(SystemExit) as stopped:
+        main(args(tmp_path, model_dir, "--checkpoint_every=100"))
+    assert stopped.value.code == 130
+    assert last_step(tmp_path) == 1
+
+
 @pytest.mark.slow
 def test_a_checkpoint_write_that_fails_loses_no_metrics_row(model_dir, reference, tmp_path, monkeypatch):
     """A full disk during step 2's checkpoint: that step's metrics are already written, the half-written file is
