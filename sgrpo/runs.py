@@ -75,8 +75,14 @@ def lock_run(root: Path) -> IO[str]:
 
 
 def unlock_run(handle: IO[str]) -> None:
-    """Release a lock taken by ``lock_run``."""
+    """Release a lock taken by ``lock_run``, emptying the file first: it no longer names this process.
+
+    The file itself stays: removing it could let two runs lock two different files of the same name (one
+    opened before the removal, one after); an empty file names no holder.
+    """
     _held.remove(handle)
+    handle.truncate(0)
+    handle.flush()
     handle.close()
 
 
