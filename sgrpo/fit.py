@@ -62,6 +62,15 @@ class StepProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         return "train"
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """The run's training steps (Lightning's bar counts the steps left: a resume from 3 to 6 showed 6/2)."""
+        steps = self.trainer.max_steps
+        return steps if steps is not None and steps > 0 else super().total_train_batches
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)  # steps done
+
     def get_metrics(self, trainer, pl_module) -> dict:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
