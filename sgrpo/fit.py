@@ -17,6 +17,7 @@ checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 aft
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -24,10 +25,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
@@ -77,6 +80,19 @@ class StepProgressBar(RichProgressBar):
         return {key.removeprefix("train/"): value for key, value in items.items()}
 
 
+class ParameterCount(Callback):
+    """One line at the start of a fit: the model's class and its parameters, trainable and in all (LoRA: the
+    adapters'). Lightning's summary table took 14 lines and reported 'Total FLOPs: 0' (it counts FLOPs only for
+    a module with an ``example_input_array``)."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        parameters = list(pl_module.model.parameters())  # FSDP2's DTensors count their global size
+        total = sum(p.numel() for p in parameters)
+        trainable = sum(p.numel() for p in parameters if p.requires_grad)
+        count = lambda n: get_human_readable_count(n).strip()  # noqa: E731  ("132 K")
+        rank_zero_info(f"{type(pl_module.model).__name__}: {count(total)} parameters, {count(trainable)} trainable")
+
+
 class SgrpoCLI(LightningCLI):
     def __init__(self, *args, mode: str = "fit", **kwargs) -> None:
         self.mode = mode  # "fit", or "validate" / "test": an evaluation, which keeps no checkpoints or metrics file
@@ -95,6 +111,9 @@ class SgrpoCLI(LightningCLI):
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
+        if config.get("enable_model_summary") is not False:  # one line in place of Lightning's 14 ("FLOPs: 0")
+            callbacks.append(ParameterCount())
+        config["enable_model_summary"] = False
         logger = config.get("logger")
         if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
             logger = CSVLogger(root, flush_logs_every_n_steps=1)
@@ -220,6 +239,10 @@ def quiet_dependency_warnings() -> None:
     # process's results before it computes its metrics, and counts a prompt the sampler repeats once
     warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
     warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
+    # Lightning's advertisement for its cloud logger, printed by every run
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip:")
+    )
 
 
 def train(cli: SgrpoCLI) -> None:
