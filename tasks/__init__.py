@@ -2,12 +2,16 @@
 
 from tasks.arithmetic import CountdownReward, grade_countdown
 from tasks.base import SPLITS, Task
+from tasks.countdown import Countdown, CountdownGold
 from tasks.deepmath import DeepMath
 from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
+from tasks.holdout import hash_holdout
 from tasks.mathgrade import MathVerifyReward, NumericMatch, final_text_verifier, grade_math
 from tasks.meetingbank import MeetingBank
+from tasks.openthoughts import OpenThoughts
 from tasks.poetry import PoetryClassification, PoetryWriting
+from tasks.polaris import Polaris
 from tasks.reward import Reward, RewardResult, SampleReward, WeightedSum
 from tasks.similarity import (
     Bleu,
@@ -27,6 +31,8 @@ __all__ = [
     "SPLITS",
     "Bleu",
     "ChrF",
+    "Countdown",
+    "CountdownGold",
     "CountdownReward",
     "DeepMath",
     "EditSimilarity",
@@ -36,8 +42,10 @@ __all__ = [
     "MathVerifyReward",
     "MeetingBank",
     "NumericMatch",
+    "OpenThoughts",
     "PoetryClassification",
     "PoetryWriting",
+    "Polaris",
     "ReferenceText",
     "ReferenceTextTask",
     "Reward",
@@ -54,5 +62,6 @@ __all__ = [
     "final_text_verifier",
     "grade_countdown",
     "grade_math",
+    "hash_holdout",
     "think_format",
 ]

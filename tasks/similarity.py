@@ -206,21 +206,28 @@ class WordSimilarity(TextSimilarity):
     The reference is ``example.metadata[reference]`` when ``reference`` names a key (GSM8K's ``solution``),
     else ``example.metadata["reference"]`` when the task gives one (DeepMath with ``reference_solutions``,
     Countdown-GOLD), else ``example.answer`` (OpenThoughts, and every reference-text task). So it works with
-    any task that has a reference text. ``normalize`` is not used (the words are always normalised).
+    any task that has a reference text. ``reference_final_text`` compares with the reference's own
+    ``final_text`` (a reference that is a whole reasoning trace, such as OpenThoughts' or Countdown-GOLD's
+    assistant message, is then its answer part); off by default, as the issue states the references.
+    ``normalize`` is not used (the words are always normalised).
     """
 
     name = "similarity"
 
-    def __init__(self, f1_weight: float = 0.6, reference: str | None = None, **kwargs) -> None:
+    def __init__(
+        self, f1_weight: float = 0.6, reference: str | None = None, reference_final_text: bool = False, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         require(0.0 <= f1_weight <= 1.0, f"f1_weight must be in [0, 1], got {f1_weight}")
-        self.f1_weight, self.reference = f1_weight, reference
+        self.f1_weight, self.reference, self.reference_final_text = f1_weight, reference, reference_final_text
 
     def reference_text(self, example: Example) -> str:
         """The text a completion to ``example`` is compared with (a missing named key raises: a failed scoring)."""
         if self.reference is not None:
-            return str(example.metadata[self.reference])
-        return str(example.metadata.get("reference", example.answer))
+            text = str(example.metadata[self.reference])
+        else:
+            text = str(example.metadata.get("reference", example.answer))
+        return final_text(text) if self.reference_final_text else text
 
     def score_one(self, example: Example, completion: str) -> float:
         return self.similarity(final_text(completion), self.reference_text(example))
