@@ -7,6 +7,7 @@ from tasks.deepmath import DeepMath
 from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
 from tasks.holdout import hash_holdout
+from tasks.judge import JudgeReward
 from tasks.mathgrade import MathVerifyReward, NumericMatch, final_text_verifier, grade_math
 from tasks.meetingbank import MeetingBank
 from tasks.openthoughts import OpenThoughts
@@ -39,6 +40,7 @@ __all__ = [
     "FunctionReward",
     "ExactMatch",
     "GSM8K",
+    "JudgeReward",
     "MathVerifyReward",
     "MeetingBank",
     "NumericMatch",
