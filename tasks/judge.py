@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -146,8 +148,20 @@ class JudgeReward(TextSimilarity):
         return replies
 
     def _ask_endpoint(self, questions: list[str]) -> list[str | tuple[str, str]]:
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._request, questions))
+        """Every reply by a deadline of ``timeout`` per wave of ``concurrency`` requests (plus 1 s): a server that
+        trickles bytes, resetting each socket timeout, is cut off there too."""
+        waves = -(-len(questions) // self.concurrency)
+        deadline = time.monotonic() + self.timeout * waves + 1.0
+        pool = ThreadPoolExecutor(self.concurrency)
+        futures = [pool.submit(self._request, q) for q in questions]
+        replies = []
+        for future in futures:
+            try:
+                replies.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                replies.append(("timeout", f"no reply by the {self.timeout * waves + 1.0:g} s deadline"))
+        pool.shutdown(wait=False, cancel_futures=True)  # a thread still reading ends at its socket timeout
+        return replies
 
     def _request(self, question: str) -> str | tuple[str, str]:
         """The judge's reply, or ("timeout" | "error", why)."""

@@ -58,6 +58,18 @@ class Judge(BaseHTTPRequestHandler):
         question = body["messages"][0]["content"]
         if "STALL" in question:
             time.sleep(1.5)  # past the judge's timeout
+        if "TRICKLE" in question:  # a byte every 0.3 s: each socket read is within the timeout, the reply never ends
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(20):
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.3)
+            return
         payload = b"not json" if "BROKEN" in question else json.dumps(
             {"choices": [{"message": {"content": "I cannot grade this" if "BABBLE" in question else "Score: 7"}}]}
         ).encode()  # fmt: skip
@@ -90,10 +102,12 @@ def test_an_endpoint_judge_scores_and_its_failures_count_without_hanging(endpoin
     judge = JudgeReward(url=endpoint, judge_model="stub", timeout=0.5, concurrency=4, api_key_env="JUDGE_KEY")
     example = Example([{"role": "user", "content": "Summarise the item."}], "The council approved the budget.")
     start = time.monotonic()
-    result = judge.score([example] * 4, ["<think>x</think>The budget passed.", "STALL", "BROKEN", "BABBLE"])
-    assert time.monotonic() - start < 1.4  # the stalled request was dropped at its 0.5 s timeout
-    assert result.total.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.0])
-    assert result.failures == 3 and result.counts == {"judged": 1, "timeout": 1, "error": 1, "unparsed": 1}
+    completions = ["<think>x</think>The budget passed.", "STALL", "BROKEN", "BABBLE", "TRICKLE"]
+    result = judge.score([example] * 5, completions)
+    # the stalled request dropped at its 0.5 s timeout, the trickling one at the 0.5 x 2 waves + 1 = 2 s deadline
+    assert time.monotonic() - start < 4.0  # the trickle alone lasts 6 s
+    assert result.total.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.0, 0.0])
+    assert result.failures == 4 and result.counts == {"judged": 1, "timeout": 2, "error": 1, "unparsed": 1}
     path, body, auth = next(s for s in Judge.seen if "budget passed" in s[1]["messages"][0]["content"])
     assert (path, body["model"], body["temperature"], auth) == ("/v1/chat/completions", "stub", 0.0, "Bearer secret")
     question = body["messages"][0]["content"]
