@@ -65,6 +65,16 @@ def test_one_config_per_experiment_with_the_authors_numbers():
             assert trainer["strategy"]["init_args"]["data_parallel_size"] == 8 * nodes
 
 
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_print_config_shows_every_setting(name, capsys):
+    """``python -m sgrpo.fit --config configs/paper/X.yaml --print_config``, as a user runs it (hub ids stay unread)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(PAPER / f"{name}.yaml"), "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert exit_.value.code in (0, None) and printed["model"]["task"]["class_path"].startswith("tasks.")
+    assert printed["trainer"]["num_nodes"] == TABLE[name][5] and printed["validate_before"] is True
+
+
 def test_grpo_baseline_is_one_override():
     cli = parse(["--config", str(PAPER / "gsm8k.yaml"), "--model.estimator=estimators.GRPO", "--model.task.init_args."
                  f"path={F}gsm8k.jsonl", "--model.model=sgrpo/assets/quickstart_model", "--trainer.accelerator=cpu",
