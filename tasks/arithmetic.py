@@ -6,7 +6,7 @@ Grammar (whitespace allowed between tokens)::
     expression := term (("+" | "-") term)*
     term       := factor (("*" | "/") factor)*
     factor     := ("+" | "-") factor | INTEGER | "(" expression ")"
-    INTEGER    := digits
+    INTEGER    := ASCII digits
 
 Anything else (decimals, ``^``, ``**``, ``x``, implicit products such as ``2(3)``, names) does not parse.
 """
@@ -25,8 +25,8 @@ from tasks.similarity import final_text
 
 #: the longest expression graded, in characters (after the box, ``$``, backticks and a final period are removed)
 MAX_EXPRESSION_CHARS = 256
-_TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
-_RATIONAL = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*(\d+(?:\.\d+)?)\s*)?")
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")  # ASCII digits: "\d" would also read "٣" as 3
+_RATIONAL = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:/\s*([0-9]+(?:\.[0-9]+)?)\s*)?")
 
 
 class ExpressionError(ValueError):
@@ -150,7 +150,7 @@ def grade_countdown(completion: str, numbers: Sequence[int], target: int) -> tup
         value, used = evaluate(expression)
     except DivisionByZero:
         return 0.0, "division_by_zero"
-    except ExpressionError:
+    except (ExpressionError, RecursionError):  # nesting deeper than the stack allows (not within 256 characters)
         return 0.0, "unparsed"
     if Counter(used) != Counter(int(n) for n in numbers):
         return 0.0, "numbers"

@@ -83,6 +83,7 @@ COUNTDOWN = [  # (completion, numbers, target, label); reward 1 exactly when the
     ("2(3*4)", NUMS, TARGET, "unparsed"),  # no implicit product
     ("(2*3*4", NUMS, TARGET, "unparsed"),
     ("__import__('os').system('true')", NUMS, TARGET, "unparsed"),  # parsed, never executed
+    ("\u0662*\u0663*\u0664", NUMS, TARGET, "unparsed"),  # Arabic-Indic digits are no integers here
     ("<answer></answer>", NUMS, TARGET, "empty"),
 ]
 
@@ -96,7 +97,7 @@ def test_countdown_reward_reads_the_example():
     examples = [Example("p", str(t), metadata={"nums": n}) for _, n, t, _ in COUNTDOWN]
     result = CountdownReward().score(examples, [c for c, _, _, _ in COUNTDOWN])
     assert result.total.tolist() == [float(label == "correct") for *_, label in COUNTDOWN]
-    assert result.counts["correct"] == 13 and result.counts["unparsed"] == 7 and result.failures == 0
+    assert result.counts["correct"] == 13 and result.counts["unparsed"] == 8 and result.failures == 0
 
 
 def test_expression_parser_and_rationals():
