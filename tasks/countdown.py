@@ -59,7 +59,7 @@ class Countdown(Task):
     ``system_prompt``; ``Example.answer`` is the target, ``metadata["nums"]`` the numbers, ``difficulty`` their
     count (3 or 4).
 
-    The hub set has a train split only (490,364 rows): validation and test are held out by
+    The hub set has a train split only (about 490K rows): validation and test are held out by
     ``tasks.holdout.hash_holdout`` (distinct prompts ranked by a hash of ``seed`` and the prompt, at most 10 %;
     ``validation_size`` 1,000 and seed 42 by default, as the paper holds out DeepMath). Reward (default
     ``CountdownReward()``) and success: the paper's verifier (``tasks.arithmetic.grade_countdown``); ``verifier``
