@@ -269,8 +269,10 @@ class SplitTable:
         sizes: Mapping[str, int | float] | None = None,
         seed: int = 0,
         field: str = "path",
+        group: Callable[[Row], str] | None = None,
     ) -> None:
         self.kind = check_source(path, field)
+        self.group = group
         self.path, self.config, self.columns, self.seed, self.field = path, config, columns, seed, field
         self.schemas: list[Schema] = [schema] if isinstance(schema, Schema) else list(schema)
         self.sizes = dict(sizes or {})
@@ -339,6 +341,11 @@ class SplitTable:
         missing = [s for s in ("test", "validation") if s not in native and self.sizes.get(s)]
         if not missing:
             return native
+        if self.group is not None:
+            from tasks.holdout import hash_holdout  # imported here: it imports this module
+
+            sizes = {s: self.sizes[s] for s in ("validation", "test") if s in missing}  # validation: the first ranks
+            return native | hash_holdout(train, self.group, sizes, self.seed)
         order = list(range(len(train)))
         random.Random(self.seed).shuffle(order)
         start = 0
