@@ -8,9 +8,13 @@ forwards; under DDP every synchronised backward all-reduces the whole gradient.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 
@@ -76,3 +80,44 @@ def data_parallel_rank(strategy) -> int:
 def max_over_processes(strategy, n: int) -> int:
     """The largest ``n`` over the processes of a Lightning ``strategy`` (a collective)."""
     return int(strategy.reduce(torch.tensor(float(n), device=strategy.root_device), reduce_op="max"))
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 over every process: Lightning's ``ModelParallelStrategy`` with ``data_parallel_size`` = the number of
+    processes (``num_nodes`` x ``devices``, known once Lightning has resolved the devices) and no tensor
+    parallelism. What ``trainer.strategy: fsdp`` runs (``fsdp_as_fsdp2``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+
+#: Lightning's registered names of its FSDP1 strategy, its class's name, and the name a user may guess for FSDP2
+FSDP_NAMES = ("fsdp", "fsdp_cpu_offload", "fsdpstrategy", "fsdp2")
+
+
+def fsdp_as_fsdp2(strategy: Any) -> Any:
+    """``trainer.strategy``, with Lightning's FSDP (``fsdp``, ``fsdp_cpu_offload``, ``FSDPStrategy``) replaced
+    by ``FSDP2Strategy``, which sgrpo keeps in step (one weight gather per rollout, lockstep decode, sharded
+    checkpoints and export); prints a one-line notice on the first process. Anything else is returned as it is.
+
+    FSDP1 gathers weights inside each wrapped forward, out of the rollout's sight; the process group backend and
+    timeout of an ``FSDPStrategy`` carry over, its sharding options do not (FSDP2 shards each block).
+    """
+    if isinstance(strategy, str) and strategy.rsplit(".", 1)[-1].lower() in FSDP_NAMES:
+        kwargs = {}
+    elif isinstance(strategy, FSDPStrategy):
+        kwargs = {"process_group_backend": strategy._process_group_backend, "timeout": strategy._timeout}
+    else:
+        return strategy
+    if rank_zero_only.rank == 0:
+        print(
+            f"note: trainer.strategy {strategy if isinstance(strategy, str) else type(strategy).__name__} runs as "
+            "FSDP2 (ModelParallelStrategy, data_parallel_size = all processes): sgrpo keeps FSDP2's collectives in "
+            "step; FSDP1's options are not carried over",
+            file=sys.stderr,
+        )
+    return FSDP2Strategy(**kwargs)

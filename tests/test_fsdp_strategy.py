@@ -1,0 +1,35 @@
+"""``trainer.strategy: fsdp`` (Lightning's FSDP1 names and class) runs as FSDP2, with a one-line notice.
+
+The 2-process fit under ``--trainer.strategy=fsdp`` is a job of tests/test_sharded.py's first launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+from sgrpo.fit import parse
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["fsdp", "FSDP", "fsdp_cpu_offload", "lightning.pytorch.strategies.FSDPStrategy", "FSDPStrategy",
+     '{"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": {"cpu_offload": false}}'],
+)  # fmt: skip
+def test_fsdp_is_built_as_fsdp2_with_one_notice(strategy, tmp_path, capsys):
+    """Lightning refuses its FSDPStrategy on CPU and sgrpo's preflight refused it everywhere; mapped before the
+    trainer is built, it is FSDP2 over every process (tensor parallelism 1), and says so once."""
+    cli = parse(["--config", str(TINY), f"--trainer.strategy={strategy}", f"--trainer.default_root_dir={tmp_path}"])
+    assert isinstance(cli.trainer.strategy, ModelParallelStrategy)
+    assert cli.trainer.strategy._tensor_parallel_size == 1
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: trainer.strategy")]
+    assert len(notes) == 1 and "runs as FSDP2" in notes[0], notes
+
+
+def test_other_strategies_are_left_alone(tmp_path, capsys):
+    cli = parse(["--config", str(TINY), "--trainer.strategy=ddp", f"--trainer.default_root_dir={tmp_path}"])
+    assert isinstance(cli.trainer.strategy, DDPStrategy)
+    assert "runs as FSDP2" not in capsys.readouterr().err
