@@ -208,14 +208,12 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         precision = self._trainer.precision_plugin.precision if self._trainer is not None else "32-true"
         mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None  # FSDP2 (ModelParallel)
         gather = torch.bfloat16 if mesh is not None and precision == "bf16-mixed" else None  # its blocks' dtype
-        if self.loss.needs_reference and self.peft is None:  # with LoRA: the policy, adapters off (sgrpo.reference)
-            self.__dict__["_reference"] = build_reference(self.model, precision, gather)
         if mesh is not None:
             shard_model(self.model, mesh, gather)
-            if self._reference is not None:
-                shard_model(self._reference, mesh)  # already in the dtypes it computes in
             device = self.trainer.strategy.root_device
             self.defer_gradient_sync = defers_gradient_sync(self.gradient_sync, self.model, device)
+        if self.loss.needs_reference and self.peft is None:  # with LoRA: the policy, adapters off (sgrpo.reference)
+            self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])

@@ -16,7 +16,7 @@ the dtype the policy's forward uses it in at the trainer's precision (``referenc
 Its forward is then the initial policy's, number for number: the KL to it starts at 0 exactly, at about half
 the bytes under bf16 (Qwen2.5-1.5B: ~3.5 GB instead of 6.2 GB). Under FSDP2 it is sharded as the policy is
 (``fully_shard`` per block, no optimiser state), so its forwards are collectives that every process runs in
-step, as the policy's are (``sgrpo.update``).
+step, as the policy's are (``sgrpo.update``); each process builds only its own shards.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 
 from sgrpo.distributed import is_sharded
 from sgrpo.lora import adapters_off, has_lora
+from sgrpo.modeling import shard_model
 from sgrpo.snapshot import copy_weights, plain_shell
 
 #: precision -> the dtype every weight of the policy is converted to
@@ -47,15 +48,37 @@ def reference_dtypes(precision: str, gather_dtype: torch.dtype | None = None) ->
     return {"dtype": None, "block_dtype": None, "linear_dtype": None}
 
 
-def build_reference(model: nn.Module, precision: str, gather_dtype: torch.dtype | None = None) -> nn.Module:
-    """A frozen, eval-mode copy of the (unsharded, adapter-free) ``model`` on its device, in the dtypes of
-    ``reference_dtypes(precision, gather_dtype)``."""
+def build_reference(
+    model: nn.Module, precision: str, gather_dtype: torch.dtype | None = None, mesh=None
+) -> nn.Module:
+    """A frozen, eval-mode copy of the adapter-free ``model`` on its device, in the dtypes of
+    ``reference_dtypes(precision, gather_dtype)``. With ``mesh`` (``model`` is FSDP2-sharded over it), the copy
+    is sharded alike while still empty and each process fills its shards from its own: the whole reference is
+    never materialised on any process."""
     shell = plain_shell(model, **reference_dtypes(precision, gather_dtype))
-    shell.to_empty(device=next(model.parameters()).device)
-    shell.tie_weights()  # to_empty gives tied parameters separate storage: tie them again
+    device = next(model.parameters()).device
+    if mesh is not None:
+        shard_model(shell, mesh)  # on the meta device: FSDP2 shards the empty parameters as it sharded the policy's
+    shell.to_empty(device=device)
+    if mesh is None:
+        shell.tie_weights()  # to_empty gives tied parameters separate storage: tie them again
     with torch.no_grad():
-        copy_weights(model, shell)  # buffers too (rotary frequencies are not in the checkpoint)
+        if mesh is None:
+            copy_weights(model, shell)  # buffers too (rotary frequencies are not in the checkpoint)
+        else:
+            copy_shards(model, shell)
     return shell
+
+
+def copy_shards(source: nn.Module, target: nn.Module) -> None:
+    """Copy each local FSDP2 shard of ``source``'s parameters into ``target``'s (sharded alike: same names, shapes
+    and mesh; cast to its dtypes), and every buffer; no collective."""
+    params = dict(target.named_parameters())
+    for name, param in source.named_parameters():
+        params[name].to_local().copy_(param.to_local())
+    buffers = dict(target.named_buffers())
+    for name, buffer in source.named_buffers():
+        buffers[name].copy_(buffer)
 
 
 @contextlib.contextmanager
