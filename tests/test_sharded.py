@@ -243,13 +243,18 @@ def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_do
     assert two[two.index("Validation accuracy by difficulty") :] == table
 
 
-def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir, tmp_path):
+def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path):
     """LoRA under FSDP2 (adapters sharded with their blocks, gathered for the weight snapshot and the export)
     and under DDP, in one launch: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter
-    folder that reproduces the trained policy."""
+    folder that reproduces the trained policy. With a KL, whose reference is the policy with its adapters off
+    (no second model): the adapters must still train after each reference pass. The shipped model, whose
+    rewards vary (the random tiny model's are all 0: nothing trained)."""
+    model_dir = str(TINY.parents[1] / "sgrpo" / "assets" / "quickstart_model")
     from peft import PeftModel
+    from safetensors.torch import load_file
 
-    runs = {"fsdp2": [], "ddp": ["--trainer.strategy=ddp"]}
+    kl = "--model.loss.init_args.kl_coef=0.001"
+    runs = {"fsdp2": [kl], "ddp": ["--trainer.strategy=ddp", kl]}
     fits = []
     for strategy, extra in runs.items():
         root = str(tmp_path / strategy)
@@ -266,6 +271,8 @@ def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(model_dir,
             exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
             want = torch.load(root / "probe_logprobs.pt")
             torch.testing.assert_close(probe(exported), want, atol=1e-6, rtol=1e-6, msg=f"{strategy}: {folder}")
+        trained = load_file(root / "hf_model" / "adapter_model.safetensors")  # lora_B starts at 0
+        assert all(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k), strategy
 
 
 def probe(model) -> torch.Tensor:
