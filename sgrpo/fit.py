@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checkpoints import AtomicCheckpointIO, RunCheckpoint
-from sgrpo.distributed import release_process_group
+from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.guards import RewardFailureError
@@ -123,6 +123,7 @@ class SgrpoCLI(LightningCLI):
             loggers.append(metrics)
             callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
+        config["strategy"] = fsdp_as_fsdp2(config.get("strategy", "auto"))  # FSDP1 runs as FSDP2, with a notice
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
         if self.mode == "fit":
