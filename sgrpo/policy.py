@@ -23,7 +23,7 @@ from sgrpo.lora import LoRA, apply_lora, is_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.preflight import ConfigError
-from sgrpo.rollout import HFRollout, RolloutEngine
+from sgrpo.rollout import HFRollout, RolloutEngine, with_pad_token
 from sgrpo.step_logging import StepLogging
 from sgrpo.types import Example, RolloutBatch
 from sgrpo.update import PolicyUpdate
@@ -189,7 +189,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
 
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = with_pad_token(AutoTokenizer.from_pretrained(path))  # none: EOS pads
         self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if self.peft is not None:
