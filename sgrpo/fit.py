@@ -41,10 +41,10 @@ from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import (
     ConfigError,
     check_config_files,
-    check_float16_training,
     check_policy,
     check_strategy,
     check_values,
+    check_weight_precision,
 )
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
@@ -98,7 +98,7 @@ class SgrpoCLI(LightningCLI):
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
         if self.mode == "fit":
-            check_float16_training(trainer.precision_plugin.precision, self.model)
+            check_weight_precision(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
