@@ -238,7 +238,9 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
 
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
-        limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
+        key = "rollout" if split == "train" else "val_rollout"  # the engine that samples this split
+        engine = getattr(self, key)
+        limit = prompt_limit(self.model, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
     def on_before_batch_transfer(self, batch: PromptBatch | list, dataloader_idx: int) -> list:

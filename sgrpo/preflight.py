@@ -10,6 +10,7 @@ instead of retries and an error about something else once loading starts.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -170,6 +171,7 @@ def _cached(repo_id: str, kind: str) -> bool:
 def check_policy(policy: Any) -> None:
     """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there."""
     check_model(policy.model_path)
+    check_prompt_room(policy)
     optimizer = stand_in_optimizer(policy)
     for group in optimizer.param_groups:
         lr = float(group.get("lr", 1.0))
@@ -183,6 +185,34 @@ def check_policy(policy: Any) -> None:
     for table in vars(policy.task).values():
         if isinstance(table, SplitTable) and table.kind == "hub":
             check_hub(table.path, "dataset", f"model.task.init_args.{table.field}")
+
+
+def check_prompt_room(policy: Any) -> None:
+    """``max_prompt_tokens`` and each rollout engine's ``max_new_tokens`` fit in the engine's own limit (vLLM's
+    ``max_model_len``) and in the model's positions (read from its config.json, where it is at hand)."""
+    from sgrpo.guards import prompt_room
+
+    positions = configured_positions(policy.model_path)
+    for key in ("rollout", "val_rollout"):
+        engine = getattr(policy, key)
+        prompt_room(positions, engine.max_total_tokens, policy.max_prompt_tokens, engine.max_new_tokens, key)
+
+
+def configured_positions(model: str) -> int | None:
+    """``max_position_embeddings`` of a local model folder's config.json or a hub model's cached one, else None."""
+    path = Path(resolve_model_path(model)) / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        positions = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):  # unreadable: loading will say so
+        return None
+    return positions if isinstance(positions, int) else None
 
 
 def stand_in_optimizer(policy: Any) -> torch.optim.Optimizer:

@@ -46,7 +46,8 @@ class RolloutEngine(ABC):
     #: True when the engine samples through the trained model's own modules and weights: its log-probs
     #: (if any) are the policy's up to float rounding, so no importance weights and no second forward
     samples_from_policy: bool = True
-
+    #: the longest prompt + completion the engine takes (vLLM: ``max_model_len``); None: the model's positions
+    max_total_tokens: int | None = None
 
     @abstractmethod
     def generate(

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from sgrpo.fit import main
+from sgrpo.guards import prompt_room
 from sgrpo.preflight import BF16_MIN_ADAM_LR, ConfigError, check_weight_precision
+from sgrpo.rollout import HFRollout
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
+from sgrpo.vllm_rollout import VLLMRollout
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -99,3 +102,55 @@ def test_the_bound_is_where_bfloat16_loses_adam_steps_on_the_tiny_model():
     assert not unchanged(4 * BF16_MIN_ADAM_LR, 1)[1]  # above 0.02 * 2^-8 they do
     assert unchanged(1e-6, 10)[0] > 0.95  # measured 98.0 %
     assert unchanged(1e-3, 10)[0] < 0.05  # measured 0.8 %
+
+
+# ---------------------------------------------------------------------------- prompts and the engine's length
+class ShortEngine(HFRollout):
+    """An engine with a total-length limit of its own (as vLLM's ``max_model_len``), here 14 tokens."""
+
+    max_total_tokens = 14
+
+
+def test_vllm_bounds_prompts_by_its_max_model_len():
+    """configs/scale_deepmath_8gpu.yaml's numbers: Qwen2.5-1.5B's 32,768 positions allowed prompts of 30,720
+    tokens beside 2,048 new ones, in an engine that takes 4,096; now the engine's length bounds them."""
+    engine = VLLMRollout(max_new_tokens=2048, max_model_len=4096)
+    assert engine.max_total_tokens == 4096 and VLLMRollout(max_new_tokens=8).max_total_tokens is None
+    assert HFRollout().max_total_tokens is None  # the model's positions
+    assert prompt_room(32768, engine.max_total_tokens, None, 2048) == 2048
+    assert prompt_room(32768, None, None, 2048) == 30720  # without an engine limit: the positions
+    assert prompt_room(None, None, None, 2048) is None
+    with pytest.raises(ConfigError, match=r"max_prompt_tokens=30720 \+ model.rollout max_new_tokens=2048 exceed "
+                                          r"model.rollout's max_model_len \(4096 tokens\).*<= 2048"):  # fmt: skip
+        prompt_room(32768, 4096, 30720, 2048)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--model.rollout=sgrpo.vllm_rollout.VLLMRollout", "--model.rollout.init_args.max_new_tokens=8",
+          "--model.rollout.init_args.max_model_len=16", "--model.max_prompt_tokens=12"],
+         "model.max_prompt_tokens=12 + model.rollout max_new_tokens=8 exceed model.rollout's max_model_len (16 "
+         "tokens)"),
+        (["--model.max_prompt_tokens=60"],  # the tiny model's config.json: 64 positions, 8 new tokens
+         "model.max_prompt_tokens=60 + model.rollout max_new_tokens=8 exceed the model's max_position_embeddings"),
+        (["--model.val_rollout=sgrpo.rollout.HFRollout", "--model.val_rollout.init_args.max_new_tokens=64"],
+         "model.val_rollout max_new_tokens=64 leaves no room for a prompt in the model's max_position_embeddings"),
+    ],
+    ids=["vllm-max-model-len", "model-positions", "val-rollout"],
+)  # fmt: skip
+def test_prompts_that_cannot_fit_the_engine_are_refused_before_loading(extra, needle, model_dir, tmp_path,
+                                                                       capsys):  # fmt: skip
+    assert needle in refusal(tmp_path, model_dir, capsys, "--trainer.max_steps=2", *extra)
+
+
+def test_the_prompt_guard_drops_prompts_over_the_engine_length(model_dir, tmp_path):
+    """An engine that takes 14 tokens with 8 new ones leaves 6 for a prompt: the 128 sort prompts of 5 digits
+    ("s:12345=", 8 tokens) are dropped at read, not sent to the engine (the model's 64 positions allow 56)."""
+    cli = main([
+        "--config", TINY, f"--trainer.default_root_dir={tmp_path}", f"--model.model={model_dir}",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.max_steps=1",
+        "--trainer.val_check_interval=1000", "--model.rollout=tests.test_preflight.ShortEngine",
+        "--model.rollout.init_args.max_new_tokens=8",
+    ])  # fmt: skip
+    assert cli.model.prompts_dropped == 128
