@@ -43,6 +43,7 @@ from sgrpo.preflight import (
     check_config_files,
     check_policy,
     check_strategy,
+    check_tensor_parallel,
     check_values,
     check_weight_precision,
 )
@@ -97,6 +98,7 @@ class SgrpoCLI(LightningCLI):
         config["logger"] = loggers or False
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
+        check_tensor_parallel(trainer.strategy)
         if self.mode == "fit":
             check_weight_precision(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose

@@ -283,3 +283,24 @@ def check_strategy(strategy: Any) -> None:
             f"trainer.strategy: {type(strategy).__name__} is not supported; shard with FSDP2 through "
             "lightning.pytorch.strategies.ModelParallelStrategy (configs/scale_deepmath_8gpu.yaml), or use ddp"
         )
+
+
+def check_tensor_parallel(strategy: Any) -> None:
+    """``ModelParallelStrategy`` shards with FSDP2 over its data-parallel mesh only: no tensor-parallel plan is
+    applied, so the peers of a tensor-parallel group would each sample their own seeds for the same prompts and
+    the loss would count their tokens twice. ``tensor_parallel_size`` must be 1 (its "auto" means every device
+    of a node)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    size = strategy._tensor_parallel_size
+    resolved = strategy.num_processes if size == "auto" else size  # Lightning's "auto": the devices of a node
+    if isinstance(resolved, int) and resolved > 1:
+        world = max(1, strategy.num_processes) * max(1, getattr(strategy, "num_nodes", 1) or 1)
+        raise ConfigError(
+            f"trainer.strategy: ModelParallelStrategy with tensor_parallel_size={size}"
+            f"{f' ({resolved} devices)' if size == 'auto' else ''} is not implemented in sgrpo (no tensor-parallel "
+            f"plan is applied; peers would sample the same prompts and count them twice): set "
+            f"data_parallel_size={world} and tensor_parallel_size=1 (FSDP2 over every process)"
+        )

@@ -11,7 +11,7 @@ import torch
 
 from sgrpo.fit import main
 from sgrpo.guards import prompt_room
-from sgrpo.preflight import BF16_MIN_ADAM_LR, ConfigError, check_weight_precision
+from sgrpo.preflight import BF16_MIN_ADAM_LR, ConfigError, check_tensor_parallel, check_weight_precision
 from sgrpo.rollout import HFRollout
 from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.vllm_rollout import VLLMRollout
@@ -154,3 +154,31 @@ def test_the_prompt_guard_drops_prompts_over_the_engine_length(model_dir, tmp_pa
         "--model.rollout.init_args.max_new_tokens=8",
     ])  # fmt: skip
     assert cli.model.prompts_dropped == 128
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+def test_tensor_parallel_model_parallel_strategy_is_refused():
+    """sgrpo applies no tensor-parallel plan: ``tensor_parallel_size > 1`` (and "auto", which Lightning resolves
+    to every device of a node) is refused, naming data_parallel_size; FSDP2 alone passes."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    def strategy(devices: int, **sizes) -> ModelParallelStrategy:
+        built = ModelParallelStrategy(**sizes)
+        built.parallel_devices = [torch.device("cpu")] * devices
+        return built
+
+    for passes in (strategy(4, data_parallel_size=4, tensor_parallel_size=1), strategy(1), DDPStrategy()):
+        check_tensor_parallel(passes)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 is not implemented in sgrpo .*: set "
+                                          r"data_parallel_size=4 and tensor_parallel_size=1"):  # fmt: skip
+        check_tensor_parallel(strategy(4, data_parallel_size=2, tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=auto \(8 devices\) is not implemented"):
+        check_tensor_parallel(strategy(8))
+
+
+def test_a_tensor_parallel_config_is_refused_in_one_line_before_launching(model_dir, tmp_path, capsys):
+    line = refusal(tmp_path, model_dir, capsys, "--trainer.devices=2",
+                   "--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
+                   "--trainer.strategy.init_args.data_parallel_size=1",
+                   "--trainer.strategy.init_args.tensor_parallel_size=2")  # fmt: skip
+    assert "tensor_parallel_size=2 is not implemented in sgrpo" in line and "data_parallel_size=2 and" in line
