@@ -46,6 +46,7 @@ from sgrpo.preflight import (
     check_tensor_parallel,
     check_values,
     check_weight_precision,
+    check_writable,
 )
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
@@ -84,6 +85,8 @@ class SgrpoCLI(LightningCLI):
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = Path(config["default_root_dir"])
+        if self.mode == "fit":
+            check_writable(root)  # before any process or model: a read-only folder fails at the lock, mid-start
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())

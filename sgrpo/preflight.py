@@ -10,10 +10,12 @@ instead of retries and an error about something else once loading starts.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +47,24 @@ def check_config_files(args: list[str]) -> None:
         path = Path(value)
         if not path.is_file():
             raise ConfigError(f"--config {value}: no such file")
-        if not isinstance(yaml.safe_load(path.read_text()), dict):
+        if not isinstance(read_yaml(path, value), dict):
             raise ConfigError(f"--config {value} is empty or not a YAML mapping; start from configs/tiny.yaml")
+
+
+def read_yaml(path: Path, name: str) -> Any:
+    """The YAML document of ``path``; a file that is not UTF-8 or not YAML fails in one line naming it (``name``),
+    the line and the column."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config {name}: not UTF-8 text (offset {err.start}); re-save it as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        opened = f", {context} opened on line {start.line + 1}" if context and start is not None else ""
+        raise ConfigError(f"--config {where}: not valid YAML ({problem}{opened}); fix the file there") from None
 
 
 def check_values(config: Any) -> None:
@@ -95,6 +113,29 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
         )
     if not Path(ckpt_path).expanduser().exists():
         raise ConfigError(f"--ckpt_path {ckpt_path}: no such checkpoint; give 'last' or an existing .ckpt")
+    from sgrpo.checkpoints import checkpoint_problem
+
+    problem = checkpoint_problem(Path(ckpt_path).expanduser())  # opened memory-mapped: cheap
+    if problem:
+        raise ConfigError(f"--ckpt_path {ckpt_path} does not load ({problem}); give 'last' or a checkpoint a run wrote")
+
+
+def check_writable(root: Path) -> None:
+    """The run folder ``trainer.default_root_dir`` can be written: an entry is created (and removed) in it, or in
+    the nearest folder above it that exists (a fit creates the rest). Probed by writing, as ``os.access``
+    answers yes to root on a read-only mount or an immutable folder."""
+    folder = Path(root).expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(folder))
+        os.rmdir(tempfile.mkdtemp(prefix=".sgrpo-probe-", dir=folder))
+    except OSError as err:
+        raise ConfigError(
+            f"trainer.default_root_dir={root}: cannot write in {folder} ({err.strerror or err}); give a folder "
+            f"this user can write"
+        ) from None
 
 
 def check_devices(accelerator: Any, devices: Any) -> None:
@@ -183,8 +224,22 @@ def check_policy(policy: Any) -> None:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.scheduler: {err}") from None
     for table in vars(policy.task).values():
-        if isinstance(table, SplitTable) and table.kind == "hub":
-            check_hub(table.path, "dataset", f"model.task.init_args.{table.field}")
+        if isinstance(table, SplitTable):
+            check_table(table)
+
+
+def check_table(table: SplitTable) -> None:
+    """A hub dataset is there; a local file or folder is read now (the task keeps its rows), so that a missing
+    column, an empty file or one that is not UTF-8 or JSON fails here in one line, not in every process's
+    data loader after the model has loaded."""
+    key = f"model.task.init_args.{table.field}"
+    if table.kind == "hub":
+        check_hub(table.path, "dataset", key)
+        return
+    try:
+        table.splits()
+    except (ValueError, OSError) as err:  # the data layer's messages name the file, the line and the column
+        raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
 
 
 def check_prompt_room(policy: Any) -> None:
