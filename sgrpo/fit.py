@@ -17,8 +17,11 @@ checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 aft
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -109,6 +112,7 @@ class SgrpoCLI(LightningCLI):
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        counts_before_fractions(parser)
         # the classes the policy falls back on, named for the parser: `--model.loss.init_args.kl_coef=0.05` then
         # works on a config that names no loss (without a class the parser refuses it: "PolicyLoss is abstract")
         parser.set_defaults(
@@ -150,6 +154,27 @@ class SgrpoCLI(LightningCLI):
             default=False,
             help="print accuracy by difficulty (first -> last validation) and save a PNG of the curves",
         )
+
+
+#: Trainer arguments where an int counts batches and a float is a fraction of them
+BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                "overfit_batches")  # fmt: skip
+
+
+def counts_before_fractions(parser: LightningArgumentParser) -> None:
+    """Parse the trainer's batch limits as Lightning declares them, ``int`` before ``float``, so that
+    ``limit_val_batches: 1`` is one batch and not 1.0 (all of them).
+
+    Lightning declares ``Optional[Union[int, float]]``, but Python's typing cache hands back an equal Union made
+    earlier: Fabric's ``Optional[Union[float, int]]`` (``clip_gradients``), so the parser tried float first and
+    read every count as a float. ``int | float | None`` is a fresh object, in the declared order.
+    """
+    for action in parser._actions:
+        args = typing.get_args(getattr(action, "_typehint", None))
+        limit = action.dest.removeprefix("trainer.") in BATCH_LIMITS and float in args and int in args
+        if limit and args.index(float) < args.index(int):
+            declared = [int if a is float else float if a is int else a for a in args]
+            action._typehint = functools.reduce(operator.or_, declared)  # an X | Y union is never cached
 
 
 def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:

@@ -264,3 +264,22 @@ def test_a_torch_file_that_is_not_a_lightning_checkpoint_is_refused_or_skipped(m
     path, skipped = resumable(folder)
     assert path == folder / "step1.ckpt" and skipped == [f"skipped {folder / 'step2.ckpt'}: it does not load "
                                                          f"({NOT_LIGHTNING})"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- values as parsed
+def test_limit_val_batches_counts_batches(model_dir, tmp_path):
+    """configs/tiny.yaml's ``limit_val_batches: 1`` is one batch: 4 of its 16 validation prompts at 4 per batch
+    (it was read as 1.0, all 4 batches: Python's typing cache gave Lightning's Union[int, float] as Fabric's
+    Union[float, int]). A float stays a fraction."""
+    cli = main([
+        "--config", TINY, f"--trainer.default_root_dir={tmp_path}", f"--model.model={model_dir}",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.max_steps=1",
+        "--trainer.val_check_interval=1", "--model.val_prompts_per_batch=4",
+    ])  # fmt: skip
+    assert cli.trainer.limit_val_batches == 1 and type(cli.trainer.limit_val_batches) is int
+    assert [result["prompts"] for result in cli.model.val_history] == [4]
+    from sgrpo.fit import parse
+
+    fraction = parse(["--config", TINY, f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0.5",
+                      "--trainer.limit_test_batches=2"])  # fmt: skip
+    assert fraction.trainer.limit_val_batches == 0.5 and type(fraction.trainer.limit_test_batches) is int
