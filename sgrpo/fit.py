@@ -54,6 +54,8 @@ from sgrpo.preflight import (
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
 MODES = ("fit", "validate", "test")
+#: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir
+EVALUATION_LOGS = "evaluations"
 DESCRIPTION = (
     "Train a policy (the default), or evaluate one without training: `validate` or `test` as the first argument "
     "evaluates --ckpt_path (a checkpoint, or 'last': the run's newest), else the model folder --model.model, on "
@@ -95,7 +97,9 @@ class SgrpoCLI(LightningCLI):
             callbacks.append(StepProgressBar())
         logger = config.get("logger")
         if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
-            logger = CSVLogger(root, flush_logs_every_n_steps=1)
+            # an evaluation logs beside the run, not in it: into a fresh folder it must not make it look like a run
+            name = "lightning_logs" if self.mode == "fit" else EVALUATION_LOGS
+            logger = CSVLogger(root, name=name, flush_logs_every_n_steps=1)
         loggers = [] if logger is False else list(logger) if isinstance(logger, Iterable) else [logger]
         if self.mode == "fit":
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)

@@ -283,3 +283,23 @@ def test_limit_val_batches_counts_batches(model_dir, tmp_path):
     fraction = parse(["--config", TINY, f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0.5",
                       "--trainer.limit_test_batches=2"])  # fmt: skip
     assert fraction.trainer.limit_val_batches == 0.5 and type(fraction.trainer.limit_test_batches) is int
+
+
+# ---------------------------------------------------------------------------------------- evaluations
+def test_validating_a_base_model_into_a_run_folder_leaves_it_free_for_a_fresh_fit(model_dir, tmp_path, capsys):
+    """``validate`` of a model folder logs under evaluations/, beside any run: a fresh fit there then starts
+    (it was refused: "already holds a run (lightning_logs): resume it with --ckpt_path last", with nothing to
+    resume). A folder refused for other outputs advises resuming only when it has checkpoints."""
+    run = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}", f"--model.model={model_dir}",
+           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]  # fmt: skip
+    main(["validate", *run])
+    main([*run, "--trainer.max_steps=1", "--trainer.val_check_interval=1000"])  # refused before
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    logs = sorted(p.parent.parent.name for p in tmp_path.glob("*/version_*/metrics.csv"))
+    assert logs == ["evaluations", "lightning_logs"]
+    capsys.readouterr()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("{}\n")
+    line = refusal(tmp_path, model_dir, capsys, f"--trainer.default_root_dir={other}", "--trainer.max_steps=1")
+    assert "already holds a run (metrics.jsonl)" in line and "--ckpt_path last" not in line
