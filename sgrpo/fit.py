@@ -17,8 +17,6 @@ checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 aft
 
 from __future__ import annotations
 
-import functools
-import operator
 import os
 import sys
 import typing
@@ -177,8 +175,10 @@ def counts_before_fractions(parser: LightningArgumentParser) -> None:
         args = typing.get_args(getattr(action, "_typehint", None))
         limit = action.dest.removeprefix("trainer.") in BATCH_LIMITS and float in args and int in args
         if limit and args.index(float) < args.index(int):
-            declared = [int if a is float else float if a is int else a for a in args]
-            action._typehint = functools.reduce(operator.or_, declared)  # an X | Y union is never cached
+            declared = int | float  # an X | Y union is a new object, never a cached one
+            for other in (a for a in args if a not in (int, float)):
+                declared = declared | other
+            action._typehint = declared
 
 
 def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
