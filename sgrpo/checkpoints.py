@@ -89,6 +89,10 @@ def remove_unfinished(folder: Path) -> list[Path]:
     return leftovers
 
 
+#: a torch file that loads but was not written by Lightning (Lightning's restore would raise a KeyError)
+NOT_LIGHTNING = "a torch file, but not a Lightning checkpoint (no pytorch-lightning_version)"
+
+
 def checkpoint_problem(path: Path) -> str:
     """Why ``path`` cannot be resumed from ("" if it loads).
 
@@ -100,8 +104,8 @@ def checkpoint_problem(path: Path) -> str:
         if not path.is_dir():
             if not zipfile.is_zipfile(path):  # its index, written last, is missing
                 return f"truncated, or not a checkpoint ({path.stat().st_size:,} bytes)"
-            torch.load(path, map_location="cpu", mmap=True)
-            return ""
+            checkpoint = torch.load(path, map_location="cpu", mmap=True)
+            return "" if isinstance(checkpoint, dict) and "pytorch-lightning_version" in checkpoint else NOT_LIGHTNING
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(str(path)).read_metadata()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,14 +45,18 @@ from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import (
     ConfigError,
     check_config_files,
-    check_float16_training,
     check_policy,
     check_strategy,
+    check_tensor_parallel,
     check_values,
+    check_weight_precision,
+    check_writable,
 )
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
 MODES = ("fit", "validate", "test")
+#: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir
+EVALUATION_LOGS = "evaluations"
 DESCRIPTION = (
     "Train a policy (the default), or evaluate one without training: `validate` or `test` as the first argument "
     "evaluates --ckpt_path (a checkpoint, or 'last': the run's newest), else the model folder --model.model, on "
@@ -108,6 +113,8 @@ class SgrpoCLI(LightningCLI):
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = Path(config["default_root_dir"])
+        if self.mode == "fit":
+            check_writable(root)  # before any process or model: a read-only folder fails at the lock, mid-start
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
@@ -116,7 +123,9 @@ class SgrpoCLI(LightningCLI):
         config["enable_model_summary"] = False
         logger = config.get("logger")
         if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
-            logger = CSVLogger(root, flush_logs_every_n_steps=1)
+            # an evaluation logs beside the run, not in it: into a fresh folder it must not make it look like a run
+            name = "lightning_logs" if self.mode == "fit" else EVALUATION_LOGS
+            logger = CSVLogger(root, name=name, flush_logs_every_n_steps=1)
         loggers = [] if logger is False else list(logger) if isinstance(logger, Iterable) else [logger]
         if self.mode == "fit":
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
@@ -126,13 +135,15 @@ class SgrpoCLI(LightningCLI):
         config["strategy"] = fsdp_as_fsdp2(config.get("strategy", "auto"))  # FSDP1 runs as FSDP2, with a notice
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
+        check_tensor_parallel(trainer.strategy)
         if self.mode == "fit":
-            check_float16_training(trainer.precision_plugin.precision, self.model)
+            check_weight_precision(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        counts_before_fractions(parser)
         # the classes the policy falls back on, named for the parser: `--model.loss.init_args.kl_coef=0.05` then
         # works on a config that names no loss (without a class the parser refuses it: "PolicyLoss is abstract")
         parser.set_defaults(
@@ -174,6 +185,29 @@ class SgrpoCLI(LightningCLI):
             default=False,
             help="print accuracy by difficulty (first -> last validation) and save a PNG of the curves",
         )
+
+
+#: Trainer arguments where an int counts batches and a float is a fraction of them
+BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                "overfit_batches")  # fmt: skip
+
+
+def counts_before_fractions(parser: LightningArgumentParser) -> None:
+    """Parse the trainer's batch limits as Lightning declares them, ``int`` before ``float``, so that
+    ``limit_val_batches: 1`` is one batch and not 1.0 (all of them).
+
+    Lightning declares ``Optional[Union[int, float]]``, but Python's typing cache hands back an equal Union made
+    earlier: Fabric's ``Optional[Union[float, int]]`` (``clip_gradients``), so the parser tried float first and
+    read every count as a float. ``int | float | None`` is a fresh object, in the declared order.
+    """
+    for action in parser._actions:
+        args = typing.get_args(getattr(action, "_typehint", None))
+        limit = action.dest.removeprefix("trainer.") in BATCH_LIMITS and float in args and int in args
+        if limit and args.index(float) < args.index(int):
+            declared = int | float  # an X | Y union is a new object, never a cached one
+            for other in (a for a in args if a not in (int, float)):
+                declared = declared | other
+            action._typehint = declared
 
 
 def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:

@@ -24,7 +24,7 @@ from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.preflight import ConfigError
 from sgrpo.reference import build_reference
-from sgrpo.rollout import HFRollout, RolloutEngine
+from sgrpo.rollout import HFRollout, RolloutEngine, with_pad_token
 from sgrpo.step_logging import StepLogging
 from sgrpo.types import Example, RolloutBatch
 from sgrpo.update import PolicyUpdate
@@ -194,7 +194,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
 
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = with_pad_token(AutoTokenizer.from_pretrained(path))  # none: EOS pads
         self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if self.peft is not None:
@@ -247,7 +247,9 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
 
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
-        limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
+        key = "rollout" if split == "train" else "val_rollout"  # the engine that samples this split
+        engine = getattr(self, key)
+        limit = prompt_limit(self.model, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
     def on_before_batch_transfer(self, batch: PromptBatch | list, dataloader_idx: int) -> list:

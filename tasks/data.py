@@ -181,9 +181,12 @@ def read_rows(path: str | Path, columns: Sequence[str] | None = None) -> tuple[l
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        names = pq.read_schema(path).names
-        keep = None if columns is None else [c for c in columns if c in names]
-        return pq.read_table(path, columns=keep).to_pylist(), names, _row_number
+        try:
+            names = pq.read_schema(path).names
+            keep = None if columns is None else [c for c in columns if c in names]
+            return pq.read_table(path, columns=keep).to_pylist(), names, _row_number
+        except Exception as err:  # pyarrow's errors (ArrowInvalid, ...): name the file
+            raise ValueError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
     if path.suffix == ".csv":
         rows, names, locate = _read_csv(path)
     else:
@@ -231,7 +234,10 @@ def _read_text(path: Path) -> str:
 def _read_json(path: Path) -> tuple[list[Row], Locate]:
     text = _read_text(path)
     if text.lstrip().startswith("["):
-        rows, locate = json.loads(text), _row_number
+        try:
+            rows, locate = json.loads(text), _row_number
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: not a JSON array of objects ({err.msg}); fix that line") from None
         for index, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, row {index + 1}: expected a JSON object, got {type(row).__name__}")

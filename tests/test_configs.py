@@ -3,6 +3,7 @@ in the estimator (docs/theory.md §7.4)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,11 @@ FIXTURES = {  # task class -> overrides that swap hub data for fixtures
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+    """The tiny model with the positions of the configs' own models (preflight checks prompt + completion fit)."""
+    path = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 131072}))
+    return str(path)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))

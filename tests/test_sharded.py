@@ -188,7 +188,8 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
     for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
         with open(path) as f:
             steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
-    assert steps == [[0, 1, 2], [3, 4], []]  # the resumed run picks up at step 3; the third log is validate's
+    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3
+    assert list(root.glob("evaluations/version_0/metrics.csv"))  # validate logs beside the run
     records = [line for line in (root / "metrics.jsonl").read_text().splitlines() if "train/reward" in line]
     assert len(records) == 5 and [s for s, _ in read_run_metrics(root)["train/reward"]] == [0, 1, 2, 3, 4]  # rank 0's
     export([str(checkpoint), str(exported)])
