@@ -148,6 +148,10 @@ def remove_unfinished(folder: Path) -> list[Path]:
     return leftovers
 
 
+#: a torch file that loads but was not written by Lightning (Lightning's restore would raise a KeyError)
+NOT_LIGHTNING = "a torch file, but not a Lightning checkpoint (no pytorch-lightning_version)"
+
+
 def checkpoint_problem(path: Path) -> str:
     """Why ``path`` cannot be resumed from ("" if it loads).
 
@@ -162,8 +166,8 @@ def checkpoint_problem(path: Path) -> str:
             digests = recorded_checksums(path)
             if digests is not None and file_sha256(path) not in digests:
                 return "corrupt: its SHA-256 is not that of the bytes written"
-            torch.load(path, map_location="cpu", mmap=True)
-            return ""
+            checkpoint = torch.load(path, map_location="cpu", mmap=True)
+            return "" if isinstance(checkpoint, dict) and "pytorch-lightning_version" in checkpoint else NOT_LIGHTNING
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(str(path)).read_metadata()

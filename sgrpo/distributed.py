@@ -8,9 +8,13 @@ forwards; under DDP every synchronised backward all-reduces the whole gradient.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 
@@ -49,16 +53,52 @@ def any_process(flag: bool, device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def gradient_sync(wrapper: nn.Module | None, enabled: bool) -> Iterator[None]:
-    """Skip DDP's gradient all-reduce in this block unless ``enabled``.
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (an FSDP2 module) in this block unless ``enabled``.
 
-    Gradients of a micro-batch then accumulate locally; the next synchronised backward all-reduces
-    the accumulated sum (``DistributedDataParallel.no_sync``). Anything but DDP is left alone.
+    Gradients of a micro-batch then accumulate locally (FSDP2: unsharded, in float32); the next synchronised
+    backward reduces the accumulated sum (``DistributedDataParallel.no_sync``, FSDP2's
+    ``set_requires_gradient_sync``). Anything else is left alone.
     """
-    if enabled or not isinstance(wrapper, nn.parallel.DistributedDataParallel):
+    if enabled or wrapper is None:
         yield
-        return
-    with wrapper.no_sync():
+    elif isinstance(wrapper, nn.parallel.DistributedDataParallel):
+        with wrapper.no_sync():
+            yield
+    elif is_sharded(wrapper):
+        wrapper.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapper.set_requires_gradient_sync(True)
+    else:
         yield
+
+
+#: share of the device's memory the unsharded float32 gradients may take for ``gradient_sync: auto`` to defer
+DEFERRED_GRADIENT_SHARE = 1 / 8
+
+
+def defers_gradient_sync(setting: str, model: nn.Module, device: torch.device) -> bool:
+    """Whether an FSDP2 ``model`` reduce-scatters its gradients once per optimiser step (True) or after every
+    micro-batch (False), for the policy's ``gradient_sync`` setting ("step", "micro_batch" or "auto").
+
+    Deferring keeps the whole model's trainable gradients unsharded in float32 between micro-batches
+    (4 bytes per trainable parameter: 6.2 GB for a 1.5B model, LoRA's adapters next to nothing); "auto" defers
+    where that takes at most ``DEFERRED_GRADIENT_SHARE`` of every process's device memory (always on CPU).
+    A collective for "auto" (every process decides alike). False for a model that is not sharded.
+    """
+    if not is_sharded(model) or setting == "micro_batch":
+        return False
+    if setting == "step":
+        return True
+    unsharded = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if device.type == "cpu":
+        fits = True
+    elif device.type == "cuda":
+        fits = unsharded <= DEFERRED_GRADIENT_SHARE * torch.cuda.get_device_properties(device).total_memory
+    else:
+        fits = False
+    return not any_process(not fits, device)
 
 
 def data_parallel_size(strategy) -> int:
@@ -76,3 +116,44 @@ def data_parallel_rank(strategy) -> int:
 def max_over_processes(strategy, n: int) -> int:
     """The largest ``n`` over the processes of a Lightning ``strategy`` (a collective)."""
     return int(strategy.reduce(torch.tensor(float(n), device=strategy.root_device), reduce_op="max"))
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 over every process: Lightning's ``ModelParallelStrategy`` with ``data_parallel_size`` = the number of
+    processes (``num_nodes`` x ``devices``, known once Lightning has resolved the devices) and no tensor
+    parallelism. What ``trainer.strategy: fsdp`` runs (``fsdp_as_fsdp2``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+
+#: Lightning's registered names of its FSDP1 strategy, its class's name, and the name a user may guess for FSDP2
+FSDP_NAMES = ("fsdp", "fsdp_cpu_offload", "fsdpstrategy", "fsdp2")
+
+
+def fsdp_as_fsdp2(strategy: Any) -> Any:
+    """``trainer.strategy``, with Lightning's FSDP (``fsdp``, ``fsdp_cpu_offload``, ``FSDPStrategy``) replaced
+    by ``FSDP2Strategy``, which sgrpo keeps in step (one weight gather per rollout, lockstep decode, sharded
+    checkpoints and export); prints a one-line notice on the first process. Anything else is returned as it is.
+
+    FSDP1 gathers weights inside each wrapped forward, out of the rollout's sight; the process group backend and
+    timeout of an ``FSDPStrategy`` carry over, its sharding options do not (FSDP2 shards each block).
+    """
+    if isinstance(strategy, str) and strategy.rsplit(".", 1)[-1].lower() in FSDP_NAMES:
+        kwargs = {}
+    elif isinstance(strategy, FSDPStrategy):
+        kwargs = {"process_group_backend": strategy._process_group_backend, "timeout": strategy._timeout}
+    else:
+        return strategy
+    if rank_zero_only.rank == 0:
+        print(
+            f"note: trainer.strategy {strategy if isinstance(strategy, str) else type(strategy).__name__} runs as "
+            "FSDP2 (ModelParallelStrategy, data_parallel_size = all processes): sgrpo keeps FSDP2's collectives in "
+            "step; FSDP1's options are not carried over",
+            file=sys.stderr,
+        )
+    return FSDP2Strategy(**kwargs)

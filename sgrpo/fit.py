@@ -17,21 +17,25 @@ checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 aft
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checkpoints import AtomicCheckpointIO
-from sgrpo.distributed import release_process_group
+from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.guards import RewardFailureError
@@ -41,15 +45,19 @@ from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import (
     ConfigError,
     check_config_files,
-    check_float16_training,
     check_policy,
     check_strategy,
+    check_tensor_parallel,
     check_values,
+    check_weight_precision,
+    check_writable,
 )
 from sgrpo.run_checkpoint import RunCheckpoint, resume_failure
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
 MODES = ("fit", "validate", "test")
+#: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir
+EVALUATION_LOGS = "evaluations"
 DESCRIPTION = (
     "Train a policy (the default), or evaluate one without training: `validate` or `test` as the first argument "
     "evaluates --ckpt_path (a checkpoint, or 'last': the run's newest), else the model folder --model.model, on "
@@ -63,10 +71,32 @@ class StepProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         return "train"
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """The run's training steps (Lightning's bar counts the steps left: a resume from 3 to 6 showed 6/2)."""
+        steps = self.trainer.max_steps
+        return steps if steps is not None and steps > 0 else super().total_train_batches
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)  # steps done
+
     def get_metrics(self, trainer, pl_module) -> dict:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         return {key.removeprefix("train/"): value for key, value in items.items()}
+
+
+class ParameterCount(Callback):
+    """One line at the start of a fit: the model's class and its parameters, trainable and in all (LoRA: the
+    adapters'). Lightning's summary table took 14 lines and reported 'Total FLOPs: 0' (it counts FLOPs only for
+    a module with an ``example_input_array``)."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        parameters = list(pl_module.model.parameters())  # FSDP2's DTensors count their global size
+        total = sum(p.numel() for p in parameters)
+        trainable = sum(p.numel() for p in parameters if p.requires_grad)
+        count = lambda n: get_human_readable_count(n).strip()  # noqa: E731  ("132 K")
+        rank_zero_info(f"{type(pl_module.model).__name__}: {count(total)} parameters, {count(trainable)} trainable")
 
 
 class SgrpoCLI(LightningCLI):
@@ -84,27 +114,37 @@ class SgrpoCLI(LightningCLI):
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = Path(config["default_root_dir"])
+        if self.mode == "fit":
+            check_writable(root)  # before any process or model: a read-only folder fails at the lock, mid-start
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())
+        if config.get("enable_model_summary") is not False:  # one line in place of Lightning's 14 ("FLOPs: 0")
+            callbacks.append(ParameterCount())
+        config["enable_model_summary"] = False
         logger = config.get("logger")
         if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
-            logger = CSVLogger(root, flush_logs_every_n_steps=1)
+            # an evaluation logs beside the run, not in it: into a fresh folder it must not make it look like a run
+            name = "lightning_logs" if self.mode == "fit" else EVALUATION_LOGS
+            logger = CSVLogger(root, name=name, flush_logs_every_n_steps=1)
         loggers = [] if logger is False else list(logger) if isinstance(logger, Iterable) else [logger]
         if self.mode == "fit":
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
             loggers.append(metrics)
             callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
+        config["strategy"] = fsdp_as_fsdp2(config.get("strategy", "auto"))  # FSDP1 runs as FSDP2, with a notice
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
+        check_tensor_parallel(trainer.strategy)
         if self.mode == "fit":
-            check_float16_training(trainer.precision_plugin.precision, self.model)
+            check_weight_precision(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        counts_before_fractions(parser)
         # the classes the policy falls back on, named for the parser: `--model.loss.init_args.kl_coef=0.05` then
         # works on a config that names no loss (without a class the parser refuses it: "PolicyLoss is abstract")
         parser.set_defaults(
@@ -146,6 +186,29 @@ class SgrpoCLI(LightningCLI):
             default=False,
             help="print accuracy by difficulty (first -> last validation) and save a PNG of the curves",
         )
+
+
+#: Trainer arguments where an int counts batches and a float is a fraction of them
+BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                "overfit_batches")  # fmt: skip
+
+
+def counts_before_fractions(parser: LightningArgumentParser) -> None:
+    """Parse the trainer's batch limits as Lightning declares them, ``int`` before ``float``, so that
+    ``limit_val_batches: 1`` is one batch and not 1.0 (all of them).
+
+    Lightning declares ``Optional[Union[int, float]]``, but Python's typing cache hands back an equal Union made
+    earlier: Fabric's ``Optional[Union[float, int]]`` (``clip_gradients``), so the parser tried float first and
+    read every count as a float. ``int | float | None`` is a fresh object, in the declared order.
+    """
+    for action in parser._actions:
+        args = typing.get_args(getattr(action, "_typehint", None))
+        limit = action.dest.removeprefix("trainer.") in BATCH_LIMITS and float in args and int in args
+        if limit and args.index(float) < args.index(int):
+            declared = int | float  # an X | Y union is a new object, never a cached one
+            for other in (a for a in args if a not in (int, float)):
+                declared = declared | other
+            action._typehint = declared
 
 
 def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
@@ -212,6 +275,10 @@ def quiet_dependency_warnings() -> None:
     # process's results before it computes its metrics, and counts a prompt the sampler repeats once
     warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
     warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
+    # Lightning's advertisement for its cloud logger, printed by every run
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip:")
+    )
 
 
 def train(cli: SgrpoCLI) -> None:

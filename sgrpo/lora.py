@@ -11,6 +11,7 @@ folder), and the export writes a PEFT adapter folder and, on request, the merged
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -67,6 +68,22 @@ def is_adapter(name: str) -> bool:
 
 def has_lora(model: nn.Module) -> bool:
     return any(is_adapter(name) for name, _ in model.named_parameters())
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with every LoRA layer's adapters off (each computes its base layer alone), as ``PeftModel``'s
+    ``disable_adapter()`` does, for a model whose adapters ``apply_lora`` injected; on again after, trainable."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def plain_weights(model: nn.Module, buffers: bool = True) -> Iterator[tuple[str, Tensor]]:

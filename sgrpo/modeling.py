@@ -7,17 +7,53 @@ from pathlib import Path
 import torch
 
 
-def shard_model(model: torch.nn.Module, mesh) -> None:
-    """FSDP2 ``fully_shard`` each transformer block (``model._no_split_modules``), then the root."""
-    from torch.distributed.fsdp import fully_shard
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: the modules of the classes it names in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
 
-    block_names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+
+def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 ``fully_shard`` each transformer block (``model._no_split_modules``), then the root.
+
+    With ``param_dtype`` (bf16 under bf16-mixed) the blocks are gathered and computed in it and their
+    gradients reduce-scattered in float32 (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``): half
+    the bytes of an fp32 gather, no autocast re-cast of each gathered block, float32 master weights and
+    optimiser state. Under autocast the blocks' inputs are not cast (``cast_forward_inputs=False``), so the
+    residual stream stays in float32 as under autocast alone; outside autocast (a forward of one's own after
+    fit) they are, or the blocks' matmuls would mix dtypes. The root (embeddings, final norm, LM head) is
+    gathered in the model's dtype: the LM head the sampler and the loss share (``sgrpo.head``).
+    ``model.sgrpo_gather_dtype`` records ``param_dtype`` for the rollout's weight snapshot and the KL
+    reference (``sgrpo.snapshot``, ``sgrpo.reference``).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    blocks = transformer_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} names no transformer blocks (_no_split_modules) to shard")
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, **({"mp_policy": mixed} if param_dtype is not None else {}))
+        if param_dtype is not None:
+            block.register_forward_pre_hook(_inputs_cast_outside_autocast(param_dtype), with_kwargs=True)
     fully_shard(model, mesh=mesh)
+    model.sgrpo_gather_dtype = param_dtype
+
+
+def _inputs_cast_outside_autocast(dtype: torch.dtype):
+    """A forward pre-hook casting a module's floating-point inputs to ``dtype`` unless autocast is on."""
+    from torch.utils._pytree import tree_map
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def hook(module, args, kwargs):
+        device = next(module.parameters()).device.type
+        if torch.is_autocast_enabled(device):
+            return None
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook
 
 
 def resolve_model_path(path: str) -> str:

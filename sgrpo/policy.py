@@ -14,7 +14,7 @@ from estimators import AdvantageEstimator
 from estimators.base import constant_groups
 from sgrpo.checks import require
 from sgrpo.data import PromptBatch, StepBatches, mix_seed, prompt_collate
-from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size
+from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size, defers_gradient_sync, is_sharded
 from sgrpo.evaluation import PolicyEvaluation
 from sgrpo.export import PolicyExport
 from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
@@ -23,7 +23,8 @@ from sgrpo.lora import LoRA, apply_lora, is_adapter
 from sgrpo.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
 from sgrpo.preflight import ConfigError
-from sgrpo.rollout import HFRollout, RolloutEngine
+from sgrpo.reference import build_reference
+from sgrpo.rollout import HFRollout, RolloutEngine, with_pad_token
 from sgrpo.step_logging import StepLogging
 from sgrpo.types import Example, RolloutBatch
 from sgrpo.update import PolicyUpdate
@@ -79,6 +80,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         share_prompts: bool = True,
         dtype: str = "float32",
         activation_checkpointing: bool = False,
+        gradient_sync: Literal["auto", "step", "micro_batch"] = "auto",
         keep_dropout: bool = False,
         peft: LoRA | None = None,
         seed: int = 0,
@@ -117,6 +119,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             share_prompts: Run each distinct prompt once per micro-batch (off under FSDP2).
             dtype: Weights' dtype at load ("float32" keeps float32 master weights under bf16-mixed).
             activation_checkpointing: Recompute activations in the backward (less memory, ~1/3 more compute).
+            gradient_sync: FSDP2 reduces gradients per optimiser "step" or "micro_batch"; "auto": "step" where it fits.
             keep_dropout: Keep the model's dropout in training (off by default: the trained policy is the sampled one).
             peft: LoRA adapters (``sgrpo.lora.LoRA``); null trains every weight.
             seed: Seed of rollout sampling and data order, mixed with step and rank.
@@ -170,6 +173,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts = share_prompts
         self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
+        require(gradient_sync in ("auto", "step", "micro_batch"), "gradient_sync must be auto, step or micro_batch")
+        self.gradient_sync, self.defer_gradient_sync = gradient_sync, False  # decided once sharded (configure_model)
         self.keep_dropout, self.peft = keep_dropout, peft
         self.strict_loading = peft is None  # LoRA checkpoints hold the adapters; the base is the model folder
         self.model: torch.nn.Module | None = None
@@ -189,7 +194,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
 
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = with_pad_token(AutoTokenizer.from_pretrained(path))  # none: EOS pads
         self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if self.peft is not None:
@@ -200,11 +205,15 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.model.train()
         if self.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.loss.needs_reference:
-            reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-            self.__dict__["_reference"] = reference.requires_grad_(False)
-        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
-            shard_model(self.model, self.device_mesh["data_parallel"])
+        precision = self._trainer.precision_plugin.precision if self._trainer is not None else "32-true"
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None  # FSDP2 (ModelParallel)
+        gather = torch.bfloat16 if mesh is not None and precision == "bf16-mixed" else None  # its blocks' dtype
+        if mesh is not None:
+            shard_model(self.model, mesh, gather)
+            device = self.trainer.strategy.root_device
+            self.defer_gradient_sync = defers_gradient_sync(self.gradient_sync, self.model, device)
+        if self.loss.needs_reference and self.peft is None:  # with LoRA: the policy, adapters off (sgrpo.reference)
+            self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
@@ -226,7 +235,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             )
 
     def on_fit_start(self) -> None:
-        if self._reference is not None:
+        if self._reference is not None and not is_sharded(self._reference):  # fully_shard placed a sharded one
             self._reference.to(self.device)
 
     def train_dataloader(self):
@@ -238,7 +247,9 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
 
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
-        limit = prompt_limit(self.model, self.max_prompt_tokens, self.rollout.max_new_tokens)
+        key = "rollout" if split == "train" else "val_rollout"  # the engine that samples this split
+        engine = getattr(self, key)
+        limit = prompt_limit(self.model, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
     def on_before_batch_transfer(self, batch: PromptBatch | list, dataloader_idx: int) -> list:

@@ -46,7 +46,8 @@ class RolloutEngine(ABC):
     #: True when the engine samples through the trained model's own modules and weights: its log-probs
     #: (if any) are the policy's up to float rounding, so no importance weights and no second forward
     samples_from_policy: bool = True
-
+    #: the longest prompt + completion the engine takes (vLLM: ``max_model_len``); None: the model's positions
+    max_total_tokens: int | None = None
 
     @abstractmethod
     def generate(
@@ -144,11 +145,9 @@ class HFRollout(RolloutEngine):
     ) -> RolloutBatch:
         device = next(model.parameters()).device
         texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
-        with torch.device("cpu"):  # host tensors whatever torch's default device is; moved below
-            enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # [B, P]: distinct prompts
-        row_prompt = torch.arange(len(examples), device=device).repeat_interleave(group_size)  # [N]
         eos, pad = stop_and_pad_ids(model, tokenizer)
+        ids, attn = left_padded(tokenizer(texts, add_special_tokens=False)["input_ids"], pad, device)  # [B, P]
+        row_prompt = torch.arange(len(examples), device=device).repeat_interleave(group_size)  # [N]
         was_training = model.training
         model.eval()
         try:
@@ -211,6 +210,30 @@ class HFRollout(RolloutEngine):
         )
         return out[:, ids.shape[1] :], None
 
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token id lists -> (ids ``[B, P]`` left-padded with ``pad``, attention mask ``[B, P]``: 1 on real tokens).
+
+    The mask comes from the rows' lengths, never from ``ids != pad``: the pad id may be EOS, which a prompt
+    can hold. The tokenizer's own padding is not used, so a tokenizer without a pad token works as it is.
+    """
+    tensors = [torch.tensor(list(row), dtype=torch.long, device="cpu") for row in rows]
+    ids = nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=pad, padding_side="left")  # [B, P]
+    lengths = torch.tensor([len(t) for t in tensors], device="cpu")  # [B]
+    mask = torch.arange(ids.shape[1], device="cpu") >= (ids.shape[1] - lengths).unsqueeze(-1)  # [B, P]
+    return ids.to(device), mask.long().to(device)
+
+
+def with_pad_token(tokenizer):
+    """``tokenizer``, its pad token set to its EOS token when it has none (Llama-3.x, Mistral), as TRL does.
+
+    Safe because sgrpo's masks come from lengths and attention masks, never from comparing ids with the
+    pad id: a completion ends at its first EOS, and padding after it is masked whatever its id.
+    """
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def stop_and_pad_ids(model: nn.Module, tokenizer) -> tuple[list[int], int]:

@@ -75,8 +75,14 @@ def lock_run(root: Path) -> IO[str]:
 
 
 def unlock_run(handle: IO[str]) -> None:
-    """Release a lock taken by ``lock_run``."""
+    """Release a lock taken by ``lock_run``, emptying the file first: it no longer names this process.
+
+    The file itself stays: removing it could let two runs lock two different files of the same name (one
+    opened before the removal, one after); an empty file names no holder.
+    """
     _held.remove(handle)
+    handle.truncate(0)
+    handle.flush()
     handle.close()
 
 
@@ -97,8 +103,9 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
     if not leader or not held or resuming:
         return ckpt_path
     if not overwrite:
+        resume = "resume it with --ckpt_path last, " if "checkpoints" in held else ""  # none: nothing to resume
         raise RunRefused(
-            f"{root} already holds a run ({', '.join(held)}): resume it with --ckpt_path last, start this one "
+            f"{root} already holds a run ({', '.join(held)}): {resume}start this one "
             f"in another folder with --trainer.default_root_dir=..., or delete the old run with --overwrite true"
         )
     for name in held:

@@ -6,8 +6,9 @@ autocast's cast cache cannot reuse). A decode step of a few rows is tiny next to
 through the sharded model pays one all-gather and one cast per block per token. ``RolloutWeights``
 gathers every parameter once at the start of a rollout into an unsharded copy of the model (its
 ``nn.Linear`` weights already in autocast's dtype, the LM head kept in the model's dtype, since the
-sampler's head is float32 like the loss's), decodes on it without any collective, and frees it after.
-Same numbers: autocast would have rounded the same weights to the same bf16 values.
+sampler's head is float32 like the loss's; under FSDP2 mixed precision every parameter of the blocks in
+the dtype they are gathered in), decodes on it without any collective, and frees it after. Same numbers:
+autocast, or FSDP2's gather, would have rounded the same weights to the same bf16 values.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from sgrpo.distributed import is_sharded
 from sgrpo.lora import plain_weights
+from sgrpo.modeling import transformer_blocks
 
 
 def plain_class(model: nn.Module) -> type[nn.Module]:
@@ -62,19 +64,36 @@ class RolloutWeights:
             shell.to_empty(device="meta")  # the copy's memory goes back before the update
 
     def _shell_for(self, model: nn.Module, cast: torch.dtype | None) -> nn.Module:
-        key = (id(model), cast)
+        blocks = getattr(model, "sgrpo_gather_dtype", None) if cast is not None else None
+        key = (id(model), cast, blocks)
         if self._shell is None or self._key != key:
-            with torch.device("meta"):
-                shell = plain_class(model)(model.config).to(next(model.parameters()).dtype)
-            if cast is not None:  # autocast would cast these weights at every use: cast them once
-                head = shell.get_output_embeddings()
-                for module in shell.modules():
-                    if isinstance(module, nn.Linear) and module is not head:
-                        module.to(cast)
-            shell.eval().requires_grad_(False)
+            shell = plain_shell(model, linear_dtype=cast, block_dtype=blocks)
             shell.generation_config = model.generation_config
             self._shell, self._key = shell, key
         return self._shell
+
+
+def plain_shell(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    block_dtype: torch.dtype | None = None,
+    linear_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """The model's own module tree on the meta device (eval mode, frozen), each parameter in the dtype a forward
+    of ``model`` uses it in: ``dtype`` (default: the model's), then ``block_dtype`` for every parameter of the
+    transformer blocks (FSDP2 mixed precision gathers them in it), then ``linear_dtype`` for every ``nn.Linear``
+    but the LM head (autocast casts those at each use; the head is ``sgrpo.head``'s, outside autocast)."""
+    with torch.device("meta"):
+        shell = plain_class(model)(model.config).to(dtype or next(model.parameters()).dtype)
+    if block_dtype is not None:
+        for block in transformer_blocks(shell):
+            block.to(block_dtype)
+    if linear_dtype is not None:
+        head = shell.get_output_embeddings()
+        for module in shell.modules():
+            if isinstance(module, nn.Linear) and module is not head:
+                module.to(linear_dtype)
+    return shell.eval().requires_grad_(False)
 
 
 def copy_weights(source: nn.Module, target: nn.Module) -> None:

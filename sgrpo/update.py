@@ -10,7 +10,8 @@ Lightning's strategy and precision plugin. Everything that must line up across p
   DDP averages gradients over processes, so each process's loss is multiplied by their number;
 * every process runs as many forwards and backwards (one-token dummy passes pad the short ones), so
   FSDP2's gathers and reduce-scatters pair up; under DDP only an optimiser step's last backward
-  all-reduces (``no_sync`` on the others);
+  all-reduces (``no_sync`` on the others), and so under FSDP2 only it reduce-scatters where the policy's
+  ``gradient_sync`` defers (``sgrpo.distributed.defers_gradient_sync``);
 * the gradient norm is taken and clipped in ``on_before_optimizer_step``, after mixed precision's
   GradScaler removed its scale, and the LR scheduler steps once per training step.
 """
@@ -27,6 +28,7 @@ from sgrpo.data import mix_seed
 from sgrpo.distributed import data_parallel_size, gradient_sync, max_over_processes
 from sgrpo.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
 from sgrpo.loss import BatchCounts, TokenBatch
+from sgrpo.reference import reference_model
 from sgrpo.types import RolloutBatch
 
 
@@ -47,7 +49,10 @@ class PolicyUpdate:
         old_logp = None  # one on-policy pass: the current log-probs, detached, serve (no second forward)
         if external or self.ppo_epochs > 1 or self.num_minibatches > 1:
             old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the sampling weights
-        ref_logp = self._logprobs(self._reference, rollout, token_mask) if self.loss.needs_reference else None
+        ref_logp = None
+        if self.loss.needs_reference:  # the frozen reference, or the LoRA policy with its adapters off
+            with reference_model(self.model, self._reference) as reference:
+                ref_logp = self._logprobs(reference, rollout, token_mask)
         gap = None if sampler_logp is None or old_logp is None else logprob_gap(old_logp, sampler_logp, token_mask)
         inputs = {"old": old_logp, "ref": ref_logp, "sampler": sampler_logp if external else None}
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
@@ -166,8 +171,9 @@ class PolicyUpdate:
         return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
 
     def _backward(self, loss: Tensor, sync: bool) -> None:
-        """``manual_backward``; under DDP only the last backward of an optimiser step all-reduces."""
-        with gradient_sync(self.trainer.strategy.model, enabled=sync):
+        """``manual_backward``; under DDP (and FSDP2 with ``gradient_sync`` deferred) only the last backward of an
+        optimiser step reduces the gradients."""
+        with gradient_sync(self.model if self.defer_gradient_sync else self.trainer.strategy.model, enabled=sync):
             self.manual_backward(loss)
 
     def _dummy_logits(self, model: nn.Module) -> Tensor:

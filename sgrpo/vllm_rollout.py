@@ -221,6 +221,11 @@ class VLLMRollout(RolloutEngine):
         self._tp_group = None
         self._names_checked = False
 
+    @property
+    def max_total_tokens(self) -> int | None:
+        """Prompt + completion tokens the engine takes (``max_model_len``; None: the model's positions)."""
+        return self.max_model_len
+
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch:

@@ -1,31 +1,53 @@
 """Tasks: datasets of ``Example`` s with a reward and a success test, one file per task."""
 
+from tasks.arithmetic import CountdownReward, grade_countdown
 from tasks.base import SPLITS, Task
+from tasks.countdown import Countdown, CountdownGold
 from tasks.deepmath import DeepMath
 from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
-from tasks.mathgrade import MathVerifyReward, NumericMatch, grade_math
+from tasks.holdout import hash_holdout
+from tasks.judge import JudgeReward
+from tasks.mathgrade import MathVerifyReward, NumericMatch, final_text_verifier, grade_math
 from tasks.meetingbank import MeetingBank
+from tasks.openthoughts import OpenThoughts
 from tasks.poetry import PoetryClassification, PoetryWriting
+from tasks.polaris import Polaris
 from tasks.reward import Reward, RewardResult, SampleReward, WeightedSum
-from tasks.similarity import Bleu, ChrF, EditSimilarity, ExactMatch, RougeL, TextSimilarity
+from tasks.similarity import (
+    Bleu,
+    ChrF,
+    EditSimilarity,
+    ExactMatch,
+    RougeL,
+    TextSimilarity,
+    WordSimilarity,
+    final_text,
+)
 from tasks.synthetic import SyntheticTask
 from tasks.text import ReferenceText, ReferenceTextTask
+from tasks.think_format import ThinkFormat, think_format
 
 __all__ = [
     "SPLITS",
     "Bleu",
     "ChrF",
+    "Countdown",
+    "CountdownGold",
+    "CountdownReward",
     "DeepMath",
     "EditSimilarity",
     "FunctionReward",
     "ExactMatch",
     "GSM8K",
+    "JudgeReward",
     "MathVerifyReward",
     "MeetingBank",
     "NumericMatch",
+    "OpenThoughts",
     "PoetryClassification",
     "PoetryWriting",
+    "Polaris",
     "ReferenceText",
     "ReferenceTextTask",
     "Reward",
@@ -35,6 +57,13 @@ __all__ = [
     "SyntheticTask",
     "Task",
     "TextSimilarity",
+    "ThinkFormat",
     "WeightedSum",
+    "WordSimilarity",
+    "final_text",
+    "final_text_verifier",
+    "grade_countdown",
     "grade_math",
+    "hash_holdout",
+    "think_format",
 ]

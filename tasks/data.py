@@ -181,9 +181,12 @@ def read_rows(path: str | Path, columns: Sequence[str] | None = None) -> tuple[l
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        names = pq.read_schema(path).names
-        keep = None if columns is None else [c for c in columns if c in names]
-        return pq.read_table(path, columns=keep).to_pylist(), names, _row_number
+        try:
+            names = pq.read_schema(path).names
+            keep = None if columns is None else [c for c in columns if c in names]
+            return pq.read_table(path, columns=keep).to_pylist(), names, _row_number
+        except Exception as err:  # pyarrow's errors (ArrowInvalid, ...): name the file
+            raise ValueError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
     if path.suffix == ".csv":
         rows, names, locate = _read_csv(path)
     else:
@@ -231,7 +234,10 @@ def _read_text(path: Path) -> str:
 def _read_json(path: Path) -> tuple[list[Row], Locate]:
     text = _read_text(path)
     if text.lstrip().startswith("["):
-        rows, locate = json.loads(text), _row_number
+        try:
+            rows, locate = json.loads(text), _row_number
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: not a JSON array of objects ({err.msg}); fix that line") from None
         for index, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, row {index + 1}: expected a JSON object, got {type(row).__name__}")
@@ -269,8 +275,10 @@ class SplitTable:
         sizes: Mapping[str, int | float] | None = None,
         seed: int = 0,
         field: str = "path",
+        group: Callable[[Row], str] | None = None,
     ) -> None:
         self.kind = check_source(path, field)
+        self.group = group
         self.path, self.config, self.columns, self.seed, self.field = path, config, columns, seed, field
         self.schemas: list[Schema] = [schema] if isinstance(schema, Schema) else list(schema)
         self.sizes = dict(sizes or {})
@@ -339,6 +347,11 @@ class SplitTable:
         missing = [s for s in ("test", "validation") if s not in native and self.sizes.get(s)]
         if not missing:
             return native
+        if self.group is not None:
+            from tasks.holdout import hash_holdout  # imported here: it imports this module
+
+            sizes = {s: self.sizes[s] for s in ("validation", "test") if s in missing}  # validation: the first ranks
+            return native | hash_holdout(train, self.group, sizes, self.seed)
         order = list(range(len(train)))
         random.Random(self.seed).shuffle(order)
         start = 0

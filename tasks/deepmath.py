@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from sgrpo.checks import require
 from sgrpo.types import Example
-from tasks.base import Task
+from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
 from tasks.mathgrade import MathVerifyReward
-from tasks.reward import Reward
+from tasks.reward import Reward, SampleReward
+from tasks.similarity import final_text
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")
+SOLUTIONS = ("r1_solution_1", "r1_solution_2", "r1_solution_3")
 
 
 def prompt_problem(value: object) -> str:
@@ -53,7 +56,13 @@ class DeepMath(Task):
     ``final_answer``, else 0. Success is that same check on the {0, 1} scale, whatever reward is configured:
     with the reward's settings when it is a ``MathVerifyReward`` (then one grading gives reward and success,
     ``Task.score``), else with the defaults.
-    ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5). The grading options, set on the reward:
+    ``Example.difficulty`` is the AoPS-scale rating (3 to 9.5). ``verifier`` replaces the success test
+    (default: as above). ``template`` makes the user message from ``{question}``. ``holdout="hash"`` holds
+    validation and test out by ``tasks.holdout.hash_holdout`` (distinct questions ranked by a hash of seed and
+    question, at most 10 % of them; the SoftmaxGRPO paper's 1,000 with seed 42) instead of random rows.
+    ``reference_solutions`` reads ``r1_solution_1..3`` and gives each example ``metadata["reference"]``: the
+    shortest ``final_text`` of the three (in characters; the first on a tie), the reference of a similarity
+    reward (``WordSimilarity``). The grading options, set on the reward:
 
     - ``require_think`` (default None: from the chat template): with a thinking model whose template opens
       ``<think>`` in the prompt (DeepSeek-R1-Distill), a completion without ``</think>`` was cut off
@@ -82,23 +91,32 @@ class DeepMath(Task):
         seed: int = 0,
         system_prompt: str | None = SYSTEM_PROMPT,
         reward: Reward | None = None,
+        verifier: SampleReward | None = None,
+        template: str = "{question}",
+        holdout: Literal["random", "hash"] = "random",
+        reference_solutions: bool = False,
         **settings,
     ) -> None:
         super().__init__(reward or MathVerifyReward(), system_prompt=system_prompt, **settings)
+        check_template(template, ["question"])
+        require(holdout in ("random", "hash"), f"holdout must be 'random' or 'hash', got {holdout!r}")
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
         require(
             test_path is None or not test_size, f"set either test_path or test_size, not both (test_size={test_size!r})"
         )
-        self.path, self.test_path, self.seed = path, test_path, seed
+        self.path, self.test_path, self.seed, self.template = path, test_path, seed, template
+        self.holdout, self.reference_solutions = holdout, reference_solutions
         sizes = {"validation": validation_size, "test": test_size}
-        self._table = SplitTable(path, columns=_COLUMNS, schema=SCHEMAS, sizes=sizes, seed=seed)
+        columns = _COLUMNS + SOLUTIONS if reference_solutions else _COLUMNS
+        group = _row_question if holdout == "hash" else None
+        self._table = SplitTable(path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group)
         self._test_table = (
             None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
         )
         # success is math-verify's verdict: the reward's own when it is one (its raw value, whatever its scale)
         is_math_verify = isinstance(self.reward, MathVerifyReward)
-        self.success_grader = self.reward if is_math_verify else MathVerifyReward(name="success")
+        self.success_grader = verifier or (self.reward if is_math_verify else MathVerifyReward(name="success"))
 
     def load(self, split: str) -> Sequence[Example]:
         if self._test_table is None:
@@ -123,12 +141,28 @@ class DeepMath(Task):
         else:
             question, answer = _last_user_message(row["prompt"], source), row["solution"]
         difficulty = row.get("difficulty")
+        metadata = {"topic": row.get("topic") or "", "source": source, "question": str(question)}
+        if self.reference_solutions:
+            metadata["reference"] = _shortest_final_text(row, source)
         return Example(
-            prompt=[{"role": "user", "content": str(question)}],  # after the system prompt (Task.examples)
+            prompt=[{"role": "user", "content": fill(self.template, question=question)}],  # after the system prompt
             answer=str(answer).strip(),
             difficulty=None if difficulty in (None, "") else float(difficulty),
-            metadata={"topic": row.get("topic") or "", "source": source},
+            metadata=metadata,
         )
+
+
+def _shortest_final_text(row: Mapping, source: str) -> str:
+    texts = [final_text(str(row[k])) for k in SOLUTIONS if isinstance(row.get(k), str) and row[k].strip()]
+    if not texts:
+        raise ValueError(f"{source}: reference_solutions needs the columns {', '.join(SOLUTIONS)} (zwhe99's schema); "
+                         f"a row has none: {str(row.get('question'))[:80]!r}")  # fmt: skip
+    return min(texts, key=len)
+
+
+def _row_question(row: Mapping) -> str:
+    """The question of a row of either schema, whitespace-normalised: the key of the hash holdout."""
+    return _normal(row["question"] if "question" in row else _last_user_message(row["prompt"], "a row"))
 
 
 def _last_user_message(messages: object, source: str) -> str:
@@ -143,7 +177,7 @@ def _normal(question: str) -> str:
 
 
 def _question(example: Example) -> str:
-    return _normal(example.prompt[-1]["content"])
+    return _normal(example.metadata["question"])
 
 
 def _with_difficulty(example: Example, difficulty: object) -> Example:

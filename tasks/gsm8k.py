@@ -8,9 +8,8 @@ from sgrpo.types import Example
 from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, check_size, is_blank, not_blank
 from tasks.mathgrade import NumericMatch
-from tasks.reward import Reward
-
-TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
+from tasks.paper import MATH_TEMPLATE as TEMPLATE
+from tasks.reward import Reward, SampleReward
 
 
 def gold_answer(solution: str) -> str:
@@ -44,8 +43,12 @@ class GSM8K(Task):
     fraction) are held out of train with ``seed``, and ``test_size`` likewise when the source has no
     test split (a single local file is a train split). Reward (default ``NumericMatch()``): the last
     number of the last ``\\boxed{}`` (else of the text) equals the gold number; swap in
-    ``MathVerifyReward(require_box=False)`` for sympy equivalence. Success: ``NumericMatch``.
-    ``Example.difficulty`` is the number of reasoning steps (lines before ``####``) of the solution.
+    ``MathVerifyReward(require_box=False)`` for sympy equivalence. Success: ``verifier`` (default
+    ``NumericMatch``); one grading gives both when the reward grades as it does. ``validate_on_test`` validates
+    on the source's test split (the SoftmaxGRPO paper's protocol: the official train / test splits) instead of
+    rows held out of train. ``Example.difficulty`` is the number of reasoning steps (lines before ``####``) of
+    the solution; ``metadata["solution"]`` is the full solution, the reference of a similarity reward
+    (``WordSimilarity(reference="solution")``).
     """
 
     def __init__(
@@ -58,18 +61,22 @@ class GSM8K(Task):
         test_size: int | float = 0,
         seed: int = 0,
         reward: Reward | None = None,
+        verifier: SampleReward | None = None,
+        validate_on_test: bool = False,
         **settings,
     ) -> None:
         super().__init__(reward or NumericMatch(), system_prompt=system_prompt, **settings)
         check_template(template, ["question"])
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
-        self.path, self.template, self.seed = path, template, seed
-        sizes = {"validation": validation_size, "test": test_size}
+        self.path, self.template, self.seed, self.validate_on_test = path, template, seed, validate_on_test
+        sizes = {"validation": 0 if validate_on_test else validation_size, "test": test_size}
         self._table = SplitTable(path, config, ("question", "answer"), SCHEMA, sizes, seed)
-        self.success_grader = NumericMatch(name="success")  # the default reward's check: graded once (Task.score)
+        # the default reward's check: graded once with it (Task.score)
+        self.success_grader = verifier or NumericMatch(name="success")
 
     def load(self, split: str) -> Sequence[Example]:
+        split = "test" if split == "validation" and self.validate_on_test else split
         return [self._example(row) for row in self._table.rows(split)]
 
     def _example(self, row: Mapping) -> Example:

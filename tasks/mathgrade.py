@@ -26,7 +26,7 @@ from sgrpo.types import Example
 from tasks.mathguard import MAX_ANSWER_CHARS, MAX_DIGITS, _Deadline, _deadline, _log10_bound, reject_box
 from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, several_parts
 from tasks.reward import SampleReward, Scale
-from tasks.similarity import strip_think, template_opens_think
+from tasks.similarity import final_text, strip_think, template_opens_think
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOX = re.compile(r"\\(?:boxed|fbox)")
@@ -79,8 +79,13 @@ def grade_math(
     timeout: float | None = 5.0,
     max_answer_chars: int = MAX_ANSWER_CHARS,
     require_think: bool = False,
+    final: bool = False,
 ) -> tuple[float, str]:
     """1.0 if ``response`` answers ``gold``, else 0.0, with a label for the outcome.
+
+    The answer graded is the text after ``</think>`` (none when a ``<think>`` opened at the start never closes);
+    with ``final``, the SoftmaxGRPO paper's ``final_text`` instead (after the last ``</think>``, else the whole
+    completion; then the last ``<answer>...</answer>``'s content).
 
     Labels: "correct", "wrong", "unclosed_think" (``require_think`` and no ``</think>``), "no_box" (no
     ``\\boxed{}`` after the think block), "unparsed" (math-verify extracted nothing from the answer), and the
@@ -92,7 +97,7 @@ def grade_math(
     """
     if require_think and "</think>" not in response:
         return 0.0, "unclosed_think"
-    answer = strip_think(response)
+    answer = final_text(response) if final else strip_think(response)
     box = graded_box(answer, gold)
     if box is None and require_box:
         return 0.0, "no_box"
@@ -162,6 +167,11 @@ class MathVerifyReward(SampleReward):
     or "error"; a hung pool is restarted). ``RewardResult.counts`` also holds "correct", "wrong" and the
     zero-scored labels "unclosed_think", "no_box", "unparsed", "too_long", "junk", "too_complex" (see
     ``grade_math``). DeepMath's authors use ``scale="pm1"``; {0, 1} is the canonical scale here.
+
+    ``final_text``: grade the SoftmaxGRPO paper's final text (``tasks.similarity.final_text``: after the last
+    ``</think>``, else the whole completion; then the last ``<answer>`` block's content). The paper's math
+    verifier is ``MathVerifyReward(final_text=True, require_box=False, require_think=False)``: the final text
+    graded by math-verify, boxed or not.
     """
 
     name = "math_verify"
@@ -175,10 +185,11 @@ class MathVerifyReward(SampleReward):
         workers: int = 2,
         timeout: float = 10.0,
         max_answer_chars: int = MAX_ANSWER_CHARS,
+        final_text: bool = False,
     ) -> None:
         super().__init__(scale=scale, name=name, workers=workers, timeout=timeout)
         require(max_answer_chars >= 1, f"max_answer_chars must be >= 1, got {max_answer_chars}")
-        self.require_box = require_box
+        self.require_box, self.final_text = require_box, final_text
         self.require_think = require_think
         self.max_answer_chars = max_answer_chars
 
@@ -191,7 +202,9 @@ class MathVerifyReward(SampleReward):
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
         # half the outer limit: the deadline fires well before the pool gives up on the worker
         timeout, think = self.timeout / 2, bool(self.require_think)
-        return grade_math(example.answer, completion, self.require_box, timeout, self.max_answer_chars, think)
+        return grade_math(
+            example.answer, completion, self.require_box, timeout, self.max_answer_chars, think, self.final_text
+        )
 
 
 def numeric_answer(text: str) -> float | None:
@@ -216,3 +229,9 @@ class NumericMatch(SampleReward):
             return 0.0, "no_number"
         gold = float(example.answer.replace(",", ""))
         return (1.0, "correct") if abs(value - gold) <= 1e-6 * max(1.0, abs(gold)) else (0.0, "wrong")
+
+
+def final_text_verifier(**settings) -> MathVerifyReward:
+    """The SoftmaxGRPO paper's math verifier: math-verify of the ``final_text``, boxed or not, without ``</think>``
+    required (``settings``: ``MathVerifyReward``'s others, such as ``name``, ``workers``, ``timeout``)."""
+    return MathVerifyReward(final_text=True, require_box=False, require_think=False, **settings)

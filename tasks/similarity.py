@@ -1,9 +1,11 @@
-"""Text-similarity rewards in [0, 1] against ``Example.answer``: exact match, chrF, BLEU, ROUGE-L, edit.
+"""Text-similarity rewards in [0, 1] against ``Example.answer``: exact match, chrF, BLEU, ROUGE-L, edit, and
+the SoftmaxGRPO paper's word similarity (``WordSimilarity``: 0.6 word F1 + 0.4 word ROUGE-L F1).
 
 Every metric is a library call (sacrebleu, rouge-score, rapidfuzz) scaled to [0, 1]. Before scoring,
-a completion loses its ``<think>`` block and surrounding whitespace; an empty answer scores 0 (a
-guard against degenerate outputs). With ``normalize=True`` both sides are label-normalised first
-(lowercase, a leading "Answer:" dropped, "&" -> "and", punctuation removed).
+a completion loses its ``<think>`` block and surrounding whitespace (``WordSimilarity``: keeps its
+``final_text``); an empty answer scores 0 (a guard against degenerate outputs). With ``normalize=True``
+both sides are label-normalised first (lowercase, a leading "Answer:" dropped, "&" -> "and", punctuation
+removed).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import re
 import string
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from rapidfuzz.distance import Indel, Levenshtein
+from rapidfuzz.distance import Indel, LCSseq, Levenshtein
 from sacrebleu.metrics import BLEU, CHRF
 
 from sgrpo.checks import require
@@ -23,6 +26,7 @@ from tasks.reward import SampleReward, Scale
 
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 _ANSWER_PREFIX = re.compile(r"^\s*(final\s+)?answer\s*[:\-]\s*", re.IGNORECASE)
+_ARTICLES = frozenset(("a", "an", "the"))
 
 
 def strip_think(text: str) -> str:
@@ -33,6 +37,19 @@ def strip_think(text: str) -> str:
     if "</think>" in text:
         return text.rsplit("</think>", 1)[1]
     return "" if text.lstrip().startswith("<think>") else text
+
+
+def final_text(completion: str) -> str:
+    """The text the SoftmaxGRPO paper's rewards grade, stripped of surrounding whitespace: what follows the last
+    ``</think>`` if there is one, else the whole completion (a think block never closed included); then the
+    content of the last complete ``<answer>...</answer>`` in it, if there is one.
+
+    ``"<think>a</think> so <answer> 7 </answer>"`` -> ``"7"``; ``"<think>cut off"`` -> ``"<think>cut off"``.
+    """
+    text = completion.rsplit("</think>", 1)[1] if "</think>" in completion else completion
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    return (text[start + len("<answer>") : end] if start >= 0 else text).strip()
 
 
 def template_opens_think(tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> bool:
@@ -156,3 +173,65 @@ class EditSimilarity(TextSimilarity):
     def similarity(self, prediction: str, reference: str) -> float:
         distance = Levenshtein if self.metric == "levenshtein" else Indel
         return distance.normalized_similarity(prediction, reference)
+
+
+def normalize_words(text: str) -> list[str]:
+    """SQuAD-style words: lower-cased, ASCII punctuation deleted, the articles a/an/the dropped, split on whitespace.
+
+    ``"The cat's 2.5 mats, a dog."`` -> ``["cats", "25", "mats", "dog"]``.
+    """
+    return [w for w in _PUNCTUATION.sub("", text.lower()).split() if w not in _ARTICLES]
+
+
+def word_f1(prediction: list[str], reference: list[str]) -> float:
+    """F1 of the word multisets: overlap c = sum over words of min(count in prediction, count in reference),
+    P = c / |prediction|, R = c / |reference|, F1 = 2PR / (P + R); 0 when either is empty or c = 0."""
+    common = sum((Counter(prediction) & Counter(reference)).values())
+    return 0.0 if common == 0 else 2.0 * common / (len(prediction) + len(reference))
+
+
+def word_rouge_l(prediction: list[str], reference: list[str]) -> float:
+    """ROUGE-L F1 over words: l = the longest common subsequence's length, P = l / |prediction|,
+    R = l / |reference|, F = 2PR / (P + R) = 2l / (|prediction| + |reference|); 0 when either is empty."""
+    if not prediction or not reference:
+        return 0.0
+    return 2.0 * LCSseq.similarity(prediction, reference) / (len(prediction) + len(reference))
+
+
+class WordSimilarity(TextSimilarity):
+    """The SoftmaxGRPO paper's similarity reward: ``f1_weight x F1 + (1 - f1_weight) x ROUGE-L F1`` (0.6 / 0.4)
+    over ``normalize_words`` of the completion's ``final_text`` against the reference; 0 if either side has no
+    words.
+
+    The reference is ``example.metadata[reference]`` when ``reference`` names a key (GSM8K's ``solution``),
+    else ``example.metadata["reference"]`` when the task gives one (DeepMath with ``reference_solutions``,
+    Countdown-GOLD), else ``example.answer`` (OpenThoughts, and every reference-text task). So it works with
+    any task that has a reference text. ``reference_final_text`` compares with the reference's own
+    ``final_text`` (a reference that is a whole reasoning trace, such as OpenThoughts' or Countdown-GOLD's
+    assistant message, is then its answer part); off by default, as the issue states the references.
+    ``normalize`` is not used (the words are always normalised).
+    """
+
+    name = "similarity"
+
+    def __init__(
+        self, f1_weight: float = 0.6, reference: str | None = None, reference_final_text: bool = False, **kwargs
+    ) -> None:
+        super().__init__(**kwargs)
+        require(0.0 <= f1_weight <= 1.0, f"f1_weight must be in [0, 1], got {f1_weight}")
+        self.f1_weight, self.reference, self.reference_final_text = f1_weight, reference, reference_final_text
+
+    def reference_text(self, example: Example) -> str:
+        """The text a completion to ``example`` is compared with (a missing named key raises: a failed scoring)."""
+        if self.reference is not None:
+            text = str(example.metadata[self.reference])
+        else:
+            text = str(example.metadata.get("reference", example.answer))
+        return final_text(text) if self.reference_final_text else text
+
+    def score_one(self, example: Example, completion: str) -> float:
+        return self.similarity(final_text(completion), self.reference_text(example))
+
+    def similarity(self, prediction: str, reference: str) -> float:
+        words, gold = normalize_words(prediction), normalize_words(reference)
+        return self.f1_weight * word_f1(words, gold) + (1.0 - self.f1_weight) * word_rouge_l(words, gold)

@@ -42,22 +42,32 @@ def full_state(model) -> dict[str, torch.Tensor]:
 #: a second scenario: old log-probs from a no-grad pass (two PPO epochs), and processes with different
 #: numbers of micro-batches (dynamic sampling drops the constant group on rank 0 only)
 UNEVEN = {"ppo_epochs": 2, "dynamic_sampling": True, "max_sampling_rounds": 1, "micro_batch_size": 2}
+#: a third: bf16-mixed (FSDP2 gathers the blocks in bf16 and reduces in fp32) with a KL to a (sharded) reference,
+#: two PPO epochs (the second one away from the reference), several micro-batches per optimiser step
+KL_BF16 = {"ppo_epochs": 2, "micro_batch_size": 2}
+SCENARIOS = {"plain": ({}, "32-true"), "uneven": (UNEVEN, "32-true"), "kl_bf16": (KL_BF16, "bf16-mixed")}
 
 
 def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = "plain") -> None:
+    from sgrpo.loss import ClippedSurrogate
+
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    extra = UNEVEN if scenario == "uneven" else {}
+    extra, precision = SCENARIOS[scenario]
+    if scenario == "kl_bf16":
+        extra = extra | {"loss": ClippedSurrogate(kl_coef=0.001)}
     policy = make_policy(model_dir, batch, GRPO(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5), **extra)
+    probes = record_sharding(policy) if strategy == "sharded" else {}
     if strategy == "sharded":
         trainer = run_steps(
-            policy, devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        )
+            policy, devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            precision=precision,
+        )  # fmt: skip
         local = sum(p.to_local().numel() for p in policy.model.parameters())
         counts = [torch.zeros(1) for _ in range(2)]
         torch.distributed.all_gather(counts, torch.tensor([float(local)]))
         state = full_state(policy.model)
     else:
-        trainer = run_steps(policy)
+        trainer = run_steps(policy, precision=precision)
         counts = [torch.tensor([float(sum(p.numel() for p in policy.model.parameters()))])]
         state = policy.model.state_dict()
     if trainer.is_global_zero:
@@ -66,10 +76,54 @@ def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = 
         info = {
             "loss": float(trainer.callback_metrics["train/loss"]),
             "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
+            "kl": float(trainer.callback_metrics.get("train/kl", 0.0)),
             "local_params": [int(c.item()) for c in counts],
             "total_params": sum(v.numel() for k, v in state.items()),
+            "optimizer_steps": len(policy.captured),
         }
+        info |= {name: probe() for name, probe in probes.items()}
         (Path(out) / "info.json").write_text(json.dumps(info))
+
+
+def record_sharding(policy) -> dict:
+    """Probes of a sharded update, read after it: the dtype of a block's weight during its forwards, of the
+    sharded parameters, of the reference's (sharded?) parameters, and the reduce-scatters the backwards ran."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, list] = {"forward_dtypes": [], "reduce_scatters": [], "backwards": []}
+    reduce_scatter = torch.distributed.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        seen["reduce_scatters"].append(1)
+        return reduce_scatter(*args, **kwargs)
+
+    torch.distributed.reduce_scatter_single = counting
+    configure, backward = policy.configure_model, policy._backward
+
+    def configure_model() -> None:
+        configure()
+        layer = policy.model.model.layers[0].self_attn.q_proj
+        layer.register_forward_pre_hook(lambda m, _: seen["forward_dtypes"].append(str(m.weight.dtype)))
+
+    def counted_backward(*args, **kwargs):
+        seen["backwards"].append(1)
+        return backward(*args, **kwargs)
+
+    policy.configure_model, policy._backward = configure_model, counted_backward
+    reference = lambda: [] if policy._reference is None else list(policy._reference.parameters())  # noqa: E731
+    groups = lambda: sum(isinstance(m, FSDPModule) for m in policy.model.modules())  # noqa: E731
+    return {
+        "forward_dtypes": lambda: sorted(set(seen["forward_dtypes"])),
+        "sharded_dtypes": lambda: sorted({str(p.dtype) for p in policy.model.parameters()}),
+        "reduce_scatters_per_group": lambda: len(seen["reduce_scatters"]) / groups(),
+        "backwards": lambda: len(seen["backwards"]),
+        "reference_dtensors": lambda: [isinstance(p, DTensor) for p in reference()],
+        "reference_local_share": lambda: sum(
+            p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in reference()
+        ) / max(1, sum(p.numel() for p in reference())),
+        "reference_dtypes": lambda: sorted({str(p.dtype) for p in reference()}),
+    }
 
 
 def fit(root: str, model_dir: str, steps: str, resume: str = "", *extra: str) -> None:

@@ -3,6 +3,7 @@ in the estimator (docs/theory.md §7.4)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,22 +18,33 @@ from sgrpo.rollout import HFRollout
 from sgrpo.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+CONFIGS = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "configs" / "paper").glob("*.yaml"))
 OVERLAYS = {"quickstart_lora.yaml": "quickstart.yaml"}  # a config given after its base: --config base --config it
 FIXTURES = {  # task class -> overrides that swap hub data for fixtures
-    "tasks.DeepMath": ["path=tests/fixtures/deepmath.jsonl", "validation_size=1"],
-    "tasks.GSM8K": ["path=tests/fixtures/gsm8k.jsonl"],
+    "tasks.DeepMath": ["path=tests/fixtures/deepmath.jsonl", "validation_size=1", "holdout=random"],
+    "tasks.GSM8K": ["path=tests/fixtures/gsm8k.jsonl", "test_size=1"],
     "tasks.PoetryClassification": ["path=tests/fixtures/poetry.csv"],
     "tasks.PoetryWriting": ["path=tests/fixtures/poetry.jsonl"],
+    "tasks.Countdown": ["path=tests/fixtures/countdown.jsonl"],
+    "tasks.CountdownGold": ["path=tests/fixtures/countdown_gold.jsonl", "config=null"],
+    "tasks.OpenThoughts": ["path=tests/fixtures/openthoughts.jsonl"],
+    "tasks.Polaris": [
+        "path=tests/fixtures/polaris.jsonl",
+        'evaluation_sets={"aime25": "tests/fixtures/aime25.jsonl", "math500": "tests/fixtures/math500.jsonl"}',
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+    """The tiny model with the positions of the configs' own models (preflight checks prompt + completion fit)."""
+    path = ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 131072}))
+    return str(path)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
 def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     files = [REPO / "configs" / OVERLAYS[config.name], config] if config.name in OVERLAYS else [config]
@@ -43,10 +55,9 @@ def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch
     task_class = raw["model"]["task"]["class_path"]
     overrides = [f"--model.task.init_args.{kv}" for kv in FIXTURES.get(task_class, [])]
     configs = [arg for file in files for arg in ("--config", str(file))]
-    cli = parse([*configs, f"--model.model={model_dir}", "--trainer.accelerator=cpu",
-
+    cli = parse([*configs, f"--model.model={model_dir}", "--trainer.accelerator=cpu", "--trainer.num_nodes=1",
                  "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.precision=32-true",
-                 f"--trainer.default_root_dir={tmp_path}", *overrides])
+                 f"--trainer.default_root_dir={tmp_path}", *overrides])  # fmt: skip
     policy = cli.model
     assert isinstance(policy, GRPOPolicy) and isinstance(policy.estimator, AdvantageEstimator)
     assert policy.model is None  # nothing loaded at parse time

@@ -30,3 +30,21 @@ def test_help_prints_the_descriptions(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--model.group_size GROUP_SIZE Completions per prompt" in out
     assert "--model.peft PEFT LoRA adapters" in out
+
+
+def test_a_fit_prints_its_parameters_in_one_line_and_no_lightning_tip(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from sgrpo.fit import ParameterCount, quiet_dependency_warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))  # 220 + 105 parameters
+    model[0].requires_grad_(False)
+    quiet_dependency_warnings()
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    with caplog.at_level(logging.INFO, logger=rank_zero.name):
+        ParameterCount().on_fit_start(None, SimpleNamespace(model=model))
+        rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
+    assert [r.getMessage() for r in caplog.records] == ["Sequential: 325 parameters, 105 trainable"]

@@ -1,0 +1,305 @@
+"""Preflight refusals (sgrpo.preflight): one line naming the key and the fix, exit 2, before any model loads."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgrpo.fit import main
+from sgrpo.guards import prompt_room
+from sgrpo.preflight import BF16_MIN_ADAM_LR, ConfigError, check_tensor_parallel, check_weight_precision
+from sgrpo.rollout import HFRollout
+from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
+from sgrpo.vllm_rollout import VLLMRollout
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def refusal(tmp_path: Path, model_dir: str, capsys, *extra: str) -> str:
+    """The one error line of a fit of configs/tiny.yaml refused before anything ran."""
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as refused:
+        main([
+            "--config", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}", f"--model.model={model_dir}",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", *extra,
+        ])  # fmt: skip
+    assert refused.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert time.perf_counter() - started < 10
+    assert not (tmp_path / "run" / "lightning_logs").exists()  # nothing ran
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ bfloat16 weights and Adam
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--trainer.precision=bf16-true", "--model.optimizer.init_args.lr=1e-6"],
+         "trainer.precision=bf16-true trains bfloat16 weights at lr 1e-06, where AdamW's steps round away"),
+        (["--model.dtype=bfloat16", "--model.optimizer.init_args.lr=1e-5"],
+         "model.dtype=bfloat16 trains bfloat16 weights at lr 1e-05, where AdamW's steps round away"),
+        (["--trainer.precision=bf16-mixed", "--model.dtype=bfloat16", "--model.optimizer=torch.optim.RMSprop",
+          "--model.optimizer.init_args.lr=1e-6"], "model.dtype=bfloat16 trains bfloat16 weights at lr 1e-06"),
+    ],
+    ids=["bf16-true", "dtype-bfloat16", "bf16-mixed-bfloat16-weights"],
+)  # fmt: skip
+def test_bfloat16_weights_at_a_learning_rate_that_rounds_away_are_refused(extra, needle, model_dir, tmp_path,
+                                                                          capsys):  # fmt: skip
+    line = refusal(tmp_path, model_dir, capsys, *extra)
+    assert needle in line
+    assert "--trainer.precision=bf16-mixed with --model.dtype=float32 (float32 master weights)" in line
+    assert "2^-9" in line and "3.9e-05" in line
+
+
+def _policy(dtype: str, optimizer) -> SimpleNamespace:
+    return SimpleNamespace(model_dtype=dtype, optimizer_factory=optimizer)
+
+
+def test_the_bfloat16_rule_refuses_only_adam_like_steps_below_the_bound():
+    adamw = lambda lr: lambda params: torch.optim.AdamW(params, lr=lr)  # noqa: E731
+    check_weight_precision("bf16-mixed", _policy("float32", adamw(1e-6)))  # float32 master weights
+    check_weight_precision("bf16-true", _policy("float32", adamw(1e-3)))  # a step above the bound
+    check_weight_precision("bf16-true", _policy("float32", lambda p: torch.optim.SGD(p, lr=1e-6)))  # no eps
+    check_weight_precision("64-true", _policy("bfloat16", adamw(1e-6)))  # 64-true converts them to float64
+    with pytest.raises(ConfigError, match="bf16-true trains bfloat16 weights at lr 3.8e-05"):
+        check_weight_precision("bf16-true", _policy("float32", adamw(3.8e-5)))
+    with pytest.raises(ConfigError, match="16-true trains float16 weights"):  # float16: refused at any lr
+        check_weight_precision("16-true", _policy("float32", adamw(1e-2)))
+
+
+def test_the_bound_is_where_bfloat16_loses_adam_steps_on_the_tiny_model():
+    """The rule's numbers, measured: below ``BF16_MIN_ADAM_LR`` (0.02 * 2^-9) an AdamW step moves no bfloat16
+    weight of magnitude >= 0.02, and over 10 steps at lr 1e-6 almost no weight of the tiny model (N(0, 0.02))
+    moves; at lr 1e-3, almost every one does."""
+    tokenizer = build_char_tokenizer()
+    ids = torch.randint(3, len(tokenizer), (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def unchanged(lr: float, steps: int) -> tuple[float, bool]:
+        model = build_tiny_llama(tokenizer).to(torch.bfloat16)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        same = [(p == b) for p, b in zip(model.parameters(), before, strict=True)]
+        share = sum(s.sum().item() for s in same) / sum(s.numel() for s in same)
+        large_kept = all(s[b.abs() >= 0.02].all() for s, b in zip(same, before, strict=True))
+        return share, large_kept
+
+    assert unchanged(0.99 * BF16_MIN_ADAM_LR, 1)[1]  # no weight with |w| >= 0.02 moved
+    assert not unchanged(4 * BF16_MIN_ADAM_LR, 1)[1]  # above 0.02 * 2^-8 they do
+    assert unchanged(1e-6, 10)[0] > 0.95  # measured 98.0 %
+    assert unchanged(1e-3, 10)[0] < 0.05  # measured 0.8 %
+
+
+# ---------------------------------------------------------------------------- prompts and the engine's length
+class ShortEngine(HFRollout):
+    """An engine with a total-length limit of its own (as vLLM's ``max_model_len``), here 14 tokens."""
+
+    max_total_tokens = 14
+
+
+def test_vllm_bounds_prompts_by_its_max_model_len():
+    """configs/scale_deepmath_8gpu.yaml's numbers: Qwen2.5-1.5B's 32,768 positions allowed prompts of 30,720
+    tokens beside 2,048 new ones, in an engine that takes 4,096; now the engine's length bounds them."""
+    engine = VLLMRollout(max_new_tokens=2048, max_model_len=4096)
+    assert engine.max_total_tokens == 4096 and VLLMRollout(max_new_tokens=8).max_total_tokens is None
+    assert HFRollout().max_total_tokens is None  # the model's positions
+    assert prompt_room(32768, engine.max_total_tokens, None, 2048) == 2048
+    assert prompt_room(32768, None, None, 2048) == 30720  # without an engine limit: the positions
+    assert prompt_room(None, None, None, 2048) is None
+    with pytest.raises(ConfigError, match=r"max_prompt_tokens=30720 \+ model.rollout max_new_tokens=2048 exceed "
+                                          r"model.rollout's max_model_len \(4096 tokens\).*<= 2048"):  # fmt: skip
+        prompt_room(32768, 4096, 30720, 2048)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--model.rollout=sgrpo.vllm_rollout.VLLMRollout", "--model.rollout.init_args.max_new_tokens=8",
+          "--model.rollout.init_args.max_model_len=16", "--model.max_prompt_tokens=12"],
+         "model.max_prompt_tokens=12 + model.rollout max_new_tokens=8 exceed model.rollout's max_model_len (16 "
+         "tokens)"),
+        (["--model.max_prompt_tokens=60"],  # the tiny model's config.json: 64 positions, 8 new tokens
+         "model.max_prompt_tokens=60 + model.rollout max_new_tokens=8 exceed the model's max_position_embeddings"),
+        (["--model.val_rollout=sgrpo.rollout.HFRollout", "--model.val_rollout.init_args.max_new_tokens=64"],
+         "model.val_rollout max_new_tokens=64 leaves no room for a prompt in the model's max_position_embeddings"),
+    ],
+    ids=["vllm-max-model-len", "model-positions", "val-rollout"],
+)  # fmt: skip
+def test_prompts_that_cannot_fit_the_engine_are_refused_before_loading(extra, needle, model_dir, tmp_path,
+                                                                       capsys):  # fmt: skip
+    assert needle in refusal(tmp_path, model_dir, capsys, "--trainer.max_steps=2", *extra)
+
+
+def test_the_prompt_guard_drops_prompts_over_the_engine_length(model_dir, tmp_path):
+    """An engine that takes 14 tokens with 8 new ones leaves 6 for a prompt: the 128 sort prompts of 5 digits
+    ("s:12345=", 8 tokens) are dropped at read, not sent to the engine (the model's 64 positions allow 56)."""
+    cli = main([
+        "--config", TINY, f"--trainer.default_root_dir={tmp_path}", f"--model.model={model_dir}",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.max_steps=1",
+        "--trainer.val_check_interval=1000", "--model.rollout=tests.test_preflight.ShortEngine",
+        "--model.rollout.init_args.max_new_tokens=8",
+    ])  # fmt: skip
+    assert cli.model.prompts_dropped == 128
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+def test_tensor_parallel_model_parallel_strategy_is_refused():
+    """sgrpo applies no tensor-parallel plan: ``tensor_parallel_size > 1`` (and "auto", which Lightning resolves
+    to every device of a node) is refused, naming data_parallel_size; FSDP2 alone passes."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    def strategy(devices: int, **sizes) -> ModelParallelStrategy:
+        built = ModelParallelStrategy(**sizes)
+        built.parallel_devices = [torch.device("cpu")] * devices
+        return built
+
+    for passes in (strategy(4, data_parallel_size=4, tensor_parallel_size=1), strategy(1), DDPStrategy()):
+        check_tensor_parallel(passes)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 is not implemented in sgrpo .*: set "
+                                          r"data_parallel_size=4 and tensor_parallel_size=1"):  # fmt: skip
+        check_tensor_parallel(strategy(4, data_parallel_size=2, tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=auto \(8 devices\) is not implemented"):
+        check_tensor_parallel(strategy(8))
+
+
+def test_a_tensor_parallel_config_is_refused_in_one_line_before_launching(model_dir, tmp_path, capsys):
+    line = refusal(tmp_path, model_dir, capsys, "--trainer.devices=2",
+                   "--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
+                   "--trainer.strategy.init_args.data_parallel_size=1",
+                   "--trainer.strategy.init_args.tensor_parallel_size=2")  # fmt: skip
+    assert "tensor_parallel_size=2 is not implemented in sgrpo" in line and "data_parallel_size=2 and" in line
+
+
+# -------------------------------------------------------------------------------- files the run reads or writes
+DATA_FILES = [  # name, bytes, what the one line says
+    ("missing.jsonl", b'{"prompt": "s:31=", "reference": "13"}\n{"prompt": "s:2="}\n',
+     "missing.jsonl, line 2, column 'reference': missing in this row"),
+    ("renamed.jsonl", b'{"prompt": "s:31=", "answer": "13"}\n',
+     "column 'reference': missing; the source has columns ['answer', 'prompt']"),
+    ("empty.jsonl", b"", "empty.jsonl holds no rows"),
+    ("latin1.jsonl", '{"prompt": "caf\u00e9", "reference": "x"}\n'.encode("latin-1"), "latin1.jsonl:1: not UTF-8 text"),
+    ("broken.jsonl", b'{"prompt": "a", "reference": "b"}\n{"prompt": \n', "broken.jsonl:2: not a JSON object per line"),
+    ("broken.json", b'[{"prompt": "a", "reference": "b"},\n oops]\n', "broken.json:2: not a JSON array of objects"),
+    ("broken.parquet", b"PAR1 not parquet", "broken.parquet: not a readable parquet file"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "data", "needle"), DATA_FILES, ids=[d[0] for d in DATA_FILES])
+def test_a_bad_data_file_fails_in_one_line_naming_it(name, data, needle, model_dir, tmp_path, capsys):
+    (tmp_path / name).write_bytes(data)
+    line = refusal(tmp_path, model_dir, capsys, "--model.task=tasks.ReferenceText",
+                   f"--model.task.init_args.path={tmp_path / name}")  # fmt: skip
+    assert line.startswith("error: invalid configuration: model.task.init_args.path: ") and needle in line
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: [3\nmodel:\n  model: x\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["--config", str(bad)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1
+    assert f"--config {bad}:3:6: not valid YAML" in lines[0] and "opened on line 2" in lines[0]
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder this process cannot write: mode 555, and for root (whom modes do not stop) immutable."""
+    import os
+    import subprocess
+
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    try:
+        probe = folder / "probe"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+            pytest.skip("cannot make a read-only folder here")
+        except OSError:
+            pass
+        yield folder
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the-folder", "a-folder-below"])
+def test_a_read_only_run_folder_is_refused_in_one_line(inside, read_only, model_dir, capsys):
+    root = read_only / "run" if inside else read_only
+    line = refusal(read_only.parent, model_dir, capsys, f"--trainer.default_root_dir={root}")
+    assert f"trainer.default_root_dir={root}: cannot write in {read_only}" in line
+
+
+def test_a_torch_file_that_is_not_a_lightning_checkpoint_is_refused_or_skipped(model_dir, tmp_path, capsys):
+    """--ckpt_path to it: one line; --ckpt_path last: skipped with a warning, the next checkpoint resumes."""
+    from sgrpo.checkpoints import NOT_LIGHTNING, checkpoint_problem, resumable
+
+    plain = tmp_path / "weights.pt"
+    torch.save({"weights": torch.ones(3)}, plain)
+    assert checkpoint_problem(plain) == NOT_LIGHTNING
+    line = refusal(tmp_path, model_dir, capsys, f"--ckpt_path={plain}")
+    assert f"--ckpt_path {plain} does not load (a torch file, but not a Lightning checkpoint" in line
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"pytorch-lightning_version": "2", "state_dict": {}}, folder / "step1.ckpt")
+    torch.save({"weights": torch.ones(3)}, folder / "step2.ckpt")
+    path, skipped = resumable(folder)
+    assert path == folder / "step1.ckpt" and skipped == [f"skipped {folder / 'step2.ckpt'}: it does not load "
+                                                         f"({NOT_LIGHTNING})"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- values as parsed
+def test_limit_val_batches_counts_batches(model_dir, tmp_path):
+    """configs/tiny.yaml's ``limit_val_batches: 1`` is one batch: 4 of its 16 validation prompts at 4 per batch
+    (it was read as 1.0, all 4 batches: Python's typing cache gave Lightning's Union[int, float] as Fabric's
+    Union[float, int]). A float stays a fraction."""
+    cli = main([
+        "--config", TINY, f"--trainer.default_root_dir={tmp_path}", f"--model.model={model_dir}",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.max_steps=1",
+        "--trainer.val_check_interval=1", "--model.val_prompts_per_batch=4",
+    ])  # fmt: skip
+    assert cli.trainer.limit_val_batches == 1 and type(cli.trainer.limit_val_batches) is int
+    assert [result["prompts"] for result in cli.model.val_history] == [4]
+    from sgrpo.fit import parse
+
+    fraction = parse(["--config", TINY, f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=0.5",
+                      "--trainer.limit_test_batches=2"])  # fmt: skip
+    assert fraction.trainer.limit_val_batches == 0.5 and type(fraction.trainer.limit_test_batches) is int
+
+
+# ---------------------------------------------------------------------------------------- evaluations
+def test_validating_a_base_model_into_a_run_folder_leaves_it_free_for_a_fresh_fit(model_dir, tmp_path, capsys):
+    """``validate`` of a model folder logs under evaluations/, beside any run: a fresh fit there then starts
+    (it was refused: "already holds a run (lightning_logs): resume it with --ckpt_path last", with nothing to
+    resume). A folder refused for other outputs advises resuming only when it has checkpoints."""
+    run = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}", f"--model.model={model_dir}",
+           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]  # fmt: skip
+    main(["validate", *run])
+    main([*run, "--trainer.max_steps=1", "--trainer.val_check_interval=1000"])  # refused before
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    logs = sorted(p.parent.parent.name for p in tmp_path.glob("*/version_*/metrics.csv"))
+    assert logs == ["evaluations", "lightning_logs"]
+    capsys.readouterr()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("{}\n")
+    line = refusal(tmp_path, model_dir, capsys, f"--trainer.default_root_dir={other}", "--trainer.max_steps=1")
+    assert "already holds a run (metrics.jsonl)" in line and "--ckpt_path last" not in line

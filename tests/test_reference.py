@@ -1,0 +1,106 @@
+"""The KL reference: the loaded policy in the dtypes its forward computes in (half the bytes under bf16), or with
+LoRA the policy itself with its adapters off (sgrpo/reference.py). Its FSDP2 sharding is checked on 2
+processes in tests/test_sharded.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from estimators import GRPO
+from sgrpo.logprobs import completion_logprobs
+from sgrpo.lora import LoRA, adapters_off, is_adapter
+from sgrpo.loss import ClippedSurrogate
+from sgrpo.reference import build_reference
+from sgrpo.tiny import ensure_tiny_model
+from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
+from tests.test_policy_gradients import MAX_NEW, G, make_policy
+
+KL = ClippedSurrogate(kl_coef=0.1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir):
+    return fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+
+
+def logprobs(model: nn.Module, batch, precision_dtype: torch.dtype | None = None) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast("cpu", precision_dtype or torch.float32, enabled=precision_dtype is not None):
+        mask = batch.completion_mask
+        return completion_logprobs(model, batch.input_ids, batch.attention_mask, mask)[0] * mask
+
+
+def nbytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def constructed(monkeypatch) -> list[int]:
+    """Counts the Llama models built from here on (loaded, or built from a config)."""
+    built: list[int] = []
+    init = LlamaForCausalLM.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", counting)
+    return built
+
+
+def test_bf16_mixed_reference_is_bf16_and_gives_the_fp32_references_log_probs(model_dir, batch, monkeypatch):
+    """Under bf16-mixed the reference's Linear weights (all but the LM head, which sgrpo.head computes in float32)
+    are bf16: autocast would cast an fp32 reference's to the same values at every use, so its log-probs are the
+    fp32 reference's exactly, at fewer bytes; it is built from the loaded policy, not loaded again."""
+    built = constructed(monkeypatch)
+    policy = make_policy(model_dir, batch, GRPO(), loss=KL)
+    trainer = run_steps(policy, precision="bf16-mixed")
+    models = len(built)
+    reference = policy._reference
+    head = reference.get_output_embeddings()
+    linears = [m for m in reference.modules() if isinstance(m, nn.Linear) and m is not head]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert head.weight.dtype == torch.float32 and not any(p.requires_grad for p in reference.parameters())
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert nbytes(reference) < 0.55 * nbytes(fp32)  # measured 0.505
+    assert models == 2  # the policy loaded and its reference built from it (before: loaded twice, fp32)
+    want = logprobs(fp32, batch, torch.bfloat16)  # what the fp32 reference gave under bf16-mixed
+    assert torch.equal(logprobs(reference, batch, torch.bfloat16), want)
+    # every weight in bf16 (embeddings, norms and head too) would be off: measured up to 2.7e-3 nats, 8e-4 mean
+    all_bf16 = build_reference(fp32, "bf16-true")
+    assert (logprobs(all_bf16, batch, torch.bfloat16) - want).abs().max() > 1e-4
+    assert float(trainer.callback_metrics["train/kl"]) == 0.0  # one epoch: the policy is still the reference
+
+
+def test_bf16_true_reference_is_the_initial_policy_number_for_number(model_dir, batch):
+    """Under bf16-true the policy's weights are bf16, and so are the reference's: the KL at the first optimiser
+    step, taken at the weights that sampled, is exactly 0 (an fp32 reference gave a KL of bf16 rounding)."""
+    policy = make_policy(model_dir, batch, GRPO(), loss=KL)
+    trainer = run_steps(policy, precision="bf16-true")
+    assert {p.dtype for p in policy._reference.parameters()} == {torch.bfloat16}
+    assert float(trainer.callback_metrics["train/kl"]) == 0.0
+
+
+def test_lora_reference_is_the_base_with_the_adapters_off(model_dir, batch, monkeypatch):
+    """With LoRA no second model is built: the KL is taken against the policy with its adapters off, whose
+    log-probs are those of the base loaded on its own; the adapters (trained away from 0) are back on after."""
+    built = constructed(monkeypatch)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.5)  # noqa: E731
+    policy = make_policy(model_dir, batch, GRPO(), loss=KL, peft=LoRA(rank=4), optimizer=sgd)
+    run_steps(policy, steps=2)
+    assert len(built) == 1 and policy._reference is None  # before: a second model, loaded from disk
+    model = policy.model
+    adapted = logprobs(model, batch)
+    base = logprobs(AutoModelForCausalLM.from_pretrained(model_dir), batch)
+    with adapters_off(model) as reference:
+        assert reference is model
+        torch.testing.assert_close(logprobs(reference, batch), base, atol=1e-6, rtol=0)
+    assert (adapted - base).abs().max() > 1e-3  # the adapters moved the policy: they were off above
+    assert torch.equal(logprobs(model, batch), adapted)
+    assert all(p.requires_grad == is_adapter(n) for n, p in model.named_parameters())

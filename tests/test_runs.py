@@ -1,0 +1,33 @@
+"""The run folder's lock: exclusive while held, naming its holder, and naming nobody once released."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sgrpo.runs import LOCK_FILE, RunRefused, lock_run, unlock_run
+
+
+def test_a_held_lock_names_its_process_and_a_released_one_names_nobody(tmp_path):
+    lock = lock_run(tmp_path)
+    assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
+    with pytest.raises(RunRefused, match=rf"in use by pid {os.getpid()} on "):
+        lock_run(tmp_path)  # a second handle is a second lock holder: refused while the first holds it
+    unlock_run(lock)
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # a clean exit leaves no stale 'pid N' naming a dead process
+    unlock_run(lock_run(tmp_path))  # and the folder can be claimed again
+
+
+def test_the_progress_bar_counts_the_runs_steps_after_a_resume(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from sgrpo.fit import StepProgressBar
+
+    bar, seen = StepProgressBar(), []
+    bar._trainer = SimpleNamespace(max_steps=6, global_step=4)  # resumed at step 3, one step done since
+    monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda *args, batch_idx=None: seen.append(args[-1]))
+    bar.on_train_batch_end(bar._trainer, None, None, None, batch_idx=0)  # Lightning's index in the resumed loader
+    assert bar.total_train_batches == 6 and seen == [3]  # shown as 4/6 (it was 1/3, and 6/2 by the end)

@@ -1,0 +1,135 @@
+"""The LLM judge (issue 23, item 3): the shipped tiny model as judge, and a stub OpenAI-compatible endpoint on
+127.0.0.1 answering, failing, stalling and babbling; a failed judgement scores 0, is counted, and never hangs."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from jsonargparse import ArgumentParser
+
+from sgrpo.types import Example
+from tasks import JudgeReward, MeetingBank, Task
+from tasks.judge import read_score
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("Score: 7", 0.7),
+        ("I'd say 3. Final verdict, score: 8", 0.8),  # the last "Score:" wins over other numbers
+        ("**Score:** 9", 0.9),
+        ("7", 0.7),  # no "Score:": the last number
+        ("Score: 10", 1.0),
+        ("Score: 0", 0.0),
+        ("Score: 11", None),  # out of [0, max_score]
+        ("Score: -1", None),
+        ("I cannot grade this", None),
+    ],
+)
+def test_read_score(reply, expected):
+    assert read_score(reply, 10.0) == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.slow  # loads a model: 5-9 s on 2 busy cores
+def test_the_tiny_model_as_judge_is_deterministic_and_in_range():
+    judge = JudgeReward(model=str(REPO / "sgrpo/assets/quickstart_model"), max_new_tokens=2, batch_size=2,
+                        rubric="{prompt} {reference} {response} Score:")  # fmt: skip
+    examples = [Example([{"role": "user", "content": "add 1 and 2"}], "3")] * 3
+    first = judge.score(examples, ["3", "4", "<think>hmm</think> 3"])
+    again = judge.score(examples, ["3", "4", "<think>hmm</think> 3"])
+    assert first.total.tolist() == again.total.tolist()  # greedy
+    assert all(0.0 <= v <= 1.0 for v in first.total.tolist())
+    assert sum(first.counts.values()) == 3 and first.failures == 3 - first.counts.get("judged", 0)
+
+
+class Judge(BaseHTTPRequestHandler):
+    """A stub OpenAI-compatible server: its reply depends on the response it is asked to grade."""
+
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Judge.seen.append((self.path, body, self.headers.get("Authorization")))
+        question = body["messages"][0]["content"]
+        if "STALL" in question:
+            time.sleep(1.5)  # past the judge's timeout
+        if "TRICKLE" in question:  # a byte every 0.3 s: each socket read is within the timeout, the reply never ends
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(20):
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.3)
+            return
+        payload = b"not json" if "BROKEN" in question else json.dumps(
+            {"choices": [{"message": {"content": "I cannot grade this" if "BABBLE" in question else "Score: 7"}}]}
+        ).encode()  # fmt: skip
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:  # the judge gave up on this request
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def endpoint():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    Judge.seen = []
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_endpoint_judge_scores_and_its_failures_count_without_hanging(endpoint, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    judge = JudgeReward(url=endpoint, judge_model="stub", timeout=0.5, concurrency=4, api_key_env="JUDGE_KEY")
+    example = Example([{"role": "user", "content": "Summarise the item."}], "The council approved the budget.")
+    start = time.monotonic()
+    completions = ["<think>x</think>The budget passed.", "STALL", "BROKEN", "BABBLE", "TRICKLE"]
+    result = judge.score([example] * 5, completions)
+    # the stalled request dropped at its 0.5 s timeout, the trickling one at the 0.5 x 2 waves + 1 = 2 s deadline
+    assert time.monotonic() - start < 4.0  # the trickle alone lasts 6 s
+    assert result.total.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.0, 0.0])
+    assert result.failures == 4 and result.counts == {"judged": 1, "timeout": 2, "error": 1, "unparsed": 1}
+    path, body, auth = next(s for s in Judge.seen if "budget passed" in s[1]["messages"][0]["content"])
+    assert (path, body["model"], body["temperature"], auth) == ("/v1/chat/completions", "stub", 0.0, "Bearer secret")
+    question = body["messages"][0]["content"]
+    assert "Summarise the item." in question and "The council approved the budget." in question
+    assert "The budget passed." in question and "<think>" not in question  # the response without its thought
+
+
+def test_a_judge_is_a_success_test_for_validate_and_test(endpoint):
+    """As a reference-text task's success_metric (from a config), validation and test read the judge's verdicts."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--task", type=Task)
+    judge = {"class_path": "tasks.JudgeReward", "init_args": {"url": endpoint, "timeout": 2.0}}
+    settings = {"path": "tests/fixtures/meetingbank.jsonl", "test_size": 2, "success_threshold": 0.5}
+    config = {"class_path": "tasks.MeetingBank", "init_args": settings | {"success_metric": judge}}
+    task = parser.instantiate(parser.parse_object({"task": config})).task
+    assert isinstance(task, MeetingBank) and isinstance(task.success_metric, JudgeReward)
+    example = task.examples("test")[0]
+    assert task.successes([example] * 2, ["A fine summary.", "BABBLE"]).tolist() == [True, False]
+
+
+def test_a_judge_needs_exactly_one_of_model_and_url():
+    with pytest.raises(ValueError, match="exactly one of model"):
+        JudgeReward()
+    with pytest.raises(ValueError, match="exactly one of model"):
+        JudgeReward(model="m", url="http://127.0.0.1:1/v1")
