@@ -10,6 +10,7 @@ When vLLM imports, ``test_real_vllm_types`` repeats the conversion with its own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -249,6 +250,9 @@ class FakeLLM:
     def __init__(self, model: str, **kwargs) -> None:
         self.path, self.kwargs, self.events = model, kwargs, []
         self.engine_model = AutoModelForCausalLM.from_pretrained(model)
+        model_config = SimpleNamespace(dtype=torch.float32)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config),
+                                          engine_core=SimpleNamespace(shutdown=lambda: self.events.append("shutdown")))
         params = dict(self.engine_model.named_parameters())
 
         def load_weights(weights):
@@ -313,17 +317,34 @@ class SamplingLLM(FakeLLM):
         return outputs
 
 
+#: the vLLM modules VLLMRollout imports besides ``vllm``: (name, attributes); the layerwise reload's two steps
+#: do nothing here (the fake engine's parameters are plain and loaded in place)
+FAKE_SUBMODULES = {
+    "vllm.config": {"set_current_vllm_config": lambda config: contextlib.nullcontext()},
+    "vllm.platforms": {"current_platform": SimpleNamespace(is_sleep_mode_available=lambda: True)},
+    "vllm.model_executor.model_loader.reload": {
+        "initialize_layerwise_reload": lambda model: None,
+        "finalize_layerwise_reload": lambda model, model_config: None,
+    },
+}
+
+
 def install_fake_vllm(llm_class) -> types.ModuleType:
     module = types.ModuleType("vllm")
     module.LLM = llm_class
     module.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
     sys.modules["vllm"] = module
+    for name, attributes in FAKE_SUBMODULES.items():
+        sys.modules[name] = types.ModuleType(name)
+        vars(sys.modules[name]).update(attributes)
     return module
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # restored after the test
+    for name in FAKE_SUBMODULES:
+        monkeypatch.setitem(sys.modules, name, None)
     module = install_fake_vllm(FakeLLM)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the engine exports RANK/WORLD_SIZE/...: keep them local
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -443,6 +464,7 @@ def test_fit_with_the_engine_under_fsdp2(model_dir, tmp_path):
         assert value == pytest.approx(1.0 if key.endswith("tis_weight_mean") else 0.0, abs=1e-5), key
 
 
+@pytest.mark.vllm
 def test_real_vllm_types(tokenizer):
     vllm = pytest.importorskip("vllm")
     from vllm.outputs import CompletionOutput
