@@ -151,7 +151,7 @@ class VLLMRollout(RolloutEngine):
     on its GPU at its first ``generate`` and keeps it. Every ``generate``:
       1. wakes the engine's weights (with ``sleep``), copies the policy's current parameters into
          them (``engine_weights``: HF names, FSDP2 shards gathered one tensor at a time, in chunks of
-         ``weight_chunk_mib``), resets vLLM's prefix cache, then wakes the KV cache;
+         ``weight_chunk_mib``, loaded by vLLM's layerwise reload), resets vLLM's prefix cache, then wakes the KV cache;
       2. samples G completions per prompt (``n = G``; per-request seeds drawn from torch's RNG,
          which GRPOPolicy seeds from (seed, step, rank), so a resumed run draws the same seeds);
       3. sleeps (level 1: weights to CPU, KV cache freed) so training gets the memory back.
@@ -169,7 +169,7 @@ class VLLMRollout(RolloutEngine):
         top_p: Nucleus sampling (1: off; refused for training, allowed for ``val_rollout``).
         top_k: Top-k sampling (0: off; refused for training).
         gpu_memory_utilization: Share of the GPU vLLM may take while awake (weights and KV cache).
-        sleep: Offload the engine between rollouts so the update gets the memory.
+        sleep: Offload the engine between rollouts so the update gets the memory (without a sleep mode, on CPU: off).
         tensor_parallel_size: Processes per engine (consecutive ranks; they pool their prompts).
         max_model_len: Prompt + completion tokens per row (null: the model's).
         dtype: vLLM's weights dtype.
