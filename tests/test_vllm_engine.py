@@ -220,30 +220,30 @@ def test_lora_is_merged_into_the_engine(engines, model_dirs, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- engine set-up
-def test_engine_set_up_keeps_threads_falls_back_without_sleep_and_syncs_quietly(model_dirs, tokenizer, caplog, capfd):
+def test_engine_set_up_keeps_threads_falls_back_without_sleep_and_syncs_quietly(engines, model_dirs, tokenizer,
+                                                                                  caplog, capfd):
     """Built under inference mode (a validation first); sleep refused on CPU; vLLM's CPU worker swaps
     ``torch.set_num_threads`` for a no-op; a sync logs at most one line."""
-    model = policy(model_dirs, "tied")
+    model, threads = policy(model_dirs, "tied"), torch.get_num_threads()
     torch.set_num_threads(2)
-    engine = VLLMRollout(max_new_tokens=4, sleep=True, dtype="bfloat16", **ENGINE)
-    try:
-        with caplog.at_level(logging.WARNING, logger="sgrpo.vllm_rollout"), torch.inference_mode():
-            engine.generate(model, tokenizer, EXAMPLES[:1], group_size=2)
-        notes = [r.getMessage() for r in caplog.records if "sleep" in r.getMessage()]
-        assert len(notes) == 1 and "no sleep mode on this platform" in notes[0] and engine.sleep is False
-        assert torch.get_num_threads() == 2
-        torch.set_num_threads(1)  # torch's own again, not vLLM's stand-in that only warns
-        assert torch.get_num_threads() == 1
-        torch.set_num_threads(2)
-        capfd.readouterr()
-        with torch.no_grad():
-            model.model.norm.weight.mul_(1.5)  # the first sync outside inference mode into inference tensors
-        engine.sync_weights(model)
-        out, err = capfd.readouterr()
-        assert len((out + err).strip().splitlines()) <= 1, out + err
-        assert synced(engine, model, policy(model_dirs, "tied"), tokenizer, "bfloat16")[0]
-    finally:
-        engine.close()
+    # closed with the others at the module's end: a shutdown tears down vLLM's process-wide groups
+    engine = engines["set-up", "bfloat16"] = VLLMRollout(max_new_tokens=4, sleep=True, dtype="bfloat16", **ENGINE)
+    with caplog.at_level(logging.WARNING, logger="sgrpo.vllm_rollout"), torch.inference_mode():
+        engine.generate(model, tokenizer, EXAMPLES[:1], group_size=2)
+    notes = [r.getMessage() for r in caplog.records if "sleep" in r.getMessage()]
+    assert len(notes) == 1 and "no sleep mode on this platform" in notes[0] and engine.sleep is False
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)  # torch's own again, not vLLM's stand-in that only warns
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    capfd.readouterr()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)  # the first sync outside inference mode into inference tensors
+    engine.sync_weights(model)
+    out, err = capfd.readouterr()
+    assert len((out + err).strip().splitlines()) <= 1, out + err
+    assert synced(engine, model, policy(model_dirs, "tied"), tokenizer, "bfloat16")[0]
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------- sgrpo.fit
