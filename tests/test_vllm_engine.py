@@ -248,7 +248,8 @@ def test_engine_set_up_keeps_threads_falls_back_without_sleep_and_syncs_quietly(
 
 # ---------------------------------------------------------------------------------------------- sgrpo.fit
 def run_cli(tmp_path, model_dir: str, root: str, *extra: str) -> subprocess.CompletedProcess:
-    """``python -m sgrpo.fit`` as users start it: configs/tiny.yaml with the vLLM engine (float32, eager)."""
+    """``python -m sgrpo.fit`` as users start it: configs/tiny.yaml with the vLLM engine (float32, eager) and a
+    reward a random model earns half the time (``Parity``), so that every step moves the policy."""
     override = tmp_path / "vllm.yaml"
     init = {"max_new_tokens": 8, "dtype": "float32", **ENGINE}
     override.write_text(yaml.safe_dump({"model": {"rollout": {"class_path": "sgrpo.vllm_rollout.VLLMRollout",
@@ -256,8 +257,8 @@ def run_cli(tmp_path, model_dir: str, root: str, *extra: str) -> subprocess.Comp
     mode = [extra[0]] if extra and extra[0] in ("validate", "test") else []
     args = [sys.executable, "-m", "sgrpo.fit", *mode, "--config", str(REPO / "configs" / "tiny.yaml"), "--config",
             str(override), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path / root}",
-            "--model.task.init_args.levels=[1, 2]", "--trainer.enable_progress_bar=false",
-            *extra[len(mode):]]  # fmt: skip
+            "--model.task.init_args.levels=[1, 2]", "--model.task.init_args.reward=tests.vllm_fakes.Parity",
+            "--trainer.enable_progress_bar=false", *extra[len(mode):]]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -285,8 +286,23 @@ def test_fit_resume_and_validate_through_vllm(tmp_path, model_dirs):
         for key in ("train/reward", "train/loss", "train/grad_norm", "train/completion/length_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
         assert a["train/rollout/mismatch_abs_diff"] < 1e-5  # the engine sampled from the weights being trained
+    assert sum(r["train/grad_norm"] > 0.1 for r in train["full"][:-1]) >= 2  # ... which moved before steps 1-3
     val = [r for r in logged(tmp_path / "full") if "val/accuracy" in r][-1]  # the step-4 validation
     done = run_cli(tmp_path, model_dir, "eval", "validate", f"--ckpt_path={tmp_path / 'full/checkpoints/last.ckpt'}")
     table = done.stdout.split("accuracy by difficulty")[1]
     for level in (1, 2):
         assert f"| {level} | {val[f'val/accuracy/{level}']:.1%} |" in table
+
+
+@pytest.mark.slow
+def test_fit_under_fsdp2_with_one_engine_per_process(tmp_path, model_dirs):
+    """2 processes, FSDP2 over gloo, each with its engine: the shards are gathered into both engines at every step."""
+    strategy = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}  # fmt: skip
+    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump({"trainer": {"devices": 2, "strategy": strategy}}))
+    run_cli(tmp_path, model_dirs["tied"], "fsdp2", "--trainer.max_steps=3", "--trainer.val_check_interval=100",
+            f"--config={tmp_path / 'fsdp2.yaml'}")  # fmt: skip
+    train = [r for r in logged(tmp_path / "fsdp2") if "train/reward" in r]
+    assert [r["step"] for r in train] == [0, 1, 2]
+    assert all(r["train/rollout/mismatch_abs_diff"] < 1e-5 for r in train), train
+    assert any(r["train/grad_norm"] > 0.1 for r in train[:-1]), train  # the policy moved before a later rollout
