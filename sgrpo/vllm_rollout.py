@@ -12,6 +12,8 @@ calls them, and ``sgrpo.weightsync`` turns the policy's weights into what the en
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import socket
@@ -21,11 +23,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from sgrpo.distributed import close_before_release
 from sgrpo.rollout import RolloutEngine, render_prompt, stop_and_pad_ids
 from sgrpo.types import Example, RolloutBatch
-from sgrpo.weightsync import engine_weights, unwrap, weight_chunks
+from sgrpo.weightsync import as_dtype, begin_reload, end_reload, engine_weights, load_chunk, unwrap, weight_chunks
 
 INSTALL_HINT = "pip install -e '.[vllm]'"
+log = logging.getLogger(__name__)
+
 
 def import_vllm():
     """The ``vllm`` module, or an ImportError that names the install command."""
@@ -146,7 +151,7 @@ class VLLMRollout(RolloutEngine):
     on its GPU at its first ``generate`` and keeps it. Every ``generate``:
       1. wakes the engine's weights (with ``sleep``), copies the policy's current parameters into
          them (``engine_weights``: HF names, FSDP2 shards gathered one tensor at a time, in chunks of
-         ``weight_chunk_mib``), resets vLLM's prefix cache, then wakes the KV cache;
+         ``weight_chunk_mib``, loaded by vLLM's layerwise reload), resets vLLM's prefix cache, then wakes the KV cache;
       2. samples G completions per prompt (``n = G``; per-request seeds drawn from torch's RNG,
          which GRPOPolicy seeds from (seed, step, rank), so a resumed run draws the same seeds);
       3. sleeps (level 1: weights to CPU, KV cache freed) so training gets the memory back.
@@ -164,7 +169,7 @@ class VLLMRollout(RolloutEngine):
         top_p: Nucleus sampling (1: off; refused for training, allowed for ``val_rollout``).
         top_k: Top-k sampling (0: off; refused for training).
         gpu_memory_utilization: Share of the GPU vLLM may take while awake (weights and KV cache).
-        sleep: Offload the engine between rollouts so the update gets the memory.
+        sleep: Offload the engine between rollouts so the update gets the memory (without a sleep mode, on CPU: off).
         tensor_parallel_size: Processes per engine (consecutive ranks; they pool their prompts).
         max_model_len: Prompt + completion tokens per row (null: the model's).
         dtype: vLLM's weights dtype.
@@ -272,14 +277,20 @@ class VLLMRollout(RolloutEngine):
     def sync_weights(self, model: nn.Module) -> None:
         """Copy ``model``'s current parameters into the engine, chunk by chunk, then reset the prefix cache.
 
-        With FSDP2 every process must call this together (each parameter is all-gathered). The first
-        call checks that every engine parameter received a value.
+        The tensors are gathered here (FSDP2: every process must call this together), cast to the
+        engine's dtype and loaded by vLLM's layerwise reload (``sgrpo.weightsync.begin_reload``: every
+        kernel's copy refreshed, tied heads included). The first call checks that every engine
+        parameter received a value.
         """
         llm = self._engine(model)
+        config = llm.llm_engine.vllm_config
+        weights = as_dtype(engine_weights(model), config.model_config.dtype)
+        llm.apply_model(lambda engine_model: begin_reload(engine_model, config))
         loaded: set[str] = set()
-        for chunk in weight_chunks(engine_weights(model), int(self.weight_chunk_mib * 2**20)):
-            for names in llm.apply_model(lambda engine_model, chunk=chunk: engine_model.load_weights(chunk)):
-                loaded |= set(names or ())
+        for chunk in weight_chunks(weights, int(self.weight_chunk_mib * 2**20)):
+            for names in llm.apply_model(lambda engine_model, chunk=chunk: load_chunk(engine_model, chunk, config)):
+                loaded |= names
+        llm.apply_model(lambda engine_model: end_reload(engine_model, config))
         if not self._names_checked and loaded:  # models whose load_weights reports nothing are not checked
             expected = llm.apply_model(lambda engine_model: [n for n, _ in engine_model.named_parameters()])[0]
             missing = sorted(set(expected) - loaded)
@@ -306,20 +317,32 @@ class VLLMRollout(RolloutEngine):
         if tp > 1:  # a collective: every process builds its engine at the same step
             groups = [list(range(start, start + tp)) for start in range(0, world, tp)]
             self._tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
-        self._llm = vllm.LLM(
-            model=path,
-            dtype=self.dtype,
-            tensor_parallel_size=tp,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_model_len=self.max_model_len,
-            enable_sleep_mode=self.sleep,
-            enforce_eager=self.enforce_eager,
-            distributed_executor_backend="external_launcher",
-            seed=self.seed + rank // tp,  # one seed per engine; the processes of a TP group must agree
-            logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
-            **self.engine_kwargs,
-        )
+        if self.sleep and not sleep_mode_available():
+            log.warning("VLLMRollout: vLLM has no sleep mode on this platform: the engine keeps its memory between "
+                        "rollouts (as with sleep: false)")  # fmt: skip
+            self.sleep = False
+        with kept_torch_threads():
+            self._llm = vllm.LLM(
+                model=path,
+                dtype=self.dtype,
+                tensor_parallel_size=tp,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                max_model_len=self.max_model_len,
+                enable_sleep_mode=self.sleep,
+                enforce_eager=self.enforce_eager,
+                distributed_executor_backend="external_launcher",
+                seed=self.seed + rank // tp,  # one seed per engine; the processes of a TP group must agree
+                logprobs_mode="processed_logprobs",  # log-probs of the sampling distribution (after temperature)
+                **self.engine_kwargs,
+            )
+        close_before_release(self.close)
         return self._llm
+
+    def close(self) -> None:
+        """Shut the engine down (it is built again on the next ``generate``); ``sgrpo.fit`` calls this at exit."""
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm, self._asleep, self._names_checked = None, False, False
 
     def _pool_group(self, prompts: list[list[int]], seeds: list) -> tuple[list[list[int]], list, slice]:
         """With tensor parallelism, every process of a group feeds the group's prompts; ``rows`` are its own."""
@@ -330,6 +353,30 @@ class VLLMRollout(RolloutEngine):
         start = sum(len(p) for p, _ in parts[: torch.distributed.get_rank(self._tp_group)])
         pooled = [x for p, _ in parts for x in p], [x for _, s in parts for x in s]
         return *pooled, slice(start, start + len(prompts))
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM can sleep on this platform (not on CPU: ``enable_sleep_mode`` is refused there)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+@contextlib.contextmanager
+def kept_torch_threads():
+    """Keep torch's thread count and ``torch.set_num_threads`` as they were across an engine build.
+
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a function that only logs a warning,
+    process-wide, and may lower the thread count to 1 for serving; the colocated trainer shares the
+    process, so both are put back.
+    """
+    threads, setter = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = setter
+        if torch.get_num_threads() != threads:
+            setter(threads)
 
 
 def launcher_env() -> dict[str, str]:

