@@ -5,6 +5,7 @@ every config; here the numbers are checked against the issue's table)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,14 +76,25 @@ def test_print_config_shows_every_setting(name, capsys):
     assert printed["trainer"]["num_nodes"] == TABLE[name][5] and printed["validate_before"] is True
 
 
-def test_grpo_baseline_is_one_override():
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """The shipped quickstart model with the positions of the configs' own models (preflight checks that prompt
+    and completion fit); its rotary embeddings run at any length."""
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    shutil.copytree(REPO / "sgrpo" / "assets" / "quickstart_model", path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 131072}))
+    return str(path)
+
+
+def test_grpo_baseline_is_one_override(model_dir):
     cli = parse(["--config", str(PAPER / "gsm8k.yaml"), "--model.estimator=estimators.GRPO", "--model.task.init_args."
-                 f"path={F}gsm8k.jsonl", "--model.model=sgrpo/assets/quickstart_model", "--trainer.accelerator=cpu",
+                 f"path={F}gsm8k.jsonl", f"--model.model={model_dir}", "--trainer.accelerator=cpu",
                  "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.precision=32-true"])  # fmt: skip
     assert type(cli.model.estimator).__name__ == "GRPO" and cli.model.group_size == 8
 
 
-def _fit(name: str, root: Path):
+def _fit(name: str, root: Path, model_dir: str):
     raw = yaml.safe_load((PAPER / f"{name}.yaml").read_text())
     task = [f"--model.task.init_args.{kv}" for kv in DATA[raw["model"]["task"]["class_path"]]]
     val_rollout = []
@@ -91,7 +103,7 @@ def _fit(name: str, root: Path):
         val_rollout = ["--model.val_rollout=sgrpo.rollout.HFRollout"]
         val_rollout += [f"--model.val_rollout.init_args.{key}={value}" for key, value in settings.items()]
     return main([
-        "--config", str(PAPER / f"{name}.yaml"), "--model.model=sgrpo/assets/quickstart_model",
+        "--config", str(PAPER / f"{name}.yaml"), f"--model.model={model_dir}",
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto",
         "--trainer.precision=32-true", f"--trainer.default_root_dir={root}", "--trainer.max_steps=2",
         "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
@@ -105,10 +117,10 @@ def _fit(name: str, root: Path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TABLE))
-def test_two_step_fit_on_the_tiny_model(name, tmp_path, monkeypatch):
+def test_two_step_fit_on_the_tiny_model(name, model_dir, tmp_path, monkeypatch):
     """Every config's task, reward, verifier and settings, on the tiny model: 2 steps, validation before and after."""
     monkeypatch.chdir(REPO)
-    cli = _fit(name, tmp_path)
+    cli = _fit(name, tmp_path, model_dir)
     assert cli.model.rollout_step == 2
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [s for s in steps if "train/reward" in s]
