@@ -184,7 +184,8 @@ def checkpoint_problem(path: Path) -> str:
 def resumable(folder: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of ``folder`` that loads (``last.ckpt``, then ``stepN.ckpt`` from the highest N),
     and one line per newer checkpoint skipped, saying why."""
-    steps = sorted((p for p in folder.glob("step*.ckpt") if _STEP_FILE.fullmatch(p.name)), key=_step, reverse=True)
+    numbered = numbered_checkpoints(folder)
+    steps = sorted(numbered, key=numbered.get, reverse=True)
     skipped = []
     for path in [folder / "last.ckpt", *steps]:
         if not path.exists():
@@ -196,5 +197,6 @@ def resumable(folder: Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def _step(path: Path) -> int:
-    return int(_STEP_FILE.fullmatch(path.name).group(1))
+def numbered_checkpoints(folder: Path) -> dict[Path, int]:
+    """The periodic checkpoints in ``folder`` (``stepN.ckpt``, files or sharded folders) and their steps N."""
+    return {p: int(m.group(1)) for p in folder.glob("step*.ckpt") if (m := _STEP_FILE.fullmatch(p.name))}

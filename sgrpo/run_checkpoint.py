@@ -16,9 +16,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, replace_folder
+from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
 from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,23 @@ class RunCheckpoint(ModelCheckpoint):
             state["_batches_that_stepped"] = mark["step"] - (2 if mark["validation_pending"] else 1)
             self._loaded_optimizers = mark.get("optimizers")
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The numbered checkpoints that ``keep_last`` prunes are the ``stepN.ckpt`` in this run's folder, wherever
+        it now is. Lightning keeps its record of them only while the folder's path is unchanged: a run moved
+        elsewhere (or reached by another path) and resumed never deleted an old checkpoint again."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
+            super().load_state_dict(state_dict)
+        if self.dirpath is None:
+            return
+        steps = {str(path): torch.tensor(step) for path, step in numbered_checkpoints(Path(self.dirpath)).items()}
+        self.best_k_models = steps
+        if steps:  # "best" is the newest (monitor "step", mode "max"); the k-th the oldest kept
+            self.best_model_path = max(steps, key=steps.get)
+            self.best_model_score = steps[self.best_model_path]
+            self.kth_best_model_path = min(steps, key=steps.get)
+            self.kth_value = steps[self.kth_best_model_path]
 
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         super()._remove_checkpoint(trainer, filepath)

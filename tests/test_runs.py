@@ -31,3 +31,21 @@ def test_the_progress_bar_counts_the_runs_steps_after_a_resume(monkeypatch):
     monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda *args, batch_idx=None: seen.append(args[-1]))
     bar.on_train_batch_end(bar._trainer, None, None, None, batch_idx=0)  # Lightning's index in the resumed loader
     assert bar.total_train_batches == 6 and seen == [3]  # shown as 4/6 (it was 1/3, and 6/2 by the end)
+
+
+def test_keep_last_prunes_a_run_that_moved_to_another_folder(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from sgrpo.fit import main
+
+    def fit(root, *extra):
+        config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+        main(["--config", str(config), f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+              "--checkpoint_every=1", "--keep_last=2", "--trainer.limit_val_batches=0", *extra])  # fmt: skip
+
+    fit(tmp_path / "a", "--trainer.max_steps=3")
+    shutil.move(tmp_path / "a", tmp_path / "b")  # Lightning's record of step2/step3 names the old folder
+    fit(tmp_path / "b", "--trainer.max_steps=5", "--ckpt_path=last")
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("*.ckpt")) == [
+        "last.ckpt", "step4.ckpt", "step5.ckpt"]  # fmt: skip  (step2 and step3 stayed, before)
