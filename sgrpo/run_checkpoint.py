@@ -254,7 +254,8 @@ class RunCheckpoint(ModelCheckpoint):
             super().load_state_dict(state_dict)
         if self.dirpath is None:
             return
-        steps = {str(path): torch.tensor(step) for path, step in numbered_checkpoints(Path(self.dirpath)).items()}
+        steps = {str(path): torch.tensor(step, device="cpu")  # as Lightning records "step"
+                 for path, step in numbered_checkpoints(Path(self.dirpath)).items()}
         self.best_k_models = steps
         if steps:  # "best" is the newest (monitor "step", mode "max"); the k-th the oldest kept
             self.best_model_path = max(steps, key=steps.get)
