@@ -19,6 +19,7 @@ four ways that change cost, not the distribution sampled:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
-from sgrpo.head import log_softmax_at, model_head_logits
+from sgrpo.head import LMHead, log_softmax_at
 from sgrpo.logprobs import final_hidden_states
 
 
@@ -129,8 +130,9 @@ class LlamaFamilyStep:
     Tested against the HF forward (``tests/test_decode.py``).
     """
 
-    def __init__(self, model: nn.Module, cache: DynamicCache, capacity: int) -> None:
+    def __init__(self, model: nn.Module, cache: DynamicCache, capacity: int, head: LMHead | None = None) -> None:
         self.model, self.cache, base = model, cache, model.model
+        self.head = LMHead.of(model) if head is None else head
         config = model.config.get_text_config(decoder=True)
         device = base.embed_tokens.weight.device
         table_ids = torch.arange(capacity, device=device).unsqueeze(0)
@@ -186,7 +188,7 @@ class LlamaFamilyStep:
             out = torch.bmm(probs, values.reshape(r * kv_heads, -1, d))
             x = x + attn.o_proj(out.reshape(r, 1, -1))
             x = x + mlp(layer.post_attention_layernorm(x))
-        return model_head_logits(self.model, base.norm(x)[:, -1])
+        return self.head(base.norm(x)[:, -1])
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -217,8 +219,8 @@ def decode(
 
     ``prompt_ids``/``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded; row r continues
     prompt ``row_prompt[r]``. Rows stop at their first EOS (from token ``min_new_tokens`` on).
-    Logits come from ``sgrpo.head`` (float32 head outside autocast, the model's own transform), as
-    in the policy loss, so the sampler and the trained policy are one distribution.
+    Logits come from ``sgrpo.head`` (float32 logits from the compute dtype's matmul, the model's own
+    transform), as in the policy loss, so the sampler and the trained policy are one distribution.
     A sharded model (FSDP2) gathers its parameters in every forward, a collective: then the loop
     ends only when no process has a running row, and a process whose rows are all done keeps
     running forwards on one finished row (its tokens are discarded), so the gathers pair up.
@@ -234,8 +236,9 @@ def decode(
     select_rows(cache, row_prompt)  # each prompt's keys and values, once per row
     mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
     mask[:, :p] = prompt_mask.index_select(0, row_prompt)
-    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs)
-    logits = model_head_logits(model, hidden).index_select(0, row_prompt)  # [R, V] float32
+    head = LMHead.of(model)  # the loss's head, its weight cast to the compute dtype once for the whole loop
+    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs, head)
+    logits = head(hidden).index_select(0, row_prompt)  # [R, V] float32
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
@@ -272,17 +275,18 @@ class DecodeSteps:
     """
 
     def __init__(self, model: nn.Module, cache: DynamicCache, mask: Tensor, prompt_length: int, native: bool,
-                 cuda_graphs: bool) -> None:  # fmt: skip
-        self.model, self.cache, self.mask, self.p = model, cache, mask, prompt_length
+                 cuda_graphs: bool, head: LMHead) -> None:  # fmt: skip
+        self.model, self.cache, self.mask, self.p, self.head = model, cache, mask, prompt_length, head
         self.native = self.static = None
         if native and LlamaFamilyStep.supported(model):
             if cuda_graphs:
                 from sgrpo.graphs import StaticSteps
 
                 key_mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], 1)
-                self.static = StaticSteps(model, cache, key_mask, LlamaFamilyStep, graphs=True)
+                step = functools.partial(LlamaFamilyStep, head=head)
+                self.static = StaticSteps(model, cache, key_mask, step, graphs=True)
             else:
-                self.native = LlamaFamilyStep(model, cache, mask.shape[1])
+                self.native = LlamaFamilyStep(model, cache, mask.shape[1], head)
 
     def compact(self, keep: Tensor) -> None:
         """Keep rows ``keep`` (in that order) in the batch and the cache."""
@@ -300,4 +304,4 @@ class DecodeSteps:
             return self.native(tokens, position, self.mask[:, : self.p + t + 1].bool())
         step_mask = self.mask[:, : self.p + t + 1]
         hidden = final_hidden_states(self.model, tokens.unsqueeze(-1), step_mask, self.cache, position.unsqueeze(-1))
-        return model_head_logits(self.model, hidden[:, -1])
+        return self.head(hidden[:, -1])
