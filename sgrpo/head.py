@@ -3,10 +3,11 @@
 Both the rollout's sampler and the policy loss turn a final hidden state ``h`` into logits here, so the
 policy that samples is the policy that is trained:
 
-* the matmul ``h W^T`` runs on operands in the compute dtype (``head_dtype``: autocast's under
-  bf16-mixed / 16-mixed, else the weight's: float32 at 32-true, bf16 at bf16-true) and accumulates and
-  returns float32 (``fp32_mm``: one mixed-dtype matmul where the device has one, as cuBLAS does; else a
-  float32 matmul of the rounded operands, the same numbers up to summation order); ``+ b`` in float32;
+* the matmul ``h W^T`` runs in the compute dtype (``head_dtype``: autocast's under bf16-mixed /
+  16-mixed, else the weight's: float32 at 32-true, bf16 at bf16-true) with float32 accumulation and
+  float32 logits: ``W`` rounded to it once (``head_operand``), ``h`` kept to 16 bits as two bf16 parts
+  (``weight_mm``: matmuls with a float32 result, as cuBLAS has; on CPU, which has none, the same
+  product in float32 with ``h`` exact); ``+ b`` in float32. The backward's matmuls likewise;
 * the model's own output transform follows (``LogitTransform``: Gemma 2/3 final-logit soft-capping,
   Granite ``logits_scaling``, Cohere ``logit_scale``), then the sampling temperature.
 
@@ -81,21 +82,57 @@ def _fp32_output(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def head_operand(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` rounded to ``dtype``, held as ``fp32_mm`` takes it: in ``dtype`` where the device multiplies it
-    with a float32 result, else as float32 (the rounded values, exactly)."""
+    """The weight ``x`` rounded to ``dtype``, held as ``weight_mm`` takes it: in ``dtype`` where the device
+    multiplies it with a float32 result, else as float32 (the rounded values, exactly)."""
     x = x.to(dtype)
     if dtype == torch.float32 or _fp32_output(x.device.type, dtype):
         return x
     return x.float()
 
 
-def fp32_mm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    """``a @ b`` accumulated and returned in float32 for ``head_operand`` operands (``out``: float32)."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if out is None:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+def _parts(x: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    """``x`` as ``hi + lo`` in ``dtype``: ``hi`` its rounding, ``lo`` the rounding of the rest (16 significant
+    bits in all for bf16, 22 for float16; one part alone keeps 8 or 11); just ``[x]`` if ``x`` is in ``dtype``."""
+    if x.dtype == dtype:
+        return [x]
+    hi = x.to(dtype)
+    return [hi, (x.float() - hi.float()).to(dtype)]
+
+
+def _mm_fp32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a @ b`` for half-precision operands, accumulated and returned in float32 (CUDA: one cuBLAS call)."""
+    return torch.mm(a, b, out_dtype=torch.float32) if out is None else torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def weight_mm(x: Tensor, weight: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """float32 ``x @ weight`` for an activation ``x`` and a ``head_operand`` ``weight`` (or its transpose).
+
+    The weight is in the compute dtype; the activation is not rounded to it: where the device multiplies
+    the compute dtype with a float32 result, ``x`` goes in as two parts (``_parts``: stacked along the
+    rows, one matmul reading the weight once); elsewhere (CPU) it is multiplied exactly, in float32.
+    Rounding ``x`` to one bf16 part is a step function of it: a difference ``d`` between two runs (1 and
+    2 processes) would come out of the head as about ``sqrt(d * 2^-8)`` instead of ``d``.
+    """
+    if weight.dtype == torch.float32:
+        return torch.mm(x.to(torch.float32), weight, out=out)
+    parts = _parts(x, dtype)
+    if len(parts) == 1:
+        return _mm_fp32(parts[0], weight, out=out)
+    m = x.shape[0]
+    both = _mm_fp32(torch.cat(parts), weight)  # [2m, n]: hi @ W over lo @ W
+    return torch.add(both[:m], both[m:], out=out)
+
+
+def activations_mm_(acc: Tensor, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``acc += a @ b`` in float32 for two activations (float32, ``[n, k]`` and ``[k, p]``), in ``dtype``'s matmul.
+
+    Where the device multiplies the compute dtype with a float32 result: ``hi hi + hi lo + lo hi``
+    (``_parts``), one matmul over the three stacked along ``k``; elsewhere one float32 matmul."""
+    if dtype == torch.float32 or not _fp32_output(a.device.type, dtype):
+        return acc.addmm_(a.float(), b.float())
+    a_parts, b_parts = _parts(a, dtype), _parts(b, dtype)
+    pairs = [(x, y) for i, x in enumerate(a_parts) for j, y in enumerate(b_parts) if i + j < 2]  # no lo lo
+    return acc.add_(_mm_fp32(torch.cat([x for x, _ in pairs], 1), torch.cat([y for _, y in pairs], 0)))
 
 
 class LMHead:
@@ -121,7 +158,7 @@ class LMHead:
     def __call__(self, h: Tensor, temperature: float = 1.0, out: Tensor | None = None) -> Tensor:
         """float32 logits ``[M, V]``; ``out`` (float32 ``[M, V]``) is an optional reusable buffer."""
         with torch.autocast(h.device.type, enabled=False):
-            z = fp32_mm(head_operand(h, self.dtype), self.weight.t(), out=out)
+            z = weight_mm(h, self.weight.t(), self.dtype, out=out)
             if self.bias is not None:
                 z.add_(self.bias)
         self.transform.apply_(z)
@@ -173,8 +210,8 @@ class TokenLogprobs(torch.autograd.Function):
     is saved. Backward recomputes each chunk's logits in the same buffer and uses ``d logp / d z =
     onehot(target) - softmax(z)`` and ``d z / d raw = (s / T)(1 - (T z / c)^2)`` (``LogitTransform``):
     with ``dr = g (onehot - p) d z / d raw``, ``grad_h = dr W``, ``grad_W = dr^T h``, ``grad_b = sum dr``;
-    the two matmuls take ``dr``, ``W`` and ``h`` in the compute dtype and accumulate in float32, as
-    autocast's backward of a half-precision linear does. Unlike autograd over a checkpointed
+    the two matmuls run in the compute dtype with float32 accumulation (``weight_mm``,
+    ``activations_mm_``: ``W`` rounded, ``dr`` and ``h`` in two parts). Unlike autograd over a checkpointed
     ``log_softmax``, no chunk allocates fresh vocabulary-sized temporaries, so peak memory is one or two
     ``[chunk, vocab]`` float32 buffers plus ``grad_W``.
     """
@@ -231,11 +268,10 @@ class TokenLogprobs(torch.autograd.Function):
                 if need_w:
                     grad_w.addmm_(z.t(), hc.float())
             else:
-                dz = head_operand(z, dtype)
                 if need_h:
-                    grad_h[i : i + chunk] = fp32_mm(dz, head.weight)
+                    grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype)
                 if need_w:
-                    grad_w.add_(fp32_mm(dz.t(), head_operand(hc, dtype)))
+                    activations_mm_(grad_w, z.t(), hc, dtype)
             if need_b:
                 grad_b += z.sum(0)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
