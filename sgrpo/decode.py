@@ -1,4 +1,4 @@
-"""A lean sampling loop for rollouts: shared prompt prefill, a preallocated KV cache, finished rows dropped.
+"""A lean sampling loop for rollouts: shared prompt prefill, a KV cache grown in blocks, finished rows dropped.
 
 ``transformers``' ``generate`` is general (beam search, logits processors, streaming, stopping
 criteria); a GRPO rollout needs none of that and pays for it on every token. ``decode`` runs the
@@ -7,10 +7,12 @@ four ways that change cost, not the distribution sampled:
 
 1. Each distinct prompt is prefilled once, then its keys and values are copied to its G rows
    (``generate`` prefills every row, G times the prompt compute).
-2. Keys and values go into buffers allocated once for prompt + ``max_new_tokens`` positions and are
-   read back as views (``DynamicCache`` concatenates the whole cache again at every token).
+2. Keys and values go into buffers grown a block of positions at a time (keys in the values'
+   dtype) and are read back as views (``DynamicCache`` concatenates the whole cache again at every
+   token; allocating prompt + ``max_new_tokens`` up front holds memory for rows that end early).
 3. A row that has emitted EOS stops being computed: when the running rows fall to ``compact_below``
-   of the batch, finished rows are dropped from the batch and the cache.
+   of the batch, finished rows are dropped from the batch and the cache (checked every few tokens
+   on an accelerator, so the host does not wait for the device at every token).
 4. Sampling is exactly softmax(logits / temperature) restricted by top-k / top-p, the distribution
    the policy loss assumes; nothing from the model's ``generation_config`` (repetition penalty,
    default top-p ...) is applied behind the caller's back. A row's first ``min_new_tokens`` tokens
@@ -19,6 +21,7 @@ four ways that change cost, not the distribution sampled:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,33 +29,48 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
-from sgrpo.head import log_softmax_at, model_head_logits
+from sgrpo.head import LMHead, log_softmax_at
 from sgrpo.logprobs import final_hidden_states
 
 
-class PreallocatedLayer(DynamicLayer):
-    """A full-attention cache layer writing into buffers of ``capacity`` positions; keys/values are views."""
+class BlockLayer(DynamicLayer):
+    """A full-attention cache layer in buffers grown ``block`` positions at a time, up to ``capacity``.
 
-    def __init__(self, capacity: int) -> None:
+    Keys and values are views of the buffers' filled positions. The buffers hold the positions written
+    so far rounded up to a block (not prompt + ``max_new_tokens`` from the start: most rows of a
+    rollout end early, and finished rows are dropped from the batch), and keys are stored in the values'
+    dtype (under autocast rotary embeddings promote keys to float32; attention casts them back to the
+    values' dtype anyway, so rounding them once on write gives the same numbers in half the key memory).
+    """
+
+    def __init__(self, capacity: int, block: int = 256) -> None:
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.capacity, self.block, self.length = capacity, block, 0
         self.key_buffer: Tensor | None = None
         self.value_buffer: Tensor | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = value_states.dtype, value_states.device
         n, heads, _, dim = key_states.shape
-        self.key_buffer = key_states.new_empty(n, heads, self.capacity, dim)
-        self.value_buffer = value_states.new_empty(n, value_states.shape[1], self.capacity, value_states.shape[3])
+        self.key_buffer = value_states.new_empty(n, heads, 0, dim)
+        self.value_buffer = value_states.new_empty(n, value_states.shape[1], 0, value_states.shape[3])
         self.is_initialized = True
+
+    def reserve(self, positions: int) -> None:
+        """Grow the buffers to hold ``positions`` positions (rounded up to a block, at most ``capacity``)."""
+        if positions > self.capacity:
+            raise RuntimeError(f"KV cache full: {positions} positions > capacity {self.capacity}")
+        if positions > self.key_buffer.shape[2]:
+            size = min(self.capacity, -(-positions // self.block) * self.block)
+            self.key_buffer = self._copy(self.key_buffer, size)
+            self.value_buffer = self._copy(self.value_buffer, size)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache full: {end} positions > capacity {self.capacity}")
-        self.key_buffer[:, :, self.length : end] = key_states
+        self.reserve(end)
+        self.key_buffer[:, :, self.length : end] = key_states  # in the values' dtype
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
         self._views()
@@ -64,13 +82,16 @@ class PreallocatedLayer(DynamicLayer):
     def batch_select_indices(self, indices: Tensor) -> None:
         """Keep rows ``indices`` (in that order; repeats allowed), copying only the filled positions."""
         if self.is_initialized:
-            self.key_buffer = self._select(self.key_buffer, indices)
-            self.value_buffer = self._select(self.value_buffer, indices)
+            self.key_buffer = self._copy(self.key_buffer, self.key_buffer.shape[2], indices)
+            self.value_buffer = self._copy(self.value_buffer, self.value_buffer.shape[2], indices)
             self._views()
 
-    def _select(self, buffer: Tensor, indices: Tensor) -> Tensor:
-        out = buffer.new_empty((len(indices), *buffer.shape[1:]))
-        out[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, indices)
+    def _copy(self, buffer: Tensor, size: int, rows: Tensor | None = None) -> Tensor:
+        """A buffer of ``size`` positions holding the filled positions of ``buffer`` (of its rows ``rows``)."""
+        n = buffer.shape[0] if rows is None else len(rows)
+        out = buffer.new_empty((n, buffer.shape[1], size, buffer.shape[3]))
+        filled = buffer[:, :, : self.length]
+        out[:, :, : self.length] = filled if rows is None else filled.index_select(0, rows)
         return out
 
     def _views(self) -> None:
@@ -78,13 +99,13 @@ class PreallocatedLayer(DynamicLayer):
         self.values = self.value_buffer[:, :, : self.length]
 
 
-def preallocated_cache(model: nn.Module, capacity: int) -> DynamicCache:
-    """The model's ``DynamicCache`` with every plain full-attention layer replaced by a ``PreallocatedLayer``.
+def kv_cache(model: nn.Module, capacity: int, block: int = 256) -> DynamicCache:
+    """The model's ``DynamicCache`` with every plain full-attention layer replaced by a ``BlockLayer``.
 
     Other layer kinds (sliding windows, linear attention) keep their own implementation.
     """
     cache = DynamicCache(config=model.config)
-    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [BlockLayer(capacity, block) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -122,15 +143,16 @@ class LlamaFamilyStep:
     """One decode step of a Llama-family model (Llama, Qwen2, Qwen3, Mistral) without the HF call stack.
 
     The model's own modules (norms, projections, MLP) and rotary table, with attention written out
-    over the preallocated cache: a decode step of a small batch is dominated by per-call overhead
+    over the block cache: a decode step of a small batch is dominated by per-call overhead
     (mask building, attention dispatch, cache bookkeeping), which this skips. Softmax in float32.
     ``supported`` says when it applies (full attention in every layer, a position-independent
     rotary table, a plain unwrapped model); otherwise ``decode`` uses the model's own forward.
     Tested against the HF forward (``tests/test_decode.py``).
     """
 
-    def __init__(self, model: nn.Module, cache: DynamicCache, capacity: int) -> None:
+    def __init__(self, model: nn.Module, cache: DynamicCache, capacity: int, head: LMHead | None = None) -> None:
         self.model, self.cache, base = model, cache, model.model
+        self.head = LMHead.of(model) if head is None else head
         config = model.config.get_text_config(decoder=True)
         device = base.embed_tokens.weight.device
         table_ids = torch.arange(capacity, device=device).unsqueeze(0)
@@ -186,7 +208,7 @@ class LlamaFamilyStep:
             out = torch.bmm(probs, values.reshape(r * kv_heads, -1, d))
             x = x + attn.o_proj(out.reshape(r, 1, -1))
             x = x + mlp(layer.post_attention_layernorm(x))
-        return model_head_logits(self.model, base.norm(x)[:, -1])
+        return self.head(base.norm(x)[:, -1])
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -211,31 +233,45 @@ def decode(
     compact_below: float = 0.75,
     native_step: bool = True,
     cuda_graphs: bool = False,
+    check_every: int | None = None,
+    cache_block: int = 256,
 ) -> tuple[Tensor, Tensor]:
     """New tokens ``[R, max_new_tokens]`` (``pad`` after a row's EOS) for rows ``row_prompt`` ``[R]``, and
     their log-probs ``[R, max_new_tokens]`` float32 under softmax(logits / temperature) (0 after EOS).
 
     ``prompt_ids``/``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded; row r continues
     prompt ``row_prompt[r]``. Rows stop at their first EOS (from token ``min_new_tokens`` on).
-    Logits come from ``sgrpo.head`` (float32 head outside autocast, the model's own transform), as
-    in the policy loss, so the sampler and the trained policy are one distribution.
+    Logits come from ``sgrpo.head`` (float32 logits from the compute dtype's matmul, the model's own
+    transform), as in the policy loss, so the sampler and the trained policy are one distribution.
     A sharded model (FSDP2) gathers its parameters in every forward, a collective: then the loop
     ends only when no process has a running row, and a process whose rows are all done keeps
     running forwards on one finished row (its tokens are discarded), so the gathers pair up.
     ``cuda_graphs`` (with the native step) runs fixed-shape steps (``sgrpo.graphs.StaticSteps``),
     replayed as CUDA graphs on a GPU and run eagerly elsewhere.
+
+    The KV cache grows ``cache_block`` positions at a time (``BlockLayer``). Which rows are still
+    running is read on the host (a device sync) every ``check_every`` tokens (default
+    ``check_interval``): only then can the loop end or drop finished rows. In between, finished rows
+    stay in the batch and emit ``pad`` with log-prob 0; tokens and log-probs do not depend on the
+    interval, except through the drops, which happen at check steps only (a sampled row then draws
+    other random numbers: the same distribution, not the same draws).
+    Under FSDP2 every process checks at the same steps (one all-reduce per check).
     """
     device = prompt_ids.device
     synced = is_sharded(model) and world_size() > 1
     rows, (_, p) = row_prompt.shape[0], prompt_ids.shape
     eos_t = torch.as_tensor(list(eos), device=device)
-    cache = preallocated_cache(model, p + max_new_tokens)
+    every = check_interval(device) if check_every is None else check_every
+    if every < 1 or cache_block < 1:
+        raise ValueError(f"check_every and cache_block must be >= 1, got {every}, {cache_block}")
+    cache = kv_cache(model, p + max_new_tokens, cache_block)
     hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)[:, -1]  # [U, H]
     select_rows(cache, row_prompt)  # each prompt's keys and values, once per row
     mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
     mask[:, :p] = prompt_mask.index_select(0, row_prompt)
-    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs)
-    logits = model_head_logits(model, hidden).index_select(0, row_prompt)  # [R, V] float32
+    head = LMHead.of(model)  # the loss's head, its weight cast to the compute dtype once for the whole loop
+    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs, head)
+    logits = head(hidden).index_select(0, row_prompt)  # [R, V] float32
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
@@ -249,18 +285,28 @@ def decode(
         next_tokens = next_tokens.masked_fill(~running, pad)
         tokens[alive, t] = next_tokens
         running &= ~torch.isin(next_tokens, eos_t)
-        n_running = int(running.sum())
-        if t == max_new_tokens - 1 or not (any_process(n_running > 0, device) if synced else n_running > 0):
+        if t == max_new_tokens - 1:
             break
-        if n_running < compact_below * running.numel():  # drop finished rows from the batch and the cache
-            keep = running.nonzero().squeeze(-1)
-            if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards
-                keep = keep.new_zeros(1)
-            steps.compact(keep)
-            alive, next_tokens, position, running = alive[keep], next_tokens[keep], position[keep], running[keep]
+        if (t + 1) % every == 0:  # the host reads the running rows: a device sync, so not at every token
+            n_running = int(running.sum())
+            if not (any_process(n_running > 0, device) if synced else n_running > 0):
+                break
+            if n_running < compact_below * running.numel():  # drop finished rows from the batch and the cache
+                keep = running.nonzero().squeeze(-1)
+                if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards
+                    keep = keep.new_zeros(1)
+                steps.compact(keep)
+                alive, next_tokens, position, running = alive[keep], next_tokens[keep], position[keep], running[keep]
         logits = steps(next_tokens, position, t)
         position = position + 1
     return tokens, logprobs
+
+
+def check_interval(device: torch.device) -> int:
+    """Tokens between host reads of the running rows: 8 on an accelerator, where each read stalls the host
+    until the device has finished the step (no kernel launches queue up meanwhile); 1 on the CPU, where
+    the read costs nothing and finished rows are dropped at the earliest step."""
+    return 1 if device.type == "cpu" else 8
 
 
 class DecodeSteps:
@@ -272,17 +318,20 @@ class DecodeSteps:
     """
 
     def __init__(self, model: nn.Module, cache: DynamicCache, mask: Tensor, prompt_length: int, native: bool,
-                 cuda_graphs: bool) -> None:  # fmt: skip
-        self.model, self.cache, self.mask, self.p = model, cache, mask, prompt_length
+                 cuda_graphs: bool, head: LMHead) -> None:  # fmt: skip
+        self.model, self.cache, self.mask, self.p, self.head = model, cache, mask, prompt_length, head
         self.native = self.static = None
         if native and LlamaFamilyStep.supported(model):
             if cuda_graphs:
                 from sgrpo.graphs import StaticSteps
 
+                for layer in cache.layers:  # fixed addresses for the graphs: every position allocated up front
+                    layer.reserve(mask.shape[1])
                 key_mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], 1)
-                self.static = StaticSteps(model, cache, key_mask, LlamaFamilyStep, graphs=True)
+                step = functools.partial(LlamaFamilyStep, head=head)
+                self.static = StaticSteps(model, cache, key_mask, step, graphs=True)
             else:
-                self.native = LlamaFamilyStep(model, cache, mask.shape[1])
+                self.native = LlamaFamilyStep(model, cache, mask.shape[1], head)
 
     def compact(self, keep: Tensor) -> None:
         """Keep rows ``keep`` (in that order) in the batch and the cache."""
@@ -300,4 +349,4 @@ class DecodeSteps:
             return self.native(tokens, position, self.mask[:, : self.p + t + 1].bool())
         step_mask = self.mask[:, : self.p + t + 1]
         hidden = final_hidden_states(self.model, tokens.unsqueeze(-1), step_mask, self.cache, position.unsqueeze(-1))
-        return model_head_logits(self.model, hidden[:, -1])
+        return self.head(hidden[:, -1])

@@ -5,7 +5,7 @@ microseconds each; on a GPU that launch overhead, not arithmetic, bounds the rol
 replays a recorded step with one launch, but needs every tensor at a fixed address with a fixed
 shape. ``StaticSteps`` provides that around ``LlamaFamilyStep``:
 
-* keys and values stay in the rollout's preallocated buffers ``[R, kv_heads, capacity, D]``; the
+* keys and values stay in the rollout's cache buffers, grown to ``[R, kv_heads, capacity, D]`` up front; the
   new token's are written at a column held in a device tensor (``index_copy_``), and attention runs
   over the whole capacity with a key mask (unwritten columns are zero and masked out);
 * finished rows are dropped by moving the running rows to the front of every buffer, in place, and a
@@ -37,7 +37,7 @@ class StaticLayer:
     def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """``key``/``value`` ``[b, kv_heads, 1, D]`` -> the first b rows' buffers ``[b, kv_heads, capacity, D]``."""
         b = key.shape[0]
-        self.keys[:b].index_copy_(2, self.column, key)
+        self.keys[:b].index_copy_(2, self.column, key.to(self.keys.dtype))  # keys in the values' dtype
         self.values[:b].index_copy_(2, self.column, value)
         return self.keys[:b], self.values[:b]
 
@@ -48,7 +48,7 @@ def bucket(n: int, limit: int) -> int:
 
 
 class StaticSteps:
-    """Fixed-shape decode steps over a prefilled ``cache`` of ``PreallocatedLayer`` s, one row per sequence.
+    """Fixed-shape decode steps over a prefilled ``cache`` of ``BlockLayer`` s at full capacity, one row per sequence.
 
     ``key_mask`` ``[R, capacity]``: the prompt columns each row attends to (the rest are set as
     tokens arrive). ``step_class`` is the native step (``sgrpo.decode.LlamaFamilyStep``).

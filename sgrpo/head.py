@@ -1,19 +1,24 @@
-"""The LM head, computed one way for sampling and for the loss: float32 logits, the model's own transform.
+"""The LM head, computed one way for sampling and for the loss: the compute dtype's operands, float32 logits.
 
 Both the rollout's sampler and the policy loss turn a final hidden state ``h`` into logits here, so the
 policy that samples is the policy that is trained:
 
-* the matmul ``h W^T + b`` runs in the head weight's dtype, outside autocast (under bf16-mixed the
-  fp32 master weights give fp32 logits; a bf16 model's logits are its bf16 matmul), then in float32;
+* the matmul ``h W^T`` runs in the compute dtype (``head_dtype``: autocast's under bf16-mixed /
+  16-mixed, else the weight's: float32 at 32-true, bf16 at bf16-true) with float32 accumulation and
+  float32 logits: ``W`` rounded to it once (``head_operand``), ``h`` kept to 16 bits as two bf16 parts
+  (``weight_mm``: matmuls with a float32 result, as cuBLAS has; on CPU, which has none, the same
+  product in float32 with ``h`` exact); ``+ b`` in float32. The backward's matmuls likewise;
 * the model's own output transform follows (``LogitTransform``: Gemma 2/3 final-logit soft-capping,
   Granite ``logits_scaling``, Cohere ``logit_scale``), then the sampling temperature.
 
-``check_logit_head`` compares this against the model's own forward when the model loads, and refuses
-a model whose forward does something else to its logits.
+At 32-true nothing is rounded: a float32 matmul, as before. ``check_logit_head`` compares this against
+the model's own forward when the model loads, and refuses a model whose forward does something else to
+its logits.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,38 +62,112 @@ class LogitTransform:
         return z
 
 
-def head_logits(
-    h: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    transform: LogitTransform | None = None,
-    temperature: float = 1.0,
-    out: Tensor | None = None,
-    scratch: Tensor | None = None,
-) -> Tensor:
-    """float32 logits ``[M, V]`` = ``transform(h W^T + b) / temperature`` for hidden states ``h`` ``[M, H]``.
+def head_dtype(weight: Tensor) -> torch.dtype:
+    """The head's compute dtype: autocast's where autocast is on for ``weight``'s device (bf16-mixed,
+    16-mixed: float32 master weights, half-precision matmuls), else ``weight``'s own."""
+    device = weight.device.type
+    if weight.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
-    The matmul runs in ``weight``'s dtype with autocast off; ``out`` (float32) and ``scratch`` (the
-    weight's dtype, for half-precision weights) are optional reusable buffers.
+
+@functools.cache
+def _fp32_output(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm`` multiplies ``dtype`` operands into a float32 result on this device (CUDA: yes)."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def head_operand(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight ``x`` rounded to ``dtype``, held as ``weight_mm`` takes it: in ``dtype`` where the device
+    multiplies it with a float32 result, else as float32 (the rounded values, exactly)."""
+    x = x.to(dtype)
+    if dtype == torch.float32 or _fp32_output(x.device.type, dtype):
+        return x
+    return x.float()
+
+
+def _parts(x: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    """``x`` as ``hi + lo`` in ``dtype``: ``hi`` its rounding, ``lo`` the rounding of the rest (16 significant
+    bits in all for bf16, 22 for float16; one part alone keeps 8 or 11); just ``[x]`` if ``x`` is in ``dtype``."""
+    if x.dtype == dtype:
+        return [x]
+    hi = x.to(dtype)
+    return [hi, (x.float() - hi.float()).to(dtype)]
+
+
+def _mm_fp32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a @ b`` for half-precision operands, accumulated and returned in float32 (CUDA: one cuBLAS call)."""
+    return torch.mm(a, b, out_dtype=torch.float32) if out is None else torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def weight_mm(x: Tensor, weight: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """float32 ``x @ weight`` for an activation ``x`` and a ``head_operand`` ``weight`` (or its transpose).
+
+    The weight is in the compute dtype; the activation is not rounded to it: where the device multiplies
+    the compute dtype with a float32 result, ``x`` goes in as two parts (``_parts``: stacked along the
+    rows, one matmul reading the weight once); elsewhere (CPU) it is multiplied exactly, in float32.
+    Rounding ``x`` to one bf16 part is a step function of it: a difference ``d`` between two runs (1 and
+    2 processes) would come out of the head as about ``sqrt(d * 2^-8)`` instead of ``d``.
     """
-    with torch.autocast(h.device.type, enabled=False):
-        h = h.to(weight.dtype)
-        if weight.dtype == torch.float32:
-            z = torch.mm(h, weight.t(), out=out)
-        else:  # half-precision weights: the matmul in their dtype, everything after in float32
-            raw = torch.mm(h, weight.t(), out=scratch)
-            z = raw.float() if out is None else out.copy_(raw)
-        if bias is not None:
-            z.add_(bias)
-    if transform is not None:
-        transform.apply_(z)
-    return z.div_(temperature) if temperature != 1.0 else z
+    if weight.dtype == torch.float32:
+        return torch.mm(x.to(torch.float32), weight, out=out)
+    parts = _parts(x, dtype)
+    if len(parts) == 1:
+        return _mm_fp32(parts[0], weight, out=out)
+    m = x.shape[0]
+    both = _mm_fp32(torch.cat(parts), weight)  # [2m, n]: hi @ W over lo @ W
+    return torch.add(both[:m], both[m:], out=out)
+
+
+def activations_mm_(acc: Tensor, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``acc += a @ b`` in float32 for two activations (float32, ``[n, k]`` and ``[k, p]``), in ``dtype``'s matmul.
+
+    Where the device multiplies the compute dtype with a float32 result: ``hi hi + hi lo + lo hi``
+    (``_parts``), one matmul over the three stacked along ``k``; elsewhere one float32 matmul."""
+    if dtype == torch.float32 or not _fp32_output(a.device.type, dtype):
+        return acc.addmm_(a.float(), b.float())
+    a_parts, b_parts = _parts(a, dtype), _parts(b, dtype)
+    pairs = [(x, y) for i, x in enumerate(a_parts) for j, y in enumerate(b_parts) if i + j < 2]  # no lo lo
+    return acc.add_(_mm_fp32(torch.cat([x for x, _ in pairs], 1), torch.cat([y for _, y in pairs], 0)))
+
+
+class LMHead:
+    """An LM head ready to run: ``logits(h) = transform(h W^T + b) / T``, float32 ``[M, V]`` for ``h`` ``[M, H]``.
+
+    ``weight`` is cast once (``head_operand``) to the compute dtype ``dtype`` (default ``head_dtype``:
+    autocast's, else the weight's), so a decode loop pays the cast once per rollout, not per token;
+    ``h`` is rounded to it at each call; ``b`` is added in float32. At float32 the weight is used as is.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, transform: LogitTransform | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        self.dtype = head_dtype(weight) if dtype is None else dtype
+        self.weight, self.bias = head_operand(weight, self.dtype), bias
+        self.transform = transform or LogitTransform()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LMHead:
+        """``model``'s own LM head and output transform, in the compute dtype of the current autocast state."""
+        head = model.get_output_embeddings()
+        return cls(head.weight, head.bias, LogitTransform.of(model))
+
+    def __call__(self, h: Tensor, temperature: float = 1.0, out: Tensor | None = None) -> Tensor:
+        """float32 logits ``[M, V]``; ``out`` (float32 ``[M, V]``) is an optional reusable buffer."""
+        with torch.autocast(h.device.type, enabled=False):
+            z = weight_mm(h, self.weight.t(), self.dtype, out=out)
+            if self.bias is not None:
+                z.add_(self.bias)
+        self.transform.apply_(z)
+        return z.div_(temperature) if temperature != 1.0 else z
 
 
 def model_head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    """``head_logits`` with ``model``'s own LM head and transform: float32 ``[M, V]`` for ``hidden`` ``[M, H]``."""
-    head = model.get_output_embeddings()
-    return head_logits(hidden, head.weight, head.bias, LogitTransform.of(model))
+    """``LMHead.of(model)``: float32 ``[M, V]`` logits for ``hidden`` ``[M, H]``."""
+    return LMHead.of(model)(hidden)
 
 
 @torch.no_grad()
@@ -110,7 +189,7 @@ def check_logit_head(model: nn.Module, probe_tokens: int = 8) -> None:
         handle.remove()
         model.train(was_training)
     ours = model_head_logits(model, captured[-1][0])
-    rounding = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 2e-2
+    rounding = 1e-4 if head_dtype(model.get_output_embeddings().weight) == torch.float32 else 2e-2
     gap = float((ours - theirs).abs().max())
     if not gap <= rounding * max(1.0, float(theirs.abs().max())):  # NaN fails too
         name = type(model).__name__
@@ -125,26 +204,29 @@ def check_logit_head(model: nn.Module, probe_tokens: int = 8) -> None:
 class TokenLogprobs(torch.autograd.Function):
     """``log softmax(transform(h W^T + b) / T)[target]`` per token, chunk by chunk, never holding ``[M, vocab]``.
 
-    Forward: for each chunk of ``chunk`` tokens, logits ``z`` (``head_logits``) into one reused buffer,
-    ``lse = logsumexp(z)``, ``logp = z[target] - lse`` and the entropy ``H = lse - sum softmax(z) z``
-    (no gradient). Only ``lse`` ``[M]`` is saved. Backward recomputes each chunk's logits in the same
-    buffer and uses ``d logp / d z = onehot(target) - softmax(z)`` and ``d z / d raw = (s / T)(1 - (T z /
-    c)^2)`` (``LogitTransform``): with ``dr = g (onehot - p) d z / d raw``, ``grad_h = dr W``,
-    ``grad_W = dr^T h``, ``grad_b = sum dr``. Unlike autograd over a checkpointed ``log_softmax``, no
-    chunk allocates fresh vocabulary-sized temporaries, so peak memory is one or two ``[chunk, vocab]``
-    float32 buffers plus ``grad_W``.
+    Forward: for each chunk of ``chunk`` tokens, float32 logits ``z`` (``LMHead``, in compute dtype
+    ``dtype``, default ``head_dtype(weight)``) into one reused buffer, ``lse = logsumexp(z)``, ``logp =
+    z[target] - lse`` and the entropy ``H = lse - sum softmax(z) z`` (no gradient). Only ``lse`` ``[M]``
+    is saved. Backward recomputes each chunk's logits in the same buffer and uses ``d logp / d z =
+    onehot(target) - softmax(z)`` and ``d z / d raw = (s / T)(1 - (T z / c)^2)`` (``LogitTransform``):
+    with ``dr = g (onehot - p) d z / d raw``, ``grad_h = dr W``, ``grad_W = dr^T h``, ``grad_b = sum dr``;
+    the two matmuls run in the compute dtype with float32 accumulation (``weight_mm``,
+    ``activations_mm_``: ``W`` rounded, ``dr`` and ``h`` in two parts). Unlike autograd over a checkpointed
+    ``log_softmax``, no chunk allocates fresh vocabulary-sized temporaries, so peak memory is one or two
+    ``[chunk, vocab]`` float32 buffers plus ``grad_W``.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, temperature, chunk, with_entropy=True, transform=None):
+    def forward(ctx, h, weight, bias, targets, temperature, chunk, with_entropy=True, transform=None, dtype=None):
         transform = transform or LogitTransform()
+        dtype = head_dtype(weight) if dtype is None else dtype
         m = h.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=h.device)
         entropy = torch.zeros(m, dtype=torch.float32, device=h.device)
         lse = torch.empty(m, dtype=torch.float32, device=h.device)
-        buffers = _LogitBuffers(min(chunk, m), weight, transform, temperature)
+        buffers = _LogitBuffers(min(chunk, m), LMHead(weight, bias, transform, dtype), temperature)
         for i in range(0, m, chunk):
-            z = buffers.logits(h[i : i + chunk], bias)
+            z = buffers.logits(h[i : i + chunk])
             lse[i : i + chunk] = z.logsumexp(-1)
             logp[i : i + chunk] = z.gather(-1, targets[i : i + chunk].unsqueeze(-1)).squeeze(-1) - lse[i : i + chunk]
             if with_entropy:
@@ -152,22 +234,23 @@ class TokenLogprobs(torch.autograd.Function):
                 torch.sub(z, lse[i : i + chunk].unsqueeze(-1), out=p).exp_()
                 entropy[i : i + chunk] = lse[i : i + chunk] - p.mul_(z).sum(-1)
         ctx.save_for_backward(h, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk, ctx.transform = temperature, chunk, transform
+        ctx.temperature, ctx.chunk, ctx.transform, ctx.dtype = temperature, chunk, transform, dtype
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         h, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, chunk, transform = ctx.temperature, ctx.chunk, ctx.transform
+        temperature, chunk, transform, dtype = ctx.temperature, ctx.chunk, ctx.transform, ctx.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        buffers = _LogitBuffers(min(chunk, h.shape[0]), weight, transform, temperature)
+        head = LMHead(weight, bias, transform, dtype)
+        buffers = _LogitBuffers(min(chunk, h.shape[0]), head, temperature)
         for i in range(0, h.shape[0], chunk):
             hc, g = h[i : i + chunk], grad_logp[i : i + chunk].float() * (transform.scale / temperature)
-            z = buffers.logits(hc, bias)
+            z = buffers.logits(hc)
             slope = None
             if transform.softcap is not None:  # 1 - tanh^2 = 1 - (T z / c)^2, before z is overwritten
                 slope = buffers.scratch(z.shape[0])
@@ -177,35 +260,36 @@ class TokenLogprobs(torch.autograd.Function):
             z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
             if slope is not None:
                 z.mul_(slope)
-            dz = z if z.dtype == weight.dtype else z.to(weight.dtype)
-            if need_h:
-                if grad_h.dtype == weight.dtype:
-                    torch.mm(dz, weight, out=grad_h[i : i + chunk])
-                else:
-                    grad_h[i : i + chunk] = torch.mm(dz, weight)
-            if need_w:
-                grad_w.addmm_(z.t(), hc.float())
+            if dtype == torch.float32:  # 32-true: the float32 matmuls as they always were
+                if need_h and grad_h.dtype == torch.float32:
+                    torch.mm(z, weight, out=grad_h[i : i + chunk])
+                elif need_h:
+                    grad_h[i : i + chunk] = torch.mm(z, weight)
+                if need_w:
+                    grad_w.addmm_(z.t(), hc.float())
+            else:
+                if need_h:
+                    grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype)
+                if need_w:
+                    activations_mm_(grad_w, z.t(), hc, dtype)
             if need_b:
                 grad_b += z.sum(0)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         grad_bias = None if bias is None else cast(grad_b, bias)
-        return grad_h, cast(grad_w, weight), grad_bias, None, None, None, None, None
+        return grad_h, cast(grad_w, weight), grad_bias, None, None, None, None, None, None
 
 
 class _LogitBuffers:
     """``[chunk, vocab]`` float32 buffers reused across chunks: logits, and scratch for the entropy and the
-    soft-cap slope (plus one in the weight's dtype for the matmul of half-precision weights)."""
+    soft-cap slope."""
 
-    def __init__(self, chunk: int, weight: Tensor, transform: LogitTransform, temperature: float) -> None:
-        self.weight, self.transform, self.temperature = weight, transform, temperature
-        self.z = torch.empty(chunk, weight.shape[0], dtype=torch.float32, device=weight.device)
+    def __init__(self, chunk: int, head: LMHead, temperature: float) -> None:
+        self.head, self.temperature = head, temperature
+        self.z = torch.empty(chunk, head.weight.shape[0], dtype=torch.float32, device=head.weight.device)
         self.p: Tensor | None = None  # allocated on first use
-        self.raw = None if weight.dtype == torch.float32 else torch.empty_like(self.z, dtype=weight.dtype)
 
-    def logits(self, h: Tensor, bias: Tensor | None) -> Tensor:
-        rows = h.shape[0]
-        raw = None if self.raw is None else self.raw[:rows]
-        return head_logits(h, self.weight, bias, self.transform, self.temperature, out=self.z[:rows], scratch=raw)
+    def logits(self, h: Tensor) -> Tensor:
+        return self.head(h, self.temperature, out=self.z[: h.shape[0]])
 
     def scratch(self, rows: int) -> Tensor:
         if self.p is None:

@@ -1,9 +1,10 @@
 """Log-probs of completion tokens under a model, and how far a sampler's log-probs are from the trainer's.
 
 ``completion_logprobs`` runs the model's own forward for the hidden states (each distinct prompt once
-when prompts repeat) and the LM head through ``sgrpo.head`` (float32, the model's own logit transform,
-chunked with a hand-written backward). ``logprob_gap`` measures a sampler against the trainer on the
-sampled tokens. Pure functions of tensors and modules: nothing here knows about trainers or configs.
+when prompts repeat) and the LM head through ``sgrpo.head`` (the compute dtype's operands, float32
+logits, the model's own logit transform, chunked with a hand-written backward). ``logprob_gap`` measures
+a sampler against the trainer on the sampled tokens. Pure functions of tensors and modules: nothing here
+knows about trainers or configs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded
-from sgrpo.head import LogitTransform, TokenLogprobs
+from sgrpo.head import LogitTransform, TokenLogprobs, head_dtype
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -34,7 +35,8 @@ def completion_logprobs(
     """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
 
     ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are the
-    model's own (``sgrpo.head``: float32, with its output transform) over ``temperature``, the
+    model's own (``sgrpo.head``: float32 from the compute dtype's matmul, with its output transform, as
+    the rollout's sampler computes them) over ``temperature``, the
     distribution the rollout samples from (truncated sampling is refused for training). The LM head runs
     only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
     logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
@@ -50,7 +52,8 @@ def completion_logprobs(
     h = hidden[mask]  # [M, H]
     targets = input_ids[:, -t:][mask]  # [M]
     token_logp, token_entropy = TokenLogprobs.apply(
-        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model)
+        h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model),
+        head_dtype(head.weight),
     )
     logp = hidden.new_zeros(mask.shape, dtype=torch.float32)
     entropy = hidden.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None

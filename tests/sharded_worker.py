@@ -177,6 +177,11 @@ def fit_recording_lengths(root: str, steps: str) -> None:
         return batch
 
     HFRollout.generate = recording
+    # rollouts alternate between reading the running rows at every token and every 3 tokens (an accelerator's
+    # default reads every 8): the processes must agree on when their loops end either way
+    import sgrpo.decode
+
+    sgrpo.decode.check_interval = lambda device: 3 if len(lengths) % 2 else 1
     # decode through the sharded model token by token (no weights snapshot): the path whose loop must end
     # at the same step on every process
     no_snapshot = "--model.rollout.init_args.weights_snapshot=false"

@@ -19,7 +19,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from sgrpo.decode import LlamaFamilyStep, PreallocatedLayer, decode, preallocated_cache, sample
+from sgrpo.decode import LlamaFamilyStep, decode, kv_cache, sample
 from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
 from sgrpo.rollout import HFRollout
 from sgrpo.tiny import ensure_tiny_model
@@ -66,7 +66,7 @@ def test_native_step_matches_the_model_forward(name):
     rows = torch.tensor([0, 0, 1, 2])
     steps = 6
     with torch.no_grad():
-        cache = preallocated_cache(model, ids.shape[1] + steps)
+        cache = kv_cache(model, ids.shape[1] + steps, block=4)  # grown twice on the way
         model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=cache)
         for layer in cache.layers:
             layer.batch_select_indices(rows)
@@ -83,17 +83,19 @@ def test_native_step_matches_the_model_forward(name):
 
 
 @pytest.mark.parametrize("native_step", [True, False])
-@pytest.mark.parametrize("compact_below", [0.0, 0.75, 1.0])
-def test_greedy_decode_equals_transformers_generate(native_step, compact_below):
-    """Greedy tokens are transformers' greedy tokens, with and without dropping finished rows."""
+@pytest.mark.parametrize(("compact_below", "check_every"), [(0.0, 1), (0.75, 1), (1.0, 1), (0.75, 3), (1.0, 5)])
+def test_greedy_decode_equals_transformers_generate(native_step, compact_below, check_every):
+    """Greedy tokens are transformers' greedy tokens, with and without dropping finished rows, whether the
+    running rows are read at every token or every few (a cache grown in blocks of 4 positions)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**COMMON)).eval()
     ids, mask = _prompts(torch.Generator().manual_seed(3))
     rows = torch.tensor([0, 0, 1, 1, 2, 2])
     eos = [1, 5, 9]  # several stop tokens so rows finish at different steps
     got, _ = decode(
-        model, ids, mask, rows, 12, eos, pad=0, greedy=True, native_step=native_step, compact_below=compact_below
-    )
+        model, ids, mask, rows, 12, eos, pad=0, greedy=True, native_step=native_step, compact_below=compact_below,
+        check_every=check_every, cache_block=4,
+    )  # fmt: skip
     out = model.generate(
         input_ids=ids[rows], attention_mask=mask[rows], do_sample=False, max_new_tokens=12,
         eos_token_id=eos, pad_token_id=0,
@@ -144,14 +146,6 @@ def test_sampler_draws_from_the_truncated_softmax():
         assert chi2 < 25, (k, top_p, counts, want)  # df <= 5: P(chi2 > 25) < 2e-4
     greedy = sample(logits.expand(4, -1), 1.0, 0, 1.0, greedy=True)
     torch.testing.assert_close(greedy, torch.zeros(4, dtype=torch.long), rtol=0, atol=0)
-
-
-def test_cache_capacity_is_enforced():
-    layer = PreallocatedLayer(capacity=4)
-    layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
-    assert layer.get_seq_length() == 3 and layer.keys.shape == (1, 2, 3, 8)
-    with pytest.raises(RuntimeError, match="capacity 4"):
-        layer.update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
 
 
 def test_unsupported_models_use_the_model_forward():
@@ -285,3 +279,4 @@ def test_buckets_are_powers_of_two_up_to_the_batch():
     from sgrpo.graphs import bucket
 
     assert [bucket(n, 12) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+

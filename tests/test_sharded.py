@@ -213,8 +213,9 @@ def check_sharded_checkpoint_validates_with_its_strategy_only(model_dir: str, ro
 def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path):
     """The default lean decoder under FSDP2 with the shipped (trained) model, whose rows end early and at
     different lengths on each process: every process must run as many forwards (each all-gathers), or the
-    run hangs (it did: rank 1 left its decode loop after 7 forwards while rank 0 waited in its 8th). With
-    dynamic sampling, every process must also run as many refill rounds."""
+    run hangs (it did: rank 1 left its decode loop after 7 forwards while rank 0 waited in its 8th), whether
+    the loop reads its running rows at every token or every 3 (rollouts alternate). With dynamic sampling,
+    every process must also run as many refill rounds."""
     root = tmp_path / "run"
     launch("fit_recording_lengths", str(root), "4", cwd=tmp_path, timeout=240, torchrun=False)
     lengths = [json.loads((root / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]

@@ -1,0 +1,116 @@
+"""The LM head's compute dtype: half-precision operands with float32 accumulation under mixed precision, the
+float32 matmul unchanged at 32-true, and the chunked backward against autograd in both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgrpo.head import LMHead, LogitTransform, TokenLogprobs, head_dtype
+
+
+def _head(vocab: int = 37, hidden: int = 8, dtype=torch.float32, tokens: int = 11):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g)
+    weight = (0.5 * torch.randn(vocab, hidden, generator=g)).to(dtype)
+    bias = (0.1 * torch.randn(vocab, generator=g)).to(dtype)
+    return h, weight, bias
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype``, in float32; the gradient passes through unrounded (as the head's does)."""
+    return x + (x.detach().to(dtype).float() - x.detach())
+
+
+def test_head_runs_in_autocasts_dtype_with_float32_accumulation():
+    """Under bf16 autocast (bf16-mixed: float32 master weights) the head multiplies the bf16-rounded W with h
+    kept (on CPU exactly; in two bf16 parts where the device has a bf16 matmul with a float32 result) and
+    accumulates in float32: its float32 logits are those of h and the rounded W (bias in float32), not the
+    float32 head's (which bf16-mixed ran before, at fp32 matmul speed). Outside autocast (32-true) the head
+    is the plain float32 matmul, bit for bit; with bf16 weights (bf16-true) it is bf16 again."""
+    h, weight, bias = _head(vocab=300, hidden=64)
+    exact = torch.mm(h, weight.t()) + bias
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head = LMHead(weight, bias)
+        assert head.dtype == torch.bfloat16 and head_dtype(weight) == torch.bfloat16
+        got = head(h, temperature=0.5)
+    assert got.dtype == torch.float32
+    want = (h @ _rounded(weight, torch.bfloat16).t() + bias) / 0.5
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert float((got - exact / 0.5).abs().max()) > 1e-3  # the rounding is really there
+
+    head = LMHead(weight, bias)  # no autocast: float32, the same tensor as before, the same matmul
+    assert head.dtype == torch.float32 and head.weight is weight
+    assert torch.equal(head(h), exact)
+    assert head_dtype(weight.bfloat16()) == torch.bfloat16
+    half = LMHead(weight.bfloat16(), bias.bfloat16())(h.bfloat16())
+    want = _rounded(h, torch.bfloat16) @ _rounded(weight, torch.bfloat16).t() + _rounded(bias, torch.bfloat16)
+    torch.testing.assert_close(half, want, atol=1e-5, rtol=1e-5)
+
+
+def _emulated_cuda_matmul(monkeypatch):
+    """Run the head's CUDA branch on CPU: a bf16 x bf16 -> float32 matmul as cuBLAS computes it (products of
+    bf16 values are exact in float32; float32 sums)."""
+    import sgrpo.head
+
+    monkeypatch.setattr(sgrpo.head, "_fp32_output", lambda device, dtype: True)
+
+    def mm(a, b, out=None):
+        assert a.dtype == b.dtype == torch.bfloat16  # the operands really are bf16
+        return torch.mm(a.float(), b.float(), out=out)
+
+    monkeypatch.setattr(sgrpo.head, "_mm_fp32", mm)
+
+
+def test_two_bf16_parts_keep_the_head_continuous_in_h(monkeypatch):
+    """On the bf16 matmul (CUDA's branch, emulated), h goes in as hi + lo bf16 parts: the logits equal h's exact
+    product with the rounded W to ~2^-16, and a tiny change of h (as between 1 and 2 processes) moves them by
+    about as much. Rounded to one bf16 part, h would be a step function: a change of 1e-6 of h moved the logits
+    by ~1e-3 where it crossed a rounding boundary, and a 2-process twin's loss drifted 4.5e-4 from 1 process's."""
+    _emulated_cuda_matmul(monkeypatch)
+    h, weight, bias = _head(vocab=300, hidden=64, tokens=1024)
+    head = LMHead(weight, bias, dtype=torch.bfloat16)
+    assert head.weight.dtype == torch.bfloat16
+    exact = h @ _rounded(weight, torch.bfloat16).t() + bias
+    torch.testing.assert_close(head(h), exact, atol=2e-4, rtol=0)
+    nudged = h * (1 + 1e-6 * torch.randn(h.shape, generator=torch.Generator().manual_seed(3)))
+    assert float((head(nudged) - head(h)).abs().max()) < 2e-4  # the exact product moves 1.5e-5
+    one_part = (_rounded(nudged, torch.bfloat16) - _rounded(h, torch.bfloat16)) @ _rounded(weight, torch.bfloat16).t()
+    assert float(one_part.abs().max()) > 1e-3  # what rounding h once did
+
+
+@pytest.mark.parametrize("emulated_cuda", [False, True])
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.5, softcap=3.0)])
+def test_token_logprobs_in_bf16_compute_match_autograd_of_the_rounded_head(transform, emulated_cuda, monkeypatch):
+    """TokenLogprobs with float32 weights in bf16 compute (bf16-mixed), on CPU's branch and on CUDA's (emulated):
+    log-probs and entropy equal the float32 log-softmax of h times the bf16-rounded W; the hand-written
+    backward's gradients of h, W and b (float32, the weights' dtype) equal autograd's through that
+    computation, with uneven chunks."""
+    if emulated_cuda:
+        _emulated_cuda_matmul(monkeypatch)
+    h, weight, bias = _head()
+    h, weight, bias = (x.clone().requires_grad_() for x in (h, weight, bias))
+    targets = torch.randint(0, 37, (11,), generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(11, generator=torch.Generator().manual_seed(2))
+    logp, entropy = TokenLogprobs.apply(h, weight, bias, targets, 0.8, 4, True, transform, torch.bfloat16)
+    (logp * upstream).sum().backward()
+    got = [x.grad.clone() for x in (h, weight, bias)]
+    for x in (h, weight, bias):
+        x.grad = None
+    raw = transform.scale * (h @ _rounded(weight, torch.bfloat16).t() + bias)
+    if transform.softcap is not None:
+        raw = transform.softcap * torch.tanh(raw / transform.softcap)
+    full = (raw / 0.8).log_softmax(-1)
+    want = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(logp, want.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, (h.grad, weight.grad, bias.grad)):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=1e-4 * float(b.abs().max()), rtol=1e-4)
+    # against the float32 head the log-probs differ by the weight's rounding
+    exact = ((h @ weight.t() + bias) * transform.scale).detach()
+    if transform.softcap is not None:
+        exact = transform.softcap * torch.tanh(exact / transform.softcap)
+    exact = (exact / 0.8).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert float((logp.detach() - exact).abs().max()) > 1e-4
