@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +27,7 @@ import yaml
 from torch import Tensor, nn
 
 from sgrpo.checkpoints import checkpoint_problem
+from sgrpo.checks import exit_with_error
 from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.modeling import resolve_model_path
 from sgrpo.runs import logger_versions
@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.merged, args.base)
     except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(str(err), 2)
     print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checkpoints import AtomicCheckpointIO
+from sgrpo.checks import exit_with_error
 from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
@@ -235,8 +236,7 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
             },
         )
     except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
-        print(f"error: invalid configuration: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(f"invalid configuration: {err}", 2)
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:
@@ -254,14 +254,11 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         else:
             evaluate(cli, mode)
     except (RunRefused, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(str(err), 2)
     except ConfigError as err:  # one known only once the processes exist (before any model loads)
-        print(f"error: invalid configuration: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(f"invalid configuration: {err}", 2)
     except RewardFailureError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+        exit_with_error(str(err), 1)
     return cli
 
 

@@ -48,3 +48,17 @@ def test_a_fit_prints_its_parameters_in_one_line_and_no_lightning_tip(caplog):
         ParameterCount().on_fit_start(None, SimpleNamespace(model=model))
         rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
     assert [r.getMessage() for r in caplog.records] == ["Sequential: 325 parameters, 105 trainable"]
+
+
+def test_a_refusal_is_one_write_so_two_processes_lines_never_run_together(monkeypatch):
+    import sys
+
+    from sgrpo.checks import exit_with_error
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Stderr", (), {"write": lambda self, s: writes.append(s),
+                                                             "flush": lambda self: None})())  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        exit_with_error("invalid configuration: model.prompts_per_step (3) must divide evenly", 2)
+    assert exit_.value.code == 2  # print() made two writes: the text, then "\n" (lines of 2 processes interleaved)
+    assert writes == ["error: invalid configuration: model.prompts_per_step (3) must divide evenly\n"]
