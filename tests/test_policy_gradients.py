@@ -134,19 +134,21 @@ def ddp_gradients(model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, aggregation, ddp_gradients):
+def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, ddp_gradients):
     """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
-    gradient with a single all-reduce (DDP's no_sync on all but the last backward)."""
-    policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
-    run_steps(policy)
-    single = flat(policy.captured[0])
+    gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation.
 
-    info = json.loads((ddp_gradients / f"grads_{aggregation}.json").read_text())
-    assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8]
-    assert rel_err(flat(torch.load(ddp_gradients / f"grads_{aggregation}.pt")), single) < 1e-6
-    # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
-    assert info["allreduce_rounds_per_rank"] == [1, 1]
+    One test for the launch's three aggregations: parametrized, pytest-xdist ran the launch once per worker."""
+    for aggregation in AGGREGATIONS:
+        policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
+        run_steps(policy)
+        single = flat(policy.captured[0])
+
+        info = json.loads((ddp_gradients / f"grads_{aggregation}.json").read_text())
+        assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8], aggregation
+        assert rel_err(flat(torch.load(ddp_gradients / f"grads_{aggregation}.pt")), single) < 1e-6, aggregation
+        # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
+        assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
 
 
 def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch):
