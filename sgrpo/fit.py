@@ -53,6 +53,7 @@ from sgrpo.preflight import (
     check_weight_precision,
     check_writable,
 )
+from sgrpo.resume_changes import experiment_record
 from sgrpo.run_checkpoint import RunCheckpoint, resume_failure
 from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 
@@ -132,7 +133,11 @@ class SgrpoCLI(LightningCLI):
         if self.mode == "fit":
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
             loggers.append(metrics)
-            callbacks += [RunCheckpoint(str(root / "checkpoints"), every, keep), SignalExit(), MarkResume(metrics)]
+            checkpoints = RunCheckpoint(str(root / "checkpoints"), every, keep)
+            model, seed = self._get(self.config, "model"), self._get(self.config, "seed_everything")
+            checkpoints.experiment = experiment_record(model, seed)
+            checkpoints.resume_changes = self._get(self.config, "resume_changes")
+            callbacks += [checkpoints, SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
         config["strategy"] = fsdp_as_fsdp2(config.get("strategy", "auto"))  # FSDP1 runs as FSDP2, with a notice
         trainer = self._instantiate_trainer(config, callbacks)
@@ -165,6 +170,13 @@ class SgrpoCLI(LightningCLI):
             type=bool,
             default=False,
             help="delete the outputs of the run already in trainer.default_root_dir (else a fresh run refuses)",
+        )
+        parser.add_argument(
+            "--resume_changes",
+            type=typing.Literal["refuse", "allow"],
+            default="refuse",
+            help="a resume whose model block or seed differs from the checkpoint's: refuse (naming each change), or "
+            "allow (train on with the changes applied, the optimiser's settings too)",
         )
         parser.add_argument(
             "--checkpoint_every", type=int, default=50, help="save checkpoints/stepN.ckpt every N training steps"

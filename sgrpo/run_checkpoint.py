@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
 from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
+from sgrpo.resume_changes import apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,9 @@ class RunCheckpoint(ModelCheckpoint):
         self._training = False  # the training loop has started
         self.failed_resume: BaseException | None = None  # an error while the checkpoint to resume from loaded
         self._loaded_optimizers: list[str] | None = None  # the optimisers the checkpoint was trained with
+        self.experiment: dict[str, str] = {}  # this run's experiment (sgrpo.resume_changes), set by the CLI
+        self.resume_changes = "refuse"  # or "allow": resume with another experiment, its changes applied
+        self._loaded_experiment: dict[str, str] | None = None  # the checkpoint's
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Lightning warns that the folder "exists and is not empty": a resume's is, and a fresh run into a
@@ -141,6 +145,15 @@ class RunCheckpoint(ModelCheckpoint):
             # its state loads into another optimiser's groups and fails at the first step (SGD: KeyError 'momentum')
             trained = ", ".join(self._loaded_optimizers)
             raise ResumeError(f"it was trained with {trained}, this run has {', '.join(ours)}")
+        changes = experiment_changes(self._loaded_experiment, self.experiment) if self._loaded_experiment else []
+        if changes and self.resume_changes != "allow":
+            raise ResumeError(
+                f"it was trained as another experiment ({'; '.join(changes)}): resume with the run's config, or give "
+                "--resume_changes allow to train on with these changes"
+            )
+        if changes:  # allowed: applied, the optimiser's settings too (its loaded state had put the old ones back)
+            apply_optimizer_settings(trainer.optimizers, trainer.lr_scheduler_configs)
+            log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
         self._checked_step, self._training = None, True
         self.stops.install(forward_signal(trainer))
@@ -233,6 +246,7 @@ class RunCheckpoint(ModelCheckpoint):
                 "step": self._step_end,
                 "validation_pending": self._validation_pending,
                 "optimizers": [_qualified(type(o)) for o in trainer.optimizers],
+                "experiment": self.experiment,
             }
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
 
@@ -243,6 +257,7 @@ class RunCheckpoint(ModelCheckpoint):
             state = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
             state["_batches_that_stepped"] = mark["step"] - (2 if mark["validation_pending"] else 1)
             self._loaded_optimizers = mark.get("optimizers")
+            self._loaded_experiment = mark.get("experiment")
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

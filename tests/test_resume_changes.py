@@ -1,0 +1,72 @@
+"""A resume with another experiment is refused in one line naming each change, or, allowed, applied whole:
+the optimiser's settings too, which loading its state used to put back silently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgrpo.resume_changes import apply_optimizer_settings, experiment_changes, experiment_record
+
+
+def record(**model):
+    base = {"group_size": 4, "estimator": {"class_path": "estimators.SoftmaxGRPO", "init_args": {"temperature": 0.5}},
+            "micro_batch_size": 2, "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001}}}
+    return experiment_record(base | model, seed=0)  # fmt: skip
+
+
+def test_changes_name_each_key_and_a_new_class_in_one_line():
+    grpo = {"class_path": "estimators.GRPO", "init_args": {"std": "sample"}}
+    assert experiment_changes(record(), record(group_size=8, estimator=grpo, micro_batch_size=1)) == [
+        'model.estimator.class_path: "estimators.SoftmaxGRPO" -> "estimators.GRPO"',
+        "model.group_size: 4 -> 8",
+    ]  # micro-batching changes how a step is computed, not what: not a change of experiment
+    assert experiment_changes(record(), record()) == []
+    assert experiment_changes(record(), experiment_record({"group_size": 4}, seed=1))[-1] == "seed_everything: 0 -> 1"
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_allowed_changes_set_the_optimisers_settings_over_the_loaded_state(scheduled):
+    weight = torch.nn.Parameter(torch.ones(2))
+    old = torch.optim.AdamW([weight], lr=0.001, weight_decay=0.0)
+    old_schedule = torch.optim.lr_scheduler.LambdaLR(old, lambda step: 0.5) if scheduled else None
+    new = torch.optim.AdamW([weight], lr=0.01, weight_decay=0.1)  # the resumed config's
+    schedule = torch.optim.lr_scheduler.LambdaLR(new, lambda step: 0.5) if scheduled else None
+    new.load_state_dict(old.state_dict())  # as a resume loads it: the old lr and weight decay are back
+    if scheduled:
+        schedule.load_state_dict(old_schedule.state_dict())
+    assert new.param_groups[0]["lr"] == (0.0005 if scheduled else 0.001)
+    apply_optimizer_settings([new], [schedule] if scheduled else [])
+    group = new.param_groups[0]
+    assert group["weight_decay"] == 0.1 and group["lr"] == pytest.approx(0.005 if scheduled else 0.01)
+    if scheduled:  # the schedule's factor (0.5) of the new base from the next step on
+        assert schedule.base_lrs == [0.01]
+        schedule.step()
+        assert group["lr"] == pytest.approx(0.005)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_experiment_is_refused_or_applied(tmp_path, capsys):
+    from pathlib import Path
+
+    from sgrpo.fit import main
+
+    def fit(*extra):
+        config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+        main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+              "--trainer.limit_val_batches=0", *extra])  # fmt: skip
+
+    fit("--trainer.max_steps=2")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        fit("--trainer.max_steps=3", "--ckpt_path=last", "--model.estimator=estimators.GRPO")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert refused.value.code == 2 and last.read_bytes() == before  # nothing written, the run kept
+    assert len(errors) == 1 and 'model.estimator.class_path: "estimators.SoftmaxGRPO" -> "estimators.GRPO"' in errors[0]
+    assert "--resume_changes allow" in errors[0]
+
+    fit("--trainer.max_steps=3", "--ckpt_path=last", "--model.optimizer.init_args.lr=0.01", "--resume_changes=allow")
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 3 and [g["lr"] for g in saved["optimizer_states"][0]["param_groups"]] == [0.01]
