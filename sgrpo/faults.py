@@ -24,6 +24,7 @@ stop) take the ordinary path, and may save.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -52,6 +53,22 @@ class Stopped(SystemExit):
 
 #: errors that every process raises at the same point of the run (agreed through collectives or by construction)
 EVERY_PROCESS = (Stopped, ConfigError, RewardFailureError)
+
+
+#: errors of the disk the run writes to: full, over quota, read-only
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def disk_fault(exception: BaseException) -> OSError | None:
+    """The disk error behind ``exception`` (itself, or one it was raised from or while handling), else None.
+
+    A full disk during ``torch.save`` surfaces as torch's RuntimeError raised while handling the OSError."""
+    seen: BaseException | None = exception
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRORS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def exit_status(exception: BaseException) -> int:

@@ -39,6 +39,7 @@ from sgrpo.checks import exit_with_error
 from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
 from sgrpo.evaluation import evaluation_table
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
+from sgrpo.faults import disk_fault
 from sgrpo.guards import RewardFailureError
 from sgrpo.metrics_file import MarkResume, MetricsFile
 from sgrpo.modeling import resolve_model_path
@@ -271,6 +272,15 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(f"invalid configuration: {err}", 2)
     except RewardFailureError as err:
         exit_with_error(str(err), 1)
+    except Exception as err:  # a full or read-only disk at run time: one line, the run's checkpoints kept
+        disk = disk_fault(err)
+        if disk is None:
+            raise
+        where = f" ({disk.filename})" if disk.filename else ""
+        root = cli.trainer.default_root_dir
+        exit_with_error(f"{disk.strerror}{where} while the run wrote into {root}: free space there (or use "
+                        "--trainer.default_root_dir on another disk), then resume with --ckpt_path last; its newest "
+                        "checkpoint was left as it was", 1)  # fmt: skip
     return cli
 
 

@@ -49,3 +49,39 @@ def test_keep_last_prunes_a_run_that_moved_to_another_folder(tmp_path):
     fit(tmp_path / "b", "--trainer.max_steps=5", "--ckpt_path=last")
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("*.ckpt")) == [
         "last.ckpt", "step4.ckpt", "step5.ckpt"]  # fmt: skip  (step2 and step3 stayed, before)
+
+
+def test_a_full_disk_at_run_time_is_one_line_naming_the_folder_and_the_fix(tmp_path, monkeypatch, capsys):
+    import errno
+    from pathlib import Path
+
+    from sgrpo.checkpoints import AtomicCheckpointIO
+    from sgrpo.faults import disk_fault
+    from sgrpo.fit import main
+
+    saves = []
+
+    def full_after_one(self, checkpoint, path, storage_options=None):
+        saves.append(path)
+        if len(saves) > 1:  # as torch.save reports it: its RuntimeError raised while handling the OSError
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos") from None
+
+        return original(self, checkpoint, path, storage_options)
+
+    original = AtomicCheckpointIO.save_checkpoint
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", full_after_one)
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    with pytest.raises(SystemExit) as stopped:
+        main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+              "--checkpoint_every=1", "--trainer.max_steps=4", "--trainer.limit_val_batches=0"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "Traceback" not in err  # it was two chained tracebacks
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: No space left on device while the run wrote into {tmp_path}: free space there (or use "
+        "--trainer.default_root_dir on another disk), then resume with --ckpt_path last; its newest checkpoint was "
+        "left as it was"]  # fmt: skip
+    assert (tmp_path / "checkpoints" / "step1.ckpt").is_file()  # the one write that fit, kept
+    assert disk_fault(RuntimeError("another error")) is None
