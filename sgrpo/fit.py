@@ -17,6 +17,7 @@ checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 aft
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -53,6 +54,7 @@ from sgrpo.preflight import (
     check_values,
     check_weight_precision,
     check_writable,
+    writable,
 )
 from sgrpo.resume_changes import experiment_record
 from sgrpo.run_checkpoint import RunCheckpoint, resume_failure
@@ -126,6 +128,10 @@ class SgrpoCLI(LightningCLI):
             callbacks.append(ParameterCount())
         config["enable_model_summary"] = False
         logger = config.get("logger")
+        if logger in (None, True) and self.mode != "fit" and not writable(root):
+            rank_zero_info(f"{root} cannot be written: this {self.mode} prints its table and logs no metrics "
+                           "(--trainer.logger=CSVLogger --trainer.logger.save_dir=FOLDER logs them there)")  # fmt: skip
+            logger, self.save_config_callback = False, None  # nor its config.yaml
         if logger in (None, True):  # metrics.csv written every step: a kill loses no curve
             # an evaluation logs beside the run, not in it: into a fresh folder it must not make it look like a run
             name = "lightning_logs" if self.mode == "fit" else EVALUATION_LOGS
@@ -277,10 +283,10 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         if disk is None:
             raise
         where = f" ({disk.filename})" if disk.filename else ""
-        root = cli.trainer.default_root_dir
-        exit_with_error(f"{disk.strerror}{where} while the run wrote into {root}: free space there (or use "
-                        "--trainer.default_root_dir on another disk), then resume with --ckpt_path last; its newest "
-                        "checkpoint was left as it was", 1)  # fmt: skip
+        fix = "make it writable" if disk.errno == errno.EROFS else "free space there"
+        then = "; then resume with --ckpt_path last: its newest checkpoint was left as it was" if mode == "fit" else ""
+        exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
+                        f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
     return cli
 
 

@@ -120,6 +120,15 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
         raise ConfigError(f"--ckpt_path {ckpt_path} does not load ({problem}); give 'last' or a checkpoint a run wrote")
 
 
+def writable(root: Path) -> bool:
+    """Whether ``check_writable(root)`` passes."""
+    try:
+        check_writable(root)
+    except ConfigError:
+        return False
+    return True
+
+
 def check_writable(root: Path) -> None:
     """The run folder ``trainer.default_root_dir`` can be written: an entry is created (and removed) in it, or in
     the nearest folder above it that exists (a fit creates the rest). Probed by writing, as ``os.access``

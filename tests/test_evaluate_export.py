@@ -61,6 +61,21 @@ def error_line(capsys) -> str:
 
 
 # ------------------------------------------------------------------------------------------ evaluation
+def test_validate_of_a_run_that_cannot_be_written_prints_its_table_and_writes_nothing(run, monkeypatch, capsys,
+                                                                                       caplog):  # fmt: skip
+    """A run on a read-only mount: the evaluation's logger and its config.yaml need the folder, so without them it
+    runs (it failed making evaluations/version_N) and says so in one line."""
+    import sgrpo.fit
+
+    monkeypatch.setattr(sgrpo.fit, "writable", lambda root: False)  # as on a read-only mount, which tests cannot make
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        main(["validate", *args(run, "--ckpt_path=last")])
+    assert "| mean over levels |" in capsys.readouterr().out
+    assert any("cannot be written: this validate prints its table" in r.getMessage() for r in caplog.records)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
 def test_validate_a_checkpoint_and_its_exported_folder_alike(run, capsys):
     """``validate`` from the run's last checkpoint and from the folder its fit exported: the same policy, the same
     seeded samples, the same accuracy; neither touches the run's checkpoints or metrics file, nor needs its lock."""

@@ -81,7 +81,7 @@ def test_a_full_disk_at_run_time_is_one_line_naming_the_folder_and_the_fix(tmp_p
     assert stopped.value.code == 1 and "Traceback" not in err  # it was two chained tracebacks
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: No space left on device while the run wrote into {tmp_path}: free space there (or use "
-        "--trainer.default_root_dir on another disk), then resume with --ckpt_path last; its newest checkpoint was "
+        "--trainer.default_root_dir on another disk); then resume with --ckpt_path last: its newest checkpoint was "
         "left as it was"]  # fmt: skip
     assert (tmp_path / "checkpoints" / "step1.ckpt").is_file()  # the one write that fit, kept
     assert disk_fault(RuntimeError("another error")) is None
