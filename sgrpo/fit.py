@@ -245,7 +245,7 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
             run=False,
             args=args,
             auto_configure_optimizers=False,
-            parser_kwargs={"parser_mode": "omegaconf", "description": DESCRIPTION},
+            parser_kwargs={"parser_mode": "omegaconf", "description": DESCRIPTION, "prog": "python -m sgrpo.fit"},
             save_config_kwargs={"overwrite": True},
             trainer_defaults={
                 "log_every_n_steps": 1,

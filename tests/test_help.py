@@ -28,6 +28,7 @@ def test_help_prints_the_descriptions(capsys):
     with pytest.raises(SystemExit):
         parse(["fit", "--help"])
     out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: python -m sgrpo.fit ")  # the command users type (it was 'fit.py')
     assert "--model.group_size GROUP_SIZE Completions per prompt" in out
     assert "--model.peft PEFT LoRA adapters" in out
 
