@@ -4,7 +4,6 @@ processes in tests/test_sharded.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -14,21 +13,12 @@ from sgrpo.logprobs import completion_logprobs
 from sgrpo.lora import LoRA, adapters_off, is_adapter
 from sgrpo.loss import ClippedSurrogate
 from sgrpo.reference import build_reference
-from sgrpo.tiny import ensure_tiny_model
-from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
-from tests.test_policy_gradients import MAX_NEW, G, make_policy
+from tests.engine_helpers import run_steps
+from tests.test_policy_gradients import batch as batch  # the module-scoped fixtures: the tiny model and its rollout
+from tests.test_policy_gradients import make_policy
+from tests.test_policy_gradients import model_dir as model_dir
 
 KL = ClippedSurrogate(kl_coef=0.1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def batch(model_dir):
-    return fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
 
 
 def logprobs(model: nn.Module, batch, precision_dtype: torch.dtype | None = None) -> torch.Tensor:
