@@ -1,0 +1,72 @@
+"""Committed benchmark artefacts: the small files every README benchmark figure is traced to.
+
+A benchmark run keeps its bulky outputs (run folders, checkpoints, figures) under the git-ignored
+``benchmarks/results/``. What the README quotes is *published* to the committed folder
+``benchmarks/reports/<name>/`` as two small files:
+
+- ``result.json``: ``{"benchmark", "command", "date", "commit", "machine", "result"}``, where ``result``
+  holds the benchmark's figures (JSON-serialisable) and ``command`` the command that reproduces them;
+- ``report.md``: the human-readable report, headed by the same command, date and commit.
+
+A README block that quotes an artefact is fenced by ``<!-- figures: benchmarks/reports/<name> -->`` and
+``<!-- /figures -->``; ``tests/test_readme_figures.py`` checks that every number inside such a block
+occurs in that artefact (its report or its result values), so a figure without a source fails the tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the committed folder of published artefacts
+REPORTS = ROOT / "benchmarks" / "reports"
+
+
+def _commit() -> str:
+    """The checkout's commit (with ``+dirty`` when tracked files differ from it), or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def machine() -> dict:
+    """What the figures were measured on: CPU count, load average at publication, Python and torch."""
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"cpus": os.cpu_count(), "load_average": [round(x, 2) for x in load], "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform()}  # fmt: skip
+
+
+def publish(name: str, result: dict, report: str, command: str, root: Path | None = None) -> Path:
+    """Write ``result.json`` and ``report.md`` of benchmark ``name`` under ``root`` (default ``REPORTS``).
+
+    ``report`` is markdown (a ``# title`` line first is kept first); ``command`` is the shell command,
+    from the repository root, that reproduces the figures. Returns the artefact folder.
+    """
+    folder = (root or REPORTS) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = {"benchmark": name, "command": command, "date": datetime.date.today().isoformat(),
+             "commit": _commit(), "machine": machine()}  # fmt: skip
+    (folder / "result.json").write_text(json.dumps({**stamp, "result": result}, indent=1, sort_keys=True) + "\n")
+    lines = report.strip("\n").split("\n")
+    title, body = (lines[0], lines[1:]) if lines[0].startswith("# ") else (f"# {name}", lines)
+    header = (f"Reproduce: `{command}`  \nDate: {stamp['date']}, commit {stamp['commit']}, "
+              f"{stamp['machine']['cpus']} CPUs, load average {stamp['machine']['load_average'][0]}")  # fmt: skip
+    (folder / "report.md").write_text("\n".join([title, "", header, "", *body]).rstrip("\n") + "\n")
+    return folder
+
+
+def load(name: str, root: Path | None = None) -> dict:
+    """The published ``result.json`` of benchmark ``name``."""
+    return json.loads(((root or REPORTS) / name / "result.json").read_text())
