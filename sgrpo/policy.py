@@ -182,7 +182,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
         self.val_history: list[dict[str, Any]] = []
         self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.evaluation)
-        self._val_outputs: list[tuple[list[int], Tensor, list[object]]] = []  # (indices, successes, levels)
+        self._evaluation_metrics, self._evaluation_rows = {}, []  # built with the loader (sgrpo.evaluation)
         self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
         self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
 

@@ -6,6 +6,7 @@ sharded_worker.py fit ROOT MODEL_DIR STEPS [last [ARGS...]]   fit configs/tiny.y
 sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped model, recording completion lengths
 sharded_worker.py validate ROOT MODEL_DIR CHECKPOINT   sgrpo.fit validate of a sharded checkpoint over 2 processes
 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
+sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -232,8 +233,10 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 
 if __name__ == "__main__":
+    from tests.test_eval_metrics import synced_job
+
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
-             "validate": validate}  # fmt: skip
+             "validate": validate, "metrics": synced_job}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

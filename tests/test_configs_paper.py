@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sgrpo.evaluation import evaluation_table
 from sgrpo.fit import main, parse
+from sgrpo.report import accuracy_table
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"
@@ -94,7 +96,7 @@ def test_grpo_baseline_is_one_override(model_dir):
     assert type(cli.model.estimator).__name__ == "GRPO" and cli.model.group_size == 8
 
 
-def _fit(name: str, root: Path, model_dir: str):
+def _fit(name: str, root: Path, model_dir: str, *extra: str):
     raw = yaml.safe_load((PAPER / f"{name}.yaml").read_text())
     task = [f"--model.task.init_args.{kv}" for kv in DATA[raw["model"]["task"]["class_path"]]]
     val_rollout = []
@@ -111,7 +113,7 @@ def _fit(name: str, root: Path, model_dir: str):
         "--model.rollout.init_args.max_new_tokens=4", "--model.group_size=2", "--model.prompts_per_step=2",
         "--model.val_samples=2", "--model.val_prompts_per_batch=2", "--model.max_prompt_tokens=1024",
         "--model.activation_checkpointing=false", "--model.log_completions_every=1", "--checkpoint_every=100",
-        *val_rollout, *task,
+        *val_rollout, *task, *extra,
     ])  # fmt: skip
 
 
@@ -120,7 +122,8 @@ def _fit(name: str, root: Path, model_dir: str):
 def test_two_step_fit_on_the_tiny_model(name, model_dir, tmp_path, monkeypatch):
     """Every config's task, reward, verifier and settings, on the tiny model: 2 steps, validation before and after."""
     monkeypatch.chdir(REPO)
-    cli = _fit(name, tmp_path, model_dir)
+    qwen3 = name.startswith("qwen3")  # two evaluation sets of 3 prompts: all of them (3 batches of 2)
+    cli = _fit(name, tmp_path, model_dir, *(["--trainer.limit_val_batches=null"] if qwen3 else []))
     assert cli.model.rollout_step == 2
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [s for s in steps if "train/reward" in s]
@@ -128,3 +131,28 @@ def test_two_step_fit_on_the_tiny_model(name, model_dir, tmp_path, monkeypatch):
     assert len(cli.model.val_history) == 2  # before training and at step 2
     logged = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert logged and all(isinstance(row["reward"], float) for row in logged)
+    if qwen3:
+        check_two_evaluation_sets(cli.model, [s for s in steps if "train/reward" not in s])
+
+
+def check_two_evaluation_sets(policy, validations: list[dict]) -> None:
+    """Polaris' AIME 2025 and MATH-500 are evaluated apart: metrics under val/<set>/, one table per set (printed by
+    ``sgrpo.fit validate``, and the report's), MATH-500's by level; no pooled val/accuracy."""
+    assert len(validations) == 2
+    for record in validations:
+        assert not any(key.startswith(("val/accuracy", "val/pass@")) for key in record)
+        for key in ("aime25/accuracy", "aime25/pass@2", "aime25/accuracy/aime25", "math500/accuracy",
+                    "math500/pass@1", "math500/accuracy/1", "math500/pass@2/2", "math500/successes/0"):  # fmt: skip
+            assert 0 <= record[f"val/{key}"] <= 1, key
+    result = policy.val_history[-1]
+    assert list(result["sets"]) == ["aime25", "math500"] and result["step"] == 2
+    assert [one["prompts"] for one in result["sets"].values()] == [3, 3]
+    assert list(result["sets"]["math500"]["by_difficulty"]) == ["1", "2"]
+    aime = result["sets"]["aime25"]
+    assert validations[-1]["val/aime25/accuracy"] == pytest.approx(aime["accuracy"])
+    table = evaluation_table(result)
+    for name in ("aime25", "math500"):
+        assert f"{name}\n| difficulty | accuracy |" in table
+    assert table.count("(3 prompts, 2 samples each)") == 2 and "| 2 |" in table
+    report = accuracy_table(policy.val_history)
+    assert "aime25\n| difficulty | step 0 (base) | step 2 (trained) |" in report and "\nmath500\n|" in report
