@@ -300,6 +300,10 @@ def quiet_dependency_warnings() -> None:
     # process's results before it computes its metrics, and counts a prompt the sampler repeats once
     warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
     warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
+    # a fit in epochs (trainer.max_epochs): its prompt stream runs in the training process (exact length, whatever
+    # Lightning fears of worker processes) and resumes mid-epoch from the policy's step (sgrpo.data.EpochStepBatches)
+    warnings.filterwarnings("ignore", r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", r"You're resuming from a checkpoint that ended before the epoch ended")
     # Lightning's advertisement for its cloud logger, printed by every run
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not str(record.msg).startswith("💡 Tip:")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import yaml
 
+from sgrpo.data import stopping_rule_error
 from sgrpo.modeling import resolve_model_path
 from tasks.data import SplitTable
 
@@ -69,11 +70,9 @@ def read_yaml(path: Path, name: str) -> Any:
 
 def check_values(config: Any) -> None:
     """Steps, checkpoint path and devices of a parsed configuration."""
-    steps = config.trainer.max_steps
-    if not isinstance(steps, int) or steps < 1:
-        raise ConfigError(
-            f"trainer.max_steps must be >= 1 (the prompt stream is endless: steps bound the run), got {steps}"
-        )
+    error = stopping_rule_error(config.trainer.max_steps, config.trainer.get("max_epochs"))
+    if error is not None:
+        raise ConfigError(error)
     check_checkpoint_path(config.ckpt_path)
     check_devices(config.trainer.accelerator, config.trainer.devices)
     check_trainer_keys(config.trainer)
@@ -97,8 +96,8 @@ def check_trainer_keys(trainer: Any) -> None:
     interval = trainer.get("val_check_interval")
     if isinstance(interval, float):  # Lightning reads a float as a fraction of an epoch
         raise ConfigError(
-            f"trainer.val_check_interval must count training steps (an integer; the prompt stream has no epochs "
-            f"to take a fraction of), got {interval}"
+            f"trainer.val_check_interval must count training steps (an integer, counted across epochs; not a fraction "
+            f"of an epoch), got {interval}"
         )
 
 
