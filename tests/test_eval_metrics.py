@@ -120,3 +120,26 @@ def check_synced_metrics(out: Path) -> None:
         assert got.pop("only_rank0") == 5 / 8
         assert got == want
         check_by_hand(got)
+
+
+def test_one_table_per_evaluation_set_and_a_single_set_as_before():
+    """``evaluation_table`` (what ``sgrpo.fit validate`` prints) and the report's ``accuracy_table``: a titled table
+    per set for several; for one set the table as it always was, untitled."""
+    from sgrpo.evaluation import evaluation_table, result_sets
+    from sgrpo.report import accuracy_table
+
+    one = {"accuracy": 0.5, "by_difficulty": {"3": 0.75, "5": 0.25}, "pass_at_k": {1: 0.5, 2: 0.625}, "prompts": 4}
+    single = {"step": 0} | one
+    assert evaluation_table(single) == (
+        "| difficulty | accuracy |\n|---|---|\n| 3 | 75.0% |\n| 5 | 25.0% |\n| mean over levels | 50.0% |\n\n"
+        "pass@1 50.0%, pass@2 62.5% (4 prompts, 2 samples each)"
+    )
+    two = {"step": 2, "sets": {"aime25": one, "math500": one | {"by_difficulty": {"1": 1.0}, "prompts": 3}}}
+    assert list(result_sets(two)) == ["aime25", "math500"] and result_sets(single) == {"": single}
+    table = evaluation_table(two)
+    assert table.startswith("aime25\n| difficulty | accuracy |") and "\n\nmath500\n| difficulty |" in table
+    assert "| 1 | 100.0% |" in table and "(3 prompts, 2 samples each)" in table
+    report = accuracy_table([two | {"step": 0}, two])
+    assert report.startswith("aime25\n| difficulty | step 0 (base) | step 2 (trained) | change |")
+    assert "\n\nmath500\n" in report and "| 1 | 100.0% | 100.0% | +0.0 pts |" in report
+    assert accuracy_table([single, single]).startswith("| difficulty | step 0 (base) |")
