@@ -7,6 +7,7 @@ sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped m
 sharded_worker.py validate ROOT MODEL_DIR CHECKPOINT   sgrpo.fit validate of a sharded checkpoint over 2 processes
 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
 sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
+sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -163,6 +164,18 @@ def validate(root: str, model_dir: str, checkpoint: str) -> None:
         (Path(root) / "validation.json").write_text(json.dumps(cli.model.last_evaluation))
 
 
+def validate_sets(root: str) -> None:
+    """``sgrpo.fit validate`` of a task with two evaluation sets (tests/test_eval_metrics.py ``TWO_SETS``) over
+    the 2 processes; the result to ``ROOT/validation.json``."""
+    from sgrpo.fit import main
+    from tests.test_eval_metrics import TWO_SETS
+
+    sharded = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"), f"--trainer.default_root_dir={root}"]
+    cli = main([*TWO_SETS, *sharded])
+    if cli.trainer.is_global_zero:
+        (Path(root) / "validation.json").write_text(json.dumps(cli.model.last_evaluation))
+
+
 def fit_recording_lengths(root: str, steps: str) -> None:
     """``fit`` with the shipped quickstart model, whose rows end at different lengths on each process, decoding
     through the sharded forwards;
@@ -236,7 +249,7 @@ if __name__ == "__main__":
     from tests.test_eval_metrics import synced_job
 
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
-             "validate": validate, "metrics": synced_job}  # fmt: skip
+             "validate": validate, "metrics": synced_job, "validate_sets": validate_sets}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

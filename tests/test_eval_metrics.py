@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sgrpo.eval_metrics import SET_METRICS, AccuracyByDifficulty, MeanAccuracy, PassAtK, PromptOutcomes
+from tasks.synthetic import SyntheticTask
 
 N = 4
 LEVELS = ["easy", "hard"]  # string labels: the states hold their indices
@@ -29,6 +30,23 @@ HAND = {
     "pass_at_k_by_difficulty": [[9 / 12, (5 / 6 + 1 + 1) / 3], [3 / 16, (0 + 1 / 2 + 0 + 5 / 6) / 4]],
     "successes": [2.0, 1.0, 2.0, 1.0, 1.0],
 }
+
+
+class TwoSets(SyntheticTask):
+    """The sort task whose validation split is two evaluation sets of uneven sizes, by level."""
+
+    def evaluation_set(self, example) -> str:
+        return "short" if example.difficulty == 3 else "long"
+
+
+#: ``sgrpo.fit validate`` of TwoSets, greedy: 15 prompts (8 short, 7 long) in batches of 4; over 2 processes the
+#: sampler repeats one, and each process holds its own share of each set
+REPO = Path(__file__).resolve().parents[1]
+TWO_SETS = ["validate", "--config", str(REPO / "configs" / "tiny.yaml"),
+            f"--model.model={REPO / 'sgrpo' / 'assets' / 'quickstart_model'}",
+            "--model.task=tests.test_eval_metrics.TwoSets", "--model.task.init_args.num_validation=15",
+            "--trainer.limit_val_batches=null", "--model.val_prompts_per_batch=4", "--model.val_greedy=true",
+            "--model.val_samples=1", "--trainer.enable_progress_bar=false"]  # fmt: skip
 
 
 def batch(indices: list[int], rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,3 +161,14 @@ def test_one_table_per_evaluation_set_and_a_single_set_as_before():
     assert report.startswith("aime25\n| difficulty | step 0 (base) | step 2 (trained) | change |")
     assert "\n\nmath500\n" in report and "| 1 | 100.0% | 100.0% | +0.0 pts |" in report
     assert accuracy_table([single, single]).startswith("| difficulty | step 0 (base) |")
+
+
+def check_two_sets_validate_as_one_process(root: Path, tmp_path: Path) -> None:
+    """``sgrpo.fit validate`` of two evaluation sets over 2 FSDP2 processes (test_sharded's launch): greedy, so
+    the result is the one-process result, each set's prompts counted once (8 and 7: the sampler's repeat once)."""
+    from sgrpo.fit import main
+
+    two = json.loads((root / "validation.json").read_text())
+    one = main([*TWO_SETS, f"--trainer.default_root_dir={tmp_path / 'one_process'}"]).model.last_evaluation
+    assert json.loads(json.dumps(one)) == two  # the JSON round trip turns the k of pass@k into strings
+    assert list(two["sets"]) == ["short", "long"] and [s["prompts"] for s in two["sets"].values()] == [8, 7]

@@ -20,7 +20,7 @@ from sgrpo.logprobs import completion_logprobs
 from sgrpo.report import read_run_metrics
 from sgrpo.tiny import ensure_tiny_model
 from tests.sharded_worker import PROBE, update
-from tests.test_eval_metrics import check_synced_metrics
+from tests.test_eval_metrics import check_synced_metrics, check_two_sets_validate_as_one_process
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -80,7 +80,8 @@ SCENARIOS = ("plain", "uneven", "kl_bf16")
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
     """Jobs in one 2-process launch (one interpreter start per process instead of one per job; each job builds its
     own trainer and model): a sharded update in three scenarios, rollouts from the sharded model, the evaluation
-    metrics synced over the processes (tests/test_eval_metrics.py), a 3-step fit,
+    metrics synced over the processes and a validation of two evaluation sets (tests/test_eval_metrics.py), a
+    3-step fit,
     its resume to step 5 from the sharded checkpoint, and ``sgrpo.fit validate`` of that checkpoint. Each is
     checked below by its own function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
@@ -92,6 +93,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             *(["update", model_dir, str(out / f"sharded_{s}"), "sharded", s] for s in SCENARIOS),
             ["decode", model_dir, str(out / "decode")],
             ["metrics", str(out / "metrics")],
+            ["validate_sets", str(out / "sets")],
             ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
             ["fit", str(root), model_dir, "5", "last", FUSED],
             ["validate", str(root), model_dir, str(checkpoint)],
@@ -103,6 +105,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
     check_synced_metrics(out / "metrics")
+    check_two_sets_validate_as_one_process(out / "sets", tmp_path)
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
