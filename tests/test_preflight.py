@@ -112,7 +112,7 @@ class ShortEngine(HFRollout):
 
 
 def test_vllm_bounds_prompts_by_its_max_model_len():
-    """configs/scale_deepmath_8gpu.yaml's numbers: Qwen2.5-1.5B's 32,768 positions allowed prompts of 30,720
+    """The numbers configs/scale_deepmath_8gpu.yaml had: Qwen2.5-1.5B's 32,768 positions allowed prompts of 30,720
     tokens beside 2,048 new ones, in an engine that takes 4,096; now the engine's length bounds them."""
     engine = VLLMRollout(max_new_tokens=2048, max_model_len=4096)
     assert engine.max_total_tokens == 4096 and VLLMRollout(max_new_tokens=8).max_total_tokens is None
