@@ -77,10 +77,11 @@ SCENARIOS = ("plain", "uneven", "kl_bf16")
 
 
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
-    """Six jobs in one 2-process launch (one interpreter start per process instead of six; each job builds its
-    own trainer and model): a sharded update in two scenarios, rollouts from the sharded model, a 3-step fit,
-    its resume to step 5 from the sharded checkpoint, and ``sgrpo.fit validate`` of that checkpoint. Each is
-    checked below by its own function."""
+    """Nine jobs in one 2-process launch (one interpreter start per process instead of nine; each job builds its
+    own trainer and model): a sharded update in three scenarios, rollouts from the sharded model, a 3-step fit,
+    its resume to step 5 from the sharded checkpoint, a resume of it as another experiment (refused),
+    ``sgrpo.fit validate`` of that checkpoint, and a bf16 fit with a KL. Each is checked below by its own
+    function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
@@ -91,6 +92,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["decode", model_dir, str(out / "decode")],
             ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
             ["fit", str(root), model_dir, "5", "last", FUSED],
+            ["refused_resume", str(tmp_path / "refused"), model_dir, str(checkpoint)],
             ["validate", str(root), model_dir, str(checkpoint)],
             ["fit", str(bf16), str(SHIPPED), "2", "", *BF16_KL_FSDP],  # rewards vary: the update moves it
         ),
@@ -100,6 +102,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
+    check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
 
@@ -197,6 +200,19 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
         model = AutoModelForCausalLM.from_pretrained(folder)
         torch.testing.assert_close(probe(model), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
         assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def check_a_resume_as_another_experiment_is_refused_in_one_line(root: Path) -> None:
+    """A resume with another estimator temperature is refused on every process (``ResumeError``) as on one: the
+    one-line error and exit 2, and the processes carry on (the launch's next jobs ran). Process 0 came a second
+    late: with the refusal taken for one process's error (``fail_fast``), process 1 ended the job first, in
+    ``os._exit(2)``, and process 0 was ended by its abort watch with exit 1."""
+    for rank in (0, 1):
+        refused = json.loads((root / f"refused.{rank}.json").read_text())
+        errors = [line for line in refused["stderr"].splitlines() if line.startswith("error: ")]
+        assert refused["code"] == 2 and len(errors) == 1, refused
+        assert "(ResumeError: it was trained as another experiment (" in errors[0], refused
+        assert "model.estimator.init_args.temperature: 0.5 -> 0.7" in errors[0] and "Traceback" not in refused["stderr"]
 
 
 def check_sharded_checkpoint_validates_with_its_strategy_only(model_dir: str, root: Path, checkpoint: Path, capsys):
