@@ -9,6 +9,7 @@ sharded_worker.py refused_resume ROOT MODEL_DIR CHECKPOINT   resume CHECKPOINT a
                                                   a second late, so process 1 refuses first); each process's exit
                                                   status and stderr to ROOT/refused.RANK.json
 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
+sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -259,6 +260,15 @@ def decode(model_dir: str, out: str) -> None:
     (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
 
 
+def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:
+    """One update of the fixed batch per aggregation with 2 DDP processes (tests/ddp_grad_worker.py), to OUT."""
+    from tests.ddp_grad_worker import run
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for aggregation in aggregations:
+        run(model_dir, aggregation, Path(out))
+
+
 def jobs(argv: list[str]) -> list[list[str]]:
     """``["update", "a", "+", "decode", "b"]`` -> ``[["update", "a"], ["decode", "b"]]``."""
     split: list[list[str]] = [[]]
@@ -269,7 +279,7 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 if __name__ == "__main__":
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
-             "validate": validate, "refused_resume": refused_resume}  # fmt: skip
+             "validate": validate, "refused_resume": refused_resume, "ddp_grads": ddp_grads}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

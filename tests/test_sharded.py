@@ -14,12 +14,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from estimators import DrGRPO
 from sgrpo.export import main as export
 from sgrpo.fit import main
 from sgrpo.logprobs import completion_logprobs
+from sgrpo.loss import AGGREGATIONS, ClippedSurrogate
 from sgrpo.report import read_run_metrics
 from sgrpo.tiny import ensure_tiny_model
+from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.sharded_worker import PROBE, update
+from tests.test_policy_gradients import MAX_NEW, G, flat, make_policy, rel_err
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -77,11 +81,11 @@ SCENARIOS = ("plain", "uneven", "kl_bf16")
 
 
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
-    """Nine jobs in one 2-process launch (one interpreter start per process instead of nine; each job builds its
-    own trainer and model): a sharded update in three scenarios, rollouts from the sharded model, a 3-step fit,
-    its resume to step 5 from the sharded checkpoint, a resume of it as another experiment (refused),
-    ``sgrpo.fit validate`` of that checkpoint, and a bf16 fit with a KL. Each is checked below by its own
-    function."""
+    """Ten jobs in one 2-process launch (one interpreter start per process instead of ten; each job builds its
+    own trainers and model): a sharded update in three scenarios, rollouts from the sharded model, a DDP update
+    per loss aggregation, a 3-step fit, its resume to step 5 from the sharded checkpoint, a resume of it as
+    another experiment (refused), ``sgrpo.fit validate`` of that checkpoint, and a bf16 fit with a KL. Each is
+    checked below by its own function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
@@ -90,6 +94,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
         *chain(
             *(["update", model_dir, str(out / f"sharded_{s}"), "sharded", s] for s in SCENARIOS),
             ["decode", model_dir, str(out / "decode")],
+            ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
             ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
             ["fit", str(root), model_dir, "5", "last", FUSED],
             ["refused_resume", str(tmp_path / "refused"), model_dir, str(checkpoint)],
@@ -101,6 +106,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     for scenario in SCENARIOS:
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
+    check_two_ddp_processes_give_the_single_process_gradient(model_dir, out / "ddp")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
@@ -180,6 +186,21 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert runs["gathered"]["sharded_forwards"] == 0  # no collective per token: one gather per rollout
         assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
+
+
+def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out: Path) -> None:
+    """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
+    gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation."""
+    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+    for aggregation in AGGREGATIONS:
+        policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
+        run_steps(policy)
+        single = flat(policy.captured[0])
+        info = json.loads((out / f"grads_{aggregation}.json").read_text())
+        assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8], aggregation
+        assert rel_err(flat(torch.load(out / f"grads_{aggregation}.pt")), single) < 1e-6, aggregation
+        # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
+        assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
 
 
 def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:
