@@ -81,11 +81,11 @@ SCENARIOS = ("plain", "uneven", "kl_bf16")
 
 
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
-    """Ten jobs in one 2-process launch (one interpreter start per process instead of ten; each job builds its
-    own trainers and model): a sharded update in three scenarios, rollouts from the sharded model, a DDP update
-    per loss aggregation, a 3-step fit, its resume to step 5 from the sharded checkpoint, a resume of it as
-    another experiment (refused), ``sgrpo.fit validate`` of that checkpoint, and a bf16 fit with a KL. Each is
-    checked below by its own function."""
+    """Fourteen jobs in one 2-process launch (one interpreter start per process instead of fourteen; each job
+    builds its own trainers and model): a sharded update in three scenarios, rollouts from the sharded model, a
+    DDP update per loss aggregation, a 3-step fit, its resume to step 5 from the sharded checkpoint, a resume of
+    it as another experiment (refused), ``sgrpo.fit validate`` of that checkpoint, a bf16 fit with a KL, and
+    LoRA fits and resumes under FSDP2 and DDP. Each is checked below by its own function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
@@ -100,8 +100,10 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["refused_resume", str(tmp_path / "refused"), model_dir, str(checkpoint)],
             ["validate", str(root), model_dir, str(checkpoint)],
             ["fit", str(bf16), str(SHIPPED), "2", "", *BF16_KL_FSDP],  # rewards vary: the update moves it
+            *lora_jobs(tmp_path),
         ),
         cwd=tmp_path,
+        timeout=480,  # 93 s measured with the machine at load average 10-12
     )
     for scenario in SCENARIOS:
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
@@ -111,6 +113,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
+    check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
 
 
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each
@@ -284,32 +287,38 @@ def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_do
     assert two[two.index("Validation accuracy by difficulty") :] == table
 
 
-def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path):
+#: LoRA under FSDP2 and under DDP, each with a KL (its reference: the policy with its adapters off)
+LORA_RUNS = {"fsdp2": ["--model.loss.init_args.kl_coef=0.001"],
+             "ddp": ["--trainer.strategy=ddp", "--model.loss.init_args.kl_coef=0.001"]}  # fmt: skip
+
+
+def lora_jobs(tmp_path: Path) -> list[list[str]]:
+    """2 steps of each LoRA run, then its resume to 3 from the adapter-only checkpoint (the shipped model, whose
+    rewards vary: the random tiny model's are all 0, nothing would train)."""
+    fits = []
+    for strategy, extra in LORA_RUNS.items():
+        root = str(tmp_path / "lora" / strategy)
+        fits += [["fit", root, str(SHIPPED), "2", "", "--model.peft.rank=4", *extra],
+                 ["fit", root, str(SHIPPED), "3", "last", "--model.peft.rank=4", *extra]]  # fmt: skip
+    return fits
+
+
+def check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path: Path) -> None:
     """LoRA under FSDP2 (adapters sharded with their blocks, gathered for the weight snapshot and the export)
-    and under DDP, in one launch: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter
-    folder that reproduces the trained policy. With a KL, whose reference is the policy with its adapters off
-    (no second model): the adapters must still train after each reference pass. The shipped model, whose
-    rewards vary (the random tiny model's are all 0: nothing trained)."""
-    model_dir = str(SHIPPED)
+    and under DDP: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter folder that
+    reproduces the trained policy. With a KL, whose reference is the policy with its adapters off (no second
+    model): the adapters must still train after each reference pass."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    kl = "--model.loss.init_args.kl_coef=0.001"
-    runs = {"fsdp2": [kl], "ddp": ["--trainer.strategy=ddp", kl]}
-    fits = []
-    for strategy, extra in runs.items():
-        root = str(tmp_path / strategy)
-        fits += [["fit", root, model_dir, "2", "", "--model.peft.rank=4", *extra],
-                 ["fit", root, model_dir, "3", "last", "--model.peft.rank=4", *extra]]  # fmt: skip
-    launch(*chain(*fits), cwd=tmp_path)
-    for strategy in runs:
-        root = tmp_path / strategy
+    for strategy in LORA_RUNS:
+        root = tmp_path / "lora" / strategy
         # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole
         # model (the shards gathered), DDP's a file of the adapters
         export([str(root / "checkpoints" / "last.ckpt"), str(root / "exported")])
         assert (root / "checkpoints" / "last.ckpt").is_dir() == (strategy == "fsdp2")
         for folder in (root / "hf_model", root / "exported"):
-            exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
+            exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(SHIPPED), folder)
             want = torch.load(root / "probe_logprobs.pt")
             torch.testing.assert_close(probe(exported), want, atol=1e-6, rtol=1e-6, msg=f"{strategy}: {folder}")
         trained = load_file(root / "hf_model" / "adapter_model.safetensors")  # lora_B starts at 0
