@@ -303,3 +303,25 @@ def test_validating_a_base_model_into_a_run_folder_leaves_it_free_for_a_fresh_fi
     (other / "metrics.jsonl").write_text("{}\n")
     line = refusal(tmp_path, model_dir, capsys, f"--trainer.default_root_dir={other}", "--trainer.max_steps=1")
     assert "already holds a run (metrics.jsonl)" in line and "--ckpt_path last" not in line
+
+
+# ------------------------------------------------------------------------------------------ several nodes
+def test_several_nodes_started_by_hand_are_refused_in_one_line_not_left_waiting(model_dir, tmp_path, capsys,
+                                                                                 monkeypatch):  # fmt: skip
+    """``--trainer.num_nodes=2`` run as ``python -m sgrpo.fit`` on one node (configs/deepmath_softmax.yaml without
+    srun) waited for the second node in the rendezvous for 30 minutes, printing nothing; now one line, exit 2."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+    from sgrpo.preflight import check_nodes
+
+    for name in ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    line = refusal(tmp_path, model_dir, capsys, "--trainer.num_nodes=2", "--trainer.strategy=lightning.pytorch."
+                   "strategies.DDPStrategy", "--trainer.strategy.init_args.timeout=0:00:20")  # a regression: 20 s
+    assert "trainer.num_nodes=2, but nothing started the other node(s)" in line and "srun" in line
+    for nodes, environment in ((1, LightningEnvironment()), (2, TorchElasticEnvironment())):  # launched: passes
+        check_nodes(SimpleNamespace(num_nodes=nodes, strategy=SimpleNamespace(cluster_environment=environment)))
+    monkeypatch.setenv("NODE_RANK", "1")  # Lightning's launch by hand: every node given its rank
+    check_nodes(SimpleNamespace(num_nodes=2, strategy=SimpleNamespace(cluster_environment=LightningEnvironment())))
