@@ -25,6 +25,7 @@ OPERATIONAL = (
     "model.val_greedy", "model.val_prompts_per_batch", "model.reward_failure_share", "model.reward_failure_steps",
     "model.task.init_args.workers", "model.task.init_args.reward.init_args.workers",
     "model.task.init_args.verifier.init_args.workers", "model.rollout.init_args.max_batch_rows",
+    "model.optimizer.init_args.fused", "model.optimizer.init_args.foreach",  # one kernel or a dozen: the same step
 )
 
 
