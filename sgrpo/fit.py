@@ -48,6 +48,7 @@ from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import (
     ConfigError,
     check_config_files,
+    check_nodes,
     check_policy,
     check_strategy,
     check_tensor_parallel,
@@ -150,6 +151,7 @@ class SgrpoCLI(LightningCLI):
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
         check_tensor_parallel(trainer.strategy)
+        check_nodes(trainer)
         if self.mode == "fit":
             check_weight_precision(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose

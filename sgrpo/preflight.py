@@ -367,3 +367,25 @@ def check_tensor_parallel(strategy: Any) -> None:
             f"plan is applied; peers would sample the same prompts and count them twice): set "
             f"data_parallel_size={world} and tensor_parallel_size=1 (FSDP2 over every process)"
         )
+
+
+#: environment variables that describe the other nodes of a job launched by hand (Lightning's default environment)
+_NODE_VARIABLES = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
+
+
+def check_nodes(trainer: Any) -> None:
+    """``trainer.num_nodes > 1`` started by hand (``python -m sgrpo.fit`` on one node, no srun or torchrun, none of
+    ``_NODE_VARIABLES`` set) has process 0 wait for the other nodes in the rendezvous, silently, for the process
+    group's timeout (30 minutes): refused in one line instead."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    nodes = getattr(trainer, "num_nodes", 1) or 1
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if nodes > 1 and type(environment) is LightningEnvironment and not any(v in os.environ for v in _NODE_VARIABLES):
+        raise ConfigError(
+            f"trainer.num_nodes={nodes}, but nothing started the other node(s) (no srun, torchrun or NODE_RANK): this "
+            f"process would wait for them for 30 minutes. Launch on every node with srun (#SBATCH --nodes={nodes} "
+            f"--ntasks-per-node=trainer.devices) or torchrun --nnodes={nodes}, or set NODE_RANK, MASTER_ADDR and "
+            "MASTER_PORT on each node; on one node give --trainer.num_nodes=1 with data_parallel_size = the devices "
+            "(configs/scale_deepmath_8gpu.yaml)"
+        )

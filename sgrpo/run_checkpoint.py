@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
 from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
-from sgrpo.resume_changes import apply_optimizer_settings, experiment_changes
+from sgrpo.resume_changes import ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,6 @@ def resume_failure(ckpt_path, exception: BaseException) -> str:
         "left as it was. Resume with the config that wrote it (model, model.peft, model.optimizer), or start "
         "a fresh run in another --trainer.default_root_dir"
     )
-
-
-class ResumeError(Exception):
-    """A checkpoint that loaded but cannot continue in this run (it was trained with another optimiser)."""
 
 
 def _qualified(cls: type) -> str:
