@@ -28,6 +28,7 @@ to the measurement, and every other experiment by the same factor): the first GP
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -58,6 +59,8 @@ PROMPT_TOKENS = {"tasks.GSM8K": 110, "tasks.Countdown": 110, "tasks.CountdownGol
 #: validation prompts where the config leaves them to the source: GSM8K's official test split; AIME 2025 (30)
 #: and MATH-500 (500) for Polaris
 SOURCE_VALIDATION = {"tasks.GSM8K": 1319, "tasks.Polaris": 530}
+#: distinct training prompts of the sources whose configs stop on epochs (Polaris-53K less the evaluation matches)
+TRAIN_PROMPTS = {"tasks.Polaris": 53_000}
 #: the one GPU step time on record (docs/scaling.md): why it cannot be scaled
 QUICKSTART_H200 = {"steps": 60, "seconds": 22.0, "parameters": 132e3, "rows": 16 * 8, "tokens_per_row": 18,
                    "source": "docs/scaling.md: one H200, a session before 2026-11-30"}  # fmt: skip
@@ -94,17 +97,26 @@ def experiment(raw: dict, fill: float = 1.0) -> dict:
     attention = attention_flops(m["model"], p + r / 2)  # per token forward, at the mean position
     generation = 2 * n * (prompts * p + rows * r) + attention * (prompts * p + rows * r)
     training = rows * (p + r) * (factor * n + factor / 2 * attention)  # attention's backward: 2x its forward
-    validations = 1 + trainer["max_steps"] // trainer["val_check_interval"]
+    steps = run_steps(trainer, task, prompts)
+    validations = 1 + steps // trainer["val_check_interval"]
     val_prompts = m["task"].get("init_args", {}).get("validation_size") or SOURCE_VALIDATION[task]
     val_r = fill * (m.get("val_rollout") or m["rollout"])["init_args"]["max_new_tokens"]
     val_attention = attention_flops(m["model"], p + val_r / 2)
     validation = (2 * n + val_attention) * val_prompts * (p + m["val_samples"] * val_r) * validations
-    steps, gpus = trainer["max_steps"], trainer["devices"] * trainer.get("num_nodes", 1)
+    gpus = trainer["devices"] * trainer.get("num_nodes", 1)
     return {"model": m["model"], "parameters": n, "gpus": gpus, "steps": steps, "rows": rows, "prompt_tokens": p,
             "response_tokens": r, "generated_tokens_per_step": rows * r, "trained_tokens_per_step": rows * (p + r),
             "training_passes": passes, "generation_flops_per_step": generation, "training_flops_per_step": training,
             "validations": validations, "validation_prompts": val_prompts, "validation_flops": validation,
             "attention_share": attention / (2 * n + attention)}  # fmt: skip
+
+
+def run_steps(trainer: dict, task: str, prompts_per_step: int) -> int:
+    """``trainer.max_steps``, or for a run bounded by epochs (``max_steps: -1``) ``max_epochs`` x
+    ceil(N / prompts_per_step) with N the source's distinct training prompts (``TRAIN_PROMPTS``, approximate)."""
+    if trainer.get("max_steps", -1) > 0:
+        return trainer["max_steps"]
+    return trainer["max_epochs"] * math.ceil(TRAIN_PROMPTS[task] / prompts_per_step)
 
 
 def gpu_hours(cost: dict, mfu_gen: float, mfu_train: float, scale: float = 1.0) -> float:

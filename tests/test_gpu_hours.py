@@ -44,3 +44,9 @@ def test_every_paper_experiment_is_priced_and_a_measurement_calibrates_them_all(
     for name in configs:
         assert doubled[name]["gpu_hours"]["central"] == pytest.approx(2 * result[name]["gpu_hours"]["central"])
     assert gh.quickstart_rate()["share_of_peak"] < 1e-4  # the quickstart's H200 step is overhead, not FLOPs
+
+
+def test_a_run_bounded_by_epochs_is_priced_at_its_steps():
+    """qwen3's configs stop on ``max_epochs`` (``max_steps: -1``): 5 epochs of ceil(53,000 / 256) = 208 steps."""
+    assert gh.run_steps({"max_steps": -1, "max_epochs": 5}, "tasks.Polaris", 256) == 1040
+    assert gh.run_steps({"max_steps": 3220, "max_epochs": 5}, "tasks.Polaris", 256) == 3220

@@ -54,7 +54,7 @@ def traced(token: str, report_tokens: set[str], values: list[float]) -> bool:
 def untraced(block: str, artefact: Path) -> list[str]:
     """The numbers of a README block that its artefact does not contain."""
     report = (artefact / "report.md").read_text()
-    values = json_values(json.loads((artefact / "result.json").read_text()))
+    values = json_values(json.loads((artefact / "result.json").read_text())["result"])  # not the stamp's load, CPUs
     report_tokens = set(numbers(report))
     prose = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)", " ", block, flags=re.S)  # code spans, comments, link targets
     return [t for t in numbers(prose) if not traced(t, report_tokens, values)]
