@@ -37,14 +37,6 @@ POINTS = torch.tensor(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def log_mgf_gradient(est: SoftmaxGRPO) -> torch.Tensor:
     """grad_theta log E[e^(r/tau)] via autograd through the library's large_group_objective."""
     theta = THETA.clone().requires_grad_(True)
