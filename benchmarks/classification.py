@@ -34,6 +34,7 @@ difference to GRPO with a 95 % Student-t interval over seeds.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -187,12 +188,21 @@ def summarise(roster: list[Entry], run: dict, args: argparse.Namespace) -> dict:
         row = {"lr": run["lr"][i]}
         for j, n in enumerate(names):
             mean, half = t_interval(100 * final[i, :, j])
-            d_mean, d_half = t_interval(100 * (final[i, :, j] - final[0, :, j]))
-            row[n] = {"mean": mean.item(), "half": half.item(), "diff": d_mean.item(), "diff_half": d_half.item()}
+            diff = 100 * (final[i, :, j] - final[0, :, j])
+            d_mean, d_half = t_interval(diff)
+            row[n] = {"mean": mean.item(), "half": half.item(), "diff": d_mean.item(), "diff_half": d_half.item(),
+                      "seeds_for_1pt": seeds_for_half_width(diff.std().item()) if i else None}  # fmt: skip
         for part in ("easy", "hard"):
             row[f"top-1 {part} third"] = t_interval(100 * run[part][i, :, 0])[0].item()
         out["estimators"][e.label] = row
     return out
+
+
+def seeds_for_half_width(sd: float, target: float = 1.0, most: int = 1000) -> int:
+    """The smallest n with t(0.975, n - 1) sd / sqrt(n) <= target (paired differences of sd ``sd``)."""
+    from scipy.stats import t as student_t
+
+    return next((n for n in range(2, most) if student_t.ppf(0.975, n - 1) * sd / n**0.5 <= target), most)
 
 
 def tables(summary: dict, run: dict, args: argparse.Namespace) -> list[str]:
@@ -210,6 +220,10 @@ def tables(summary: dict, run: dict, args: argparse.Namespace) -> list[str]:
              f"base lr {args.lr:g} (objective-normalised); test set {args.test_per_class} per class")  # fmt: skip
     summary_md = (f"## Final test metrics (mean ± 95 % t-interval over seeds; Δ: seed-paired vs GRPO)\n\n{setup}\n\n"
                   + markdown_table(head, rows))  # fmt: skip
+    power = [[label, *(str(row[n]["seeds_for_1pt"]) for n in names)]
+             for label, row in summary["estimators"].items() if label != "GRPO"]  # fmt: skip
+    power_md = ("## Seeds for a +/- 1 point paired half-width vs GRPO (from the measured sd of the differences)\n\n"
+                + markdown_table(["estimator", *names], power))  # fmt: skip
     third = [[label, f"{row['top-1 easy third']:.2f} %", f"{row['top-1 hard third']:.2f} %"]
              for label, row in summary["estimators"].items()]  # fmt: skip
     third_md = ("## Top-1 on the easiest and hardest third of the classes (by noise sigma_c; mean over seeds)\n\n"
@@ -219,7 +233,7 @@ def tables(summary: dict, run: dict, args: argparse.Namespace) -> list[str]:
                   for i, label in enumerate(summary["estimators"])]  # fmt: skip
     curve_md = ("## Test top-1 (%) over steps, mean over seeds\n\n"
                 + markdown_table(["estimator", *(f"step {s}" for s in run["steps"])], curve_rows))  # fmt: skip
-    return [summary_md, third_md, curve_md]
+    return [summary_md, power_md, third_md, curve_md]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -254,10 +268,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     roster = entries(args.tau)
+    load = [round(x, 2) for x in os.getloadavg()]
     run = train(roster, args)
     summary = summarise(roster, run, args)
     sections = tables(summary, run, args)
-    footer = f"{len(roster)} estimators x {args.seeds} seeds x {args.steps} steps: {run['seconds']:.1f} s wall"
+    footer = (f"{len(roster)} estimators x {args.seeds} seeds x {args.steps} steps: {run['seconds']:.1f} s wall, "
+              f"{args.threads} torch threads; load average at the start {load[0]} (1 min), {load[1]} (5 min)")
     print("\n\n".join(sections) + "\n\n" + footer)
     write_markdown(args.out / "results.md", "Classification as RL", [*sections, footer])
     if args.publish:
@@ -265,9 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--publish"]
         command = "python benchmarks/classification.py " + shlex.join(given)
-        publish("classification", {"summary": summary, "seconds": round(run["seconds"], 1), "args": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}},
-            "# Classification as RL\n\n" + "\n\n".join([*sections, footer]), command.strip())  # fmt: skip
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        result = {"summary": summary, "seconds": round(run["seconds"], 1), "load_at_start": load, "args": settings}
+        report = "# Classification as RL\n\n" + "\n\n".join([*sections, footer])
+        publish("classification", result, report, command.strip())
     return {"summary": summary, "run": run}
 
 
