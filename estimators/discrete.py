@@ -33,8 +33,8 @@ F64 = torch.float64
 def compositions(n: int, parts: int) -> Tensor:
     """All count vectors of ``parts`` non-negative integers summing to ``n``: int64 ``[C, parts]``."""
     if parts == 1:
-        return torch.tensor([[n]])
-    rows = [torch.cat([torch.full((len(rest), 1), first), rest], 1)
+        return torch.tensor([[n]], device="cpu")  # small host tables throughout this module
+    rows = [torch.cat([torch.full((len(rest), 1), first, device="cpu"), rest], 1)
             for first in range(n, -1, -1) for rest in [compositions(n - first, parts - 1)]]  # fmt: skip
     return torch.cat(rows)
 
@@ -122,7 +122,7 @@ def loop_integral(est: AdvantageEstimator, levels: Tensor, center: Tensor, radiu
     omega restricted to the circle is a trigonometric polynomial of degree <= G, so the periodic
     trapezoid rule with ``points > G`` nodes is exact up to rounding.
     """
-    phi = torch.arange(points, dtype=F64) * (2 * math.pi / points)
+    phi = torch.arange(points, dtype=F64, device="cpu") * (2 * math.pi / points)
     c = as_float64(center).cpu()
     q12 = c + radius * torch.stack([phi.cos(), phi.sin()], -1)  # [N, 2]
     q = torch.cat([1 - q12.sum(-1, keepdim=True), q12], -1)  # [N, 3]
