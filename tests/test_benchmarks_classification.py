@@ -1,7 +1,9 @@
-"""benchmarks/classification.py: the logit gradient by autograd, and a seconds-long smoke run (--quick)."""
+"""benchmarks/classification.py: the logit gradient by autograd, a seconds-long smoke run (--quick); and the
+identity behind benchmarks/budget_norms.py on real rollouts (slow)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import classification
@@ -35,3 +37,14 @@ def test_quick_run_learns_and_reports(tmp_path):
     dr, rloo = labels.index("Dr.GRPO"), labels.index("RLOO")
     torch.testing.assert_close(curve[:, dr], curve[:, rloo], rtol=0, atol=1e-3)
     assert "Δ top-1 vs GRPO" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_budget_norms_identity_on_real_rollouts():
+    """benchmarks/budget_norms.py (one small batch of the quickstart model): ||U|| = (B1/2) D holds to float32
+    rounding for every estimator, and the near/hard ratios of L1 mass and update norms are reported."""
+    from benchmarks import budget_norms
+
+    result = budget_norms.main(["--seeds", "1", "--prompts", "6"])
+    assert result["identity_max_rel_gap"] < 1e-4
+    assert set(result["ratios"]) >= {"GRPO", "MaxRL", "Softmax tau=0.5"}
