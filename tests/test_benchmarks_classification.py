@@ -48,3 +48,16 @@ def test_budget_norms_identity_on_real_rollouts():
     result = budget_norms.main(["--seeds", "1", "--prompts", "6"])
     assert result["identity_max_rel_gap"] < 1e-4
     assert set(result["ratios"]) >= {"GRPO", "MaxRL", "Softmax tau=0.5"}
+
+
+def test_learning_rate_sweep_reports_each_estimator_at_its_best_rate():
+    """benchmarks/classification_lr.py --quick at two rates: a best rate per estimator, chosen by top-1 among
+    the rates run, and the seed-paired difference to GRPO at its own best rate (0 for GRPO itself)."""
+    from benchmarks import classification_lr
+
+    result = classification_lr.main(["--quick", "--threads", "1", "--lrs", "4", "16"])
+    assert result["lrs"] == [4.0, 16.0] and set(result["by_lr"]) == {"4.0", "16.0"}
+    for label, best in result["best"].items():
+        tops = [result["by_lr"][str(lr)]["estimators"][label]["top-1"]["mean"] for lr in result["lrs"]]
+        assert best["lr"] in result["lrs"] and best["top-1"] == max(tops), label
+    assert result["best"]["GRPO"]["diff"] == 0
