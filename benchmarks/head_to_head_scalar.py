@@ -49,7 +49,6 @@ sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks import head_to_head as h2h  # noqa: E402
 from benchmarks import head_to_head_tail as tail  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
 from benchmarks._h2h_stats import ci, fmt  # noqa: E402
@@ -242,16 +241,6 @@ def protocol_section(proto, quick: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- running
-def h2h_argv(proto, out: Path, jobs: int, report_only: bool) -> list[str]:
-    return [
-        "--estimators", *proto["estimators"], "--seeds", *map(str, proto["seeds"]),
-        "--steps", str(proto["steps"]), "--val-every", str(proto["val_every"]),
-        "--val-samples", str(proto["val_samples"]), "--config", str(_ROOT / proto["config"]),
-        "--jobs", str(jobs), "--threads", "1", "--out", str(out), f"--extra={proto['extra']}",
-        *(["--report-only"] if report_only else []),
-    ]  # fmt: skip
-
-
 def run_pilot(proto, out: Path) -> dict:
     """Sample ``steps`` x 16 groups from the step-0 policy (lr 1e-30: no change) and measure their spread."""
     pilot, run_dir = proto["pilot"], out / "pilot"
@@ -294,12 +283,7 @@ def main(argv: list[str] | None = None) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         print(json.dumps(run_pilot(proto, out), indent=1))
         return out / "pilot.json"
-    args = h2h.parse_args(h2h_argv(proto, out, opts.jobs, opts.report_only))
-    specs = h2h.parse_estimators(args.estimators)
-    for spec in specs:
-        spec.check()
-    results = h2h.run_all(specs, args)
-    path = h2h.write_report(results, specs, args)
+    results, specs, path = tail.run_protocol(proto, out, opts.jobs, opts.report_only)
     if not any(results.values()):
         return path
     sections, result = build_report(results, specs, proto, out)

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_protocol_matches_its_pilot_config_and_the_issue():
     proto = scalar.PROTOCOL
-    specs = scalar.h2h.parse_estimators(proto["estimators"])
+    specs = scalar.tail.h2h.parse_estimators(proto["estimators"])
     assert [s.name for s in specs] == ["GRPO", "DrGRPO", "SoftmaxGRPO", "SoftmaxGRPO"]  # GRPO: the reference
     fixed, per_group = specs[2].init_args, specs[3].init_args
     assert fixed == {"temperature": proto["pilot"]["tau"]} and per_group["temperature_rule"] == "ess"
@@ -29,6 +29,19 @@ def test_protocol_matches_its_pilot_config_and_the_issue():
     assert config["task"]["init_args"]["reward"]["class_path"] == "tasks.similarity.EditSimilarity"
     assert config["group_size"] == proto["group_size"] == proto["val_samples"]
     assert len(proto["seeds"]) == 12 and proto["steps"] == 200 and proto["primary_levels"] == ["7", "8", "9"]
+
+
+def test_every_roster_entry_builds_its_own_estimator_over_the_config(tmp_path, monkeypatch):
+    """An override of the config's estimator class merges init args (jsonargparse): each run must get exactly
+    the estimator its spec names (the first full start built SoftmaxGRPO(0.16) with the config's ESS rule)."""
+    from sgrpo.fit import parse
+
+    monkeypatch.chdir(REPO)
+    for spec in scalar.tail.h2h.parse_estimators(scalar.PROTOCOL["estimators"]):
+        cli = parse(["--config", scalar.PROTOCOL["config"], f"--model.estimator={spec.cli_value()}",
+                     f"--trainer.default_root_dir={tmp_path}", *scalar.PROTOCOL["extra"].split()])  # fmt: skip
+        expected = scalar.tail.h2h_estimator(spec)
+        assert repr(cli.model.estimator) == repr(expected) and cli.model.log_mgf_temperature == scalar.TAU
 
 
 def test_statistics_by_hand():
@@ -73,7 +86,7 @@ def test_quick_runs_and_publishes_end_to_end(tmp_path):
     assert stamp["command"] in (artefact / "report.md").read_text()
     (row,) = stamp["result"]["secondary"]["train/log_mgf"]["rows"]  # one comparison: the ESS rule vs GRPO
     assert row["n"] == 1 and "temperature_rule=ess" in row["estimator"]
-    run = tmp_path / "runs" / scalar.h2h.parse_estimators([scalar.ESS_SPEC])[0].slug / "seed0"
+    run = tmp_path / "runs" / scalar.tail.h2h.parse_estimators([scalar.ESS_SPEC])[0].slug / "seed0"
     logged = scalar.tail_mean(run, "train/log_mgf", 2)
     assert math.isfinite(logged) and 0.0 <= logged <= 1.0  # a soft maximum of rewards in [0, 1]
     assert stamp["result"]["runs_finished"] == 2
