@@ -164,7 +164,7 @@ def comparisons(results, specs, proto, metric) -> list[dict]:
     return rows
 
 
-def comparison_table(rows, values, unit: float, unit_name: str, alpha: float) -> str:
+def comparison_table(rows, values, unit: float, unit_name: str, alpha: float, digits: int = 2) -> str:
     header = ["estimator", "value (mean ± 95 % CI)", "seeds", f"Δ vs GRPO ({unit_name})", "95 % half-width",
               "95 % CI", "p (paired t)", "p (Holm)", f"significant (Holm, {alpha})"]  # fmt: skip
     table = []
@@ -174,7 +174,11 @@ def comparison_table(rows, values, unit: float, unit_name: str, alpha: float) ->
             table.append([label, cell, n, "(reference)", "", "", "", "", ""])
             continue
         d, h = unit * row["delta"], unit * row["half_width"]
-        table.append([label, cell, n, f"{d:+.2f}", f"± {h:.2f}", f"[{d - h:+.2f}, {d + h:+.2f}]", f"{row['p']:.3f}",
+        if math.isnan(h):  # fewer than two paired seeds: no interval, no test
+            table.append([label, cell, n, "-" if math.isnan(d) else f"{d:+.{digits}f}", "-", "-", "-", "-", "-"])
+            continue
+        lo, hi = f"{d - h:+.{digits}f}", f"{d + h:+.{digits}f}"
+        table.append([label, cell, n, f"{d:+.{digits}f}", f"± {h:.{digits}f}", f"[{lo}, {hi}]", f"{row['p']:.3f}",
                       f"{row['p_holm']:.3f}", "yes" if row["significant"] else "no"])  # fmt: skip
     return markdown_table(header, table)
 
@@ -216,7 +220,7 @@ def build_report(results, specs, proto, out: Path) -> tuple[list[str], dict]:
         result["secondary"][key] = {"rows": rows, "values": {c[0]: c[1] for c in cells}}
         sections.append(
             f"## Secondary: {name} (`{key}`, mean over the last {proto['secondary_window']} training steps)\n\n"
-            + comparison_table(rows, cells, 1, "reward units", proto["alpha"])
+            + comparison_table(rows, cells, 1, "reward units", proto["alpha"], digits=4)
         )
     sections.append("## pass@1 and pass@k by difficulty\n\n" + tail.pass_section(results, specs, proto))
     return sections, result
