@@ -165,21 +165,22 @@ def comparisons(results, specs, proto, metric) -> list[dict]:
 
 
 def comparison_table(rows, values, unit: float, unit_name: str, alpha: float, digits: int = 2) -> str:
-    header = ["estimator", "value (mean ± 95 % CI)", "seeds", f"Δ vs GRPO ({unit_name})", "95 % half-width",
-              "95 % CI", "p (paired t)", "p (Holm)", f"significant (Holm, {alpha})"]  # fmt: skip
+    header = ["estimator", "value (mean ± 95 % CI)", "seeds", "paired seeds", f"Δ vs GRPO ({unit_name})",
+              "95 % half-width", "95 % CI", "p (paired t)", "p (Holm)", f"significant (Holm, {alpha})"]  # fmt: skip
     table = []
     for label, cell, n in values:
         row = next((r for r in rows if r["estimator"] == label), None)
         if row is None:
-            table.append([label, cell, n, "(reference)", "", "", "", "", ""])
+            table.append([label, cell, n, "", "(reference)", "", "", "", "", ""])
             continue
         d, h = unit * row["delta"], unit * row["half_width"]
         if math.isnan(h):  # fewer than two paired seeds: no interval, no test
-            table.append([label, cell, n, "-" if math.isnan(d) else f"{d:+.{digits}f}", "-", "-", "-", "-", "-"])
+            delta = "-" if math.isnan(d) else f"{d:+.{digits}f}"
+            table.append([label, cell, n, row["n"], delta, "-", "-", "-", "-", "-"])
             continue
         lo, hi = f"{d - h:+.{digits}f}", f"{d + h:+.{digits}f}"
-        table.append([label, cell, n, f"{d:+.{digits}f}", f"± {h:.{digits}f}", f"[{lo}, {hi}]", f"{row['p']:.3f}",
-                      f"{row['p_holm']:.3f}", "yes" if row["significant"] else "no"])  # fmt: skip
+        table.append([label, cell, n, row["n"], f"{d:+.{digits}f}", f"± {h:.{digits}f}", f"[{lo}, {hi}]",
+                      f"{row['p']:.3f}", f"{row['p_holm']:.3f}", "yes" if row["significant"] else "no"])  # fmt: skip
     return markdown_table(header, table)
 
 
