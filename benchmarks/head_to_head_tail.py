@@ -317,23 +317,33 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> Path:
-    opts = parse_args(argv)
-    proto = QUICK if opts.quick else PROTOCOL
-    out = (opts.out or _ROOT / proto["out"]).resolve()
-    h2h_argv = [
-        "--estimators", *proto["estimators"], "--seeds", *map(str, proto["seeds"]),
-        "--steps", str(proto["steps"]), "--val-every", str(proto["val_every"]),
-        "--val-samples", str(proto["val_samples"]), "--config", str(_ROOT / proto["config"]),
-        "--jobs", str(opts.jobs), "--threads", "1", "--out", str(out), f"--extra={proto['extra']}",
-        *(["--report-only"] if opts.report_only else []),
-    ]  # fmt: skip
-    args = h2h.parse_args(h2h_argv)
+def run_protocol(proto: dict, out: Path, jobs: int, report_only: bool):
+    """Run (or resume, or with ``report_only`` read) a protocol's runs through ``benchmarks/head_to_head.py``
+    and write its report: ``(results, specs, report path)``."""
+    args = h2h.parse_args(h2h_argv(proto, out, jobs, report_only))
     specs = h2h.parse_estimators(args.estimators)
     for spec in specs:
         spec.check()
     results = h2h.run_all(specs, args)
-    path = h2h.write_report(results, specs, args)
+    return results, specs, h2h.write_report(results, specs, args)
+
+
+def h2h_argv(proto: dict, out: Path, jobs: int, report_only: bool) -> list[str]:
+    """``benchmarks/head_to_head.py`` arguments of a protocol (one torch thread per run)."""
+    return [
+        "--estimators", *proto["estimators"], "--seeds", *map(str, proto["seeds"]),
+        "--steps", str(proto["steps"]), "--val-every", str(proto["val_every"]),
+        "--val-samples", str(proto["val_samples"]), "--config", str(_ROOT / proto["config"]),
+        "--jobs", str(jobs), "--threads", "1", "--out", str(out), f"--extra={proto['extra']}",
+        *(["--report-only"] if report_only else []),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> Path:
+    opts = parse_args(argv)
+    proto = QUICK if opts.quick else PROTOCOL
+    out = (opts.out or _ROOT / proto["out"]).resolve()
+    results, specs, path = run_protocol(proto, out, opts.jobs, opts.report_only)
     if not any(results.values()):
         return path
     ours = [

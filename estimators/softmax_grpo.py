@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -12,6 +13,8 @@ from estimators.base import AdvantageEstimator, as_float64, standardized
 
 #: groups whose spread (max r - min r) / tau lies in (0, this) use the expm1 form (class docstring)
 _EXPM1_SPREAD = 1 / 16
+#: the ESS rule searches tau / spread in [2^-20, 2^20] by this many bisection steps on its log
+_ESS_LOG_RANGE, _ESS_STEPS = 20 * math.log(2), 64
 
 
 class SoftmaxGRPO(AdvantageEstimator):
@@ -43,22 +46,74 @@ class SoftmaxGRPO(AdvantageEstimator):
     Options beyond it: ``scale_by_tau`` multiplies A by tau (Dr.GRPO
     exactly as tau -> inf); ``standardize`` applies the softmax to z-scores (sample std) instead of
     raw rewards (GRPO / tau as tau -> inf).
+
+    ``temperature_rule="ess"`` (with ``temperature=None``) sets tau per group instead, for scalar rewards:
+    the tau at which the softmax weights ``w_j = exp(r_j / tau)`` keep an effective sample size
+
+        ESS(tau) = (sum_j w_j)^2 / (G sum_j w_j^2) = target_ess,    target_ess in (0, 1)
+
+    (see ``ess_temperatures``). ESS is the share of the group the weights effectively keep: 1 is uniform
+    weights (tau = inf, every advantage 0), n/G the n members at the group maximum alone (tau -> 0). The
+    advantages are then invariant to shifting *and* scaling a group's rewards. The rule is a symmetric
+    function of the group, so the exact binary theory of the base class (``population_weight``,
+    ``population_objective``) holds for it exactly (binary groups: tau depends on K); the large-group
+    log-MGF results (``large_group_weight``, ``large_group_objective``) assume one fixed tau and are refused.
     """
 
-    def __init__(self, temperature: float, scale_by_tau: bool = False, standardize: bool = False) -> None:
-        valid = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-        if not (valid and math.isfinite(temperature) and temperature > 0):
+    def __init__(
+        self,
+        temperature: float | None,
+        scale_by_tau: bool = False,
+        standardize: bool = False,
+        temperature_rule: Literal["fixed", "ess"] = "fixed",
+        target_ess: float | None = None,
+    ) -> None:
+        if temperature_rule not in ("fixed", "ess"):
+            raise ValueError(f"temperature_rule must be 'fixed' or 'ess', got {temperature_rule!r}")
+        self.temperature_rule = temperature_rule
+        self.scale_by_tau = scale_by_tau
+        self.standardize = standardize
+        if temperature_rule == "ess":
+            if temperature is not None:
+                raise ValueError(
+                    f"temperature must be null with temperature_rule='ess' (the rule sets tau per group), "
+                    f"got {temperature!r}"
+                )
+            if not (_is_real(target_ess) and 0 < target_ess < 1):
+                raise ValueError(
+                    f"target_ess must be in (0, 1) with temperature_rule='ess' (the share of the group the softmax "
+                    f"weights keep; 1 would need tau = inf and give zero advantages; try 0.5), got {target_ess!r}"
+                )
+            if scale_by_tau or standardize:
+                raise ValueError(
+                    "scale_by_tau and standardize apply to temperature_rule='fixed' only "
+                    "(the ess rule is already invariant to the reward scale): set them false"
+                )
+            self.temperature, self.target_ess = None, float(target_ess)
+            return
+        if not (_is_real(temperature) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(
                 f"temperature must be finite and > 0 (in reward units; try 0.5 for rewards in [0, 1]), "
                 f"got {temperature!r}"
             )
-        self.temperature = float(temperature)
-        self.scale_by_tau = scale_by_tau
-        self.standardize = standardize
+        if target_ess is not None:
+            raise ValueError(f"target_ess applies to temperature_rule='ess' only; got {target_ess!r} with 'fixed'")
+        self.temperature, self.target_ess = float(temperature), None
+
+    def group_temperatures(self, rewards: Tensor) -> Tensor:
+        """Each group's tau, float64 ``[B]`` (reward units): the fixed temperature, or the ESS rule's.
+
+        Under the ESS rule a constant group gets tau = 1 (any tau gives it zero advantages).
+        """
+        r = as_float64(rewards)
+        if self.temperature_rule == "fixed":
+            return torch.full(r.shape[:1], self.temperature, dtype=torch.float64, device=r.device)
+        return ess_temperatures(r, self.target_ess).squeeze(-1)
 
     def _advantages(self, rewards: Tensor) -> Tensor:
         r = standardized(rewards) if self.standardize else rewards
-        g, tau = r.shape[-1], self.temperature
+        g = r.shape[-1]
+        tau = self.temperature if self.temperature_rule == "fixed" else ess_temperatures(r, self.target_ess)
         rmax = r.amax(-1, keepdim=True)  # [B, 1]
         spread = (rmax - r.amin(-1, keepdim=True)) / tau
         narrow = (spread < _EXPM1_SPREAD) & (spread > 0)  # [B, 1]: the expm1 form
@@ -116,5 +171,71 @@ class SoftmaxGRPO(AdvantageEstimator):
         return value * self.temperature if self.scale_by_tau else value
 
     def _require_canonical(self, what: str) -> None:
+        if self.temperature_rule != "fixed":
+            raise ValueError(
+                f"{what} is defined for one fixed temperature; temperature_rule={self.temperature_rule!r} sets tau "
+                "per group from the data (use population_weight / population_objective, exact for binary rewards)"
+            )
         if self.standardize:
             raise ValueError(f"{what} is defined for standardize=False; z-scored rewards have no log-MGF form")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def ess_fraction(rewards: Tensor, temperature: Tensor | float) -> Tensor:
+    """``ESS / G = (sum_j w_j)^2 / (G sum_j w_j^2)`` of the softmax weights ``w_j = exp(r_j / tau)`` per group.
+
+    ``rewards`` ``[B, G]``, ``temperature`` a number or ``[B, 1]``; float64 ``[B, 1]`` in [1/G, 1]. The weights
+    are taken relative to the group maximum (``w <= 1``, nothing overflows).
+    """
+    r = as_float64(rewards)
+    w = torch.sub(r, r.amax(-1, keepdim=True)).div_(temperature).exp_()
+    return w.sum(-1, keepdim=True).square_().div_(w.square().sum(-1, keepdim=True) * r.shape[-1])
+
+
+def ess_temperatures(rewards: Tensor, target: float) -> Tensor:
+    """Per-group tau with ``ESS(tau) / G = target`` (``ess_fraction``): float64 ``[B, 1]``, reward units.
+
+    With beta = 1/tau and L(beta) = log sum_j exp(beta r_j), log(G ESS) = 2 L(beta) - L(2 beta), whose
+    derivative in beta is 2 (E_beta[r] - E_2beta[r]) <= 0 (E_beta[r], the softmax mean, grows with beta):
+    ESS is increasing in tau, strictly for a non-constant group, from n/G (tau -> 0; n members tied at the
+    maximum) to 1 (tau -> inf). Writing tau = t (max r - min r), ESS depends on t alone (shift and scale
+    invariance), and t is found by bisection on log t in [2^-20, 2^20] (64 steps, to float64 precision).
+    A target at or below n/G is unreachable: t = 2^-20, where exp(-2^20) == 0 gives MaxRL's tau -> 0
+    advantages (G/n - 1 on the maxima, -1 elsewhere). A constant group gets tau = 1 (its advantages are 0 at
+    any tau). Example: rewards (0, 1), target 0.9 -> e^(1/tau) = 2, tau = 1/ln 2 = 1.4427.
+    """
+    r = as_float64(rewards)
+    spread = r.amax(-1, keepdim=True) - r.amin(-1, keepdim=True)  # [B, 1]
+    constant = spread == 0
+    x = torch.where(constant, 0.0, (r - r.amax(-1, keepdim=True)) / torch.where(constant, 1.0, spread))  # [-1, 0]
+    lo = torch.full_like(spread, -_ESS_LOG_RANGE)
+    hi = torch.full_like(spread, _ESS_LOG_RANGE)
+    for _ in range(_ESS_STEPS):
+        mid = (lo + hi) / 2
+        low_ess = ess_fraction(x, mid.exp()) < target  # too peaked: raise tau
+        lo, hi = torch.where(low_ess, mid, lo), torch.where(low_ess, hi, mid)
+    t = torch.where(hi >= _ESS_LOG_RANGE, hi, torch.where(lo <= -_ESS_LOG_RANGE, lo, (lo + hi) / 2)).exp()
+    return torch.where(constant, 1.0, t * spread)
+
+
+def log_mgf(rewards: Tensor, temperature: Tensor | float) -> Tensor:
+    """The SoftmaxGRPO objective of each group (arXiv 2608.09271, docs/theory.md §4.4), float64 ``[B]``:
+
+        J_tau(r) = tau log( (1/G) sum_j exp(r_j / tau) ),
+
+    the empirical log-moment-generating function of the group's rewards at 1/tau, in reward units: a soft
+    maximum between mean(r) (tau -> inf) and max(r) (tau -> 0). For large groups SoftmaxGRPO's expected update
+    per rollout is the gradient of log E[exp(r / tau)] = J / tau (``SoftmaxGRPO.large_group_objective``).
+    Evaluated stably as ``m + tau (logsumexp((r - m) / tau) - log G)`` with m = max r, so large rewards and
+    small tau neither overflow nor lose the differences. ``temperature``: a number or ``[B]`` / ``[B, 1]``.
+    Example: rewards (0, 1), tau = 1 -> log((1 + e)/2) = 0.62011.
+    """
+    r = as_float64(rewards)
+    tau = as_float64(temperature).to(r.device)
+    tau = tau.reshape(-1, 1) if tau.dim() else tau
+    m = r.amax(-1, keepdim=True)
+    centred = torch.logsumexp(torch.sub(r, m).div_(tau), dim=-1, keepdim=True) - math.log(r.shape[-1])
+    return (m + tau * centred).squeeze(-1)

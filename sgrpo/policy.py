@@ -70,6 +70,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         max_sampling_rounds: int = 4,
         log_completions_every: int = 50,
         log_completions_groups: int = 2,
+        log_mgf_temperature: float | None = None,
         max_grad_norm: float | None = 1.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         scheduler: LRSchedulerCallable | None = None,
@@ -109,6 +110,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             max_sampling_rounds: Sampling rounds per step at most, with dynamic sampling.
             log_completions_every: Write a few groups' completions every N steps (0: never).
             log_completions_groups: Groups written each time.
+            log_mgf_temperature: Log ``train/log_mgf``, the mean over groups of tau log mean_j exp(r_j / tau), at
+                this tau (reward units); null: at a SoftmaxGRPO estimator's own tau(s), nothing for the others.
             max_grad_norm: Clip the gradient norm to this (null: no clipping).
             optimizer: Optimiser class and arguments (lr, weight_decay, ...).
             scheduler: LR scheduler class and arguments; stepped once per training step.
@@ -166,6 +169,11 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.max_sampling_rounds = max_sampling_rounds
         require(log_completions_every >= 0, "log_completions_every must be >= 0 (0: off)")
         self.log_completions_every, self.log_completions_groups = log_completions_every, log_completions_groups
+        require(
+            log_mgf_temperature is None or (0 < log_mgf_temperature < float("inf")),
+            f"log_mgf_temperature must be finite and > 0 (reward units) or null, got {log_mgf_temperature}",
+        )
+        self.log_mgf_temperature = log_mgf_temperature
         self._refill: StepBatches | None = None  # more prompts for dynamic sampling, a stream of their own
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from estimators import budget_mass, budget_shares
+from estimators import SoftmaxGRPO, budget_mass, budget_shares
+from estimators.softmax_grpo import log_mgf
 from sgrpo.samples import completion_rows, write_rows
 
 
@@ -40,7 +41,8 @@ class StepLogging:
                 "train/time/rollout_s": timing["rollout_s"],
                 "train/time/step_s": timing["step_s"],
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
-            },
+            }
+            | self._objective(rewards),
             prog_bar=("train/reward", "train/success_rate"),
         )
         maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
@@ -48,6 +50,15 @@ class StepLogging:
         self.log("train/advantage/min", advantages.min(), sync_dist=True, reduce_fx="min")
         mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
         self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
+
+    def _objective(self, rewards: Tensor) -> dict[str, Tensor]:
+        """``train/log_mgf``: the mean over groups of SoftmaxGRPO's objective tau log mean_j exp(r_j / tau)
+        (``estimators.softmax_grpo.log_mgf``, arXiv 2608.09271), at ``log_mgf_temperature``, else at a SoftmaxGRPO
+        estimator's own temperature (per group under its ESS rule; not for z-scored rewards), else not logged."""
+        tau = self.log_mgf_temperature
+        if tau is None and isinstance(self.estimator, SoftmaxGRPO) and not self.estimator.standardize:
+            tau = self.estimator.group_temperatures(rewards)
+        return {} if tau is None else {"train/log_mgf": log_mgf(rewards, tau).mean()}
 
     def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
         world = self.trainer.world_size if self._trainer else 1

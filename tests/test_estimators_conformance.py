@@ -46,6 +46,8 @@ VARIANTS: dict[type[AdvantageEstimator], list[dict]] = {
         {"temperature": 1e4},
         {"temperature": 0.5, "scale_by_tau": True},
         {"temperature": 1.0, "standardize": True},
+        {"temperature": None, "temperature_rule": "ess", "target_ess": 0.5},
+        {"temperature": None, "temperature_rule": "ess", "target_ess": 0.9},
     ],
 }
 CASES = [cls(**kwargs) for cls in ESTIMATORS for kwargs in VARIANTS.get(cls, [{}])]
@@ -190,6 +192,8 @@ SCALE_DEGREE = {GRPO: 0, DrGRPO: 1, RLOO: 1, MaxRL: 0}
 
 def rescaled(est: AdvantageEstimator, factor: float) -> tuple[AdvantageEstimator, int]:
     """(the estimator to apply to factor * r, the degree d with A' = factor^d A)."""
+    if isinstance(est, SoftmaxGRPO) and est.temperature_rule == "ess":
+        return est, 0  # tau is chosen per group in reward units: A(a r) = A(r)
     if isinstance(est, SoftmaxGRPO):
         # A(a r, a tau) = A(r, tau); scale_by_tau multiplies by tau, so it gains one degree;
         # z-scores are scale invariant, so a standardized softmax keeps tau

@@ -298,3 +298,27 @@ def test_kl_gradient_pulls_the_policy_towards_the_reference(model_dir, batch):
     want = flat({name: q.grad for name, q in model.named_parameters()})
     assert want.norm() > 0 and float((k3 * mask).sum()) > 0  # the policy does differ from the reference
     assert rel_err(got, want) < 1e-5
+
+
+def test_training_logs_the_log_mgf_objective(model_dir, batch):
+    """train/log_mgf = mean over groups of tau log mean_j exp(r_j / tau): at log_mgf_temperature for any estimator,
+    at SoftmaxGRPO's own tau by default, absent otherwise. By hand, at tau = 1: groups 0 (two 1s, two 0s) and 2
+    (one 1) give log((1 + e) / 2) and log((3 + e) / 4), group 1 (all 1) gives 1, group 3 log(mean e^r)."""
+    import math
+
+    def by_hand(tau):
+        groups = [REWARDS[p] for p in PROMPTS]
+        return sum(tau * math.log(sum(math.exp(r / tau) for r in g) / len(g)) for g in groups) / len(groups)
+
+    assert by_hand(1.0) == pytest.approx(
+        (math.log((1 + math.e) / 2) + 1 + math.log((3 + math.e) / 4)
+         + math.log((math.exp(0.2) + math.exp(0.9) + math.exp(0.5) + 1) / 4)) / 4)  # fmt: skip
+    for estimator, setting, tau in ((GRPO(), 1.0, 1.0), (SoftmaxGRPO(0.25), None, 0.25), (GRPO(), None, None)):
+        trainer = run_steps(make_policy(model_dir, batch, estimator, log_mgf_temperature=setting))
+        logged = trainer.callback_metrics.get("train/log_mgf")
+        if tau is None:
+            assert logged is None
+        else:
+            assert float(logged) == pytest.approx(by_hand(tau), rel=1e-6)
+    with pytest.raises(ValueError, match="log_mgf_temperature"):
+        make_policy(model_dir, batch, GRPO(), log_mgf_temperature=0.0)
