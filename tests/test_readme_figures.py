@@ -55,7 +55,8 @@ def traced(token: str, report_tokens: set[str], values: list[float]) -> bool:
 
 def untraced(block: str, artefact: Path) -> list[str]:
     """The numbers of a README block that its artefact does not contain."""
-    report = (artefact / "report.md").read_text()
+    # the header's date may be quoted; its commit hash ("9cbd67e" reads as 9), CPU count and load may not
+    report = re.sub(r"^(Date: [\d-]+),.*$", r"\1", (artefact / "report.md").read_text(), count=1, flags=re.M)
     values = json_values(json.loads((artefact / "result.json").read_text())["result"])  # not the machine stamp
     report_tokens = set(numbers(report))
     prose = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)", " ", block, flags=re.S)  # code spans, comments, link targets
@@ -87,3 +88,14 @@ def test_an_untraced_figure_fails(tmp_path, monkeypatch):
     assert untraced("accuracy 5.8 % over 96 runs, +1.14 points", folder) == []
     assert untraced("accuracy 5.9 %, 1.15 points", folder) == ["5.9", "1.15"]
     assert untraced("run `python demo.py --seeds 12` on levels 7-9", folder) == ["7", "9"]
+
+
+def test_the_stamp_traces_no_figure(tmp_path, monkeypatch):
+    """A commit hash that starts with a digit, the CPU count and the load average are not figures."""
+    from benchmarks import artefact
+
+    monkeypatch.setattr(artefact, "_commit", lambda: "9cbd67e")
+    monkeypatch.setattr(artefact, "machine", lambda: {"cpus": 2, "load_average": [7.5, 7.0, 7.0]})
+    folder = artefact.publish("demo", {"runs": 96}, "# Demo", "python demo.py", tmp_path)
+    assert "commit 9cbd67e" in (folder / "report.md").read_text()
+    assert untraced("96 runs on levels 7-9 with 2 CPUs at load 7.5", folder) == ["7", "9", "2", "7.5"]
