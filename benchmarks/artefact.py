@@ -94,8 +94,7 @@ def command_line(script: str | Path, argv: Sequence[str] | None = None, drop: Se
 
 def publish_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--no-publish`` (keep the committed artefact as it is) to a benchmark's parser."""
-    parser.add_argument("--no-publish", action="store_true",
-                        help=f"do not write the artefact under {REPORTS.relative_to(ROOT)}/")  # fmt: skip
+    parser.add_argument("--no-publish", action="store_true", help="do not write the artefact under benchmarks/reports/")
     return parser
 
 

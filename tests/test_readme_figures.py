@@ -2,8 +2,10 @@
 
 A README block fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ... ``<!-- /figures -->`` may only
 contain numbers that occur in that artefact: as written in its ``report.md``, or as a value of its
-``result.json`` rounded to the README's digits (a fraction may be quoted as a percentage).
-Numbers inside inline code (commands) are not figures and are skipped.
+``result.json`` rounded to the README's digits (a fraction may be quoted as a percentage); it names the
+command that reproduces them (the artefact's, in inline code). Numbers inside inline code (commands) are not
+figures and are skipped. And the README sections of benchmark figures (``FIGURE_SECTIONS``) hold no number
+outside such blocks, but in headings and in the prose parameters of ``PARAMETERS``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def test_readme_block_is_traced_to_its_artefact(path, block):
     stamp = json.loads((artefact / "result.json").read_text())
     assert {"benchmark", "command", "date", "commit", "result"} <= set(stamp), f"{path}: result.json lacks its stamp"
     assert stamp["command"] in (artefact / "report.md").read_text()
+    assert f"`{stamp['command']}`" in block, f"{path}: the README block does not name its command {stamp['command']}"
     missing = untraced(block, artefact)
     assert not missing, f"README figures not found in {path}: {missing}"
 
@@ -82,3 +85,55 @@ def test_an_untraced_figure_fails(tmp_path):
     assert untraced("accuracy 5.8 % over 96 runs, +1.14 points", folder) == []
     assert untraced("accuracy 5.9 %, 1.15 points", folder) == ["5.9", "1.15"]
     assert untraced("run `python demo.py --seeds 12` on levels 7-9", folder) == ["7", "9"]
+
+
+#: the README sections (each with its ### subsections) whose figures all come from benchmarks
+FIGURE_SECTIONS = ("Comparing estimators", "Performance")
+#: numbers allowed outside a fenced block in those sections: phrases that state a setting of a benchmark or
+#: of the engine, never a measured result (each with why)
+PARAMETERS = {
+    r"\bdocs/theory\.md §\d+(?:\.\d+)?": "a section number of the theory notes",
+    r"\b1 node x 8 GPUs\b": "a launch layout",
+}
+
+
+def sections(text: str, titles=FIGURE_SECTIONS) -> dict[str, str]:
+    """The body of each ``## title`` section of ``text``, down to the next ``## `` heading."""
+    out = {}
+    for title in titles:
+        match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+        assert match, f"README has no section '## {title}'"
+        out[title] = match.group(1)
+    return out
+
+
+def unfenced_figures(text: str, titles=FIGURE_SECTIONS) -> list[tuple[str, str]]:
+    """(section, number) for each number of the ``titles`` sections outside a fenced block, inline code,
+    comment, link target, heading or ``PARAMETERS`` phrase."""
+    found = []
+    for title, body in sections(text, titles).items():
+        body = BLOCK.sub(" ", body)
+        body = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|^#+ [^\n]*", " ", body, flags=re.S | re.M)
+        for phrase in PARAMETERS:
+            body = re.sub(phrase, " ", body)
+        found += [(title, number) for number in numbers(body)]
+    return found
+
+
+def test_readme_figure_sections_have_no_figure_outside_a_fenced_block():
+    assert BLOCKS, "README has no fenced block of figures"
+    stray = unfenced_figures(README)
+    assert not stray, f"README numbers outside a <!-- figures: ... --> block (fence them or state a parameter): {stray}"
+
+
+def test_an_unfenced_figure_is_found():
+    """The section check can fail: a measured number outside a block is reported, one inside, in code, in a
+    heading or in a stated parameter is not, and other sections are not checked."""
+    text = (
+        "## Comparing estimators\n\n### Head-to-head, sort 3..9\n\nRun `bench.py --seeds 12` (docs/theory.md §8.1).\n"
+        "<!-- figures: benchmarks/reports/demo -->\n| GRPO | 5.8 % |\n<!-- /figures -->\n"
+        "MaxRL gains 1.3 points.\n| tau 0.5 | 6.9 % |\n\n## Performance\n\nsgrpo is 0.61x TRL.\n\n"
+        "## Development\n\n1,075 tests.\n"
+    )
+    assert unfenced_figures(text) == [("Comparing estimators", "1.3"), ("Comparing estimators", "0.5"),
+                                      ("Comparing estimators", "6.9"), ("Performance", "0.61")]  # fmt: skip
