@@ -3,6 +3,7 @@ benchmarks/head_to_head.py's tables and its figures."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,8 +44,15 @@ def accuracy(entry: dict, key: str) -> float:
 
 
 def budget_series(run_dir: Path, bucket: str) -> list[tuple[int, float]]:
-    series = read_metrics(run_dir / "lightning_logs" / "version_0" / "metrics.csv")
-    return series.get(f"train/budget/l1/{bucket}", [])
+    path = run_dir / "lightning_logs" / "version_0" / "metrics.csv"
+    return _metrics(path, path.stat().st_mtime_ns).get(f"train/budget/l1/{bucket}", [])
+
+
+@functools.lru_cache(maxsize=1024)
+def _metrics(path: Path, mtime_ns: int) -> dict:
+    """A run's metrics, read once per file version: a report asks for each bucket of each run several times (its
+    tables, the artefact's figures, the budget figure), 96 runs of the tail took minutes of CSV parsing."""
+    return read_metrics(path)
 
 
 def smooth(points: list[tuple[int, float]], window: int = 10) -> list[tuple[int, float]]:

@@ -372,11 +372,13 @@ def main(argv: list[str] | None = None) -> Path:
     path = h2h.write_report(results, specs, args)
     if not any(results.values()):
         return path
-    (primary_text, primary_figures), (pass_text, pass_figures) = primary_section(results, specs, proto), pass_section(
-        results, specs, proto)  # fmt: skip
-    budget_text, budget_figures = budget_section(results, specs, proto, out)
+    primary_text, primary_figures = primary_section(results, specs, proto)
+    (pass_text, pass_figures), (budget_text, budget_figures) = pass_section(results, specs, proto), budget_section(
+        results, specs, proto, out)  # fmt: skip
+    done, planned = sum(map(len, results.values())), len(specs) * len(proto["seeds"])
+    partial = f"\n\n**Partial: {done} of {planned} runs finished**; every table is over those runs." * (done < planned)
     ours = [
-        "## Protocol\n\n" + protocol_section(proto, opts.quick),
+        "## Protocol\n\n" + protocol_section(proto, opts.quick) + partial,
         f"## Primary: final accuracy on levels {', '.join(proto['primary_levels'])}, paired against GRPO\n\n"
         + primary_text,
         "## pass@1 and pass@k by difficulty\n\n" + pass_text,
@@ -386,9 +388,8 @@ def main(argv: list[str] | None = None) -> Path:
     text = title.replace("the quickstart task", "the sort 3..9 tail") + "\n" + "\n\n".join(ours) + "\n\n## Setup" + rest
     path.write_text(text)
     (out / "protocol.json").write_text(json.dumps(proto, indent=1) + "\n")
-    figures = {"protocol": proto, "runs": key_figures(results, specs, out), "primary": primary_figures,
-               "pass": pass_figures, "budget": budget_figures}  # fmt: skip
-    # the protocol's command: it reruns (or, resuming, reuses) every run; --out and --report-only only say where
+    figures = {"protocol": proto, "runs_finished": done, "runs_planned": planned, "primary": primary_figures,
+               "runs": key_figures(results, specs, out), "pass": pass_figures, "budget": budget_figures}  # fmt: skip
     artefact.publish_run(opts, "head_to_head_tail" + "_quick" * opts.quick, figures, text, __file__,
                          ["--quick"] if opts.quick else [])  # fmt: skip
     print("\n\n".join(ours) + f"\n\nreport: {path}")
