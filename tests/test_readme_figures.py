@@ -139,3 +139,12 @@ def test_an_unfenced_figure_is_found():
     )
     assert unfenced_figures(text) == [("Comparing estimators", "1.3"), ("Comparing estimators", "0.5"),
                                       ("Comparing estimators", "6.9"), ("Performance", "0.61")]  # fmt: skip
+
+
+def test_tests_publish_outside_the_committed_artefacts():
+    """tests/conftest.py points benchmarks.artefact.REPORTS at a temporary folder: a test that runs a benchmark
+    (test_head_to_head, test_head_to_head_tail, test_benchmarks_population) must not overwrite the committed ones."""
+    from benchmarks import artefact
+
+    assert artefact.REPORTS != REPO / "benchmarks" / "reports" and not artefact.REPORTS.is_relative_to(REPO)
+    assert artefact.publish("demo", {}, "# Demo", "python demo.py").parent == artefact.REPORTS
