@@ -27,7 +27,6 @@ p_l (levels homogeneous). And the estimator's ``population_weight`` c_G(p_l) at 
 share sum_{l hard} c_G(p_l) / sum_l c_G(p_l) of the expected update (weight on grad p) given to levels 7-9.
 
     python benchmarks/head_to_head_tail.py              # the full protocol (37.5 min on 2 shared cores), resumes
-    python benchmarks/head_to_head_tail.py --report-only
     python benchmarks/head_to_head_tail.py --quick      # 2 estimators x 1 seed x 2 steps: a smoke test
 
 The report, with its figures as ``result``, is published to ``benchmarks/reports/head_to_head_tail/``
@@ -183,7 +182,8 @@ def _verdict(stat: dict) -> str:
 def primary_section(results, specs, proto) -> tuple[str, dict]:
     levels, target = proto["primary_levels"], proto["target_half_width"]
     stats = paired_stats(results, specs, lambda r: primary(r, levels))
-    rows, figures = [], {}
+    base = [primary({"final": r["initial"]}, levels) for r in h2h.base_runs(results)]  # step 0, one run per seed
+    rows, figures = [["base model (step 0)", fmt(base), len(base), *[""] * 8]], {"base": seed_interval(base)}
     for spec in specs:
         runs = results[spec.label]
         if not runs:
