@@ -39,7 +39,8 @@ class SoftmaxGRPO(AdvantageEstimator):
     ~1e-14 there) and lets the usual groups skip the slower expm1. Constant groups get exactly 0.
 
     Only the paper's abstract was available: the definition is inferred so that it satisfies every
-    claim of the abstract exactly. Options beyond it: ``scale_by_tau`` multiplies A by tau (Dr.GRPO
+    claim of the abstract exactly (a form that does, not shown to be the only one: docs/theory.md §2.6).
+    Options beyond it: ``scale_by_tau`` multiplies A by tau (Dr.GRPO
     exactly as tau -> inf); ``standardize`` applies the softmax to z-scores (sample std) instead of
     raw rewards (GRPO / tau as tau -> inf).
     """

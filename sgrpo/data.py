@@ -1,7 +1,9 @@
-"""The endless, resumable prompt stream of training: one item per training step."""
+"""The resumable prompt streams of training, one item per training step: endless (``StepBatches``, for a run
+bounded by ``trainer.max_steps``), or in epochs (``EpochStepBatches``, for ``trainer.max_epochs``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -16,6 +18,19 @@ def mix_seed(*parts: int) -> int:
     for p in parts:
         h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
+
+
+def stopping_rule_error(max_steps: object, max_epochs: object) -> str | None:
+    """Why ``trainer.max_steps`` and ``trainer.max_epochs`` do not bound a run, in one line, or None when they do:
+    a step count >= 1, or an epoch count >= 1 with ``max_steps`` -1 or unset (the stream is endless otherwise)."""
+    unset = (None, -1)
+    for key, value in (("max_steps", max_steps), ("max_epochs", max_epochs)):
+        if value not in unset and not (isinstance(value, int) and value >= 1):
+            return f"trainer.{key} must be >= 1, or -1 / unset for no limit, got {value!r}"
+    if max_steps in unset and max_epochs in unset:
+        return ("set trainer.max_steps (training steps) or trainer.max_epochs (passes over the train split's "
+                "distinct prompts, with max_steps -1): neither bounds the run")  # fmt: skip
+    return None
 
 
 class PromptBatch:
@@ -82,3 +97,36 @@ class StepBatches(IterableDataset):
         while True:
             yield self.batch(step)
             step += 1
+
+
+class EpochStepBatches(StepBatches):
+    """``StepBatches`` in epochs: epoch e is ``steps_per_epoch = ceil(N / B)`` steps over epoch e's permutation
+    of the N prompts, B at a time, the last step of an epoch completed by the epoch's first prompts
+    (``ceil(N / B) * B - N`` of them seen twice), so that every distinct prompt is trained on once per epoch and
+    every process takes as many steps. Step s takes the epoch offsets ``(s mod S) * B .. + B - 1``, mod N.
+
+    Lightning's epoch is one iteration: it yields the steps from ``start_step`` (the first; a resumed run's
+    step, mid-epoch or not) or from where the previous iteration ended, to the end of that step's epoch.
+    ``len()`` is ``steps_per_epoch``, Lightning's batches per epoch.
+    """
+
+    def __init__(self, examples: Sequence[Example], prompts_per_step: int, seed: int, start_step: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+        super().__init__(examples, prompts_per_step, seed, start_step, rank, world_size)
+        self.steps_per_epoch = math.ceil(len(examples) / prompts_per_step)
+        self.next_step = start_step
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def batch(self, step: int) -> list[Example]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        first, n = within * self.prompts_per_step, len(self.examples)
+        offsets = range(first + self.rank, first + self.prompts_per_step, self.world_size)
+        return [self.examples[self._index(epoch * n + offset % n)] for offset in offsets]
+
+    def __iter__(self) -> Iterator[list[Example]]:
+        start = self.next_step
+        for step in range(start, (start // self.steps_per_epoch + 1) * self.steps_per_epoch):
+            self.next_step = step + 1
+            yield self.batch(step)

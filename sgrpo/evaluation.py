@@ -2,20 +2,25 @@
 
 ``PolicyEvaluation`` is mixed into ``GRPOPolicy``. Each prompt of the split gets ``val_samples`` completions
 from ``val_rollout`` (greedy with ``val_greedy``), seeded from (seed, batch, rank), and the task's success
-test grades them; the results of every process are gathered at the epoch's end and logged under ``val/``
-or ``test/``: ``pass@k`` for k = 1..n (unbiased estimator), ``accuracy``, ``accuracy/<difficulty>``,
-``pass@k/<difficulty>`` and ``successes/<c>`` (the share of prompts with c of n samples right).
+test grades them. The split holds one or several evaluation sets (``Task.evaluation_set``: Polaris evaluates
+AIME 2025 and MATH-500), each with its own torchmetrics metrics (``sgrpo.eval_metrics``), which sync over the
+processes at the epoch's end (each prompt counted once) and are logged under ``val/`` or ``test/`` for a split
+of one set, ``val/<set>/`` for each of several: ``pass@k`` for k = 1..n (unbiased estimator), ``accuracy``,
+``accuracy/<difficulty>``, ``pass@k/<difficulty>`` and ``successes/<c>`` (the share of prompts with c of n
+samples right).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from sgrpo.checks import require
 from sgrpo.data import mix_seed, prompt_collate
-from sgrpo.metrics import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
+from sgrpo.eval_metrics import SET_METRICS, PromptOutcomes
+from sgrpo.metrics import rows_by_difficulty
 from sgrpo.types import Example
 
 #: the metric prefix and the seed salt of each evaluated split
@@ -23,10 +28,16 @@ SPLITS = {"validation": ("val", 7), "test": ("test", 8)}
 
 
 class PolicyEvaluation:
-    """Validation and test steps; ``last_evaluation`` holds the latest result, ``val_history`` every validation."""
+    """Validation and test steps; ``last_evaluation`` holds the latest result, ``val_history`` every validation.
+
+    A result is ``{"step", "accuracy", "by_difficulty", "pass_at_k", "prompts"}`` for a split of one set, and
+    ``{"step", "sets": {name: {"accuracy", ...}}}`` for several (``result_sets`` reads both).
+    """
 
     val_history: list[dict[str, Any]]
     last_evaluation: dict[str, Any] | None
+    _evaluation_metrics: dict[str, dict[str, PromptOutcomes]]  # set -> its metrics (SET_METRICS)
+    _evaluation_rows: list[tuple[str, int]]  # per index of the split: its set and its level's index there
 
     def val_dataloader(self):
         return self._evaluation_loader("validation")
@@ -37,8 +48,26 @@ class PolicyEvaluation:
     def _evaluation_loader(self, split: str):
         """Batches of (index in the split, example). Over several processes Lightning's ``DistributedSampler``
         hands each as many prompts by repeating the first ones (under FSDP2 every process must run as many
-        rollouts); the index lets ``_evaluation_end`` count each prompt once."""
+        rollouts); the index lets the metrics count each prompt once. Builds each set's metrics, with the
+        set's difficulty labels, on this process's device."""
         examples, _ = self._within_prompt_limit(split)
+        names = [self.task.evaluation_set(ex) for ex in examples]
+        require(all(isinstance(n, str) and "/" not in n for n in names),
+                "Task.evaluation_set must give a name without '/' (or '' for one set)")  # fmt: skip
+        sets: dict[str, list[int]] = {}
+        for index, name in enumerate(names):
+            sets.setdefault(name, []).append(index)
+        require("" not in sets or len(sets) == 1, "Task.evaluation_set must name every set when it names one")
+        device = self.trainer.strategy.root_device
+        self._evaluation_metrics, self._evaluation_rows = {}, [("", 0)] * len(examples)
+        for name, indices in sets.items():
+            levels = rows_by_difficulty([examples[i].difficulty for i in indices], len(indices))
+            for position, rows in enumerate(levels.values()):
+                for row in rows:
+                    self._evaluation_rows[indices[row]] = (name, position)
+            self._evaluation_metrics[name] = {
+                key: metric(self.val_samples, list(levels)).to(device) for key, metric in SET_METRICS.items()
+            }
         indexed = list(enumerate(examples))
         return torch.utils.data.DataLoader(indexed, batch_size=self.val_prompts_per_batch, collate_fn=prompt_collate)
 
@@ -66,51 +95,85 @@ class PolicyEvaluation:
         repeated = [ex for ex in examples for _ in range(self.val_samples)]
         with torch.device("cpu"):  # host tensors from the task, as in `score`
             correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
-        self._val_outputs.append(([i for i, _ in batch], correct.cpu(), [ex.difficulty for ex in examples]))
+        index = torch.tensor([i for i, _ in batch], dtype=torch.long, device="cpu")
+        placed = [self._evaluation_rows[i] for i, _ in batch]
+        for name, metrics in self._evaluation_metrics.items():
+            rows = [row for row, (set_name, _) in enumerate(placed) if set_name == name]
+            if rows:
+                level = torch.tensor([placed[row][1] for row in rows], dtype=torch.long, device="cpu")
+                for metric in metrics.values():
+                    metric.update(index[rows], correct.cpu()[rows], level)
 
     def _evaluation_end(self, split: str) -> dict[str, Any] | None:
-        """Gather every process's results, log them, and return them (None in the sanity check)."""
-        outputs: list[tuple[list[int], Tensor, list[object]]]
-        outputs, self._val_outputs = self._val_outputs, []
-        if self.trainer.world_size > 1:
-            gathered: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(gathered, outputs)
-            outputs = [o for part in gathered for o in part]
-        if not outputs or self.trainer.sanity_checking:
+        """Compute every set's metrics (synced over the processes: every process computes them), log them, and
+        return the result (None in the sanity check, or when no prompt was evaluated)."""
+        sets: dict[str, dict[str, Any]] = {}
+        metrics: dict[str, float] = {}
+        for name, set_metrics in self._evaluation_metrics.items():
+            if self.trainer.sanity_checking:
+                for metric in set_metrics.values():
+                    metric.reset()
+                continue
+            values = {key: computed(metric, self.val_samples) for key, metric in set_metrics.items()}
+            levels = set_metrics["by_difficulty"].levels
+            # torchmetrics hands back a one-element result as a scalar (one level, or one sample)
+            values["pass_at_k_by_difficulty"] = values["pass_at_k_by_difficulty"].reshape(len(levels), -1)
+            values |= {key: values[key].reshape(-1) for key in ("pass_at_k", "by_difficulty", "successes")}
+            prompts = int(values["successes"].sum())
+            if prompts == 0:  # none of this set's prompts was evaluated (limit_val_batches)
+                continue
+            present = [i for i, acc in enumerate(values["by_difficulty"].tolist()) if not math.isnan(acc)]
+            passes = {k: value for k, value in enumerate(values["pass_at_k"].tolist(), start=1)}
+            sets[name] = {
+                "accuracy": values["accuracy"].item(),
+                "by_difficulty": {levels[i]: values["by_difficulty"][i].item() for i in present},
+                "pass_at_k": passes,
+                "prompts": prompts,
+            }
+            prefix = f"{SPLITS[split][0]}/{name}/" if name else f"{SPLITS[split][0]}/"
+            metrics |= {f"{prefix}pass@{k}": value for k, value in passes.items()}
+            metrics[f"{prefix}accuracy"] = sets[name]["accuracy"]
+            metrics |= {f"{prefix}accuracy/{level}": acc for level, acc in sets[name]["by_difficulty"].items()}
+            for i in present:
+                by_k = values["pass_at_k_by_difficulty"][i].tolist()
+                metrics |= {f"{prefix}pass@{k}/{levels[i]}": value for k, value in enumerate(by_k, start=1)}
+            shares = (values["successes"] / prompts).tolist()
+            metrics |= {f"{prefix}successes/{c}": share for c, share in enumerate(shares)}
+        if not sets:
             return None
-        first: dict[int, tuple[Tensor, object]] = {}  # each prompt once: the sampler repeats some across processes
-        for indices, correct, levels in outputs:
-            for index, row, level in zip(indices, correct, levels, strict=True):
-                first.setdefault(index, (row, level))
-        correct = torch.stack([row for row, _ in first.values()])  # [prompts, n]
-        levels = [level for _, level in first.values()]
-        solved, n = correct.sum(-1), self.val_samples
-        passes = {k: pass_at_k(solved, n, k).mean().item() for k in range(1, n + 1)}
-        result = {
-            "step": self.rollout_step,
-            "accuracy": correct.float().mean().item(),
-            "by_difficulty": accuracy_by_difficulty(correct, levels),
-            "pass_at_k": passes,
-            "prompts": len(correct),
-        }
-        prefix = SPLITS[split][0]
-        metrics = {f"{prefix}/pass@{k}": value for k, value in passes.items()}
-        metrics[f"{prefix}/accuracy"] = result["accuracy"]
-        metrics |= {f"{prefix}/accuracy/{level}": acc for level, acc in result["by_difficulty"].items()}
-        for level, by_k in pass_at_k_by_difficulty(correct, levels).items():
-            metrics |= {f"{prefix}/pass@{k}/{level}": value for k, value in by_k.items()}
-        metrics |= {f"{prefix}/successes/{c}": share for c, share in enumerate(success_count_histogram(correct))}
         self.log_dict(metrics, prog_bar=False, rank_zero_only=True)
+        result = {"step": self.rollout_step} | sets.get("", {"sets": sets})
         self.last_evaluation = result | {"split": split}
         return result
 
 
+def computed(metric: PromptOutcomes, samples: int) -> torch.Tensor:
+    """``metric.compute()`` (synced over the processes), then reset. A process that evaluated none of the set's
+    prompts first adds an empty update, so that it syncs like the others (and torchmetrics does not warn)."""
+    if not metric.update_called:
+        empty = torch.zeros(0, dtype=torch.long, device="cpu")
+        metric.update(empty, torch.zeros(0, samples, dtype=torch.bool, device="cpu"), empty)
+    value = metric.compute()
+    metric.reset()
+    return value.cpu()
+
+
+def result_sets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """An evaluation result's sets by name: ``{"": result}`` for a split of one set."""
+    return result.get("sets", {"": result})
+
+
 def evaluation_table(result: dict[str, Any]) -> str:
-    """Markdown table of one evaluation's accuracy per difficulty, then pass@k."""
-    levels = result["by_difficulty"]
-    lines = ["| difficulty | accuracy |", "|---|---|"]
-    lines += [f"| {level} | {accuracy:.1%} |" for level, accuracy in levels.items()]
-    lines.append(f"| mean over levels | {sum(levels.values()) / len(levels):.1%} |")
-    passes = ", ".join(f"pass@{k} {value:.1%}" for k, value in result["pass_at_k"].items())
-    n = len(result["pass_at_k"])
-    return "\n".join(lines) + f"\n\n{passes} ({result['prompts']} prompts, {n} sample{'s' * (n != 1)} each)"
+    """Markdown tables of one evaluation, one per evaluation set (titled by its name): accuracy per difficulty,
+    then pass@k."""
+    tables = []
+    for name, one in result_sets(result).items():
+        levels = one["by_difficulty"]
+        lines = [name] if name else []
+        lines += ["| difficulty | accuracy |", "|---|---|"]
+        lines += [f"| {level} | {accuracy:.1%} |" for level, accuracy in levels.items()]
+        lines.append(f"| mean over levels | {sum(levels.values()) / len(levels):.1%} |")
+        passes = ", ".join(f"pass@{k} {value:.1%}" for k, value in one["pass_at_k"].items())
+        n = len(one["pass_at_k"])
+        tables.append("\n".join(lines) + f"\n\n{passes} ({one['prompts']} prompts, {n} sample{'s' * (n != 1)} each)")
+    return "\n\n".join(tables)

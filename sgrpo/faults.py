@@ -17,8 +17,8 @@ processes Lightning's launcher started from this one, and ends this process with
 no checkpoint save, teardown or interpreter exit, which are collectives or may wait on one. Every other
 process sees the notice within a second and ends likewise (or is ended by its launcher: torchrun and
 Lightning's launcher kill the others when one exits non-zero). Errors that every process raises at
-the same point (``EVERY_PROCESS``: a refused configuration, rewards failing step after step, an agreed
-stop) take the ordinary path, and may save.
+the same point (``EVERY_PROCESS``: a refused configuration, a refused resume, rewards failing step after
+step, an agreed stop) take the ordinary path, and may save.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.guards import RewardFailureError
 from sgrpo.preflight import ConfigError
+from sgrpo.resume_changes import ResumeError
 
 ABORT_KEY, FAILURES_KEY = "sgrpo/abort", "sgrpo/failures"  # in the process group's store
 
@@ -52,7 +53,7 @@ class Stopped(SystemExit):
 
 
 #: errors that every process raises at the same point of the run (agreed through collectives or by construction)
-EVERY_PROCESS = (Stopped, ConfigError, RewardFailureError)
+EVERY_PROCESS = (Stopped, ConfigError, ResumeError, RewardFailureError)
 
 
 #: errors of the disk the run writes to: full, over quota, read-only

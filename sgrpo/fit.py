@@ -48,6 +48,7 @@ from sgrpo.policy import GRPOPolicy
 from sgrpo.preflight import (
     ConfigError,
     check_config_files,
+    check_nodes,
     check_policy,
     check_strategy,
     check_tensor_parallel,
@@ -150,6 +151,7 @@ class SgrpoCLI(LightningCLI):
         trainer = self._instantiate_trainer(config, callbacks)
         check_strategy(trainer.strategy)
         check_tensor_parallel(trainer.strategy)
+        check_nodes(trainer)
         if self.mode == "fit":
             check_weight_precision(trainer.precision_plugin.precision, self.model)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
@@ -300,6 +302,10 @@ def quiet_dependency_warnings() -> None:
     # process's results before it computes its metrics, and counts a prompt the sampler repeats once
     warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
     warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
+    # a fit in epochs (trainer.max_epochs): its prompt stream runs in the training process (exact length, whatever
+    # Lightning fears of worker processes) and resumes mid-epoch from the policy's step (sgrpo.data.EpochStepBatches)
+    warnings.filterwarnings("ignore", r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", r"You're resuming from a checkpoint that ended before the epoch ended")
     # Lightning's advertisement for its cloud logger, printed by every run
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not str(record.msg).startswith("💡 Tip:")

@@ -13,7 +13,7 @@ from torch import Tensor
 from estimators import AdvantageEstimator
 from estimators.base import constant_groups
 from sgrpo.checks import require
-from sgrpo.data import PromptBatch, StepBatches, mix_seed, prompt_collate
+from sgrpo.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
 from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size, defers_gradient_sync, is_sharded
 from sgrpo.evaluation import PolicyEvaluation
 from sgrpo.export import PolicyExport
@@ -182,7 +182,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
         self.val_history: list[dict[str, Any]] = []
         self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.evaluation)
-        self._val_outputs: list[tuple[list[int], Tensor, list[object]]] = []  # (indices, successes, levels)
+        self._evaluation_metrics, self._evaluation_rows = {}, []  # built with the loader (sgrpo.evaluation)
         self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
         self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
 
@@ -225,8 +225,9 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         """Checks that need the processes (they exist now) but not the model (it loads after this hook)."""
         if stage != "fit":
             return
-        if self.trainer.max_steps is None or self.trainer.max_steps < 0:
-            raise ConfigError("set trainer.max_steps: the prompt stream is endless, steps bound the run")
+        error = stopping_rule_error(self.trainer.max_steps, self.trainer.max_epochs)
+        if error is not None:
+            raise ConfigError(error)
         processes = data_parallel_size(self.trainer.strategy)
         if self.prompts_per_step % processes:
             raise ConfigError(
@@ -241,7 +242,10 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
     def train_dataloader(self):
         rank, world = data_parallel_rank(self.trainer.strategy), data_parallel_size(self.trainer.strategy)
         examples, self.prompts_dropped = self._within_prompt_limit("train")
-        stream = StepBatches(examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world)
+        epochs = self.trainer.max_epochs not in (None, -1)  # else max_steps bounds an endless stream
+        stream = (EpochStepBatches if epochs else StepBatches)(
+            examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world
+        )
         refill_seed = mix_seed(self.seed, 1) % 2**31  # a stream of its own (StepBatches scales the seed)
         self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import yaml
 
+from sgrpo.data import stopping_rule_error
 from sgrpo.modeling import resolve_model_path
 from tasks.data import SplitTable
 
@@ -69,11 +70,9 @@ def read_yaml(path: Path, name: str) -> Any:
 
 def check_values(config: Any) -> None:
     """Steps, checkpoint path and devices of a parsed configuration."""
-    steps = config.trainer.max_steps
-    if not isinstance(steps, int) or steps < 1:
-        raise ConfigError(
-            f"trainer.max_steps must be >= 1 (the prompt stream is endless: steps bound the run), got {steps}"
-        )
+    error = stopping_rule_error(config.trainer.max_steps, config.trainer.get("max_epochs"))
+    if error is not None:
+        raise ConfigError(error)
     check_checkpoint_path(config.ckpt_path)
     check_devices(config.trainer.accelerator, config.trainer.devices)
     check_trainer_keys(config.trainer)
@@ -97,8 +96,8 @@ def check_trainer_keys(trainer: Any) -> None:
     interval = trainer.get("val_check_interval")
     if isinstance(interval, float):  # Lightning reads a float as a fraction of an epoch
         raise ConfigError(
-            f"trainer.val_check_interval must count training steps (an integer; the prompt stream has no epochs "
-            f"to take a fraction of), got {interval}"
+            f"trainer.val_check_interval must count training steps (an integer, counted across epochs; not a fraction "
+            f"of an epoch), got {interval}"
         )
 
 
@@ -367,4 +366,26 @@ def check_tensor_parallel(strategy: Any) -> None:
             f"{f' ({resolved} devices)' if size == 'auto' else ''} is not implemented in sgrpo (no tensor-parallel "
             f"plan is applied; peers would sample the same prompts and count them twice): set "
             f"data_parallel_size={world} and tensor_parallel_size=1 (FSDP2 over every process)"
+        )
+
+
+#: environment variables that describe the other nodes of a job launched by hand (Lightning's default environment)
+_NODE_VARIABLES = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
+
+
+def check_nodes(trainer: Any) -> None:
+    """``trainer.num_nodes > 1`` started by hand (``python -m sgrpo.fit`` on one node, no srun or torchrun, none of
+    ``_NODE_VARIABLES`` set) has process 0 wait for the other nodes in the rendezvous, silently, for the process
+    group's timeout (30 minutes): refused in one line instead."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    nodes = getattr(trainer, "num_nodes", 1) or 1
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if nodes > 1 and type(environment) is LightningEnvironment and not any(v in os.environ for v in _NODE_VARIABLES):
+        raise ConfigError(
+            f"trainer.num_nodes={nodes}, but nothing started the other node(s) (no srun, torchrun or NODE_RANK): this "
+            f"process would wait for them for 30 minutes. Launch on every node with srun (#SBATCH --nodes={nodes} "
+            f"--ntasks-per-node=trainer.devices) or torchrun --nnodes={nodes}, or set NODE_RANK, MASTER_ADDR and "
+            "MASTER_PORT on each node; on one node give --trainer.num_nodes=1 with data_parallel_size = the devices "
+            "(configs/scale_deepmath_8gpu.yaml)"
         )

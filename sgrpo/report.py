@@ -3,34 +3,41 @@
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from estimators import BUCKETS
+from sgrpo.evaluation import result_sets
 from sgrpo.metrics_file import METRICS_FILE, Series, merge_records, read_metrics_file
 from sgrpo.runs import logger_versions
 
 
 def accuracy_table(history: list[dict[str, Any]]) -> str:
-    """Markdown table of accuracy per difficulty: the first validation against the last."""
+    """Markdown tables of accuracy per difficulty, the first validation against the last: one per evaluation set
+    (titled by its name; ``sgrpo.evaluation.result_sets``)."""
     if len(history) < 2:
         return "(need a validation before and after training for the table: set --validate_before true)"
     first, last = history[0], history[-1]
-    lines = [
-        f"| difficulty | step {first['step']} (base) | step {last['step']} (trained) | change |",
-        "|---|---|---|---|",
-    ]
-    for level, before in first["by_difficulty"].items():
-        after = last["by_difficulty"].get(level, float("nan"))
-        lines.append(f"| {level} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} pts |")
-    levels = list(first["by_difficulty"])
-    mean_before = sum(first["by_difficulty"].values()) / len(levels)
-    mean_after = sum(last["by_difficulty"].get(k, 0.0) for k in levels) / len(levels)
-    lines.append(
-        f"| mean over levels | {mean_before:.1%} | {mean_after:.1%} | {100 * (mean_after - mean_before):+.1f} pts |"
-    )
-    return "\n".join(lines)
+    tables = []
+    for name, before_set in result_sets(first).items():
+        after_set = result_sets(last).get(name, {"by_difficulty": {}})
+        lines = [name] if name else []
+        lines += [
+            f"| difficulty | step {first['step']} (base) | step {last['step']} (trained) | change |",
+            "|---|---|---|---|",
+        ]
+        for level, before in before_set["by_difficulty"].items():
+            after = after_set["by_difficulty"].get(level, float("nan"))
+            lines.append(f"| {level} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} pts |")
+        levels = list(before_set["by_difficulty"])
+        mean_before = sum(before_set["by_difficulty"].values()) / len(levels)
+        mean_after = sum(after_set["by_difficulty"].get(k, 0.0) for k in levels) / len(levels)
+        change = 100 * (mean_after - mean_before)
+        lines.append(f"| mean over levels | {mean_before:.1%} | {mean_after:.1%} | {change:+.1f} pts |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def read_metrics(path: Path) -> Series:
@@ -56,6 +63,10 @@ def _csv_records(path: Path) -> Iterator[dict[str, float]]:
             yield {key: float(value) for key, value in row.items() if key != "epoch" and value not in ("", None)}
 
 
+#: ``val/accuracy``, ``val/accuracy/<level>``, and for each of several evaluation sets ``val/<set>/accuracy[/<level>]``
+VAL_ACCURACY = re.compile(r"^val/(?:([^/]+)/)?accuracy(?:/(.+))?$")
+
+
 def plot_curves(series: Series, path: Path, title: str = "") -> Path:
     """Reward and success rate, validation accuracy per difficulty, and L1 budget shares over steps."""
     import matplotlib
@@ -69,10 +80,12 @@ def plot_curves(series: Series, path: Path, title: str = "") -> Path:
             steps, values = zip(*series[key])
             axes[0].plot(steps, _smooth(values), style, label=label)
     axes[0].set(title="training reward", xlabel="training step", ylabel="value (10-step moving mean)")
-    for key in sorted(k for k in series if k.startswith("val/accuracy")):
+    for key in sorted(k for k in series if VAL_ACCURACY.match(k)):
         steps, values = zip(*series[key])
-        name = "all levels" if key == "val/accuracy" else f"difficulty {key.rsplit('/', 1)[-1]}"
-        axes[1].plot(steps, values, marker="o", label=name, linewidth=2.5 if key == "val/accuracy" else 1.2)
+        evaluation_set, level = VAL_ACCURACY.match(key).groups()
+        name = ("all levels" if level is None else f"difficulty {level}") if evaluation_set is None else (
+            evaluation_set if level is None else f"{evaluation_set}: difficulty {level}")  # fmt: skip
+        axes[1].plot(steps, values, marker="o", label=name, linewidth=2.5 if level is None else 1.2)
     axes[1].set(title="validation accuracy", xlabel="training step", ylabel="accuracy", ylim=(0, 1))
     for bucket in BUCKETS:
         key = f"train/budget/l1/{bucket}"

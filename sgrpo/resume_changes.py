@@ -25,7 +25,16 @@ OPERATIONAL = (
     "model.val_greedy", "model.val_prompts_per_batch", "model.reward_failure_share", "model.reward_failure_steps",
     "model.task.init_args.workers", "model.task.init_args.reward.init_args.workers",
     "model.task.init_args.verifier.init_args.workers", "model.rollout.init_args.max_batch_rows",
+    "model.optimizer.init_args.fused", "model.optimizer.init_args.foreach",  # one kernel or a dozen: the same step
 )
+
+
+class ResumeError(Exception):
+    """A checkpoint that loaded but cannot continue in this run (another optimiser, or another experiment).
+
+    Every process raises it at the same point (the checkpoint and the config are the same on each), so over
+    several processes it takes the ordinary path of a refused run (``sgrpo.faults.EVERY_PROCESS``): one line,
+    exit 2, as on one process."""
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, str]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
 from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
-from sgrpo.resume_changes import apply_optimizer_settings, experiment_changes
+from sgrpo.resume_changes import ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +30,30 @@ log = logging.getLogger(__name__)
 STEP_END = "sgrpo_step_end"
 
 
-def step_end_loops(loops: dict[str, Any], step: int, validation_pending: bool, validating: bool) -> dict[str, Any]:
+def step_end_loops(
+    loops: dict[str, Any], step: int, validation_pending: bool, validating: bool, epoch_steps: float = math.inf
+) -> dict[str, Any]:
     """Lightning's loop counters as they stand at the end of training step ``step`` (``on_train_batch_end``).
 
     A state saved later (during the validation after that step, or the next step's rollout, nothing
     having changed since) resumes as if saved there. Lightning resumes such a checkpoint with the next
     step and skips the validation due after ``step``; with ``validation_pending`` the counters say that
     validation was interrupted before its first batch, so it runs first, logged at its own step.
+    In a fit in epochs of ``epoch_steps`` steps (``trainer.max_epochs``), the step's epoch is still under way
+    at its end, though the end of fit marked it done (a resume went on in the next epoch after a stop at
+    ``max_steps`` mid-epoch), and the epoch's last step is its last batch (Lightning then resumes in the next).
     """
     loops = copy.deepcopy(loops)
     fit = loops["fit_loop"]
     batches = fit["epoch_loop.batch_progress"]
     earlier = batches["total"]["ready"] - batches["current"]["ready"]  # batches of earlier epochs
     total = {"ready": step, "started": step, "processed": step, "completed": step - 1}
-    batches.update(total=total, current={k: v - earlier for k, v in total.items()}, is_last_batch=False)
+    current = {k: v - earlier for k, v in total.items()}
+    batches.update(total=total, current=current, is_last_batch=current["ready"] >= epoch_steps)
+    epochs = fit["epoch_progress"]
+    if math.isfinite(epoch_steps) and epochs["total"]["processed"] == epochs["total"]["started"] > 0:
+        for counts in (epochs["total"], epochs["current"]):  # under way again: started, not processed
+            counts["processed"] = counts["completed"] = counts["started"] - 1
     fit["epoch_loop.state_dict"]["_batches_that_stepped"] = step - (2 if validation_pending else 1)
     if validation_pending:
         val = fit["epoch_loop.val_loop.batch_progress"]
@@ -63,10 +74,6 @@ def resume_failure(ckpt_path, exception: BaseException) -> str:
         "left as it was. Resume with the config that wrote it (model, model.peft, model.optimizer), or start "
         "a fresh run in another --trainer.default_root_dir"
     )
-
-
-class ResumeError(Exception):
-    """A checkpoint that loaded but cannot continue in this run (it was trained with another optimiser)."""
 
 
 def _qualified(cls: type) -> str:
@@ -239,8 +246,9 @@ class RunCheckpoint(ModelCheckpoint):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if self._step_end is not None and self._step_end == trainer.global_step and "loops" in checkpoint:
             validating = trainer.validating
+            epoch_steps = trainer.num_training_batches if trainer.max_epochs not in (None, -1) else math.inf
             checkpoint["loops"] = step_end_loops(
-                checkpoint["loops"], self._step_end, self._validation_pending, validating
+                checkpoint["loops"], self._step_end, self._validation_pending, validating, epoch_steps
             )
             checkpoint[STEP_END] = {
                 "step": self._step_end,

@@ -96,6 +96,12 @@ class Task(ABC):
         if self.success_grader is not None and self.success_grader is not self.reward:
             self.success_grader.adapt_to_tokenizer(tokenizer, self.chat_template_kwargs)
 
+    def evaluation_set(self, example: Example) -> str:
+        """The evaluation set of a validation or test ``example``: a name without '/', each set logged and tabled
+        on its own (``val/<name>/accuracy``, ``val/<name>/pass@k``, ...), or "" (the default) for a split of one
+        set, logged as ``val/accuracy``, ``val/pass@k``, ..."""
+        return ""
+
     @abstractmethod
     def load(self, split: str) -> Sequence[Example]:
         """All examples of ``split`` (a valid split name)."""

@@ -40,9 +40,10 @@ class Polaris(Task):
 
     Train: every Polaris row whose problem (whitespace-normalised) is not an evaluation problem. Validation and
     test: the ``evaluation_sets`` (name -> hub id or local file; each source's test split, a local file's rows),
-    one after the other, each example's ``difficulty`` the set's name, so ``val/accuracy/<name>`` and
-    ``val/pass@k/<name>`` report each set (the engine logs one table; its "mean over levels" is the mean of the
-    sets). Polaris' ``difficulty`` (a pass rate such as "7/8") is kept as ``metadata["pass_rate"]``.
+    one after the other, each its own evaluation set (``evaluation_set``: ``val/<name>/accuracy``,
+    ``val/<name>/pass@k``, one table per set), each example's ``difficulty`` its row's ``level`` (MATH-500's 1-5)
+    or else the set's name. Polaris' ``difficulty`` (a pass rate such as "7/8") is kept as
+    ``metadata["pass_rate"]``.
     Reward (default ``final_text_verifier()``: math-verify of the final text, boxed or not) and success: as
     ``DeepMath``'s (the reward when it is a ``MathVerifyReward``, else ``verifier`` or the paper's verifier).
     """
@@ -78,6 +79,9 @@ class Polaris(Task):
         rows = [row for row in self._table.rows("train") if _normal(row["problem"]) not in held_out]
         return [self._example(row, None) for row in rows]
 
+    def evaluation_set(self, example: Example) -> str:
+        return example.metadata.get("evaluation_set", "")
+
     def _eval_rows(self, name: str) -> list[Mapping]:
         table = self._eval_tables[name]
         return table.rows("test" if "test" in table.splits() else "train")
@@ -85,9 +89,13 @@ class Polaris(Task):
     def _example(self, row: Mapping, evaluation_set: str | None) -> Example:
         question = str(row["problem"]).strip()
         metadata = {"question": question, "source": evaluation_set or self.path}
+        difficulty = None
         if evaluation_set is None and not is_blank(row.get("difficulty")):
             metadata["pass_rate"] = str(row["difficulty"])
+        elif evaluation_set is not None:
+            metadata["evaluation_set"] = evaluation_set
+            difficulty = evaluation_set if is_blank(row.get("level")) else row["level"]
         answer = row["answer"]
         answer = str(int(answer) if isinstance(answer, float) and answer.is_integer() else answer).strip()
         prompt = [{"role": "user", "content": fill(self.template, question=question)}]
-        return Example(prompt, answer, evaluation_set, metadata)
+        return Example(prompt, answer, difficulty, metadata)

@@ -1,4 +1,5 @@
-"""Run by test_policy_gradients under torchrun: one update of the fixed batch with 2 DDP processes on CPU (gloo).
+"""One update of the fixed batch with 2 DDP processes on CPU (gloo): the ``ddp_grads`` job of tests/sharded_worker.py,
+run in test_sharded.py's 2-process launch (checked there against test_policy_gradients' single-process gradient).
 
 Micro-batches of 2 rows, so each process runs several backwards per optimiser step (4 on one, 2 plus 2
 dummy passes on the other); a DDP communication hook counts the gradient all-reduce rounds.
@@ -7,7 +8,6 @@ dummy passes on the other); a DDP communication hook counts the gradient all-red
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -15,7 +15,6 @@ from lightning.pytorch import Callback
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from estimators import DrGRPO
-from sgrpo.distributed import release_process_group
 from sgrpo.loss import ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy
@@ -63,9 +62,3 @@ def run(model_dir: str, aggregation: str, out: Path) -> None:
             "allreduce_rounds_per_rank": [int(c[1]) for c in gathered],
         }
         (out / f"grads_{aggregation}.json").write_text(json.dumps(info))
-
-
-if __name__ == "__main__":  # ddp_grad_worker.py MODEL_DIR OUT_DIR AGGREGATION...: one trainer each, one process group
-    for name in sys.argv[3:]:
-        run(sys.argv[1], name, Path(sys.argv[2]))
-    release_process_group()

@@ -5,7 +5,13 @@ sharded_worker.py update MODEL_DIR OUT_DIR [STRATEGY [SCENARIO]]   one update of
 sharded_worker.py fit ROOT MODEL_DIR STEPS [last [ARGS...]]   fit configs/tiny.yaml sharded over 2 processes
 sharded_worker.py fit_recording_lengths ROOT STEPS   the same with the shipped model, recording completion lengths
 sharded_worker.py validate ROOT MODEL_DIR CHECKPOINT   sgrpo.fit validate of a sharded checkpoint over 2 processes
+sharded_worker.py refused_resume ROOT MODEL_DIR CHECKPOINT   resume CHECKPOINT as another experiment (process 0
+                                                  a second late, so process 1 refuses first); each process's exit
+                                                  status and stderr to ROOT/refused.RANK.json
 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
+sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
+sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
+sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -32,6 +38,7 @@ from sgrpo.logprobs import completion_logprobs  # noqa: E402
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps  # noqa: E402
 from tests.test_policy_gradients import MAX_NEW, G, make_policy  # noqa: E402
 
+SHARDED_CPU = REPO / "tests" / "fixtures" / "sharded_cpu.yaml"
 PROBE = torch.tensor([[16, 15, 6, 4, 7, 14, 5, 6, 7, 2]])  # "s:314=" then a 4-token completion
 
 
@@ -162,6 +169,50 @@ def validate(root: str, model_dir: str, checkpoint: str) -> None:
         (Path(root) / "validation.json").write_text(json.dumps(cli.model.last_evaluation))
 
 
+def validate_sets(root: str) -> None:
+    """``sgrpo.fit validate`` of a task with two evaluation sets (tests/test_eval_metrics.py ``TWO_SETS``) over
+    the 2 processes; the result to ``ROOT/validation.json``."""
+    from sgrpo.fit import main
+    from tests.test_eval_metrics import TWO_SETS
+
+    sharded = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"), f"--trainer.default_root_dir={root}"]
+    cli = main([*TWO_SETS, *sharded])
+    if cli.trainer.is_global_zero:
+        (Path(root) / "validation.json").write_text(json.dumps(cli.model.last_evaluation))
+
+
+def refused_resume(root: str, model_dir: str, checkpoint: str) -> None:
+    """A resume with another SoftmaxGRPO temperature: every process refuses it (``ResumeError``) at the same point;
+    process 0 comes a second late, so a process 1 that ended the job (``fail_fast``) would end it first."""
+    import contextlib
+    import io
+    import os
+    import time
+
+    from sgrpo.fit import main
+    from sgrpo.run_checkpoint import RunCheckpoint
+
+    rank, start = int(os.environ.get("RANK", "0")), RunCheckpoint.on_train_start
+
+    def late(self, trainer, pl_module):
+        time.sleep(1.5 if rank == 0 else 0.0)  # past the abort watch's period (0.5 s)
+        start(self, trainer, pl_module)
+
+    RunCheckpoint.on_train_start, stderr, code = late, io.StringIO(), 0
+    try:
+        with contextlib.redirect_stderr(stderr):
+            main(["--config", str(REPO / "configs" / "tiny.yaml"), "--config", str(SHARDED_CPU),
+                  f"--model.model={model_dir}", f"--trainer.default_root_dir={root}", "--trainer.max_steps=6",
+                  "--trainer.enable_progress_bar=false", "--model.estimator.init_args.temperature=0.7",
+                  f"--ckpt_path={checkpoint}"])  # fmt: skip
+    except SystemExit as err:
+        code = err.code
+    finally:
+        RunCheckpoint.on_train_start = start
+    Path(root).mkdir(parents=True, exist_ok=True)
+    (Path(root) / f"refused.{rank}.json").write_text(json.dumps({"code": code, "stderr": stderr.getvalue()}))
+
+
 def fit_recording_lengths(root: str, steps: str) -> None:
     """``fit`` with the shipped quickstart model, whose rows end at different lengths on each process, decoding
     through the sharded forwards;
@@ -223,6 +274,15 @@ def decode(model_dir: str, out: str) -> None:
     (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
 
 
+def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:
+    """One update of the fixed batch per aggregation with 2 DDP processes (tests/ddp_grad_worker.py), to OUT."""
+    from tests.ddp_grad_worker import run
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for aggregation in aggregations:
+        run(model_dir, aggregation, Path(out))
+
+
 def jobs(argv: list[str]) -> list[list[str]]:
     """``["update", "a", "+", "decode", "b"]`` -> ``[["update", "a"], ["decode", "b"]]``."""
     split: list[list[str]] = [[]]
@@ -232,8 +292,11 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 
 if __name__ == "__main__":
+    from tests.test_eval_metrics import synced_job
+
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
-             "validate": validate}  # fmt: skip
+             "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
+             "refused_resume": refused_resume, "ddp_grads": ddp_grads}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

@@ -3,6 +3,7 @@ in the estimator (docs/theory.md §7.4)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 import yaml
 
 from estimators import AdvantageEstimator
-from sgrpo.fit import parse
+from sgrpo.fit import main, parse
 from sgrpo.loss import ClippedSurrogate
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
@@ -74,14 +75,20 @@ def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch
     assert (weight < 1).all()
 
 
-def _without_estimator(path: Path) -> dict:
-    raw = yaml.safe_load(path.read_text())
-    raw["model"].pop("estimator")
-    raw["trainer"].pop("default_root_dir")
-    loss = raw["model"]["loss"]["init_args"]
-    if loss.get("aggregation") == "seq_sum_const":  # Dr.GRPO's file may set its own aggregation
-        loss["aggregation"] = "token_mean"
+def _without(raw: dict, *keys: str) -> dict:
+    """``raw`` less the dotted ``keys`` (``"trainer.strategy.init_args.data_parallel_size"``)."""
+    raw = copy.deepcopy(raw)
+    for key in keys:
+        *parents, last = key.split(".")
+        block = raw
+        for parent in parents:
+            block = block[parent]
+        block.pop(last)
     return raw
+
+
+def _without_estimator(path: Path) -> dict:
+    return _without(yaml.safe_load(path.read_text()), "model.estimator", "trainer.default_root_dir")
 
 
 @pytest.mark.parametrize("family", ["deepmath", "deepmath_r1distill", "poetry", "gsm8k"])
@@ -125,3 +132,39 @@ def test_loss_and_rollout_settings_apply_whether_or_not_the_config_names_their_c
 
 class HalfClip(ClippedSurrogate):
     """A user's loss class, named by import path in a config."""
+
+
+#: configs/deepmath_<name>.yaml -> its estimator block: the paper's DeepMath recipe with each estimator
+DEEPMATH = {
+    "softmax": {"class_path": "estimators.SoftmaxGRPO", "init_args": {"temperature": 0.3}},
+    "grpo": {"class_path": "estimators.GRPO", "init_args": {"std": "sample"}},
+    "maxrl": {"class_path": "estimators.MaxRL", "init_args": {"variant": "practical"}},
+    "drgrpo": {"class_path": "estimators.DrGRPO"},
+}
+
+
+def test_deepmath_configs_are_the_papers_recipe_with_one_estimator_each(capsys):
+    """configs/deepmath_softmax.yaml, the command users run first, is configs/paper/deepmath.yaml number for number
+    (model, data, batch, steps, lengths, optimiser, loss, validation, rollout, layout); its twins differ from it in
+    the estimator block alone, and the scale_deepmath_* configs in the layout alone."""
+    load = lambda name: yaml.safe_load((REPO / "configs" / name).read_text())  # noqa: E731
+    recipe, paper = load("deepmath_softmax.yaml"), load("paper/deepmath.yaml")
+    assert _without(recipe, "trainer.default_root_dir") == _without(paper, "trainer.default_root_dir")
+    for name, estimator in DEEPMATH.items():
+        raw = load(f"deepmath_{name}.yaml")
+        assert raw["model"]["estimator"] == estimator and raw["trainer"]["default_root_dir"] == f"runs/deepmath_{name}"
+        assert _without(raw, "model.estimator", "trainer.default_root_dir") == _without(
+            recipe, "model.estimator", "trainer.default_root_dir"), name  # fmt: skip
+    layout = ("trainer.num_nodes", "trainer.strategy.init_args.data_parallel_size", "trainer.default_root_dir")
+    for name, nodes in (("scale_deepmath_8gpu", 1), ("scale_deepmath_multinode", 4)):
+        raw = load(f"{name}.yaml")
+        assert (raw["trainer"]["num_nodes"], raw["trainer"]["devices"]) == (nodes, 8), name
+        assert raw["trainer"]["strategy"]["init_args"]["data_parallel_size"] == 8 * nodes, name
+        assert raw["model"]["prompts_per_step"] % (8 * nodes) == 0, name
+        assert _without(raw, *layout) == _without(recipe, *layout), name
+    with pytest.raises(SystemExit) as exit_:  # as a user runs it; hub ids stay unread
+        main(["--config", str(REPO / "configs" / "deepmath_softmax.yaml"), "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert exit_.value.code in (0, None)
+    assert (printed["model"]["model"], printed["trainer"]["max_steps"], printed["trainer"]["num_nodes"]) == (
+        "Qwen/Qwen2.5-1.5B", 3220, 2)  # fmt: skip

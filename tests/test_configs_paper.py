@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sgrpo.evaluation import evaluation_table
 from sgrpo.fit import main, parse
+from sgrpo.report import accuracy_table
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"
@@ -26,7 +28,7 @@ DATA = {  # task class -> its fixture overrides (and the workers of its graders:
     "tasks.Polaris": ["path=" + F + "polaris.jsonl", "reward.init_args.workers=1",
                       'evaluation_sets={"aime25": "' + F + 'aime25.jsonl", "math500": "' + F + 'math500.jsonl"}'],
 }  # fmt: skip
-#: experiment -> (group, tau, prompts per step, steps, response tokens, nodes), the issue's table
+#: experiment -> (group, tau, prompts per step, steps or "N epochs", response tokens, nodes), the issue's table
 TABLE = {
     "gsm8k": (8, 0.1, 64, 1000, 256, 1),
     "gsm8k_sim": (8, 0.1, 64, 1000, 256, 1),
@@ -35,8 +37,8 @@ TABLE = {
     "deepmath": (16, 0.3, 512, 3220, 1024, 2),
     "deepmath_sim": (16, 0.3, 512, 3220, 1024, 2),
     "openthoughts": (8, 0.3, 512, 3220, 6144, 2),
-    "qwen3_1.7b": (16, 0.3, 256, 1035, 4096, 4),  # 5 epochs of ~53K prompts: the engine counts steps
-    "qwen3_4b": (16, 0.3, 256, 1035, 4096, 4),
+    "qwen3_1.7b": (16, 0.3, 256, "5 epochs", 4096, 4),  # of ~53K prompts (trainer.max_epochs, max_steps -1)
+    "qwen3_4b": (16, 0.3, 256, "5 epochs", 4096, 4),
 }
 
 
@@ -47,7 +49,8 @@ def test_one_config_per_experiment_with_the_authors_numbers():
         model, trainer = raw["model"], raw["trainer"]
         assert (model["group_size"], model["estimator"]["init_args"]["temperature"], model["prompts_per_step"]) == (
             group, tau, prompts), name  # fmt: skip
-        assert (trainer["max_steps"], model["rollout"]["init_args"]["max_new_tokens"]) == (steps, tokens), name
+        bound = f"{trainer['max_epochs']} epochs" if trainer["max_steps"] == -1 else trainer["max_steps"]
+        assert (bound, model["rollout"]["init_args"]["max_new_tokens"]) == (steps, tokens), name
         assert (trainer["num_nodes"], trainer["devices"], trainer["val_check_interval"]) == (nodes, 8, 25), name
         assert raw["validate_before"] and model["ppo_epochs"] == model["num_minibatches"] == 1, name
         loss = model["loss"]["init_args"]
@@ -94,7 +97,7 @@ def test_grpo_baseline_is_one_override(model_dir):
     assert type(cli.model.estimator).__name__ == "GRPO" and cli.model.group_size == 8
 
 
-def _fit(name: str, root: Path, model_dir: str):
+def _fit(name: str, root: Path, model_dir: str, *extra: str):
     raw = yaml.safe_load((PAPER / f"{name}.yaml").read_text())
     task = [f"--model.task.init_args.{kv}" for kv in DATA[raw["model"]["task"]["class_path"]]]
     val_rollout = []
@@ -111,7 +114,7 @@ def _fit(name: str, root: Path, model_dir: str):
         "--model.rollout.init_args.max_new_tokens=4", "--model.group_size=2", "--model.prompts_per_step=2",
         "--model.val_samples=2", "--model.val_prompts_per_batch=2", "--model.max_prompt_tokens=1024",
         "--model.activation_checkpointing=false", "--model.log_completions_every=1", "--checkpoint_every=100",
-        *val_rollout, *task,
+        *val_rollout, *task, *extra,
     ])  # fmt: skip
 
 
@@ -120,7 +123,8 @@ def _fit(name: str, root: Path, model_dir: str):
 def test_two_step_fit_on_the_tiny_model(name, model_dir, tmp_path, monkeypatch):
     """Every config's task, reward, verifier and settings, on the tiny model: 2 steps, validation before and after."""
     monkeypatch.chdir(REPO)
-    cli = _fit(name, tmp_path, model_dir)
+    qwen3 = name.startswith("qwen3")  # two evaluation sets of 3 prompts: all of them (3 batches of 2)
+    cli = _fit(name, tmp_path, model_dir, *(["--trainer.limit_val_batches=null"] if qwen3 else []))
     assert cli.model.rollout_step == 2
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [s for s in steps if "train/reward" in s]
@@ -128,3 +132,28 @@ def test_two_step_fit_on_the_tiny_model(name, model_dir, tmp_path, monkeypatch):
     assert len(cli.model.val_history) == 2  # before training and at step 2
     logged = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert logged and all(isinstance(row["reward"], float) for row in logged)
+    if qwen3:
+        check_two_evaluation_sets(cli.model, [s for s in steps if "train/reward" not in s])
+
+
+def check_two_evaluation_sets(policy, validations: list[dict]) -> None:
+    """Polaris' AIME 2025 and MATH-500 are evaluated apart: metrics under val/<set>/, one table per set (printed by
+    ``sgrpo.fit validate``, and the report's), MATH-500's by level; no pooled val/accuracy."""
+    assert len(validations) == 2
+    for record in validations:
+        assert not any(key.startswith(("val/accuracy", "val/pass@")) for key in record)
+        for key in ("aime25/accuracy", "aime25/pass@2", "aime25/accuracy/aime25", "math500/accuracy",
+                    "math500/pass@1", "math500/accuracy/1", "math500/pass@2/2", "math500/successes/0"):  # fmt: skip
+            assert 0 <= record[f"val/{key}"] <= 1, key
+    result = policy.val_history[-1]
+    assert list(result["sets"]) == ["aime25", "math500"] and result["step"] == 2
+    assert [one["prompts"] for one in result["sets"].values()] == [3, 3]
+    assert list(result["sets"]["math500"]["by_difficulty"]) == ["1", "2"]
+    aime = result["sets"]["aime25"]
+    assert validations[-1]["val/aime25/accuracy"] == pytest.approx(aime["accuracy"])
+    table = evaluation_table(result)
+    for name in ("aime25", "math500"):
+        assert f"{name}\n| difficulty | accuracy |" in table
+    assert table.count("(3 prompts, 2 samples each)") == 2 and "| 2 |" in table
+    report = accuracy_table(policy.val_history)
+    assert "aime25\n| difficulty | step 0 (base) | step 2 (trained) |" in report and "\nmath500\n|" in report

@@ -1,5 +1,6 @@
-"""Theory tests: limits (T7, T8, T14), stability (T9), exact expected updates (T11, T13, T15), the
+"""Theory tests: limits (T7, T8, T14), stability (T9), exact expected updates (T11, T13), the
 large-group weight and objective of SoftmaxGRPO, and the theory a user's new estimator inherits.
+Scalar (discrete) rewards, T15 and the curl of the expected update: tests/test_estimators_discrete.py.
 
 The formulas are those of docs/theory.md §2-§4; reference values come from an independent numpy/scipy
 implementation of them (closed forms and Monte Carlo), not from the library.
@@ -377,6 +378,27 @@ def test_softmax_weight_is_bounded_and_decreasing(tau):
     assert grpo_end == pytest.approx(math.sqrt(255), rel=1e-10) and grpo_end > 15
 
 
+@pytest.mark.parametrize("tau", [0.1, 0.5, 1.0, 4.0])
+def test_softmax_delta_differences_closed_form(tau):
+    """The proof of monotonicity (docs/theory.md §4.3): Delta(k+1) - Delta(k) =
+    lam^2 (2 - G - G k lam) / ((1 + k lam)(1 + (k+1) lam)(1 + (k+2) lam)) < 0 for G >= 3 (0 at G = 2),
+    and c_G'(p) = G (G-1) E_{k~Bin(G-2,p)}[Delta(k+1) - Delta(k)] (central difference, 1e-6 relative)."""
+    est = SoftmaxGRPO(tau)
+    for g in (2, 3, 8, 64):
+        lam = math.expm1(1 / tau) / g
+        k = torch.arange(g - 1, dtype=F64)
+        closed = lam**2 * (2 - g - g * k * lam) / ((1 + k * lam) * (1 + (k + 1) * lam) * (1 + (k + 2) * lam))
+        torch.testing.assert_close(est.binary_deltas(g).diff(), closed, rtol=1e-9, atol=1e-13)
+        assert (closed < 0).all() if g >= 3 else closed.abs().max().item() == 0
+        if g == 2:
+            continue
+        p = torch.tensor([0.1, 0.5, 0.9], dtype=F64)
+        derivative = g * (g - 1) * (torch.tensor([binom_pmf(g - 2, x) for x in p.tolist()], dtype=F64) @ closed)
+        h = 1e-6
+        fd = (est.population_weight(p + h, g) - est.population_weight(p - h, g)) / (2 * h)
+        torch.testing.assert_close(fd, derivative, rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # T13: Monte Carlo on a single-token Bernoulli-logit policy
 # ---------------------------------------------------------------------------------------------
@@ -413,87 +435,6 @@ def test_t13_monte_carlo_matches_exact_weight():
             worst = max(worst, z.max().item())
             assert (z <= 1).all(), (repr(est), g, mean.tolist(), exact.tolist(), se.tolist())
     assert worst > 0.05  # the statistic is live (identical zeros would pass trivially)
-
-
-# ---------------------------------------------------------------------------------------------
-# T15: scalar rewards, exact finite-G field by multinomial enumeration
-# ---------------------------------------------------------------------------------------------
-
-LEVELS = torch.tensor([0.0, 0.5, 1.0], dtype=F64)
-THETA = torch.tensor([0.3, -0.2, 0.0], dtype=F64)
-TAU = 0.5
-
-
-def compositions3(n: int) -> torch.Tensor:
-    """All (n0, n1, n2) >= 0 with n0 + n1 + n2 = n, int64 [C, 3]."""
-    n0, n1 = torch.meshgrid(torch.arange(n + 1), torch.arange(n + 1), indexing="ij")
-    keep = n0 + n1 <= n
-    n0, n1 = n0[keep], n1[keep]
-    return torch.stack([n0, n1, n - n0 - n1], dim=1)
-
-
-def exact_scalar_field(est: AdvantageEstimator, g: int, q: torch.Tensor, drop_below: float = 0.0):
-    """E[sum_i A_i grad log pi(y_i)] wrt the 3 logits: J g with J = diag(q) - q q^T and
-    g_j = G E[A_1 | r_1 = v_j], the other G-1 rewards multinomial(q). A_1 comes from the estimator's own
-    __call__ on every composition of the others; compositions of probability < drop_below are skipped
-    (their total mass is bounded and returned)."""
-    comps = compositions3(g - 1)
-    log_pmf = math.lgamma(g) - torch.lgamma(comps.to(F64) + 1).sum(-1) + (comps.to(F64) * q.log()).sum(-1)
-    pmf = log_pmf.exp()
-    keep = pmf >= drop_below
-    dropped = pmf[~keep].sum().item()
-    comps, pmf = comps[keep], pmf[keep]
-    others = LEVELS.repeat(len(comps)).repeat_interleave(comps.flatten()).view(len(comps), g - 1)
-    weights = torch.empty(3, dtype=F64)
-    for j in range(3):
-        groups = torch.cat([LEVELS[j].expand(len(comps), 1), others], dim=1)
-        weights[j] = g * (est(groups)[:, 0] * pmf).sum()
-    jac = torch.diag(q) - torch.outer(q, q)
-    return jac @ weights, dropped
-
-
-def log_mgf_gradient(est: SoftmaxGRPO) -> torch.Tensor:
-    """grad_theta log E[e^(r/tau)] via autograd through the library's large_group_objective."""
-    theta = THETA.clone().requires_grad_(True)
-    est.large_group_objective(LEVELS, torch.softmax(theta, 0)).backward()
-    return theta.grad
-
-
-def test_t15_exact_scalar_field_matches_monte_carlo():
-    """T15: at G = 8 the enumerated field equals Monte Carlo within 5 SE per component
-    (output file §E: exact E[U] = [-2.217994, -0.255718, 2.473713])."""
-    est, g, m = SoftmaxGRPO(TAU), 8, 200_000
-    q = torch.softmax(THETA, 0)
-    exact, dropped = exact_scalar_field(est, g, q)
-    assert dropped == 0.0
-    torch.testing.assert_close(exact, torch.tensor([-2.217994, -0.255718, 2.473713], dtype=F64), rtol=0, atol=1e-6)
-    gen = torch.Generator().manual_seed(15)
-    y = torch.multinomial(q, m * g, replacement=True, generator=gen).view(m, g)
-    a = est(LEVELS[y])  # [M, G]
-    score = torch.nn.functional.one_hot(y, 3).to(F64) - q  # grad_theta log softmax(theta)[y]
-    u = (a.unsqueeze(-1) * score).sum(1)  # [M, 3]
-    mean, se = u.mean(0), u.std(0) / math.sqrt(m)
-    assert ((mean - exact).abs() <= 5 * se).all(), (mean, exact, se)
-
-
-def test_t15_large_group_field_is_the_log_mgf_gradient():
-    """T15: ||E[U]/G - grad log E e^(r/tau)|| / ||grad log E e^(r/tau)|| decays like ~0.9/G and is
-    <= 0.02 at G = 256 (§E: 0.28166, 0.059110, 0.013946, 0.0034373 at G = 4, 16, 64, 256); the same
-    holds for tau-scaled advantages against grad[tau log E e^(r/tau)]."""
-    q = torch.softmax(THETA, 0)
-    est, scaled = SoftmaxGRPO(TAU), SoftmaxGRPO(TAU, scale_by_tau=True)
-    target, scaled_target = log_mgf_gradient(est), log_mgf_gradient(scaled)
-    torch.testing.assert_close(scaled_target, TAU * target)
-    expected = {4: 0.28166, 16: 0.059110, 64: 0.013946, 256: 0.0034373}
-    for g, rel in expected.items():
-        # at G = 256 skip the compositions of probability < 1e-16: at most 32,896 of them, mass < 4e-12
-        field, dropped = exact_scalar_field(est, g, q, drop_below=1e-16 if g == 256 else 0.0)
-        assert dropped < 1e-11
-        err = ((field / g - target).norm() / target.norm()).item()
-        assert err == pytest.approx(rel, rel=1e-3), g
-    assert err <= 0.02
-    field, _ = exact_scalar_field(scaled, 256, q, drop_below=1e-16)
-    assert ((field / 256 - scaled_target).norm() / scaled_target.norm()).item() <= 0.02
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ from tests.test_faults import model_dir as model_dir  # the module's tiny model 
 BAD_CONFIGS = [
     ("lr-negative", ["--model.optimizer.init_args.lr=-1"], "model.optimizer"),
     ("lr-nan", ["--model.optimizer.init_args.lr=.nan"], "model.optimizer"),
-    ("max-steps", ["--trainer.max_steps=-1"], "trainer.max_steps must be >= 1"),
+    ("max-steps", ["--trainer.max_steps=-1"], "set trainer.max_steps (training steps) or trainer.max_epochs ("),
+    ("max-steps-zero", ["--trainer.max_steps=0"], "trainer.max_steps must be >= 1, or -1 / unset for no limit"),
+    ("max-epochs", ["--trainer.max_epochs=0"], "trainer.max_epochs must be >= 1, or -1 / unset for no limit"),
     ("model-folder", ["--model.model=./no/such/model"], "model: ./no/such/model does not exist"),
     ("data-file", ["--model.task=tasks.ReferenceText", "--model.task.init_args.path=./no/such.jsonl"], "no/such.jsonl"),
     ("remote-checkpoint", ["--ckpt_path=https://example.com/last.ckpt"], "remote checkpoints are refused"),

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from estimators import GRPO, DrGRPO, SoftmaxGRPO
+from estimators import GRPO, SoftmaxGRPO
 from sgrpo.logprobs import position_ids_from_mask
 from sgrpo.loss import AGGREGATIONS, ClippedSurrogate
 from sgrpo.tiny import ensure_tiny_model
@@ -112,43 +108,6 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
         assert len(chunk) * (batch.prompt_length + int(lengths[chunk].max())) <= 3 * width
     torch.testing.assert_close(torch.cat(chunks[2]).sort().values, torch.arange(16), rtol=0, atol=0)
     assert lengths[torch.cat(chunks[2])].tolist() == sorted(lengths.tolist(), reverse=True)
-
-
-@pytest.fixture(scope="module")
-def ddp_gradients(model_dir, tmp_path_factory) -> Path:
-    """tests/ddp_grad_worker.py under torchrun: one update per aggregation with 2 DDP processes, in one launch."""
-    out = tmp_path_factory.mktemp("ddp")
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    script = Path(__file__).with_name("ddp_grad_worker.py")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",  # both at once
-         str(script), str(model_dir), str(out), *AGGREGATIONS],  # fmt: skip
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=out,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
-@pytest.mark.slow
-def test_gradient_is_the_same_with_two_ddp_processes(model_dir, batch, ddp_gradients):
-    """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
-    gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation.
-
-    One test for the launch's three aggregations: parametrized, pytest-xdist ran the launch once per worker."""
-    for aggregation in AGGREGATIONS:
-        policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
-        run_steps(policy)
-        single = flat(policy.captured[0])
-
-        info = json.loads((ddp_gradients / f"grads_{aggregation}.json").read_text())
-        assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8], aggregation
-        assert rel_err(flat(torch.load(ddp_gradients / f"grads_{aggregation}.pt")), single) < 1e-6, aggregation
-        # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
-        assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
 
 
 def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch):

@@ -112,7 +112,7 @@ class ShortEngine(HFRollout):
 
 
 def test_vllm_bounds_prompts_by_its_max_model_len():
-    """configs/scale_deepmath_8gpu.yaml's numbers: Qwen2.5-1.5B's 32,768 positions allowed prompts of 30,720
+    """The numbers configs/scale_deepmath_8gpu.yaml had: Qwen2.5-1.5B's 32,768 positions allowed prompts of 30,720
     tokens beside 2,048 new ones, in an engine that takes 4,096; now the engine's length bounds them."""
     engine = VLLMRollout(max_new_tokens=2048, max_model_len=4096)
     assert engine.max_total_tokens == 4096 and VLLMRollout(max_new_tokens=8).max_total_tokens is None
@@ -303,3 +303,25 @@ def test_validating_a_base_model_into_a_run_folder_leaves_it_free_for_a_fresh_fi
     (other / "metrics.jsonl").write_text("{}\n")
     line = refusal(tmp_path, model_dir, capsys, f"--trainer.default_root_dir={other}", "--trainer.max_steps=1")
     assert "already holds a run (metrics.jsonl)" in line and "--ckpt_path last" not in line
+
+
+# ------------------------------------------------------------------------------------------ several nodes
+def test_several_nodes_started_by_hand_are_refused_in_one_line_not_left_waiting(model_dir, tmp_path, capsys,
+                                                                                 monkeypatch):  # fmt: skip
+    """``--trainer.num_nodes=2`` run as ``python -m sgrpo.fit`` on one node (configs/deepmath_softmax.yaml without
+    srun) waited for the second node in the rendezvous for 30 minutes, printing nothing; now one line, exit 2."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+    from sgrpo.preflight import check_nodes
+
+    for name in ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    line = refusal(tmp_path, model_dir, capsys, "--trainer.num_nodes=2", "--trainer.strategy=lightning.pytorch."
+                   "strategies.DDPStrategy", "--trainer.strategy.init_args.timeout=0:00:20")  # a regression: 20 s
+    assert "trainer.num_nodes=2, but nothing started the other node(s)" in line and "srun" in line
+    for nodes, environment in ((1, LightningEnvironment()), (2, TorchElasticEnvironment())):  # launched: passes
+        check_nodes(SimpleNamespace(num_nodes=nodes, strategy=SimpleNamespace(cluster_environment=environment)))
+    monkeypatch.setenv("NODE_RANK", "1")  # Lightning's launch by hand: every node given its rank
+    check_nodes(SimpleNamespace(num_nodes=2, strategy=SimpleNamespace(cluster_environment=LightningEnvironment())))

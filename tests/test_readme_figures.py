@@ -2,15 +2,17 @@
 
 A README block fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ... ``<!-- /figures -->`` may only
 contain numbers that occur in that artefact: as written in its ``report.md``, or as a value of its
-``result.json`` rounded to the README's digits (a fraction may be quoted as a percentage); it names the
-command that reproduces them (the artefact's, in inline code). Numbers inside inline code (commands) are not
-figures and are skipped. And the README sections of benchmark figures (``FIGURE_SECTIONS``) hold no number
-outside such blocks, but in headings and in the prose parameters of ``PARAMETERS``.
+``result.json`` ``result`` (not its machine stamp) rounded to the README's digits (a fraction may be quoted
+as a percentage); in a ``FIGURE_SECTIONS`` section it names the command that reproduces them (the
+artefact's, in inline code). Numbers inside inline code (commands) are not figures and are skipped. And the
+README sections of benchmark figures (``FIGURE_SECTIONS``) hold no number outside such blocks, but in
+headings and in the prose parameters of ``PARAMETERS``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -73,14 +75,18 @@ def test_readme_block_is_traced_to_its_artefact(path, block):
     stamp = json.loads((artefact / "result.json").read_text())
     assert {"benchmark", "command", "date", "commit", "result"} <= set(stamp), f"{path}: result.json lacks its stamp"
     assert stamp["command"] in (artefact / "report.md").read_text()
-    assert f"`{stamp['command']}`" in block, f"{path}: the README block does not name its command {stamp['command']}"
+    if any(block in body for body in sections(README).values()):  # a benchmark section's block shows its command
+        assert f"`{stamp['command']}`" in block, f"{path}: the README block does not show `{stamp['command']}`"
     missing = untraced(block, artefact)
     assert not missing, f"README figures not found in {path}: {missing}"
 
 
-def test_an_untraced_figure_fails(tmp_path):
+def test_an_untraced_figure_fails(tmp_path, monkeypatch):
     """The check can fail: a number absent from the artefact is reported, a rounded one is accepted."""
     from benchmarks.artefact import publish
+
+    # the stamp's load average (here 7 and 9) is no source of figures: it once traced "levels 7-9" by chance
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 9.0, 9.0))
 
     folder = publish("demo", {"accuracy": 0.05834, "runs": 96}, "# Demo\n\n| x | 1.14 |", "python demo.py", tmp_path)
     assert untraced("accuracy 5.8 % over 96 runs, +1.14 points", folder) == []
@@ -96,6 +102,8 @@ PARAMETERS = {
     r"\bdocs/theory\.md §\d+(?:\.\d+)?": "a section number of the theory notes",
     r"\bpass@\d+": "a metric's name",
     r"\b95 ?% (?:CIs?|confidence intervals?|t-intervals?)": "the confidence level of an interval",
+    r"\btau \d+(?:\.\d+)?\b": "an estimator's temperature setting",
+    r"\bResNet-50\b": "a model's name",
 }
 
 
@@ -137,8 +145,8 @@ def test_an_unfenced_figure_is_found():
         "MaxRL gains 1.3 points.\n| tau 0.5 | 6.9 % |\n\n## Performance\n\nsgrpo is 0.61x TRL.\n\n"
         "## Development\n\n1,075 tests.\n"
     )
-    assert unfenced_figures(text) == [("Comparing estimators", "1.3"), ("Comparing estimators", "0.5"),
-                                      ("Comparing estimators", "6.9"), ("Performance", "0.61")]  # fmt: skip
+    assert unfenced_figures(text) == [("Comparing estimators", "1.3"), ("Comparing estimators", "6.9"),
+                                      ("Performance", "0.61")]  # tau 0.5 is a setting (PARAMETERS)  # fmt: skip
 
 
 def test_tests_publish_outside_the_committed_artefacts():

@@ -22,6 +22,10 @@ def test_changes_name_each_key_and_a_new_class_in_one_line():
         "model.group_size: 4 -> 8",
     ]  # micro-batching changes how a step is computed, not what: not a change of experiment
     assert experiment_changes(record(), record()) == []
+    fused = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.001, "fused": True}}  # how AdamW steps, not
+    assert experiment_changes(record(), record(optimizer=fused)) == []  # what: a GPU run resumed on CPU, say
+    fused["init_args"]["lr"] = 0.002
+    assert experiment_changes(record(), record(optimizer=fused)) == ["model.optimizer.init_args.lr: 0.001 -> 0.002"]
     assert experiment_changes(record(), experiment_record({"group_size": 4}, seed=1))[-1] == "seed_everything: 0 -> 1"
 
 

@@ -14,12 +14,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from estimators import DrGRPO
 from sgrpo.export import main as export
 from sgrpo.fit import main
 from sgrpo.logprobs import completion_logprobs
+from sgrpo.loss import AGGREGATIONS, ClippedSurrogate
 from sgrpo.report import read_run_metrics
 from sgrpo.tiny import ensure_tiny_model
+from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.sharded_worker import PROBE, update
+from tests.test_eval_metrics import check_synced_metrics, check_two_sets_validate_as_one_process
+from tests.test_policy_gradients import MAX_NEW, G, flat, make_policy, rel_err
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -77,10 +82,13 @@ SCENARIOS = ("plain", "uneven", "kl_bf16")
 
 
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
-    """Six jobs in one 2-process launch (one interpreter start per process instead of six; each job builds its
-    own trainer and model): a sharded update in two scenarios, rollouts from the sharded model, a 3-step fit,
-    its resume to step 5 from the sharded checkpoint, and ``sgrpo.fit validate`` of that checkpoint. Each is
-    checked below by its own function."""
+    """Jobs in one 2-process launch (one interpreter start per process instead of one per job; each job builds
+    its own trainers and model): a sharded update in three scenarios, rollouts from the sharded model, the
+    evaluation metrics synced over the processes and a validation of two evaluation sets
+    (tests/test_eval_metrics.py), a DDP update per loss aggregation, a 3-step fit, its resume to step 5 from the
+    sharded checkpoint, a resume of it as another experiment (refused), ``sgrpo.fit validate`` of that
+    checkpoint, a bf16 fit with a KL, and LoRA fits and resumes under FSDP2 and DDP. Each is checked below by
+    its own function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
@@ -89,19 +97,30 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
         *chain(
             *(["update", model_dir, str(out / f"sharded_{s}"), "sharded", s] for s in SCENARIOS),
             ["decode", model_dir, str(out / "decode")],
+            ["metrics", str(out / "metrics")],
+            ["validate_sets", str(out / "sets")],
+            ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
             ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
             ["fit", str(root), model_dir, "5", "last", FUSED],
+            ["refused_resume", str(tmp_path / "refused"), model_dir, str(checkpoint)],
             ["validate", str(root), model_dir, str(checkpoint)],
             ["fit", str(bf16), str(SHIPPED), "2", "", *BF16_KL_FSDP],  # rewards vary: the update moves it
+            *lora_jobs(tmp_path),
         ),
         cwd=tmp_path,
+        timeout=480,  # 93 s measured with the machine at load average 10-12
     )
     for scenario in SCENARIOS:
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
+    check_synced_metrics(out / "metrics")
+    check_two_sets_validate_as_one_process(out / "sets", tmp_path)
+    check_two_ddp_processes_give_the_single_process_gradient(model_dir, out / "ddp")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
+    check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
+    check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
 
 
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each
@@ -179,6 +198,21 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
         assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
 
 
+def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out: Path) -> None:
+    """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
+    gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation."""
+    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+    for aggregation in AGGREGATIONS:
+        policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
+        run_steps(policy)
+        single = flat(policy.captured[0])
+        info = json.loads((out / f"grads_{aggregation}.json").read_text())
+        assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8], aggregation
+        assert rel_err(flat(torch.load(out / f"grads_{aggregation}.pt")), single) < 1e-6, aggregation
+        # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
+        assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
+
+
 def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:
     """A 3-step FSDP2 fit wrote one checkpoint shard per process; the resume picked up at step 3; the run's
     export and ``python -m sgrpo.export`` of the sharded checkpoint (gathered in this one process) both hold
@@ -197,6 +231,19 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
         model = AutoModelForCausalLM.from_pretrained(folder)
         torch.testing.assert_close(probe(model), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
         assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def check_a_resume_as_another_experiment_is_refused_in_one_line(root: Path) -> None:
+    """A resume with another estimator temperature is refused on every process (``ResumeError``) as on one: the
+    one-line error and exit 2, and the processes carry on (the launch's next jobs ran). Process 0 came a second
+    late: with the refusal taken for one process's error (``fail_fast``), process 1 ended the job first, in
+    ``os._exit(2)``, and process 0 was ended by its abort watch with exit 1."""
+    for rank in (0, 1):
+        refused = json.loads((root / f"refused.{rank}.json").read_text())
+        errors = [line for line in refused["stderr"].splitlines() if line.startswith("error: ")]
+        assert refused["code"] == 2 and len(errors) == 1, refused
+        assert "(ResumeError: it was trained as another experiment (" in errors[0], refused
+        assert "model.estimator.init_args.temperature: 0.5 -> 0.7" in errors[0] and "Traceback" not in refused["stderr"]
 
 
 def check_sharded_checkpoint_validates_with_its_strategy_only(model_dir: str, root: Path, checkpoint: Path, capsys):
@@ -247,32 +294,38 @@ def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_do
     assert two[two.index("Validation accuracy by difficulty") :] == table
 
 
-def test_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path):
+#: LoRA under FSDP2 and under DDP, each with a KL (its reference: the policy with its adapters off)
+LORA_RUNS = {"fsdp2": ["--model.loss.init_args.kl_coef=0.001"],
+             "ddp": ["--trainer.strategy=ddp", "--model.loss.init_args.kl_coef=0.001"]}  # fmt: skip
+
+
+def lora_jobs(tmp_path: Path) -> list[list[str]]:
+    """2 steps of each LoRA run, then its resume to 3 from the adapter-only checkpoint (the shipped model, whose
+    rewards vary: the random tiny model's are all 0, nothing would train)."""
+    fits = []
+    for strategy, extra in LORA_RUNS.items():
+        root = str(tmp_path / "lora" / strategy)
+        fits += [["fit", root, str(SHIPPED), "2", "", "--model.peft.rank=4", *extra],
+                 ["fit", root, str(SHIPPED), "3", "last", "--model.peft.rank=4", *extra]]  # fmt: skip
+    return fits
+
+
+def check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path: Path) -> None:
     """LoRA under FSDP2 (adapters sharded with their blocks, gathered for the weight snapshot and the export)
-    and under DDP, in one launch: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter
-    folder that reproduces the trained policy. With a KL, whose reference is the policy with its adapters off
-    (no second model): the adapters must still train after each reference pass. The shipped model, whose
-    rewards vary (the random tiny model's are all 0: nothing trained)."""
-    model_dir = str(SHIPPED)
+    and under DDP: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter folder that
+    reproduces the trained policy. With a KL, whose reference is the policy with its adapters off (no second
+    model): the adapters must still train after each reference pass."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    kl = "--model.loss.init_args.kl_coef=0.001"
-    runs = {"fsdp2": [kl], "ddp": ["--trainer.strategy=ddp", kl]}
-    fits = []
-    for strategy, extra in runs.items():
-        root = str(tmp_path / strategy)
-        fits += [["fit", root, model_dir, "2", "", "--model.peft.rank=4", *extra],
-                 ["fit", root, model_dir, "3", "last", "--model.peft.rank=4", *extra]]  # fmt: skip
-    launch(*chain(*fits), cwd=tmp_path)
-    for strategy in runs:
-        root = tmp_path / strategy
+    for strategy in LORA_RUNS:
+        root = tmp_path / "lora" / strategy
         # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole
         # model (the shards gathered), DDP's a file of the adapters
         export([str(root / "checkpoints" / "last.ckpt"), str(root / "exported")])
         assert (root / "checkpoints" / "last.ckpt").is_dir() == (strategy == "fsdp2")
         for folder in (root / "hf_model", root / "exported"):
-            exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
+            exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(SHIPPED), folder)
             want = torch.load(root / "probe_logprobs.pt")
             torch.testing.assert_close(probe(exported), want, atol=1e-6, rtol=1e-6, msg=f"{strategy}: {folder}")
         trained = load_file(root / "hf_model" / "adapter_model.safetensors")  # lora_B starts at 0

@@ -131,7 +131,9 @@ def test_polaris_evaluates_on_aime25_and_math500_without_their_problems_in_train
     assert len(train) == 5  # 8 rows less the AIME one, the MATH-500 one and its whitespace variant
     problems = {e.metadata["question"] for e in train}
     assert not problems & {e.metadata["question"] for e in validation}
-    assert [e.difficulty for e in validation] == ["aime25"] * 3 + ["math500"] * 3  # val/accuracy/<set>
+    assert [task.evaluation_set(e) for e in validation] == ["aime25"] * 3 + ["math500"] * 3  # val/<set>/accuracy
+    assert [e.difficulty for e in validation] == ["aime25"] * 3 + [2, 1, 1]  # MATH-500's level, else the set
+    assert {task.evaluation_set(e) for e in train} == {""}
     assert task.examples("test") == validation
     first = train[0]
     assert first.prompt == [{"role": "user", "content": "What is $1+2+\\cdots+10$?\nPlease reason step by step, and "

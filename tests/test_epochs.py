@@ -1,0 +1,88 @@
+"""Epochs as the stopping rule (``trainer.max_epochs`` with ``max_steps`` -1): an epoch is one pass over the train
+split's distinct prompts on every process, and a fit resumes mid-epoch and at an epoch's end as if never stopped."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from sgrpo.data import EpochStepBatches, StepBatches, stopping_rule_error
+from sgrpo.fit import main
+from sgrpo.types import Example
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = [Example(f"p{i}", str(i)) for i in range(10)]
+
+
+def prompts(stream: StepBatches, steps) -> list[list[str]]:
+    return [[ex.prompt for ex in stream.batch(step)] for step in steps]
+
+
+def test_an_epoch_is_one_pass_over_the_distinct_prompts_on_every_process():
+    """10 prompts, 4 per step: ceil(10 / 4) = 3 steps per epoch, the third completed by the epoch's first 2; each
+    epoch its own permutation; 2 processes split every step and, together, see each epoch's prompts."""
+    one = EpochStepBatches(EXAMPLES, 4, seed=3)
+    assert len(one) == 3
+    for epoch in range(3):
+        steps = prompts(one, range(3 * epoch, 3 * epoch + 3))
+        seen = [p for step in steps for p in step]
+        assert sorted(set(seen)) == sorted(ex.prompt for ex in EXAMPLES) and len(seen) == 12
+        assert steps[2][2:] == steps[0][:2]  # the repeated two: the epoch's first
+    assert prompts(one, range(3)) != prompts(one, range(3, 6))  # a fresh order per epoch
+    ranks = [EpochStepBatches(EXAMPLES, 4, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    for step in range(6):
+        halves = [p for rank in ranks for p in prompts(rank, [step])[0]]
+        assert sorted(halves) == sorted(prompts(one, [step])[0]) and all(len(prompts(r, [step])[0]) == 2 for r in ranks)
+    # an iteration is the rest of an epoch: from a resumed step, then epoch by epoch
+    resumed = EpochStepBatches(EXAMPLES, 4, seed=3, start_step=4)
+    assert [[ex.prompt for ex in b] for b in resumed] == prompts(one, [4, 5])
+    assert [[ex.prompt for ex in b] for b in resumed] == prompts(one, [6, 7, 8])
+
+
+def test_neither_steps_nor_epochs_is_refused_in_one_line_naming_both():
+    assert stopping_rule_error(-1, None) == (
+        "set trainer.max_steps (training steps) or trainer.max_epochs (passes over the train split's distinct "
+        "prompts, with max_steps -1): neither bounds the run"
+    )
+    assert stopping_rule_error(None, -1) is not None
+    assert stopping_rule_error(0, 5) == "trainer.max_steps must be >= 1, or -1 / unset for no limit, got 0"
+    assert stopping_rule_error(-1, 0) == "trainer.max_epochs must be >= 1, or -1 / unset for no limit, got 0"
+    assert stopping_rule_error(-1, 5) is None and stopping_rule_error(10, None) is None
+    assert stopping_rule_error(10, 2) is None  # whichever comes first
+
+
+def _fit(root: Path, *extra: str):
+    return main([
+        "--config", str(REPO / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={root}",
+        "--model.task.init_args.num_train=10", "--trainer.val_check_interval=100",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--model.log_completions_every=1", "--model.log_completions_groups=4",
+        *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_epoch_bounded_fit_stops_after_its_passes_and_resumes_mid_epoch(tmp_path):
+    """10 prompts, 4 per step (3 steps per epoch): stopped at step 2 (mid-epoch, by max_steps), resumed with
+    max_epochs 1 it takes the epoch's last step and stops (3 steps: one pass); resumed with max_epochs 2 from that
+    epoch's end it takes epoch 2's 3 steps. Every step is logged once, and every epoch trains on each prompt."""
+    _fit(tmp_path, "--trainer.max_steps=2", "--trainer.max_epochs=2")
+    one = _fit(tmp_path, "--trainer.max_steps=-1", "--trainer.max_epochs=1", "--ckpt_path=last")
+    assert one.model.rollout_step == 3 and one.trainer.current_epoch == 1
+    two = _fit(tmp_path, "--trainer.max_steps=-1", "--trainer.max_epochs=2", "--ckpt_path=last")
+    assert two.model.rollout_step == 6
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("step", r.get("resumed_at")) for r in records] == [0, 1, 2, 2, 3, 3, 4, 5]  # resumed_at 2, 3
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for line in (tmp_path / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]].add(row["prompt"])
+    train = {ex.prompt for ex in two.model.task.examples("train")}
+    assert len(train) == 10 and sorted(by_step) == list(range(6))
+    for epoch in (0, 1):
+        assert set().union(*(by_step[s] for s in range(3 * epoch, 3 * epoch + 3))) == train, epoch
+    stream = EpochStepBatches(list(two.model.task.examples("train")), 4, seed=0)  # the policy's seed
+    assert [by_step[s] for s in range(6)] == [{ex.prompt for ex in stream.batch(s)} for s in range(6)]
