@@ -3,6 +3,7 @@ benchmarks/head_to_head.py's tables and its figures."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,8 +44,15 @@ def accuracy(entry: dict, key: str) -> float:
 
 
 def budget_series(run_dir: Path, bucket: str) -> list[tuple[int, float]]:
-    series = read_metrics(run_dir / "lightning_logs" / "version_0" / "metrics.csv")
-    return series.get(f"train/budget/l1/{bucket}", [])
+    path = run_dir / "lightning_logs" / "version_0" / "metrics.csv"
+    return _metrics(path, path.stat().st_mtime_ns).get(f"train/budget/l1/{bucket}", [])
+
+
+@functools.lru_cache(maxsize=1024)
+def _metrics(path: Path, mtime_ns: int) -> dict:
+    """A run's metrics, read once per file version: a report asks for each bucket of each run several times (its
+    tables, the artefact's figures, the budget figure), 96 runs of the tail took minutes of CSV parsing."""
+    return read_metrics(path)
 
 
 def smooth(points: list[tuple[int, float]], window: int = 10) -> list[tuple[int, float]]:
@@ -140,3 +148,73 @@ def conclusion(results: dict[str, dict[int, dict]], specs: Sequence) -> str:
         lines.append(f"- Validation noise alone: the base model scores {low:.1f} to {high:.1f} % over the seeds "
                      "(same model, different validation sampling seeds).")  # fmt: skip
     return "\n".join(lines)
+
+
+def paired_p(diffs: list[float]) -> float:
+    """Two-sided p-value of the one-sample t-test of mean 0 on seed-paired differences:
+    ``p = 2 t_sf(|mean| sqrt(n) / sd, n - 1)`` (nan below 2 values; 0 when every difference is the same
+    nonzero value, 1 when all are 0)."""
+    from scipy.stats import t as student_t
+
+    n = len(diffs)
+    if n < 2:
+        return math.nan
+    d = torch.tensor(diffs, dtype=torch.float64)
+    mean, sd = float(d.mean()), float(d.std())
+    if sd == 0:
+        return 0.0 if mean != 0 else 1.0
+    return float(2 * student_t.sf(abs(mean) * math.sqrt(n) / sd, n - 1))
+
+
+def holm(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjusted p-values for m comparisons: with the p-values sorted ascending,
+    ``p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))``; reject at level a where ``p~ <= a``. It controls
+    the family-wise error as Bonferroni (``m p``) does and rejects at least as much. nan entries are left out
+    of m and stay nan."""
+    finite = sorted((p, k) for k, p in pvalues.items() if not math.isnan(p))
+    m, running, out = len(finite), 0.0, {k: math.nan for k in pvalues}
+    for j, (p, key) in enumerate(finite):
+        running = max(running, min(1.0, (m - j) * p))
+        out[key] = running
+    return out
+
+
+def seed_interval(values: list[float]) -> list[float]:
+    """``[mean, 95 % half-width]`` as plain floats, for an artefact's ``result``."""
+    return list(ci(values)) if values else [math.nan, math.nan]
+
+
+def key_figures(results, specs, out: Path) -> dict:
+    """The figures of a head-to-head report for its artefact: per estimator, ``[mean, 95 % half-width]`` over
+    seeds of the final mean accuracy over levels, its change from step 0, the final accuracy and pass@k per
+    level and overall, the mean L1 budget share per bucket, and the seed-paired difference of the final mean
+    against GRPO (``[mean, half-width, seeds]``); the base model's accuracies (step 0, one run per seed)."""
+    base = base_runs(results)
+    levels = list(base[0]["initial"]["by_difficulty"]) if base else []
+    figures = {"base": {"mean_over_levels": seed_interval([r["initial"]["mean_over_levels"] for r in base]),
+                        "by_difficulty": {lv: seed_interval([r["initial"]["by_difficulty"][lv] for r in base])
+                                          for lv in levels}},
+               "estimators": {}}  # fmt: skip
+    ref = next((s.label for s in specs if s.name == "GRPO" and not s.init_args and results[s.label]), None)
+    for spec in specs:
+        runs = results[spec.label]
+        if not runs:
+            continue
+        finals = [r["final"] for r in runs.values()]
+        ks = list(finals[0]["pass_at_k"])
+
+        def budget(bucket, runs=runs, spec=spec):
+            series = (budget_series(out / spec.slug / f"seed{s}", bucket) for s in runs)
+            return seed_interval([sum(v for _, v in pts) / len(pts) for pts in series if pts])
+
+        figures["estimators"][spec.label] = {
+            "seeds": sorted(runs),
+            "mean_over_levels": seed_interval([f["mean_over_levels"] for f in finals]),
+            "change": seed_interval([r["final"]["mean_over_levels"] - r["initial"]["mean_over_levels"]
+                                     for r in runs.values()]),
+            "by_difficulty": {lv: seed_interval([f["by_difficulty"][lv] for f in finals]) for lv in levels},
+            "pass_at_k": {k: seed_interval([f["pass_at_k"][k] for f in finals]) for k in ks},
+            "budget_l1": {b: budget(b) for b in BUDGET_BUCKETS},
+            "vs_grpo": list(paired(runs, results[ref])) if ref and spec.label != ref else None,
+        }  # fmt: skip
+    return figures

@@ -11,15 +11,26 @@ A benchmark run keeps its bulky outputs (run folders, checkpoints, figures) unde
 A README block that quotes an artefact is fenced by ``<!-- figures: benchmarks/reports/<name> -->`` and
 ``<!-- /figures -->``; ``tests/test_readme_figures.py`` checks that every number inside such a block
 occurs in that artefact (its report or its result values), so a figure without a source fails the tests.
+
+Every benchmark the README quotes ends with ``publish(name, result, report, command_line(__file__, argv))``
+unless run with ``--no-publish`` (``publish_option``); a benchmark that prints its tables captures them
+with ``recording()`` and publishes what it printed. The test suite points ``REPORTS`` at a temporary
+folder (``tests/conftest.py``), so tests that run a benchmark never overwrite the committed artefacts.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
+import io
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +81,49 @@ def publish(name: str, result: dict, report: str, command: str, root: Path | Non
 def load(name: str, root: Path | None = None) -> dict:
     """The published ``result.json`` of benchmark ``name``."""
     return json.loads(((root or REPORTS) / name / "result.json").read_text())
+
+
+def command_line(script: str | Path, argv: Sequence[str] | None = None, drop: Sequence[str] = ()) -> str:
+    """The command, from the repository root, that reruns ``script`` with ``argv`` (default ``sys.argv[1:]``),
+    without the flags in ``drop`` (ones that change where the outputs go, not the figures: ``--report-only``)."""
+    script = Path(script).resolve()
+    rel = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in {*drop, "--no-publish"}]
+    return shlex.join([".venv/bin/python", str(rel), *args])
+
+
+def publish_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--no-publish`` (keep the committed artefact as it is) to a benchmark's parser."""
+    parser.add_argument("--no-publish", action="store_true", help="do not write the artefact under benchmarks/reports/")
+    return parser
+
+
+def publish_run(args: argparse.Namespace, name: str, result: dict, report: str, script: str | Path,
+                argv: Sequence[str] | None = None, drop: Sequence[str] = ()) -> Path | None:  # fmt: skip
+    """What every benchmark calls at its end: ``publish`` its figures under ``name`` with the command that
+    reran it (``command_line(script, argv, drop)``), unless ``args.no_publish``. Returns the folder or None."""
+    if getattr(args, "no_publish", False):
+        return None
+    return publish(name, result, report, command_line(script, argv, drop))
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes through to ``stream`` and keeps a copy."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[io.StringIO]:
+    """Capture what the block prints to stdout (still printing it); the yielded buffer holds the copy."""
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield tee.copy

@@ -37,7 +37,10 @@ Threads: one by default. The tensors are tiny (8 x 5 x 100 x 10), so intra-op th
 synchronisation: on the project's loaded 2-core machine the default run took 1.4 s with one thread
 and 20 s with two.
 
-    python benchmarks/bandit.py [--steps 300] [--seeds 5] [--seed 0] [--lr 0.01] [--lr-norm objective]
+    python benchmarks/bandit.py [--steps 300] [--seeds 5] [--seed 0] [--lr 0.01] [--lr-norm objective] [--no-publish]
+
+The tables and their figures (``result``: per estimator, mean and half-width of each cell) are published to
+``benchmarks/reports/bandit/`` (``benchmarks/artefact.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ sys.path.insert(0, str(_ROOT))
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from benchmarks import artefact  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     SHOWN_BUCKETS,
     Entry,
@@ -137,6 +141,29 @@ def train(entries: list[Entry], args: argparse.Namespace) -> Run:
 # ---------------------------------------------------------------------------------------------- report
 def pm(mean: Tensor, half: Tensor, fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(float(mean))} ± {fmt.format(float(half))}"
+
+
+def interval(samples: Tensor) -> list[float]:
+    """``[mean, 95 % half-width]`` over seeds, as plain floats (the artefact's cells)."""
+    return [float(v) for v in t_interval(samples)]
+
+
+def key_figures(entries: list[Entry], run: Run, args: argparse.Namespace) -> dict:
+    """The artefact's ``result``: per estimator, [mean, half-width] of final pass@1 and pass@G overall and
+    per initial pass rate, and the pooled L1 / L2 near-solved/hard budget ratios."""
+    final, g = run.pass_rate[-1], args.group_size  # [E, S, P]
+    pooled = run.mass.sum(1)  # [E, 2, buckets]
+    out = {"levels": list(args.levels), "steps": args.steps, "seeds": args.seeds, "group_size": g, "estimators": {}}
+    for i, e in enumerate(entries):
+        out["estimators"][e.label] = {
+            "pass@1": interval(final[i].mean(-1)),
+            f"pass@{g}": interval((1 - (1 - final[i]) ** g).mean(-1)),
+            "pass@1_by_p0": {f"{p:g}": interval(final[i][:, run.level == j].mean(-1))
+                             for j, p in enumerate(args.levels)},  # fmt: skip
+            "near/hard": {"l1": float(pooled[i, 0, NEAR] / pooled[i, 0, HARD]),
+                          "l2": float(pooled[i, 1, NEAR] / pooled[i, 1, HARD])},  # fmt: skip
+        }
+    return out
 
 
 def tables(entries: list[Entry], run: Run, args: argparse.Namespace) -> list[str]:
@@ -269,7 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the tensors are tiny)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
-    return parser.parse_args(argv)
+    return artefact.publish_option(parser).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,14 +307,16 @@ def main(argv: list[str] | None = None) -> None:
     run = train(entries, args)
     sections = tables(entries, run, args)
     print("\n\n".join(sections))
-    written = [write_markdown(args.out / "results.md", "Tabular bandit: estimators head to head", sections)]
+    title = "Tabular bandit: estimators head to head"
+    written = [write_markdown(args.out / "results.md", title, sections)]
     if not args.no_plots:
         use_agg_backend()
         written += plot_all(entries, run, args, args.out)
-    print(
-        f"\n{len(entries)} estimators x {args.seeds} seeds x {args.steps} steps: training {run.seconds:.1f} s, "
-        f"total {time.perf_counter() - start:.1f} s wall; wrote {', '.join(map(str, written))}"
-    )
+    timing = (f"{len(entries)} estimators x {args.seeds} seeds x {args.steps} steps: training {run.seconds:.1f} s, "
+              f"total {time.perf_counter() - start:.1f} s wall")  # fmt: skip
+    report = f"# {title}\n\n" + "\n\n".join([*sections, timing])
+    written.append(artefact.publish_run(args, "bandit", key_figures(entries, run, args), report, __file__, argv))
+    print(f"\n{timing}; wrote {', '.join(str(p) for p in written if p)}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ It prints (never asserts):
    machine, other processes inflate the wall time (each multi-threaded kernel waits for a CPU);
 2. the table of c_G(p) for G = 8 (docs/theory.md §8.1), computed by the library's exact
    ``population_weight``, with c(0+) and c(1-) as its values at p = 0 and p = 1.
+
+What it prints is published to ``benchmarks/reports/estimators/`` (``benchmarks/artefact.py``; ``--no-publish``
+skips it), with the wall and CPU milliseconds of the speed table and the c_G(p) rows as its ``result``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
+from benchmarks import artefact  # noqa: E402
 from estimators import ESTIMATORS, GRPO, AdvantageEstimator, MaxRL, SoftmaxGRPO  # noqa: E402
 
 N_GROUPS, GROUP_SIZE = 100_000, 16
@@ -78,7 +82,7 @@ def median_ms(fn, warmup: int, repeats: int) -> tuple[float, float]:
     return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
 
 
-def speed_table(warmup: int, repeats: int) -> None:
+def speed_table(warmup: int, repeats: int) -> dict[str, dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
     inputs = {
         "binary": (torch.rand(N_GROUPS, GROUP_SIZE, generator=gen) < 0.5).to(torch.float32),
@@ -92,24 +96,30 @@ def speed_table(warmup: int, repeats: int) -> None:
     )
     print("| estimator | binary wall (ms) | binary CPU (ms) | uniform wall (ms) | uniform CPU (ms) | target |")
     print("|---|---:|---:|---:|---:|---|")
+    out = {}
     for est in instances(SPEED_ARGS):
         ms = {name: median_ms(lambda r=r, est=est: est(r), warmup, repeats) for name, r in inputs.items()}
         verdict = "ok" if max(wall for wall, _ in ms.values()) < TARGET_MS else "SLOW"
         (bw, bc), (uw, uc) = ms["binary"], ms["uniform"]
         print(f"| {label(est)} | {bw:.1f} | {bc:.1f} | {uw:.1f} | {uc:.1f} | {verdict} |")
+        out[label(est)] = {"binary_wall_ms": bw, "binary_cpu_ms": bc, "uniform_wall_ms": uw, "uniform_cpu_ms": uc}
+    return out
 
 
-def weight_table(group_size: int = 8) -> None:
+def weight_table(group_size: int = 8) -> dict[str, list[float]]:
     ps = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
     print(f"\n### c_G(p) for G = {group_size} (exact, from population_weight; docs/theory.md §8.1)\n")
     head = " | ".join(f"p={p:g}" for p in ps.tolist())
     print(f"| estimator | {head} | c(0+) | c(1-) |")
     print("|---|" + "---:|" * (len(ps) + 2))
+    out = {}
     for est in instances(TABLE_ARGS):
         c = est.population_weight(ps, group_size).tolist()
         ends = est.population_weight(torch.tensor([0.0, 1.0], dtype=torch.float64), group_size).tolist()
         cells = " | ".join(f"{v:.4f}" for v in c)
         print(f"| {label(est)} | {cells} | {ends[0]:.3f} | {ends[1]:.3f} |")
+        out[label(est)] = [*c, *ends]
+    return out
 
 
 def main() -> None:
@@ -117,10 +127,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=11)
-    args = parser.parse_args()
+    args = artefact.publish_option(parser).parse_args()
     torch.set_num_threads(args.threads)
-    speed_table(args.warmup, args.repeats)
-    weight_table()
+    with artefact.recording() as printed:
+        result = {"speed": speed_table(args.warmup, args.repeats), "c_G8": weight_table()}
+    report = "# Advantage estimators: speed and c_G(p)\n\n" + printed.getvalue()
+    artefact.publish_run(args, "estimators", result, report, __file__)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ the runner-up and GRPO, pass@k, gradient budget shares, run times) with ``accura
 
     python benchmarks/head_to_head.py [--steps 200] [--seeds 0 1 2] [--estimators SPEC ...] [--jobs 2]
     python benchmarks/head_to_head.py --report-only          # rebuild the report from finished runs
+
+The report, with its figures as ``result`` (``_h2h_stats.key_figures``), is published to
+``benchmarks/reports/head_to_head/`` (``benchmarks/artefact.py``; ``--no-publish`` skips it).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench
 sys.path.insert(0, str(_ROOT))
 
 
+from benchmarks import artefact  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table, use_agg_backend  # noqa: E402
 from benchmarks._common import write_markdown as _write_markdown  # noqa: E402
 from benchmarks._h2h_figures import plot_budget, plot_curves, plot_final, plot_pass  # noqa: E402
@@ -70,6 +74,7 @@ from benchmarks._h2h_stats import (  # noqa: E402
     budget_series,
     conclusion,
     fmt,
+    key_figures,
     mean_over_levels,
     paired,
     pass_ks,
@@ -468,7 +473,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (OMP_NUM_THREADS)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="run folders and the report")
     parser.add_argument("--report-only", action="store_true", help="no training: report the finished runs")
-    args = parser.parse_args(argv)
+    args = artefact.publish_option(parser).parse_args(argv)
     args.val_every = min(args.val_every, args.steps)
     if args.steps < 1 or args.steps % args.val_every:
         parser.error(f"--steps ({args.steps}) must be a positive multiple of --val-every ({args.val_every}), "
@@ -490,6 +495,9 @@ def main(argv: list[str] | None = None) -> Path:
     started = time.perf_counter()
     results = run_all(specs, args)
     path = write_report(results, specs, args)
+    if any(results.values()):  # the command without --report-only: it reruns (or reuses) the runs themselves
+        artefact.publish_run(args, "head_to_head", key_figures(results, specs, args.out), path.read_text(), __file__,
+                             argv, drop=("--report-only",))  # fmt: skip
     print(f"\n{path.read_text().split('## pass@k')[0]}report: {path} ({(time.perf_counter() - started) / 60:.1f} min)")
     return path
 

@@ -27,8 +27,11 @@ p_l (levels homogeneous). And the estimator's ``population_weight`` c_G(p_l) at 
 share sum_{l hard} c_G(p_l) / sum_l c_G(p_l) of the expected update (weight on grad p) given to levels 7-9.
 
     python benchmarks/head_to_head_tail.py              # the full protocol (37.5 min on 2 shared cores), resumes
-    python benchmarks/head_to_head_tail.py --report-only
     python benchmarks/head_to_head_tail.py --quick      # 2 estimators x 1 seed x 2 steps: a smoke test
+
+The report, with its figures as ``result``, is published to ``benchmarks/reports/head_to_head_tail/``
+(``benchmarks/artefact.py``; ``--no-publish`` skips it) under the protocol's command: ``--report-only``
+publishes the finished runs' figures as the full protocol would, since they are its runs.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks import artefact  # noqa: E402
 from benchmarks import head_to_head as h2h  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
-from benchmarks._h2h_stats import budget_series, ci, fmt  # noqa: E402
+from benchmarks._h2h_stats import budget_series, ci, fmt, holm, key_figures, paired_p, seed_interval  # noqa: E402
 from estimators import BUCKETS, difficulty_bucket  # noqa: E402
 from estimators.base import binomial_pmf  # noqa: E402
 
@@ -151,33 +155,56 @@ def hard_pass(result: dict, levels: list[str], k: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def primary_section(results, specs, proto) -> str:
+def paired_stats(results, specs, metric) -> dict[str, dict]:
+    """Per estimator but GRPO (first in the roster): the seed-paired difference against GRPO of ``metric(run)``:
+    mean, 95 % half-width, sd, seeds, t-test p and Holm's p over the comparisons (``_h2h_stats.holm``)."""
+    ref, stats = specs[0].label, {}
+    for spec in specs[1:]:
+        common = sorted(set(results[spec.label]) & set(results[ref]))
+        if not common:
+            continue
+        diffs = [metric(results[spec.label][s]) - metric(results[ref][s]) for s in common]
+        mean, half = ci(diffs)
+        sd = float(torch.tensor(diffs, dtype=torch.float64).std()) if len(diffs) > 1 else math.nan
+        stats[spec.label] = {"mean": mean, "half": half, "sd": sd, "seeds": len(diffs), "p": paired_p(diffs)}
+    for label, adjusted in holm({k: v["p"] for k, v in stats.items()}).items():
+        stats[label]["holm_p"] = adjusted
+    return stats
+
+
+def _verdict(stat: dict) -> str:
+    """``yes (Holm)``: Holm p <= 0.05; ``yes (95 % only)``: only the unadjusted interval excludes 0; ``no``."""
+    if math.isnan(stat["half"]):
+        return ""
+    return "yes (Holm)" if stat["holm_p"] <= 0.05 else "yes (95 % only)" if abs(stat["mean"]) > stat["half"] else "no"
+
+
+def primary_section(results, specs, proto) -> tuple[str, dict]:
     levels, target = proto["primary_levels"], proto["target_half_width"]
-    ref = specs[0].label  # GRPO, first in the roster
-    rows, halves = [], []
+    stats = paired_stats(results, specs, lambda r: primary(r, levels))
+    base = [primary({"final": r["initial"]}, levels) for r in h2h.base_runs(results)]  # step 0, one run per seed
+    rows, figures = [["base model (step 0)", fmt(base), len(base), *[""] * 8]], {"base": seed_interval(base)}
     for spec in specs:
         runs = results[spec.label]
         if not runs:
             continue
         values = [primary(r, levels) for r in runs.values()]
+        figures[spec.label] = {"accuracy": seed_interval(values), "vs_grpo": stats.get(spec.label)}
         row = [spec.label, fmt(values), len(values)]
-        if spec.label != ref:
-            diffs = [primary(runs[s], levels) - primary(results[ref][s], levels)
-                     for s in sorted(set(runs) & set(results[ref]))]  # fmt: skip
-            mean, half = ci(diffs)
-            sd = float(torch.tensor(diffs, dtype=torch.float64).std()) if len(diffs) > 1 else math.nan
-            need = seeds_needed(sd, 0.01) if not math.isnan(sd) else None
-            sig = "" if math.isnan(half) else ("yes" if abs(mean) > half else "no")
-            halves.append(half)
-            lo, hi = 100 * (mean - half), 100 * (mean + half)
-            row += [f"{100 * mean:+.2f}", f"± {100 * half:.2f}", f"[{lo:+.2f}, {hi:+.2f}]", sig,
-                    f"{100 * sd:.2f}", need if need is not None else "> 10,000"]  # fmt: skip
+        if spec.label in stats:
+            st = stats[spec.label]
+            need = seeds_needed(st["sd"], 0.01) if not math.isnan(st["sd"]) else None
+            st["seeds_for_1pt"] = need
+            lo, hi = 100 * (st["mean"] - st["half"]), 100 * (st["mean"] + st["half"])
+            row += [f"{100 * st['mean']:+.2f}", f"± {100 * st['half']:.2f}", f"[{lo:+.2f}, {hi:+.2f}]",
+                    f"{st['p']:.3f}", f"{st['holm_p']:.3f}", _verdict(st), f"{100 * st['sd']:.2f}",
+                    need if need is not None else "> 10,000"]  # fmt: skip
         else:
-            row += ["(reference)", "", "", "", "", ""]
+            row += ["(reference)", "", "", "", "", "", "", ""]
         rows.append(row)
     header = ["estimator", f"accuracy on levels {', '.join(levels)}", "seeds", "Δ vs GRPO (pts)", "95 % half-width",
-              "95 % CI", "significant", "sd of Δ (pts)", "seeds for ± 1 pt"]  # fmt: skip
-    finite = [h for h in halves if not math.isnan(h)]
+              "95 % CI", "p", "Holm p", "significant", "sd of Δ (pts)", "seeds for ± 1 pt"]  # fmt: skip
+    finite = [st["half"] for st in stats.values() if not math.isnan(st["half"])]
     worst = max(finite) if finite else math.nan
     verdict = (
         "no interval (fewer than 2 paired seeds)"
@@ -185,54 +212,56 @@ def primary_section(results, specs, proto) -> str:
         else f"largest achieved half-width **± {100 * worst:.2f} pts** against the target ± {100 * target:.1f}: "
         + ("met" if worst <= target else "**not met**")
     )
-    return (
+    text = (
         markdown_table(header, rows)
         + f'\n\nPower: {verdict}. "seeds for ± 1 pt" = smallest n with t(0.975, n-1) sd / sqrt(n) <= 1 pt at the '
-        "measured sd of the paired differences. Seven comparisons against one reference: at 95 % each, "
-        'if none differed, about 30 % of such tables (1 - 0.95^7) would show a spurious "yes" '
-        "(Bonferroni would ask for the 99.3 % interval)."
+        f"measured sd of the paired differences. {len(stats)} comparisons against one reference: at 95 % each, "
+        f'if none differed, about {100 * (1 - 0.95 ** len(stats)):.0f} % of such tables would show a spurious "yes". '
+        "p: two-sided paired t-test; Holm p: Holm's step-down adjustment over these comparisons (family-wise "
+        'error 5 %: "yes (Holm)" where Holm p <= 0.05; "yes (95 % only)": the unadjusted interval excludes 0, '
+        "Holm's test does not)."
     )
+    return text, figures
 
 
-def pass_section(results, specs, proto) -> str:
+def pass_section(results, specs, proto) -> tuple[str, dict]:
     first = next(r for runs in results.values() for r in runs.values())
     by_level = first["final"].get("pass_at_k_by_difficulty") or {}
     if not by_level:
-        return "(these runs did not log pass@k by difficulty)"
+        return "(these runs did not log pass@k by difficulty)", {}
     levels = list(by_level)
     kmax = list(by_level[levels[0]])[-1]
-    rows = []
+    rows, figures = [], {"k": kmax, "by_level": {}}
     for spec in specs:
         runs = list(results[spec.label].values())
         if runs:
-            rows.append([spec.label, *(f"{fmt([r['final']['pass_at_k_by_difficulty'][lv]['1'] for r in runs])} / "
-                                       f"{fmt([r['final']['pass_at_k_by_difficulty'][lv][kmax] for r in runs])}"
-                                       for lv in levels)])  # fmt: skip
-    hard, ref = proto["primary_levels"], specs[0].label
-    lines = []
-    for spec in specs[1:]:
-        common = sorted(set(results[spec.label]) & set(results[ref]))
-        if len(common) > 1:
-            d = [hard_pass(results[spec.label][s], hard, kmax) - hard_pass(results[ref][s], hard, kmax) for s in common]
-            mean, half = ci(d)
-            star = " \\*" if abs(mean) > half else ""
-            lines.append(f"| {spec.label} | {100 * mean:+.2f} ± {100 * half:.2f}{star} |")
+            cells = {lv: [[r["final"]["pass_at_k_by_difficulty"][lv][k] for r in runs] for k in ("1", kmax)]
+                     for lv in levels}  # fmt: skip
+            figures["by_level"][spec.label] = {lv: [seed_interval(c) for c in pair] for lv, pair in cells.items()}
+            rows.append([spec.label, *(f"{fmt(one)} / {fmt(top)}" for one, top in cells.values())])
+    hard = proto["primary_levels"]
+    stats = paired_stats(results, specs, lambda r: hard_pass(r, hard, kmax))
+    figures["hard_vs_grpo"] = stats
+    lines = [f"| {label} | {100 * st['mean']:+.2f} ± {100 * st['half']:.2f} | {st['p']:.3f} | {st['holm_p']:.3f} | "
+             f"{_verdict(st)} |" for label, st in stats.items() if st["seeds"] > 1]  # fmt: skip
     table2 = (
-        f"\n\nPaired Δ pass@{kmax} on levels {', '.join(hard)} vs GRPO (pts, 95 % CI; \\* excludes 0):\n\n"
-        f"| estimator | Δ pass@{kmax} |\n|---|---:|\n" + "\n".join(lines)
+        f"\n\nPaired Δ pass@{kmax} on levels {', '.join(hard)} vs GRPO (pts, mean ± 95 % half-width; p: paired "
+        "t-test; Holm p over these comparisons):\n\n"
+        f"| estimator | Δ pass@{kmax} | p | Holm p | significant |\n|---|---:|---:|---:|---|\n" + "\n".join(lines)
         if lines
         else ""
     )
-    return (
+    text = (
         f"Final pass@1 / pass@{kmax} per level (unbiased, {kmax} samples per prompt; mean ± 95 % CI over seeds):\n\n"
         + markdown_table(["estimator", *(f"level {lv}" for lv in levels)], rows)
         + table2
     )
+    return text, figures
 
 
-def budget_section(results, specs, proto, out: Path) -> str:
+def budget_section(results, specs, proto, out: Path) -> tuple[str, dict]:
     g, hard = proto["group_size"], proto["primary_levels"]
-    rows = []
+    rows, figures = [], {}
     for spec in specs:
         runs = results[spec.label]
         if not runs:
@@ -261,11 +290,13 @@ def budget_section(results, specs, proto, out: Path) -> str:
             return f"{100 * meas.get(b, math.nan):.1f} / {100 * hist.get(b, math.nan):.1f} / {100 * lev[b]:.1f}"
 
         share = sum(c_share) / len(c_share)
+        figures[spec.label] = {"measured": meas, "from_histogram": hist, "from_levels": lev, "max_gap_histogram": gap,
+                               "max_gap_levels": gap_lev, "c_share_hard": share}  # fmt: skip
         rows.append([spec.label, cell("hard"), cell("mid_hard"), cell("half"), cell("near_solved"),
                      f"{100 * gap:.1f}", f"{100 * gap_lev:.1f}", f"{100 * share:.1f}"])  # fmt: skip
     header = ["estimator", "hard", "mid-hard", "half", "near-solved", "max gap, histogram (pts)",
               "max gap, levels (pts)", f"c_G share of levels {', '.join(hard)}"]  # fmt: skip
-    return (
+    text = (
         "L1 share of |A| per bucket, **measured** during training (mean over steps and seeds) / **predicted** from "
         "the validation success-count histogram / **predicted** from Bin(G, p_level) at the measured per-level "
         'accuracies (both: trapezoid average over the run\'s validations, mean over seeds), percent. "max gap": '
@@ -273,8 +304,13 @@ def budget_section(results, specs, proto, out: Path) -> str:
         "sum_l c_G(p_l) (the estimator's population_weight at the measured per-level accuracies).\n\n"
         + markdown_table(header, rows)
         + "\n\nA per-step share is a ratio of masses over that step's 16 groups, averaged over steps; the "
-        "predictions are ratios of expectations, so a small gap remains even when the theory holds."
+        "predictions are ratios of expectations, so a small gap remains even when the theory holds. What the "
+        "histogram column tests: with a binary reward a group's |A| are a fixed function of its success count K "
+        "(the estimator's table B1(K)), so measured and histogram-predicted shares are the same function of two "
+        "success-count histograms (training groups against validation samples); their agreement says the two "
+        "histograms agree, not that the estimator's theory holds beyond its own table."
     )
+    return text, figures
 
 
 def measured_shares(run_dir: Path) -> dict[str, float]:
@@ -314,7 +350,7 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, default=None, help="run folders and report (default: the protocol's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--report-only", action="store_true", help="no training: report the finished runs")
-    return parser.parse_args(argv)
+    return artefact.publish_option(parser).parse_args(argv)
 
 
 def run_protocol(proto: dict, out: Path, jobs: int, report_only: bool):
@@ -346,17 +382,26 @@ def main(argv: list[str] | None = None) -> Path:
     results, specs, path = run_protocol(proto, out, opts.jobs, opts.report_only)
     if not any(results.values()):
         return path
+    primary_text, primary_figures = primary_section(results, specs, proto)
+    (pass_text, pass_figures), (budget_text, budget_figures) = pass_section(results, specs, proto), budget_section(
+        results, specs, proto, out)  # fmt: skip
+    done, planned = sum(map(len, results.values())), len(specs) * len(proto["seeds"])
+    partial = f"\n\n**Partial: {done} of {planned} runs finished**; every table is over those runs." * (done < planned)
     ours = [
-        "## Protocol\n\n" + protocol_section(proto, opts.quick),
+        "## Protocol\n\n" + protocol_section(proto, opts.quick) + partial,
         f"## Primary: final accuracy on levels {', '.join(proto['primary_levels'])}, paired against GRPO\n\n"
-        + primary_section(results, specs, proto),
-        "## pass@1 and pass@k by difficulty\n\n" + pass_section(results, specs, proto),
-        "## Gradient budget: theory against practice\n\n" + budget_section(results, specs, proto, out),
+        + primary_text,
+        "## pass@1 and pass@k by difficulty\n\n" + pass_text,
+        "## Gradient budget: theory against practice\n\n" + budget_text,
     ]
     title, _, rest = path.read_text().partition("\n## Setup")
     text = title.replace("the quickstart task", "the sort 3..9 tail") + "\n" + "\n\n".join(ours) + "\n\n## Setup" + rest
     path.write_text(text)
     (out / "protocol.json").write_text(json.dumps(proto, indent=1) + "\n")
+    figures = {"protocol": proto, "runs_finished": done, "runs_planned": planned, "primary": primary_figures,
+               "runs": key_figures(results, specs, out), "pass": pass_figures, "budget": budget_figures}  # fmt: skip
+    artefact.publish_run(opts, "head_to_head_tail" + "_quick" * opts.quick, figures, text, __file__,
+                         ["--quick"] if opts.quick else [])  # fmt: skip
     print("\n\n".join(ours) + f"\n\nreport: {path}")
     return path
 

@@ -4,7 +4,9 @@
 
 Each path runs in a fresh process; the figure is the growth of its peak RSS over the model and inputs
 (ru_maxrss). The chunked path is sgrpo's ``completion_logprobs``; the reference materialises
-``[N, T, vocab]`` logits and a log-softmax the way a plain implementation does. Prints, never asserts.
+``[N, T, vocab]`` logits and a log-softmax the way a plain implementation does. Prints, never asserts;
+what it prints is published to ``benchmarks/reports/logprob_memory/`` (``benchmarks/artefact.py``;
+``--no-publish`` skips it), each path's peak growth and time as its ``result``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import artefact  # noqa: E402
 
 
 def measure(path: str, vocab: int, rows: int, tokens: int, chunk: int | None) -> dict[str, float]:
@@ -62,10 +65,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: sgrpo's 128 MiB of logits)")
     parser.add_argument("--worker", choices=["chunked", "full"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = artefact.publish_option(parser).parse_args()
     if args.worker:
         print(json.dumps(measure(args.worker, args.vocab, args.rows, args.tokens, args.chunk)))
         return
+    with artefact.recording() as printed:
+        results = compare(args)
+    report = "# Log-prob memory: chunked against full logits\n\n" + printed.getvalue()
+    artefact.publish_run(args, "logprob_memory", results, report, __file__)
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Run both paths in fresh processes, print the table; return each path's figures and their ratio."""
     results = {}
     for path in ("chunked", "full"):
         cmd = [
@@ -93,7 +104,9 @@ def main() -> None:
         if r:
             print(f"| {path} | {r['peak_growth_mib']:,.0f} | {r['seconds']:.2f} |")
     if results.get("chunked") and results.get("full"):
-        print(f"ratio chunked / full: {results['chunked']['peak_growth_mib'] / results['full']['peak_growth_mib']:.3f}")
+        results["ratio"] = results["chunked"]["peak_growth_mib"] / results["full"]["peak_growth_mib"]
+        print(f"ratio chunked / full: {results['ratio']:.3f}")
+    return results
 
 
 if __name__ == "__main__":

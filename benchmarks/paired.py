@@ -22,7 +22,9 @@ between an estimator's gradients on two batches: the sampling noise that pairing
 Outputs in ``--out`` (default ``benchmarks/results/paired/``): ``results.md``, ``cosine.png`` and
 ``budget.png``; tables are printed. Memory: the score matrix is N x parameters floats (68 MB here).
 
-    python benchmarks/paired.py [--prompts 16] [--group-size 8] [--seed 0] [--model PATH --reward task]
+    python benchmarks/paired.py [--prompts 16] [--group-size 8] [--seed 0] [--model PATH --reward task] [--no-publish]
+
+The tables are published to ``benchmarks/reports/paired/`` (``benchmarks/artefact.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(_ROOT))
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from benchmarks import artefact  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     SHOWN_BUCKETS,
     Entry,
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small tensors)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
-    args = parser.parse_args(argv)
+    args = artefact.publish_option(parser).parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     model, tokenizer = load_policy(args.model, args.seed)
@@ -317,11 +320,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     sections.insert(0, setup)
     print("\n\n".join(sections))
-    written = [write_markdown(args.out / "results.md", "Paired estimator comparison on one rollout batch", sections)]
+    title = "Paired estimator comparison on one rollout batch"
+    written = [write_markdown(args.out / "results.md", title, sections)]
     if not args.no_plots:
         use_agg_backend()
         written += plot_all(args.out, data, args)
-    print(f"\ntotal {time.perf_counter() - start:.1f} s wall; wrote {', '.join(map(str, written))}")
+    result = {"labels": data["labels"], "cosine": data["cos"].tolist(), "surrogate_check": check,
+              "l1_share": data["adv_share"].tolist(), "grad_norm_share": data["grad_share"].tolist()}  # fmt: skip
+    report = f"# {title}\n\n" + "\n\n".join(sections)
+    written.append(artefact.publish_run(args, "paired", result, report, __file__, argv))
+    print(f"\ntotal {time.perf_counter() - start:.1f} s wall; wrote {', '.join(str(p) for p in written if p)}")
 
 
 if __name__ == "__main__":

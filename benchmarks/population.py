@@ -17,7 +17,9 @@ Outputs (default ``benchmarks/results/population/``): ``tables.md`` and the figu
 ``budget_shares.png`` and ``expected_budget.png``. The tables are also printed.
 ``tests/test_benchmarks_population.py`` checks these tables against independently computed reference numbers.
 
-    python benchmarks/population.py [--out DIR] [--no-plots]
+    python benchmarks/population.py [--out DIR] [--no-plots] [--no-publish]
+
+The tables are published to ``benchmarks/reports/population/`` (``benchmarks/artefact.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(_ROOT))
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from benchmarks import artefact  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     SHOWN_BUCKETS,
     Entry,
@@ -198,6 +201,13 @@ def tables() -> list[str]:
     return sections
 
 
+def key_figures() -> dict:
+    """The artefact's ``result``: c_G(p) at G = 8 (then c(0+), c(1-)) and the L1 / L2 budget shares of
+    ``SHOWN_BUCKETS`` (then near/hard) under p ~ U(0, 1) at G = 8 and 16, per estimator."""
+    return {"p": list(P_TABLE), "c_G8": weights(table_entries(), 8),
+            "budget_shares": {f"G{g}": share_rows(roster(), g) for g in (8, 16)}}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- figures
 def plot_weights(out: Path) -> Path:
     import matplotlib.pyplot as plt
@@ -316,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small tensors)")
-    args = parser.parse_args(argv)
+    args = artefact.publish_option(parser).parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     sections = tables()
@@ -327,7 +337,9 @@ def main(argv: list[str] | None = None) -> None:
         use_agg_backend()
         for plot in (plot_weights, plot_objectives, plot_large_group, plot_budget_shares, plot_expected_budget):
             written.append(plot(args.out))
-    print(f"\nwrote {', '.join(str(p) for p in written)} in {time.perf_counter() - start:.1f} s")
+    report = "# Population theory of the advantage estimators\n\n" + "\n\n".join(sections)
+    written.append(artefact.publish_run(args, "population", key_figures(), report, __file__, argv))
+    print(f"\nwrote {', '.join(str(p) for p in written if p)} in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

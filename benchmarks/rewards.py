@@ -15,7 +15,9 @@ Run with ``.venv/bin/python benchmarks/rewards.py [--n 512] [--repeats 3] [--wor
    match) in this process, on 60-word poems scored against 60-word references (copies with words
    swapped or dropped, and unrelated poems).
 
-The header prints the load average: on a shared machine other processes slow every row.
+The header prints the load average: on a shared machine other processes slow every row. What it prints is
+published to ``benchmarks/reports/rewards/`` (``benchmarks/artefact.py``; ``--no-publish`` skips it), each
+row's seconds per batch and completions per second as its ``result``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
+from benchmarks import artefact  # noqa: E402
 from sgrpo.types import Example  # noqa: E402
 from tasks import (  # noqa: E402
     Bleu,
@@ -155,11 +158,18 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=512, help="completions per batch (default 512)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per reward, after a warm-up (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="math-verify pool processes (default 2)")
-    args = parser.parse_args()
+    args = artefact.publish_option(parser).parse_args()
+    with artefact.recording() as printed:
+        rows = measure(args)
+    result = {name: {"seconds": seconds, "per_s": args.n / seconds} for name, _, seconds in rows}
+    artefact.publish_run(args, "rewards", result, printed.getvalue(), __file__)
 
+
+def measure(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """Print the header and the table; return its rows (name, batch, seconds per batch)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     libs = ", ".join(f"{p} {version(p)}" for p in ("math-verify", "sympy", "sacrebleu", "rouge-score", "rapidfuzz"))
-    print(f"### Reward throughput: batches of {args.n}, median of {args.repeats} runs")
+    print(f"# Reward throughput: batches of {args.n}, median of {args.repeats} runs")
     print(f"{os.cpu_count()} CPUs, load average {load}; {libs}\n")
 
     math_examples, responses, right = deepmath_batch(args.n)
@@ -188,6 +198,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for name, detail, seconds in rows:
         print(f"| {name} | {detail} | {seconds:.3f} | {args.n / seconds:,.0f} | {1000 * seconds / args.n:.3f} |")
+    return rows
 
 
 if __name__ == "__main__":

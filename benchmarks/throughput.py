@@ -47,7 +47,8 @@ rate (``--sgrpo-cuda-graphs`` turns on sgrpo's CUDA-graph decode steps).
  The large-vocabulary case runs one full step per framework (B=2 prompts x G=8 = 16
 rows, 512 new tokens with EOS masked, a binary reward on the first character since the random model
 never matches), one process at a time, under a memory cap (killed above it: reported as OOM).
-Prints tables; never asserts.
+Prints tables; never asserts. What a case prints is published to ``benchmarks/reports/throughput[_CASE][_forced]
+[_cuda]/`` (``benchmarks/artefact.py``; ``--no-publish`` skips it), with the case's figures as its ``result``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
+from benchmarks import artefact  # noqa: E402
 from benchmarks._workload import PREFIX, Workload, profile_sgrpo, worker_main  # noqa: E402
 
 FRAMEWORKS = ("sgrpo", "trl")
@@ -256,7 +258,7 @@ def print_table(values: dict[str, tuple[float | None, float | None]], formats: d
         print(f"| {label} | {cells[0]} | {cells[1]} | {ratio} |")
 
 
-def case_throughput(args, tmp: Path) -> None:
+def case_throughput(args, tmp: Path) -> dict:
     positions = max(256, args.new_tokens + 64)  # prompt + completion within the model's positions
     n, vocab = build_model(tmp, None, args.hidden, args.layers, args.heads, args.intermediate, positions)
     peak_before = matmul_peak(args.threads, device=args.device)
@@ -284,6 +286,9 @@ def case_throughput(args, tmp: Path) -> None:
         if summaries[f]:
             times = ", ".join(f"{s['wall_s']:.2f}" for s in results[f]["steps"])
             print(f"{f} step times (s): {times}")
+    return {"parameters": n, "matmul_peak_flop_s": peak, **summaries,
+            "ratio": {key: values[label][0] / values[label][1] for label, key, _ in ROWS
+                      if None not in values[label] and values[label][1]}}  # fmt: skip
 
 
 ABLATIONS = (  # (label, the sgrpo workload fields that undo one optimisation)
@@ -295,7 +300,7 @@ ABLATIONS = (  # (label, the sgrpo workload fields that undo one optimisation)
 )
 
 
-def case_ablation(args, tmp: Path) -> None:
+def case_ablation(args, tmp: Path) -> dict:
     """sgrpo alone, with one optimisation undone per variant, all variants' steps alternating."""
     import dataclasses
 
@@ -312,17 +317,19 @@ def case_ablation(args, tmp: Path) -> None:
     )
     print("| variant | step (s) | vs configured | rollout (s) | update (s) | peak RSS (MiB) |")
     print("|---|---:|---:|---:|---:|---:|")
-    first = None
+    first, out = None, {}
     for (label, _), result in zip(ABLATIONS, results):
         summary = summarise(result, n, peak, base.rows)
         if summary is None:
             print(f"| {label} | failed: {result['error']} | | | | |")
             continue
         first = first or summary
+        out[label] = summary | {"vs_configured": summary["step_s"] / first["step_s"]}
         print(
             f"| {label} | {summary['step_s']:.3f} | {summary['step_s'] / first['step_s']:.2f}x | "
             f"{summary['rollout_s']:.3f} | {summary['update_s']:.3f} | {summary['peak_mib']:,.0f} |"
         )
+    return out
 
 
 def throughput_workload(args, tmp: Path) -> Workload:
@@ -343,7 +350,7 @@ def throughput_workload(args, tmp: Path) -> Workload:
     )
 
 
-def case_large_vocab(args, tmp: Path) -> None:
+def case_large_vocab(args, tmp: Path) -> dict:
     positions = 64 + args.large_tokens
     n, vocab = build_model(
         tmp, args.large_vocab, args.large_hidden, args.large_layers, 4, 2 * args.large_hidden, positions
@@ -377,27 +384,24 @@ def case_large_vocab(args, tmp: Path) -> None:
     step = {f: results[f]["steps"][0] if results[f]["steps"] else None for f in FRAMEWORKS}
     setup = {f: results[f]["setup"] for f in FRAMEWORKS}
     pick = lambda fn: tuple(fn(f) if step[f] and setup[f] else None for f in FRAMEWORKS)  # noqa: E731
-    print_table(
-        {
+    values = {
             "peak RSS (MiB)": pick(lambda f: step[f]["peak_mib"]),
             "RSS after setup (MiB)": pick(lambda f: setup[f]["rss_mib"]),
             "peak RSS - RSS after setup (MiB)": pick(lambda f: step[f]["peak_mib"] - setup[f]["rss_mib"]),
             "step time (s)": pick(lambda f: step[f]["wall_s"]),
             "generate time (s)": pick(lambda f: step[f]["gen_s"]),
             "step time without generate (s)": pick(lambda f: step[f]["wall_s"] - step[f]["gen_s"]),
-        },
-        {
-            "peak RSS (MiB)": "{:,.0f}",
-            "RSS after setup (MiB)": "{:,.0f}",
-            "peak RSS - RSS after setup (MiB)": "{:,.0f}",
-        },
-    )
+    }
+    mib = "{:,.0f}"
+    print_table(values, {"peak RSS (MiB)": mib, "RSS after setup (MiB)": mib, "peak RSS - RSS after setup (MiB)": mib})
     for f in FRAMEWORKS:
         if results[f]["error"]:
             print(f"{f}: {results[f]['error']}")
+    return {"parameters": n, **{label: dict(zip(FRAMEWORKS, pair)) for label, pair in values.items()},
+            "ratio": {label: a / b for label, (a, b) in values.items() if a is not None and b}}  # fmt: skip
 
 
-def case_profile(args, tmp: Path) -> None:
+def case_profile(args, tmp: Path) -> dict:
     import torch
 
     positions = max(256, args.new_tokens + 64)  # prompt + completion within the model's positions
@@ -406,6 +410,7 @@ def case_profile(args, tmp: Path) -> None:
     work = throughput_workload(args, tmp)
     print(f"\n## Profile of sgrpo's step: N = {n:,}, {args.prompts} x {args.group_size} x {args.new_tokens} tokens")
     profile_sgrpo(work, args.warmup)
+    return {"parameters": n}  # the phase table is the report's
 
 
 def main() -> None:
@@ -450,7 +455,7 @@ def main() -> None:
     parser.add_argument("--mem-cap-gib", type=float, default=16.0, help="kill a worker whose RSS exceeds this")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = artefact.publish_option(parser).parse_args()
     if args.worker:
         worker_main(args.worker, args.work)
         return
@@ -462,8 +467,13 @@ def main() -> None:
             "profile": case_profile,
             "ablation": case_ablation,
         }
-        cases[args.case](args, Path(tmp))
-        print(f"\n(wall time {time.perf_counter() - started:.0f} s)")
+        with artefact.recording() as printed:
+            result = cases[args.case](args, Path(tmp))
+            print(f"\n(wall time {time.perf_counter() - started:.0f} s)")
+    name = "throughput" + "".join(f"_{part}" for part, on in ((args.case, args.case != "throughput"),
+                                  ("forced", args.force_length), ("cuda", args.device == "cuda")) if on)  # fmt: skip
+    report = f"# sgrpo against TRL: {args.case}\n" + printed.getvalue()
+    artefact.publish_run(args, name, result, report, __file__)
 
 
 if __name__ == "__main__":

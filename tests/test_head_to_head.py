@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from benchmarks import artefact
 from benchmarks import head_to_head as h2h
 
 ESTIMATORS = ["estimators.GRPO", 'estimators.SoftmaxGRPO:{"temperature": 0.5}']
@@ -71,5 +72,11 @@ def test_tiny_benchmark_reports_and_skips_finished_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("[skip]") == 2 and "[run]" not in out
     assert result_path.stat().st_mtime_ns == stamp
+    h2h.main([*args, "--report-only"])  # publishes the runs' figures under the command that makes them
+    published = artefact.load("head_to_head")  # in the test's folder (tests/conftest.py), not benchmarks/reports
+    assert "--report-only" not in published["command"] and published["command"].endswith(str(tmp_path))
+    grpo = published["result"]["estimators"]["GRPO"]
+    assert grpo["mean_over_levels"][0] == pytest.approx(result["final"]["mean_over_levels"]) and grpo["seeds"] == [0]
+    assert published["result"]["estimators"]["SoftmaxGRPO(temperature=0.5)"]["vs_grpo"][2] == 1  # one paired seed
     with pytest.raises(SystemExit, match="other settings"):
         h2h.main([*args, "--val-samples", "3"])

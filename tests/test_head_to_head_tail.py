@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from benchmarks import artefact
 from benchmarks import head_to_head_tail as tail
 from estimators import GRPO, RLOO
 
@@ -47,6 +48,34 @@ def test_report_maths_by_hand():
     assert tail.primary(run, ["8", "9"]) == pytest.approx(0.05)
 
 
+def test_holm_and_paired_p_by_hand():
+    from benchmarks._h2h_stats import holm, paired_p
+
+    # sorted 0.01, 0.03, 0.04 -> 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04): step-down, never below the previous
+    assert holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+    assert holm({"a": 0.5, "b": 0.9}) == {"a": 1.0, "b": 1.0}  # capped at 1
+    adjusted = holm({"a": 0.02, "b": math.nan})  # a nan is not a comparison: m = 1
+    assert adjusted["a"] == 0.02 and math.isnan(adjusted["b"])
+    # d = 1, 2, 3: t = 2 sqrt(3) with 2 df, whose two-sided tail is 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14)
+    assert paired_p([0.01, 0.02, 0.03]) == pytest.approx(1 - math.sqrt(12 / 14), rel=1e-9)
+    assert paired_p([0.01, 0.01]) == 0.0 and paired_p([0.0, 0.0]) == 1.0 and math.isnan(paired_p([0.1]))
+
+
+def test_paired_stats_mark_holm_and_unadjusted_significance():
+    spec = tail.h2h.parse_estimators(["estimators.GRPO", "estimators.RLOO", "estimators.DrGRPO"])
+
+    def runs(values):
+        return {s: {"final": {"by_difficulty": {"9": v}}} for s, v in enumerate(values)}
+
+    results = {"GRPO": runs([0.1, 0.2, 0.3, 0.4]), "RLOO": runs([0.11, 0.21, 0.31, 0.41]),
+               "DrGRPO": runs([0.12, 0.19, 0.33, 0.41])}  # fmt: skip
+    stats = tail.paired_stats(results, spec, lambda r: r["final"]["by_difficulty"]["9"])
+    assert stats["RLOO"]["mean"] == pytest.approx(0.01) and stats["RLOO"]["p"] == pytest.approx(0.0, abs=1e-9)
+    assert stats["DrGRPO"]["holm_p"] == pytest.approx(max(stats["DrGRPO"]["p"], 2 * stats["RLOO"]["p"]))
+    assert tail._verdict(stats["RLOO"]) == "yes (Holm)" and tail._verdict(stats["DrGRPO"]) == "no"
+    assert tail._verdict({"mean": 0.02, "half": 0.01, "holm_p": 0.2}) == "yes (95 % only)"
+
+
 @pytest.mark.slow
 def test_quick_runs_end_to_end(tmp_path, capsys):
     report = tail.main(["--quick", "--out", str(tmp_path)])
@@ -61,3 +90,7 @@ def test_quick_runs_end_to_end(tmp_path, capsys):
     assert set(history[-1]["pass_at_k_by_difficulty"]) == {str(n) for n in range(3, 10)}
     assert list(history[-1]["pass_at_k_by_difficulty"]["9"]) == ["1", "2"]
     assert json.loads((tmp_path / "protocol.json").read_text())["steps"] == 2
+    published = artefact.load("head_to_head_tail_quick")  # the test's folder (tests/conftest.py)
+    assert published["command"] == ".venv/bin/python benchmarks/head_to_head_tail.py --quick"
+    assert "Holm p" in (artefact.REPORTS / "head_to_head_tail_quick" / "report.md").read_text()
+    assert published["result"]["primary"]["GRPO"]["vs_grpo"] is None

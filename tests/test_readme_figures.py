@@ -3,8 +3,10 @@
 A README block fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ... ``<!-- /figures -->`` may only
 contain numbers that occur in that artefact: as written in its ``report.md``, or as a value of its
 ``result.json`` ``result`` (not its machine stamp) rounded to the README's digits (a fraction may be quoted
-as a percentage).
-Numbers inside inline code (commands) are not figures and are skipped.
+as a percentage); in a ``FIGURE_SECTIONS`` section it names the command that reproduces them (the
+artefact's, in inline code). Numbers inside inline code (commands) are not figures and are skipped. And the
+README sections of benchmark figures (``FIGURE_SECTIONS``) hold no number outside such blocks, but in
+headings and in the prose parameters of ``PARAMETERS``.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def traced(token: str, report_tokens: set[str], values: list[float]) -> bool:
 
 def untraced(block: str, artefact: Path) -> list[str]:
     """The numbers of a README block that its artefact does not contain."""
-    # the header's date may be quoted; its commit hash ("9cbd67e" reads as 9), CPU count and load may not
-    report = re.sub(r"^(Date: [\d-]+),.*$", r"\1", (artefact / "report.md").read_text(), count=1, flags=re.M)
+    # the header's date, CPU count and load average may be quoted; its commit hash ("9cbd67e" reads as 9) may not
+    report = re.sub(r"\bcommit [0-9a-f]+", "commit", (artefact / "report.md").read_text())
     values = json_values(json.loads((artefact / "result.json").read_text())["result"])  # not the machine stamp
     report_tokens = set(numbers(report))
     prose = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)", " ", block, flags=re.S)  # code spans, comments, link targets
@@ -73,6 +75,8 @@ def test_readme_block_is_traced_to_its_artefact(path, block):
     stamp = json.loads((artefact / "result.json").read_text())
     assert {"benchmark", "command", "date", "commit", "result"} <= set(stamp), f"{path}: result.json lacks its stamp"
     assert stamp["command"] in (artefact / "report.md").read_text()
+    if any(block in body for body in sections(README).values()):  # a benchmark section's block shows its command
+        assert f"`{stamp['command']}`" in block, f"{path}: the README block does not show `{stamp['command']}`"
     missing = untraced(block, artefact)
     assert not missing, f"README figures not found in {path}: {missing}"
 
@@ -91,11 +95,75 @@ def test_an_untraced_figure_fails(tmp_path, monkeypatch):
 
 
 def test_the_stamp_traces_no_figure(tmp_path, monkeypatch):
-    """A commit hash that starts with a digit, the CPU count and the load average are not figures."""
+    """A commit hash that starts with a digit traces no figure; the load the figures were measured at may be quoted."""
     from benchmarks import artefact
 
     monkeypatch.setattr(artefact, "_commit", lambda: "9cbd67e")
     monkeypatch.setattr(artefact, "machine", lambda: {"cpus": 2, "load_average": [7.5, 7.0, 7.0]})
     folder = artefact.publish("demo", {"runs": 96}, "# Demo", "python demo.py", tmp_path)
     assert "commit 9cbd67e" in (folder / "report.md").read_text()
-    assert untraced("96 runs on levels 7-9 with 2 CPUs at load 7.5", folder) == ["7", "9", "2", "7.5"]
+    assert untraced("96 runs on levels 7-9 at load 7.5", folder) == ["7", "9"]
+
+
+#: the README sections (each with its ### subsections) whose figures all come from benchmarks
+FIGURE_SECTIONS = ("Comparing estimators", "Performance")
+#: numbers allowed outside a fenced block in those sections: phrases that state a setting of a benchmark or
+#: of the engine, never a measured result (each with why)
+PARAMETERS = {
+    r"\bdocs/theory\.md §\d+(?:\.\d+)?": "a section number of the theory notes",
+    r"\bpass@\d+": "a metric's name",
+    r"\b95 ?% (?:CIs?|confidence intervals?|t-intervals?)": "the confidence level of an interval",
+    r"\btau \d+(?:\.\d+)?\b": "an estimator's temperature setting",
+    r"\bResNet-50\b": "a model's name",
+}
+
+
+def sections(text: str, titles=FIGURE_SECTIONS) -> dict[str, str]:
+    """The body of each ``## title`` section of ``text``, down to the next ``## `` heading."""
+    out = {}
+    for title in titles:
+        match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+        assert match, f"README has no section '## {title}'"
+        out[title] = match.group(1)
+    return out
+
+
+def unfenced_figures(text: str, titles=FIGURE_SECTIONS) -> list[tuple[str, str]]:
+    """(section, number) for each number of the ``titles`` sections outside a fenced block, inline code,
+    comment, link target, heading or ``PARAMETERS`` phrase."""
+    found = []
+    for title, body in sections(text, titles).items():
+        body = BLOCK.sub(" ", body)
+        body = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|^#+ [^\n]*", " ", body, flags=re.S | re.M)
+        for phrase in PARAMETERS:
+            body = re.sub(phrase, " ", body)
+        found += [(title, number) for number in numbers(body)]
+    return found
+
+
+def test_readme_figure_sections_have_no_figure_outside_a_fenced_block():
+    assert BLOCKS, "README has no fenced block of figures"
+    stray = unfenced_figures(README)
+    assert not stray, f"README numbers outside a <!-- figures: ... --> block (fence them or state a parameter): {stray}"
+
+
+def test_an_unfenced_figure_is_found():
+    """The section check can fail: a measured number outside a block is reported, one inside, in code, in a
+    heading or in a stated parameter is not, and other sections are not checked."""
+    text = (
+        "## Comparing estimators\n\n### Head-to-head, sort 3..9\n\nRun `bench.py --seeds 12` (docs/theory.md §8.1).\n"
+        "<!-- figures: benchmarks/reports/demo -->\n| GRPO | 5.8 % |\n<!-- /figures -->\n"
+        "MaxRL gains 1.3 points.\n| tau 0.5 | 6.9 % |\n\n## Performance\n\nsgrpo is 0.61x TRL.\n\n"
+        "## Development\n\n1,075 tests.\n"
+    )
+    assert unfenced_figures(text) == [("Comparing estimators", "1.3"), ("Comparing estimators", "6.9"),
+                                      ("Performance", "0.61")]  # tau 0.5 is a setting (PARAMETERS)  # fmt: skip
+
+
+def test_tests_publish_outside_the_committed_artefacts():
+    """tests/conftest.py points benchmarks.artefact.REPORTS at a temporary folder: a test that runs a benchmark
+    (test_head_to_head, test_head_to_head_tail, test_benchmarks_population) must not overwrite the committed ones."""
+    from benchmarks import artefact
+
+    assert artefact.REPORTS != REPO / "benchmarks" / "reports" and not artefact.REPORTS.is_relative_to(REPO)
+    assert artefact.publish("demo", {}, "# Demo", "python demo.py").parent == artefact.REPORTS
