@@ -223,7 +223,8 @@ def build_report(results, specs, proto, out: Path) -> tuple[list[str], dict]:
             f"## Secondary: {name} (`{key}`, mean over the last {proto['secondary_window']} training steps)\n\n"
             + comparison_table(rows, cells, 1, "reward units", proto["alpha"], digits=4)
         )
-    sections.append("## pass@1 and pass@k by difficulty\n\n" + tail.pass_section(results, specs, proto))
+    pass_text, result["pass_at_k"] = tail.pass_section(results, specs, proto)
+    sections.append("## pass@1 and pass@k by difficulty\n\n" + pass_text)
     return sections, result
 
 
