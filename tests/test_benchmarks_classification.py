@@ -40,6 +40,7 @@ def test_quick_run_learns_and_reports(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_budget_norms_identity_on_real_rollouts():
     """benchmarks/budget_norms.py (one small batch of the quickstart model): ||U|| = (B1/2) D holds to float32
     rounding for every estimator, and the near/hard ratios of L1 mass and update norms are reported."""

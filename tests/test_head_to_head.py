@@ -49,6 +49,7 @@ def test_paired_difference_uses_seed_pairs():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_tiny_benchmark_reports_and_skips_finished_runs(tmp_path, capsys):
     args = [
         *("--estimators", *ESTIMATORS),

@@ -75,6 +75,7 @@ def test_tail_mean_reads_the_last_steps(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_quick_runs_and_publishes_end_to_end(tmp_path):
     report = scalar.main(["--quick", "--out", str(tmp_path / "runs"), "--reports", str(tmp_path / "reports")])
     text = report.read_text()

@@ -77,6 +77,7 @@ def test_paired_stats_mark_holm_and_unadjusted_significance():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_quick_runs_end_to_end(tmp_path, capsys):
     report = tail.main(["--quick", "--out", str(tmp_path)])
     text = report.read_text()
