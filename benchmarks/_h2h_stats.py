@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import t_interval
-from sgrpo.report import read_metrics
+from sgrpo.eval.report import read_metrics
 
 BUDGET_BUCKETS = ("hard", "mid_hard", "half", "mid_easy", "near_solved")
 

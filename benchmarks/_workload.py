@@ -143,9 +143,9 @@ def _rss_mib() -> float:
 def sgrpo_policy(work: Workload):
     """sgrpo's side of the workload: GRPOPolicy with the settings both frameworks agree on."""
     from estimators import GRPO
-    from sgrpo.loss import ClippedSurrogate
     from sgrpo.policy import GRPOPolicy
     from sgrpo.rollout import HFRollout
+    from sgrpo.train.loss import ClippedSurrogate
 
     rollout = HFRollout(
         max_new_tokens=work.new_tokens, temperature=1.0, decoder=work.sgrpo_decoder, cuda_graphs=work.sgrpo_cuda_graphs

@@ -4,7 +4,7 @@
     bash benchmarks/gpu_smoke.sh --tiny --cpu     # the same code at toy size on CPU (seconds)
 
 Builds a random Llama from a config (no download): hidden 1024, 24 layers, 16 heads, MLP 4096, vocabulary
-32,000 (the character tokenizer of sgrpo.tiny padded with code points), saved to a temporary folder.
+32,000 (the character tokenizer of sgrpo.model.tiny padded with code points), saved to a temporary folder.
 Fits ``--steps`` GRPO steps of GRPOPolicy on the synthetic sort task (with a first-character parity
 reward, so groups have variance) under Lightning's ModelParallelStrategy (FSDP2, one process), bf16-mixed
 with fp32 master weights and activation checkpointing; once per rollout engine (HFRollout, and
@@ -76,7 +76,7 @@ def require_device(cpu: bool) -> None:
 
 def build_model(path: Path, size: dict) -> int:
     """Save a random Llama and its character tokenizer (padded to ``vocab`` tokens) at ``path``; return N."""
-    from sgrpo.tiny import SYNTHETIC_CHARS, build_char_tokenizer, build_tiny_llama
+    from sgrpo.model.tiny import SYNTHETIC_CHARS, build_char_tokenizer, build_tiny_llama
 
     extra = (chr(c) for c in range(0x100, 0x110000) if not 0xD800 <= c < 0xE000)
     chars = SYNTHETIC_CHARS + "".join(next(extra) for _ in range(size["vocab"] - 3 - len(SYNTHETIC_CHARS)))
@@ -111,9 +111,9 @@ def fit(engine_name: str, model_dir: Path, size: dict, args, root: Path) -> dict
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from estimators import SoftmaxGRPO
-    from sgrpo.loss import ClippedSurrogate
     from sgrpo.policy import GRPOPolicy
     from sgrpo.rollout import HFRollout
+    from sgrpo.train.loss import ClippedSurrogate
     from tasks.base import Reward, RewardResult
     from tasks.synthetic import SyntheticTask
 
@@ -145,7 +145,7 @@ def fit(engine_name: str, model_dir: Path, size: dict, args, root: Path) -> dict
     if engine_name == "hf":
         rollout = HFRollout(max_new_tokens=size["new_tokens"])
     else:
-        from sgrpo.vllm_rollout import VLLMRollout
+        from sgrpo.rollout.vllm_engine import VLLMRollout
 
         rollout = VLLMRollout(
             max_new_tokens=size["new_tokens"],
@@ -190,8 +190,8 @@ def sync_checks(policy, model_dir: Path, size: dict, autocast) -> dict:
     """Engine vs trainer after training: one parameter, and the sampled tokens' log-probs (trainer in ``autocast``)."""
     from transformers import AutoModelForCausalLM
 
-    from sgrpo.logprobs import completion_logprobs, logprob_mismatch
-    from sgrpo.loss import tis_weights
+    from sgrpo.model.logprobs import completion_logprobs, logprob_mismatch
+    from sgrpo.train.loss import tis_weights
 
     engine, model = policy.rollout, policy.model
     examples = list(policy.task.examples("train"))[: size["prompts"]]
@@ -242,8 +242,8 @@ def decoder_check(model_dir: Path, size: dict, device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks._workload import Workload, make_task
-    from sgrpo.decode import LlamaFamilyStep
     from sgrpo.rollout import HFRollout
+    from sgrpo.rollout.decode import LlamaFamilyStep
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()

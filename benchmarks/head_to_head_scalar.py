@@ -53,7 +53,7 @@ from benchmarks import head_to_head_tail as tail  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
 from benchmarks._h2h_stats import ci, fmt  # noqa: E402
 from benchmarks.artefact import REPORTS, publish  # noqa: E402
-from sgrpo.report import read_metrics  # noqa: E402
+from sgrpo.eval.report import read_metrics  # noqa: E402
 
 TAU = 0.16  # the pilot's: mean within-group std 0.1561 over 395 non-constant step-0 groups, two digits
 ESS_SPEC = 'estimators.SoftmaxGRPO:{"temperature": null, "temperature_rule": "ess", "target_ess": 0.5}'

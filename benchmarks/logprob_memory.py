@@ -27,7 +27,7 @@ def measure(path: str, vocab: int, rows: int, tokens: int, chunk: int | None) ->
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
+    from sgrpo.model.logprobs import completion_logprobs, position_ids_from_mask
 
     torch.manual_seed(0)
     config = LlamaConfig(

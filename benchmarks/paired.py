@@ -1,6 +1,6 @@
 """Paired comparison: one fixed rollout batch fed to every estimator, so sampling noise cancels.
 
-A tiny char-level Llama (``sgrpo.tiny``, randomly initialised; or ``--model PATH``, e.g. a warm-started
+A tiny char-level Llama (``sgrpo.model.tiny``, randomly initialised; or ``--model PATH``, e.g. a warm-started
 one from ``python -m sgrpo.warmstart --out PATH``) samples G completions for each of B synthetic
 prompts (``tasks.synthetic.SyntheticTask``) with the HF rollout engine. Rewards:
 
@@ -11,7 +11,7 @@ prompts (``tasks.synthetic.SyntheticTask``) with the HF rollout engine. Rewards:
 * ``--reward task``: the task's own reward (exact match), for a model that solves some prompts.
 
 From the one batch it computes, for every estimator of the roster: the advantages of a few groups
-side by side; the per-rollout score vectors s_i = grad log pi(o_i) (``sgrpo.logprobs.completion_logprobs``,
+side by side; the per-rollout score vectors s_i = grad log pi(o_i) (``sgrpo.model.logprobs.completion_logprobs``,
 one backward per rollout) and from them the policy gradient g_e = sum_i A_i s_i, i.e. the gradient of
 sum_i A_i log pi(o_i) (checked once against autograd on the full surrogate); the cosine similarity
 between the estimators' gradients; and the budget by difficulty, both as advantage mass
@@ -74,7 +74,7 @@ class Batch:
 def load_policy(model_path: Path | None, seed: int):
     """The tiny char-level Llama (built offline) or a saved model, and its tokenizer."""
     if model_path is None:
-        from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
+        from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 
         tokenizer = build_char_tokenizer()
         return build_tiny_llama(tokenizer, seed=seed), tokenizer
@@ -86,7 +86,7 @@ def load_policy(model_path: Path | None, seed: int):
 
 def score_vectors(model: nn.Module, rollout, group_size: int) -> Tensor:
     """``[N, params]`` float32: grad of each rollout's sequence log-prob, one group forward at a time."""
-    from sgrpo.logprobs import completion_logprobs
+    from sgrpo.model.logprobs import completion_logprobs
 
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
@@ -126,7 +126,7 @@ def sample_batch(model, tokenizer, args: argparse.Namespace, seed: int) -> Batch
 
 def surrogate_check(model: nn.Module, batch: Batch, adv: Tensor) -> float:
     """Relative difference between A^T S and autograd's gradient of sum_i A_i log pi(o_i) on the batch."""
-    from sgrpo.logprobs import completion_logprobs
+    from sgrpo.model.logprobs import completion_logprobs
 
     r = batch.rollout
     logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask)  # [N, T]

@@ -8,7 +8,7 @@
         --hidden 1024 --layers 24 --heads 16 --intermediate 4096   # one GPU, bf16-mixed: the 0.44B workload
 
 Workload (both frameworks, built once here and loaded from the same folder): a randomly initialised
-Llama on the character tokenizer of ``sgrpo.tiny`` (N parameters printed), the synthetic sort task
+Llama on the character tokenizer of ``sgrpo.model.tiny`` (N parameters printed), the synthetic sort task
 restricted to B prompts (every step trains on all of them), G completions each, up to T new tokens
 (EOS ends a row, as in training; ``--force-length`` makes every completion T tokens on both sides,
 sgrpo's by an EOS id out of the vocabulary's reach (its training rollout refuses ``min_new_tokens``,
@@ -81,7 +81,7 @@ def build_model(
     path: Path, vocab: int | None, hidden: int, layers: int, heads: int, intermediate: int, positions: int
 ) -> tuple[int, int]:
     """Save a random char-level Llama (vocabulary padded to ``vocab`` with extra characters): (N, vocab)."""
-    from sgrpo.tiny import SYNTHETIC_CHARS, build_char_tokenizer, build_tiny_llama
+    from sgrpo.model.tiny import SYNTHETIC_CHARS, build_char_tokenizer, build_tiny_llama
 
     chars = SYNTHETIC_CHARS
     if vocab is not None:  # code points from U+0100 up, surrogates skipped: one token each

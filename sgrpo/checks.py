@@ -1,9 +1,13 @@
-"""Argument checks shared by the policy, the tasks and the rewards."""
+"""Argument checks shared by the policy, the tasks and the rewards, and the error a bad configuration raises."""
 
 from __future__ import annotations
 
 import sys
 from typing import NoReturn
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
 
 
 def require(condition: bool, message: str) -> None:

@@ -26,11 +26,11 @@ import torch
 import yaml
 from torch import Tensor, nn
 
-from sgrpo.checkpoints import checkpoint_problem
 from sgrpo.checks import exit_with_error
-from sgrpo.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
-from sgrpo.modeling import resolve_model_path
-from sgrpo.runs import logger_versions
+from sgrpo.model.loading import resolve_model_path
+from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
+from sgrpo.run.checkpoints import checkpoint_problem
+from sgrpo.run.folders import logger_versions
 
 
 class CheckpointError(Exception):

@@ -3,10 +3,10 @@
 A LightningCLI over ``GRPOPolicy``: the YAML's ``model`` block is the policy's signature (task, estimator
 and rollout are ``class_path`` / ``init_args`` objects), ``trainer`` is Lightning's Trainer. Every key
 and type is checked at parse time, and so are the values that would only fail once a model has loaded
-(``sgrpo.preflight``). Without a subcommand it trains into the run folder ``trainer.default_root_dir``:
+(``sgrpo.run.preflight``). Without a subcommand it trains into the run folder ``trainer.default_root_dir``:
 checkpoints in ``checkpoints/``, the metrics the report draws in ``metrics.jsonl`` (whatever the logger),
 the logger's files and the resolved config in ``lightning_logs/version_N/``, the trained policy in
-``hf_model/``; the folder holds one run, locked while a fit runs (``sgrpo.runs``). ``validate`` and
+``hf_model/``; the folder holds one run, locked while a fit runs (``sgrpo.run.folders``). ``validate`` and
 ``test`` evaluate a checkpoint (``--ckpt_path``) or a model folder (``--model.model``) on that split
 and print its accuracy by difficulty, without training.
 
@@ -35,18 +35,18 @@ from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from sgrpo.checkpoints import AtomicCheckpointIO
-from sgrpo.checks import exit_with_error
+from sgrpo.checks import ConfigError, exit_with_error
 from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
-from sgrpo.evaluation import evaluation_table
+from sgrpo.eval.evaluation import evaluation_table
+from sgrpo.eval.metrics_file import MarkResume, MetricsFile
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
-from sgrpo.faults import disk_fault
-from sgrpo.guards import RewardFailureError
-from sgrpo.metrics_file import MarkResume, MetricsFile
-from sgrpo.modeling import resolve_model_path
+from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
-from sgrpo.preflight import (
-    ConfigError,
+from sgrpo.run.checkpoints import AtomicCheckpointIO
+from sgrpo.run.faults import disk_fault
+from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
+from sgrpo.run.guards import RewardFailureError
+from sgrpo.run.preflight import (
     check_config_files,
     check_nodes,
     check_policy,
@@ -57,9 +57,8 @@ from sgrpo.preflight import (
     check_writable,
     writable,
 )
-from sgrpo.resume_changes import experiment_record
-from sgrpo.run_checkpoint import RunCheckpoint, resume_failure
-from sgrpo.runs import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
+from sgrpo.run.resume import experiment_record
+from sgrpo.run.saving import RunCheckpoint, resume_failure
 
 MODES = ("fit", "validate", "test")
 #: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir
@@ -113,7 +112,7 @@ class SgrpoCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         """Lightning's trainer with sgrpo's checkpoints (atomic writes), metrics file, exit codes and progress bar.
 
-        First the values that would fail only once the model has loaded (``sgrpo.preflight``).
+        First the values that would fail only once the model has loaded (``sgrpo.run.preflight``).
         """
         check_values(self.config)
         check_policy(self.model)
@@ -164,7 +163,7 @@ class SgrpoCLI(LightningCLI):
         # works on a config that names no loss (without a class the parser refuses it: "PolicyLoss is abstract")
         parser.set_defaults(
             {
-                "model.loss": {"class_path": "sgrpo.loss.ClippedSurrogate"},
+                "model.loss": {"class_path": "sgrpo.train.ClippedSurrogate"},
                 "model.rollout": {"class_path": "sgrpo.rollout.HFRollout"},
             }
         )
@@ -303,7 +302,8 @@ def quiet_dependency_warnings() -> None:
     warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
     warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
     # a fit in epochs (trainer.max_epochs): its prompt stream runs in the training process (exact length, whatever
-    # Lightning fears of worker processes) and resumes mid-epoch from the policy's step (sgrpo.data.EpochStepBatches)
+    # Lightning fears of worker processes) and resumes mid-epoch from the policy's step
+    # (sgrpo.run.data.EpochStepBatches)
     warnings.filterwarnings("ignore", r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", r"You're resuming from a checkpoint that ended before the epoch ended")
     # Lightning's advertisement for its cloud logger, printed by every run
@@ -321,7 +321,7 @@ def train(cli: SgrpoCLI) -> None:
             trainer.validate(policy, verbose=False)
         fit(trainer, policy, ckpt_path)
         if config.report and trainer.is_global_zero:
-            from sgrpo.report import write_report
+            from sgrpo.eval.report import write_report
 
             write_report(policy, trainer)
 

@@ -12,22 +12,23 @@ from torch import Tensor
 
 from estimators import AdvantageEstimator
 from estimators.base import constant_groups
-from sgrpo.checks import require
-from sgrpo.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
+from sgrpo.checks import ConfigError, require
 from sgrpo.distributed import any_process, data_parallel_rank, data_parallel_size, defers_gradient_sync, is_sharded
-from sgrpo.evaluation import PolicyEvaluation
+from sgrpo.eval.evaluation import PolicyEvaluation
 from sgrpo.export import PolicyExport
-from sgrpo.guards import RewardFailureWatch, prompt_limit, within_limit
-from sgrpo.head import check_logit_head
-from sgrpo.lora import LoRA, apply_lora, is_adapter
-from sgrpo.loss import ClippedSurrogate, PolicyLoss
-from sgrpo.modeling import disable_dropout, resolve_model_path, shard_model
-from sgrpo.preflight import ConfigError
-from sgrpo.reference import build_reference
-from sgrpo.rollout import HFRollout, RolloutEngine, with_pad_token
-from sgrpo.step_logging import StepLogging
+from sgrpo.model.head import check_logit_head
+from sgrpo.model.loading import disable_dropout, resolve_model_path, shard_model
+from sgrpo.model.lora import LoRA, apply_lora, is_adapter
+from sgrpo.rollout.engine import RolloutEngine, with_pad_token
+from sgrpo.rollout.hf import HFRollout
+from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
+from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
+from sgrpo.run.guards import RewardFailureWatch
+from sgrpo.train.loss import ClippedSurrogate, PolicyLoss
+from sgrpo.train.reference import build_reference
+from sgrpo.train.step_logging import StepLogging
+from sgrpo.train.update import PolicyUpdate
 from sgrpo.types import Example, RolloutBatch
-from sgrpo.update import PolicyUpdate
 from tasks.base import Task
 
 
@@ -43,7 +44,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
     with the global batch's denominators, so their split changes memory and speed, not the update.
 
     The trained policy is the sampling policy: dropout is off unless ``keep_dropout``, the rollout's LM
-    head is the loss's (``sgrpo.head``, float32, with the model's own logit transform; a model whose
+    head is the loss's (``sgrpo.model.head``, float32, with the model's own logit transform; a model whose
     forward does something else to its logits is refused at load), and a rollout engine that truncates
     the distribution (top-k, top-p, ``min_new_tokens``) is refused for training. The LR scheduler steps
     once per training step; the gradient norm is taken and clipped after mixed precision's loss scale
@@ -124,7 +125,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             activation_checkpointing: Recompute activations in the backward (less memory, ~1/3 more compute).
             gradient_sync: FSDP2 reduces gradients per optimiser "step" or "micro_batch"; "auto": "step" where it fits.
             keep_dropout: Keep the model's dropout in training (off by default: the trained policy is the sampled one).
-            peft: LoRA adapters (``sgrpo.lora.LoRA``); null trains every weight.
+            peft: LoRA adapters (``sgrpo.model.lora.LoRA``); null trains every weight.
             seed: Seed of rollout sampling and data order, mixed with step and rank.
             export_dir: Where fit's end writes the trained model (default ``<run folder>/hf_model``).
             max_prompt_tokens: Longer prompts are dropped at read (default: positions less max_new_tokens).
@@ -189,8 +190,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.tokenizer = None
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
         self.val_history: list[dict[str, Any]] = []
-        self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.evaluation)
-        self._evaluation_metrics, self._evaluation_rows = {}, []  # built with the loader (sgrpo.evaluation)
+        self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.eval.evaluation)
+        self._evaluation_metrics, self._evaluation_rows = {}, []  # built with the loader (sgrpo.eval.evaluation)
         self.__dict__["_reference"] = None  # frozen KL reference: kept out of state_dict and DDP
         self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
 
@@ -220,7 +221,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             shard_model(self.model, mesh, gather)
             device = self.trainer.strategy.root_device
             self.defer_gradient_sync = defers_gradient_sync(self.gradient_sync, self.model, device)
-        if self.loss.needs_reference and self.peft is None:  # with LoRA: the policy, adapters off (sgrpo.reference)
+        # with LoRA the reference is the policy, adapters off (sgrpo.train.reference)
+        if self.loss.needs_reference and self.peft is None:
             self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
 
     def configure_optimizers(self):
@@ -265,7 +267,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
     def on_before_batch_transfer(self, batch: PromptBatch | list, dataloader_idx: int) -> list:
-        # past the precision plugin's convert_input (sgrpo.data.PromptBatch); a loader of one's own may give lists
+        # past the precision plugin's convert_input (sgrpo.run.data.PromptBatch); a loader of one's own may give lists
         return batch.items if isinstance(batch, PromptBatch) else batch
 
     def transfer_batch_to_device(self, batch: list[Example], device, dataloader_idx: int) -> list[Example]:
@@ -370,7 +372,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
     def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor], dict]:
         """Rewards, success flags and each reward component ``[B, G]`` for a rollout, and the metrics to log.
 
-        Stops the run (``sgrpo.guards.RewardFailureWatch``) when too many rewards failed too long.
+        Stops the run (``sgrpo.run.guards.RewardFailureWatch``) when too many rewards failed too long.
         """
         repeated = [ex for ex in examples for _ in range(self.group_size)]
         with torch.device("cpu"):  # tasks (user code) build host tensors whatever the default device is

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sgrpo.logprobs import position_ids_from_mask
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.model.logprobs import position_ids_from_mask
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
 from tasks.synthetic import SyntheticTask
 

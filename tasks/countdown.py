@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from sgrpo.types import Example
 from tasks.arithmetic import CountdownReward
 from tasks.base import Task, check_template, fill
-from tasks.data import Schema, SplitTable, check_size, is_blank
+from tasks.data import Schema, SplitTable, is_blank
 from tasks.deepmath import prompt_problem
+from tasks.holdout import check_size
 from tasks.paper import COUNTDOWN_TEMPLATE, SYSTEM_PROMPT
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import WordSimilarity

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sgrpo.checks import require
+from tasks.holdout import check_size, hash_holdout
 
 EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
 _SPLIT_NAMES = {
@@ -141,15 +141,6 @@ def check_rows(
     if dropped:
         log.warning("dropped %d of %d rows that fail the checks; the first: %s", len(dropped), len(rows), dropped[0])
     return kept
-
-
-def check_size(value: int | float, field: str) -> None:
-    """A held-out size is a count (int >= 0) or a fraction (float in [0, 1))."""
-    ok = value >= 0 if isinstance(value, int) else 0.0 <= value < 1.0
-    require(
-        ok and not isinstance(value, bool),
-        f"{field} must be a count (int >= 0) or a fraction (float in [0, 1)), got {value!r}",
-    )
 
 
 def held_out_count(size: int | float, n: int) -> int:
@@ -348,8 +339,6 @@ class SplitTable:
         if not missing:
             return native
         if self.group is not None:
-            from tasks.holdout import hash_holdout  # imported here: it imports this module
-
             sizes = {s: self.sizes[s] for s in ("validation", "test") if s in missing}  # validation: the first ranks
             return native | hash_holdout(train, self.group, sizes, self.seed)
         order = list(range(len(train)))

@@ -9,7 +9,8 @@ from typing import Literal
 from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import Task, check_template, fill
-from tasks.data import Schema, SplitTable, check_size, not_blank, number_or_blank
+from tasks.data import Schema, SplitTable, not_blank, number_or_blank
+from tasks.holdout import check_size
 from tasks.mathgrade import MathVerifyReward
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import final_text

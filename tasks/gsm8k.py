@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 
 from sgrpo.types import Example
 from tasks.base import Task, check_template, fill
-from tasks.data import Schema, SplitTable, check_size, is_blank, not_blank
+from tasks.data import Schema, SplitTable, is_blank, not_blank
+from tasks.holdout import check_size
 from tasks.mathgrade import NumericMatch
 from tasks.paper import MATH_TEMPLATE as TEMPLATE
 from tasks.reward import Reward, SampleReward

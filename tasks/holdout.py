@@ -11,9 +11,18 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from tasks.data import check_size
+from sgrpo.checks import require
 
 Row = TypeVar("Row")
+
+def check_size(value: int | float, field: str) -> None:
+    """A held-out size is a count (int >= 0) or a fraction (float in [0, 1))."""
+    ok = value >= 0 if isinstance(value, int) else 0.0 <= value < 1.0
+    require(
+        ok and not isinstance(value, bool),
+        f"{field} must be a count (int >= 0) or a fraction (float in [0, 1)), got {value!r}",
+    )
+
 
 #: at most this share of the distinct prompts is held out per split
 MAX_SHARE = 0.1

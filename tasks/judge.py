@@ -134,7 +134,7 @@ class JudgeReward(TextSimilarity):
         if self._judge is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer  # only for a local judge
 
-            from sgrpo.rollout import HFRollout
+            from sgrpo.rollout.hf import HFRollout
 
             tokenizer = AutoTokenizer.from_pretrained(self.model)
             model = AutoModelForCausalLM.from_pretrained(self.model).to(self.device).eval()

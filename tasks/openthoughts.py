@@ -11,7 +11,8 @@ from torch import Tensor
 from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import Task
-from tasks.data import Schema, SplitTable, check_size
+from tasks.data import Schema, SplitTable
+from tasks.holdout import check_size
 from tasks.paper import OPENTHOUGHTS_SYSTEM_PROMPT
 from tasks.reward import Reward, RewardResult, WeightedSum, check_batch
 from tasks.similarity import WordSimilarity

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from estimators import DrGRPO
-from sgrpo.loss import ClippedSurrogate
+from sgrpo.train.loss import ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy
 

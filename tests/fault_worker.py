@@ -46,7 +46,7 @@ def stall_at(step: int, marker: Path) -> None:
 
 
 def raise_at(rank: int, step: int, others_hang: bool = False, sigterm: bool = False) -> None:
-    from sgrpo.update import PolicyUpdate
+    from sgrpo.train.update import PolicyUpdate
 
     accumulate, sent = PolicyUpdate.accumulate_gradients, []
     this_rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from estimators import GRPO  # noqa: E402
 from sgrpo.distributed import release_process_group  # noqa: E402
-from sgrpo.logprobs import completion_logprobs  # noqa: E402
+from sgrpo.model.logprobs import completion_logprobs  # noqa: E402
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps  # noqa: E402
 from tests.test_policy_gradients import MAX_NEW, G, make_policy  # noqa: E402
 
@@ -56,7 +56,7 @@ SCENARIOS = {"plain": ({}, "32-true"), "uneven": (UNEVEN, "32-true"), "kl_bf16":
 
 
 def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = "plain") -> None:
-    from sgrpo.loss import ClippedSurrogate
+    from sgrpo.train.loss import ClippedSurrogate
 
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
     extra, precision = SCENARIOS[scenario]
@@ -190,7 +190,7 @@ def refused_resume(root: str, model_dir: str, checkpoint: str) -> None:
     import time
 
     from sgrpo.fit import main
-    from sgrpo.run_checkpoint import RunCheckpoint
+    from sgrpo.run.saving import RunCheckpoint
 
     rank, start = int(os.environ.get("RANK", "0")), RunCheckpoint.on_train_start
 
@@ -230,9 +230,9 @@ def fit_recording_lengths(root: str, steps: str) -> None:
     HFRollout.generate = recording
     # rollouts alternate between reading the running rows at every token and every 3 tokens (an accelerator's
     # default reads every 8): the processes must agree on when their loops end either way
-    import sgrpo.decode
+    import sgrpo.rollout.decode
 
-    sgrpo.decode.check_interval = lambda device: 3 if len(lengths) % 2 else 1
+    sgrpo.rollout.decode.check_interval = lambda device: 3 if len(lengths) % 2 else 1
     # decode through the sharded model token by token (no weights snapshot): the path whose loop must end
     # at the same step on every process
     no_snapshot = "--model.rollout.init_args.weights_snapshot=false"
@@ -249,7 +249,7 @@ def decode(model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sgrpo.modeling import shard_model
+    from sgrpo.model.loading import shard_model
     from sgrpo.rollout import HFRollout
 
     if not dist.is_initialized():  # run alone; after another job the group exists already

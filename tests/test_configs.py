@@ -13,10 +13,10 @@ import yaml
 
 from estimators import AdvantageEstimator
 from sgrpo.fit import main, parse
-from sgrpo.loss import ClippedSurrogate
+from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.train.loss import ClippedSurrogate
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "configs" / "paper").glob("*.yaml"))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sgrpo.evaluation import evaluation_table
+from sgrpo.eval.evaluation import evaluation_table
+from sgrpo.eval.report import accuracy_table
 from sgrpo.fit import main, parse
-from sgrpo.report import accuracy_table
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"

@@ -19,10 +19,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from sgrpo.decode import LlamaFamilyStep, decode, kv_cache, sample
-from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
+from sgrpo.model.logprobs import completion_logprobs, position_ids_from_mask
+from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.rollout.decode import LlamaFamilyStep, decode, kv_cache, sample
 from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import EXAMPLES
 
@@ -186,9 +186,9 @@ def test_hf_rollout_decoders_agree(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen2", "qwen3", "mistral"])
 def test_shared_prompt_update_matches_the_full_forward(name):
-    """The update's prompt sharing (sgrpo.loss) on the same architectures: log-probs and gradients as the full
+    """The update's prompt sharing (sgrpo.train.loss) on the same architectures: log-probs and gradients as the full
     forward's (Llama itself, with the call counts, is in tests/test_loss.py)."""
-    from sgrpo.logprobs import completion_logprobs
+    from sgrpo.model.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     model = _models()[name].train()
@@ -256,7 +256,7 @@ def test_rollout_on_a_weights_snapshot_samples_the_same_policy(autocast):
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("compact_below", [0.0, 0.75, 1.0])
 def test_fixed_shape_steps_for_cuda_graphs_match_the_eager_decoder(name, compact_below):
-    """``cuda_graphs=True`` runs the fixed-shape steps (sgrpo.graphs; eager on CPU, graph replay on CUDA):
+    """``cuda_graphs=True`` runs the fixed-shape steps (sgrpo.rollout.graphs; eager on CPU, graph replay on CUDA):
     keys and values written at a column held in a tensor, attention over the whole capacity under a key
     mask, finished rows moved to the front and steps padded to power-of-two buckets. Same sampled tokens
     (same seed) and log-probs as the eager decoder, with rows stopping at different steps."""
@@ -276,7 +276,7 @@ def test_fixed_shape_steps_for_cuda_graphs_match_the_eager_decoder(name, compact
 
 
 def test_buckets_are_powers_of_two_up_to_the_batch():
-    from sgrpo.graphs import bucket
+    from sgrpo.rollout.graphs import bucket
 
     assert [bucket(n, 12) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sgrpo.decode import BlockLayer, decode
+from sgrpo.rollout.decode import BlockLayer, decode
 from tests.test_decode import COMMON, _prompts
 
 
@@ -43,11 +43,11 @@ def _eos_heavy_model():
 
 
 def _recording_caches(monkeypatch) -> list:
-    import sgrpo.decode
+    import sgrpo.rollout.decode
 
     caches = []
-    make = sgrpo.decode.kv_cache
-    monkeypatch.setattr(sgrpo.decode, "kv_cache", lambda *a, **k: caches.append(make(*a, **k)) or caches[-1])
+    make = sgrpo.rollout.decode.kv_cache
+    monkeypatch.setattr(sgrpo.rollout.decode, "kv_cache", lambda *a, **k: caches.append(make(*a, **k)) or caches[-1])
     return caches
 
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from estimators import SoftmaxGRPO, budget_mass, budget_shares
-from sgrpo.batching import micro_batches
-from sgrpo.logprobs import logprob_mismatch
-from sgrpo.loss import ClippedSurrogate, clipped_surrogate, k3_kl, tis_weights, token_weights
-from sgrpo.metrics import pass_at_k
+from sgrpo.eval.passk import pass_at_k
+from sgrpo.model.logprobs import logprob_mismatch
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
+from sgrpo.train.batching import micro_batches
+from sgrpo.train.loss import ClippedSurrogate, clipped_surrogate, k3_kl, tis_weights, token_weights
 from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import run_steps
 

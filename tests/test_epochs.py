@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sgrpo.data import EpochStepBatches, StepBatches, stopping_rule_error
 from sgrpo.fit import main
+from sgrpo.run.data import EpochStepBatches, StepBatches, stopping_rule_error
 from sgrpo.types import Example
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The evaluation's torchmetrics metrics (sgrpo.eval_metrics) against hand-computed values, in one process and
+"""The evaluation's torchmetrics metrics (sgrpo.eval.metrics) against hand-computed values, in one process and
 synced over two (tests/sharded_worker.py's ``metrics`` job, in test_sharded.py's launch)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgrpo.eval_metrics import SET_METRICS, AccuracyByDifficulty, MeanAccuracy, PassAtK, PromptOutcomes
+from sgrpo.eval.metrics import SET_METRICS, AccuracyByDifficulty, MeanAccuracy, PassAtK, PromptOutcomes
 from tasks.synthetic import SyntheticTask
 
 N = 4
@@ -143,8 +143,8 @@ def check_synced_metrics(out: Path) -> None:
 def test_one_table_per_evaluation_set_and_a_single_set_as_before():
     """``evaluation_table`` (what ``sgrpo.fit validate`` prints) and the report's ``accuracy_table``: a titled table
     per set for several; for one set the table as it always was, untitled."""
-    from sgrpo.evaluation import evaluation_table, result_sets
-    from sgrpo.report import accuracy_table
+    from sgrpo.eval.evaluation import evaluation_table, result_sets
+    from sgrpo.eval.report import accuracy_table
 
     one = {"accuracy": 0.5, "by_difficulty": {"3": 0.75, "5": 0.25}, "pass_at_k": {1: 0.5, 2: 0.625}, "prompts": 4}
     single = {"step": 0} | one

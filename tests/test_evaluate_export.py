@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sgrpo.evaluation import evaluation_table
+from sgrpo.eval.evaluation import evaluation_table
+from sgrpo.eval.metrics_file import METRICS_FILE
+from sgrpo.eval.report import read_metrics
 from sgrpo.export import main as export
 from sgrpo.fit import main
-from sgrpo.metrics_file import METRICS_FILE
-from sgrpo.report import read_metrics
-from sgrpo.runs import lock_run, unlock_run
+from sgrpo.run.folders import lock_run, unlock_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "sgrpo" / "assets" / "quickstart_model"

@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgrpo.checkpoints import PARTIAL, resumable
+from sgrpo.eval.report import read_run_metrics
 from sgrpo.export import CheckpointError, open_checkpoint
 from sgrpo.fit import main
-from sgrpo.report import read_run_metrics
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.model.tiny import ensure_tiny_model
+from sgrpo.run.checkpoints import PARTIAL, resumable
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")

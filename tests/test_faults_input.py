@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
+from sgrpo.checks import ConfigError
+from sgrpo.eval.report import read_run_metrics
 from sgrpo.fit import main
-from sgrpo.guards import prompt_limit, within_limit
-from sgrpo.preflight import ConfigError, check_strategy
-from sgrpo.report import read_run_metrics
-from sgrpo.tiny import build_char_tokenizer
+from sgrpo.model.tiny import build_char_tokenizer
+from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
+from sgrpo.run.preflight import check_strategy
 from sgrpo.types import Example
 from tasks.base import Reward
 from tests.test_faults import REPO, args, error_line, last_step

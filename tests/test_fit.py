@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from sgrpo.export import main as export
 from sgrpo.fit import main
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.model.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -77,7 +77,7 @@ def test_tiny_fit_logs_checkpoints_and_exports(tmp_path, model_dir):
 def test_the_sampler_is_the_trained_policy(tmp_path, precision):
     """The shipped model (rows with rewards that vary, so the update runs) logs the gap between the rollout's
     log-probs and the trainer's on the same tokens: float noise in fp32 and fp64; under bf16-mixed, where the
-    rollout runs in autocast, small, since both take the LM head in float32 (sgrpo.head); bf16-true likewise.
+    rollout runs in autocast, small, since both take the LM head in float32 (sgrpo.model.head); bf16-true likewise.
     The "-true" precisions convert each batch before any hook sees it (they failed on the prompts at step 1);
     the run validates at its end, whose batches go through the same conversion."""
     cli = fit(tmp_path, str(REPO / "sgrpo" / "assets" / "quickstart_model"), "--trainer.max_steps=2",

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgrpo.gapwatch import GapWatch
-from sgrpo.update import PolicyUpdate
+from sgrpo.train.gapwatch import GapWatch
+from sgrpo.train.update import PolicyUpdate
 
 
 def warned_steps(watch: GapWatch, gaps: list[float]) -> list[int]:
@@ -53,7 +53,7 @@ def test_the_update_warns_on_rank_zero_only(caplog):
     for rank_zero, expected in ((True, 1), (False, 0)):
         stub = policy(rank_zero)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="sgrpo.update"):
+        with caplog.at_level(logging.WARNING, logger="sgrpo.train.update"):
             for step, gap in enumerate([0.003] * 4 + [0.7, 0.7]):
                 stub.rollout_step = step
                 PolicyUpdate._watch_gap(stub, gap)

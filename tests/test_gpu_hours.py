@@ -26,7 +26,7 @@ def test_flops_of_a_step_by_hand():
     hours = (hours + 3 * cost["training_flops_per_step"] / (989e12 * 0.30)) / 3600
     assert gh.gpu_hours(cost, 0.10, 0.30) == pytest.approx(hours)
     # vLLM adds the trainer's forward at the sampling weights, the KL its reference, checkpointing a recompute
-    heavy = config(rollout={"class_path": "sgrpo.vllm_rollout.VLLMRollout", "init_args": {"max_new_tokens": 10}},
+    heavy = config(rollout={"class_path": "sgrpo.rollout.VLLMRollout", "init_args": {"max_new_tokens": 10}},
                    loss={"init_args": {"kl_coef": 0.001}}, activation_checkpointing=True)  # fmt: skip
     assert gh.experiment(heavy)["training_flops_per_step"] == pytest.approx(8 * 140 * (12 * n + 6 * attention))
     assert gh.experiment(config(), fill=0.5)["response_tokens"] == 5

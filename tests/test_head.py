@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgrpo.head import LMHead, LogitTransform, TokenLogprobs, head_dtype
+from sgrpo.model.head import LMHead, LogitTransform, TokenLogprobs, head_dtype
 
 
 def _head(vocab: int = 37, hidden: int = 8, dtype=torch.float32, tokens: int = 11):
@@ -51,15 +51,15 @@ def test_head_runs_in_autocasts_dtype_with_float32_accumulation():
 def _emulated_cuda_matmul(monkeypatch):
     """Run the head's CUDA branch on CPU: a bf16 x bf16 -> float32 matmul as cuBLAS computes it (products of
     bf16 values are exact in float32; float32 sums)."""
-    import sgrpo.head
+    import sgrpo.model.head
 
-    monkeypatch.setattr(sgrpo.head, "_fp32_output", lambda device, dtype: True)
+    monkeypatch.setattr(sgrpo.model.head, "_fp32_output", lambda device, dtype: True)
 
     def mm(a, b, out=None):
         assert a.dtype == b.dtype == torch.bfloat16  # the operands really are bf16
         return torch.mm(a.float(), b.float(), out=out)
 
-    monkeypatch.setattr(sgrpo.head, "_mm_fp32", mm)
+    monkeypatch.setattr(sgrpo.model.head, "_mm_fp32", mm)
 
 
 def test_two_bf16_parts_keep_the_head_continuous_in_h(monkeypatch):

@@ -9,11 +9,11 @@ import docstring_parser
 import pytest
 
 from sgrpo.fit import parse
-from sgrpo.lora import LoRA
-from sgrpo.loss import ClippedSurrogate
+from sgrpo.model.lora import LoRA
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
-from sgrpo.vllm_rollout import VLLMRollout
+from sgrpo.rollout.vllm_engine import VLLMRollout
+from sgrpo.train.loss import ClippedSurrogate
 
 
 @pytest.mark.parametrize("cls", [GRPOPolicy, ClippedSurrogate, HFRollout, VLLMRollout, LoRA], ids=lambda c: c.__name__)

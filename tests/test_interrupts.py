@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgrpo.checkpoints import AtomicCheckpointIO
+from sgrpo.eval.metrics_file import read_metrics_file
 from sgrpo.fit import main
-from sgrpo.metrics_file import read_metrics_file
+from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.policy import GRPOPolicy
-from sgrpo.tiny import ensure_tiny_model
-from sgrpo.update import PolicyUpdate
+from sgrpo.run.checkpoints import AtomicCheckpointIO
+from sgrpo.train.update import PolicyUpdate
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # validation after steps 2 and 4

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sgrpo.fit import main
-from sgrpo.lora import LoRA, apply_lora, is_adapter, plain_weights
+from sgrpo.model.lora import LoRA, apply_lora, is_adapter, plain_weights
 from sgrpo.rollout import HFRollout
 from tasks.synthetic import SyntheticTask
 
@@ -76,7 +76,7 @@ def test_rollouts_sample_base_plus_adapter(snapshot):
     examples = SyntheticTask(kind="sort", levels=[3, 5], num_train=16, num_validation=2).examples("train")[:4]
     torch.manual_seed(0)
     batch = HFRollout(max_new_tokens=8, weights_snapshot=snapshot).generate(model, tokenizer, examples, 3)
-    from sgrpo.logprobs import completion_logprobs
+    from sgrpo.model.logprobs import completion_logprobs
 
     with torch.no_grad():
         logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from sgrpo.head import TokenLogprobs
-from sgrpo.logprobs import completion_logprobs, position_ids_from_mask
-from sgrpo.loss import clipped_surrogate, k3_kl, token_weights
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.model.head import TokenLogprobs
+from sgrpo.model.logprobs import completion_logprobs, position_ids_from_mask
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.train.loss import clipped_surrogate, k3_kl, token_weights
 
 
 def test_clipped_surrogate_hand_values():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from sgrpo.eval.metrics_file import METRICS_FILE, MetricsFile, merge_records, read_metrics_file
+from sgrpo.eval.report import read_metrics, read_run_metrics
 from sgrpo.fit import main
-from sgrpo.metrics_file import METRICS_FILE, MetricsFile, merge_records, read_metrics_file
-from sgrpo.report import read_metrics, read_run_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

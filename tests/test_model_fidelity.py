@@ -16,12 +16,12 @@ from transformers import (
 )
 
 from estimators import GRPO
-from sgrpo.head import LogitTransform, check_logit_head
-from sgrpo.logprobs import completion_logprobs
-from sgrpo.modeling import disable_dropout
+from sgrpo.model.head import LogitTransform, check_logit_head
+from sgrpo.model.loading import disable_dropout
+from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import ensure_tiny_model
 from tasks.synthetic import SyntheticTask
 
 SMALL = dict(

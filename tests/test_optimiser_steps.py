@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from estimators import GRPO
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.model.tiny import ensure_tiny_model
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy
 

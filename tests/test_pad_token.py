@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sgrpo.fit import main
+from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.rollout import HFRollout, left_padded, with_pad_token
-from sgrpo.tiny import ensure_tiny_model
 from sgrpo.types import Example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_a_tokenizer_without_pad_token_samples_what_one_with_it_samples(model_di
 def test_policy_sets_eos_as_pad_token():
     from transformers import PreTrainedTokenizerFast
 
-    from sgrpo.tiny import build_char_tokenizer
+    from sgrpo.model.tiny import build_char_tokenizer
 
     tokenizer: PreTrainedTokenizerFast = build_char_tokenizer()
     tokenizer.pad_token = None

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from estimators import GRPO, SoftmaxGRPO
-from sgrpo.logprobs import position_ids_from_mask
-from sgrpo.loss import AGGREGATIONS, ClippedSurrogate
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.model.logprobs import position_ids_from_mask
+from sgrpo.model.tiny import ensure_tiny_model
+from sgrpo.train.loss import AGGREGATIONS, ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, FixedRollout, FixedTask, GradCapture, PresetReward, fixed_batch, run_steps
 
 G, MAX_NEW = 4, 6
@@ -212,7 +212,7 @@ def test_kl_to_a_frozen_reference(model_dir, batch):
 
 def test_auto_micro_batch_budget_on_cpu(model_dir, batch):
     """micro_batch_tokens="auto" (the default) cuts CPU micro-batches at 1,024 padded tokens, longest rows first."""
-    from sgrpo.batching import AUTO_MICRO_BATCH_TOKENS
+    from sgrpo.train.batching import AUTO_MICRO_BATCH_TOKENS
     from sgrpo.types import RolloutBatch
 
     policy = make_policy(model_dir, batch, GRPO())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sgrpo.fit import main
-from sgrpo.loss import BatchCounts, ClippedSurrogate, PolicyLoss, TokenBatch
+from sgrpo.train.loss import BatchCounts, ClippedSurrogate, PolicyLoss, TokenBatch
 
 REPO = Path(__file__).resolve().parents[1]
 

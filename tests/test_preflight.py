@@ -1,4 +1,4 @@
-"""Preflight refusals (sgrpo.preflight): one line naming the key and the fix, exit 2, before any model loads."""
+"""Preflight refusals (sgrpo.run.preflight): one line naming the key and the fix, exit 2, before any model loads."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sgrpo.checks import ConfigError
 from sgrpo.fit import main
-from sgrpo.guards import prompt_room
-from sgrpo.preflight import BF16_MIN_ADAM_LR, ConfigError, check_tensor_parallel, check_weight_precision
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
-from sgrpo.vllm_rollout import VLLMRollout
+from sgrpo.rollout.prompt_limits import prompt_room
+from sgrpo.rollout.vllm_engine import VLLMRollout
+from sgrpo.run.preflight import BF16_MIN_ADAM_LR, check_tensor_parallel, check_weight_precision
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -128,7 +129,7 @@ def test_vllm_bounds_prompts_by_its_max_model_len():
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--model.rollout=sgrpo.vllm_rollout.VLLMRollout", "--model.rollout.init_args.max_new_tokens=8",
+        (["--model.rollout=sgrpo.rollout.VLLMRollout", "--model.rollout.init_args.max_new_tokens=8",
           "--model.rollout.init_args.max_model_len=16", "--model.max_prompt_tokens=12"],
          "model.max_prompt_tokens=12 + model.rollout max_new_tokens=8 exceed model.rollout's max_model_len (16 "
          "tokens)"),
@@ -250,7 +251,7 @@ def test_a_read_only_run_folder_is_refused_in_one_line(inside, read_only, model_
 
 def test_a_torch_file_that_is_not_a_lightning_checkpoint_is_refused_or_skipped(model_dir, tmp_path, capsys):
     """--ckpt_path to it: one line; --ckpt_path last: skipped with a warning, the next checkpoint resumes."""
-    from sgrpo.checkpoints import NOT_LIGHTNING, checkpoint_problem, resumable
+    from sgrpo.run.checkpoints import NOT_LIGHTNING, checkpoint_problem, resumable
 
     plain = tmp_path / "weights.pt"
     torch.save({"weights": torch.ones(3)}, plain)
@@ -314,7 +315,7 @@ def test_several_nodes_started_by_hand_are_refused_in_one_line_not_left_waiting(
 
     from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 
-    from sgrpo.preflight import check_nodes
+    from sgrpo.run.preflight import check_nodes
 
     for name in ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)

@@ -1,5 +1,5 @@
 """The KL reference: the loaded policy in the dtypes its forward computes in (half the bytes under bf16), or with
-LoRA the policy itself with its adapters off (sgrpo/reference.py). Its FSDP2 sharding is checked on 2
+LoRA the policy itself with its adapters off (sgrpo/train/reference.py). Its FSDP2 sharding is checked on 2
 processes in tests/test_sharded.py."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from estimators import GRPO
-from sgrpo.logprobs import completion_logprobs
-from sgrpo.lora import LoRA, adapters_off, is_adapter
-from sgrpo.loss import ClippedSurrogate
-from sgrpo.reference import build_reference
+from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.lora import LoRA, adapters_off, is_adapter
+from sgrpo.train.loss import ClippedSurrogate
+from sgrpo.train.reference import build_reference
 from tests.engine_helpers import run_steps
 from tests.test_policy_gradients import batch as batch  # the module-scoped fixtures: the tiny model and its rollout
 from tests.test_policy_gradients import make_policy
@@ -45,7 +45,7 @@ def constructed(monkeypatch) -> list[int]:
 
 
 def test_bf16_mixed_reference_is_bf16_and_gives_the_fp32_references_log_probs(model_dir, batch, monkeypatch):
-    """Under bf16-mixed the reference's Linear weights (all but the LM head, which sgrpo.head computes in float32)
+    """Under bf16-mixed the reference's Linear weights (all but the LM head, which sgrpo.model.head computes in float32)
     are bf16: autocast would cast an fp32 reference's to the same values at every use, so its log-probs are the
     fp32 reference's exactly, at fewer bytes; it is built from the loaded policy, not loaded again."""
     built = constructed(monkeypatch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgrpo.resume_changes import apply_optimizer_settings, experiment_changes, experiment_record
+from sgrpo.run.resume import apply_optimizer_settings, experiment_changes, experiment_record
 
 
 def record(**model):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from sgrpo.metrics import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
+from sgrpo.eval.passk import accuracy_by_difficulty, pass_at_k, pass_at_k_by_difficulty, success_count_histogram
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout import HFRollout, completion_mask_until_eos, render_prompt
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
 
 

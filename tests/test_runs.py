@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sgrpo.runs import LOCK_FILE, RunRefused, lock_run, unlock_run
+from sgrpo.run.folders import LOCK_FILE, RunRefused, lock_run, unlock_run
 
 
 def test_a_held_lock_names_its_process_and_a_released_one_names_nobody(tmp_path):
@@ -55,9 +55,9 @@ def test_a_full_disk_at_run_time_is_one_line_naming_the_folder_and_the_fix(tmp_p
     import errno
     from pathlib import Path
 
-    from sgrpo.checkpoints import AtomicCheckpointIO
-    from sgrpo.faults import disk_fault
     from sgrpo.fit import main
+    from sgrpo.run.checkpoints import AtomicCheckpointIO
+    from sgrpo.run.faults import disk_fault
 
     saves = []
 

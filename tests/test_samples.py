@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from estimators import SoftmaxGRPO
+from sgrpo.eval.completions import markdown_table, write_rows
 from sgrpo.fit import main
-from sgrpo.samples import markdown_table, write_rows
 
 REPO = Path(__file__).resolve().parents[1]
 

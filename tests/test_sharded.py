@@ -15,12 +15,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from estimators import DrGRPO
+from sgrpo.eval.report import read_run_metrics
 from sgrpo.export import main as export
 from sgrpo.fit import main
-from sgrpo.logprobs import completion_logprobs
-from sgrpo.loss import AGGREGATIONS, ClippedSurrogate
-from sgrpo.report import read_run_metrics
-from sgrpo.tiny import ensure_tiny_model
+from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.tiny import ensure_tiny_model
+from sgrpo.train.loss import AGGREGATIONS, ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.sharded_worker import PROBE, update
 from tests.test_eval_metrics import check_synced_metrics, check_two_sets_validate_as_one_process

@@ -10,11 +10,11 @@ import torch
 import yaml
 from jsonargparse import ArgumentParser
 
-from sgrpo.guards import within_limit
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout import HFRollout, render_prompt
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.rollout.prompt_limits import within_limit
+from sgrpo.rollout.vllm_requests import prompt_token_ids
 from sgrpo.types import Example
-from sgrpo.vllm_rollout import prompt_token_ids
 from tasks import GSM8K, DeepMath, ExactMatch, MeetingBank, PoetryWriting, SyntheticTask, Task
 from tasks.similarity import template_opens_think
 

@@ -123,9 +123,9 @@ def test_a_config_names_functions_by_import_path():
 
 def test_a_fit_logs_each_function_and_counts_its_failures(tmp_path):
     from estimators import GRPO
+    from sgrpo.model.tiny import ensure_tiny_model
     from sgrpo.policy import GRPOPolicy
     from sgrpo.rollout import HFRollout
-    from sgrpo.tiny import ensure_tiny_model
     from tests.engine_helpers import run_steps
 
     reward = WeightedSum([FunctionReward(brevity), FunctionReward(broken)])

@@ -137,9 +137,9 @@ def test_gsm8k_and_meetingbank_defaults_grade_once(monkeypatch):
 
 def test_the_policy_scores_a_step_with_one_grading(tmp_path):
     from estimators import GRPO
+    from sgrpo.model.tiny import ensure_tiny_model
     from sgrpo.policy import GRPOPolicy
     from sgrpo.rollout import HFRollout
-    from sgrpo.tiny import ensure_tiny_model
     from tests.engine_helpers import run_steps
 
     class Watched(Graded):

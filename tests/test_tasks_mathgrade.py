@@ -8,7 +8,7 @@ answers DeepMath's authors' reward wrongly accepts, which sgrpo must keep reject
 
 import pytest
 
-from sgrpo.tiny import build_char_tokenizer
+from sgrpo.model.tiny import build_char_tokenizer
 from sgrpo.types import Example
 from tasks import DeepMath, MathVerifyReward, WeightedSum
 
@@ -93,8 +93,8 @@ def test_an_explicit_require_think_overrides_the_template():
 
 def test_the_policy_gives_the_task_its_tokenizer(tmp_path):
     from estimators import GRPO
+    from sgrpo.model.tiny import ensure_tiny_model
     from sgrpo.policy import GRPOPolicy
-    from sgrpo.tiny import ensure_tiny_model
 
     model_dir = ensure_tiny_model(tmp_path / "tiny")
     tokenizer_with(R1_LIKE).save_pretrained(model_dir)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from sgrpo.logprobs import completion_logprobs
+from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import ensure_tiny_model
 from sgrpo.types import RolloutBatch
 from tests.engine_helpers import EXAMPLES
 

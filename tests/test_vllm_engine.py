@@ -19,13 +19,13 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from sgrpo.logprobs import completion_logprobs, logprob_mismatch
-from sgrpo.lora import LoRA, apply_lora
+from sgrpo.model.logprobs import completion_logprobs, logprob_mismatch
+from sgrpo.model.lora import LoRA, apply_lora
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.rollout.vllm_engine import VLLMRollout
+from sgrpo.rollout.weightsync import engine_weights
 from sgrpo.types import Example
-from sgrpo.vllm_rollout import VLLMRollout
-from sgrpo.weightsync import engine_weights
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -228,7 +228,7 @@ def test_engine_set_up_keeps_threads_falls_back_without_sleep_and_syncs_quietly(
     torch.set_num_threads(2)
     # closed with the others at the module's end: a shutdown tears down vLLM's process-wide groups
     engine = engines["set-up", "bfloat16"] = VLLMRollout(max_new_tokens=4, sleep=True, dtype="bfloat16", **ENGINE)
-    with caplog.at_level(logging.WARNING, logger="sgrpo.vllm_rollout"), torch.inference_mode():
+    with caplog.at_level(logging.WARNING, logger="sgrpo.rollout.vllm_engine"), torch.inference_mode():
         engine.generate(model, tokenizer, EXAMPLES[:1], group_size=2)
     notes = [r.getMessage() for r in caplog.records if "sleep" in r.getMessage()]
     assert len(notes) == 1 and "no sleep mode on this platform" in notes[0] and engine.sleep is False
@@ -252,7 +252,7 @@ def run_cli(tmp_path, model_dir: str, root: str, *extra: str) -> subprocess.Comp
     reward a random model earns half the time (``Parity``), so that every step moves the policy."""
     override = tmp_path / "vllm.yaml"
     init = {"max_new_tokens": 8, "dtype": "float32", **ENGINE}
-    override.write_text(yaml.safe_dump({"model": {"rollout": {"class_path": "sgrpo.vllm_rollout.VLLMRollout",
+    override.write_text(yaml.safe_dump({"model": {"rollout": {"class_path": "sgrpo.rollout.VLLMRollout",
                                                               "init_args": init}}}))  # fmt: skip
     mode = [extra[0]] if extra and extra[0] in ("validate", "test") else []
     args = [sys.executable, "-m", "sgrpo.fit", *mode, "--config", str(REPO / "configs" / "tiny.yaml"), "--config",

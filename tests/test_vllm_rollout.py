@@ -21,13 +21,14 @@ import yaml
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from sgrpo.logprobs import logprob_mismatch
-from sgrpo.loss import tis_weights
+from sgrpo.model.logprobs import logprob_mismatch
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.rollout import HFRollout
-from sgrpo.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
+from sgrpo.rollout.vllm_engine import INSTALL_HINT, VLLMRollout
+from sgrpo.rollout.vllm_requests import prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
+from sgrpo.rollout.weightsync import engine_weights, hf_parameter_name, weight_chunks
+from sgrpo.train.loss import tis_weights
 from sgrpo.types import Example
-from sgrpo.vllm_rollout import INSTALL_HINT, VLLMRollout, prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
-from sgrpo.weightsync import engine_weights, hf_parameter_name, weight_chunks
 from tests.vllm_fakes import (
     EOS,
     FAKE_SUBMODULES,
@@ -334,10 +335,13 @@ def test_vllm_rollout_is_named_in_yaml_and_instantiated_without_vllm(monkeypatch
     monkeypatch.chdir(REPO)
     raw = yaml.safe_load((REPO / "configs/tiny.yaml").read_text())
     raw["model"]["rollout"] = {
-        "class_path": "sgrpo.vllm_rollout.VLLMRollout",
+        "class_path": "sgrpo.rollout.VLLMRollout",
         "init_args": {"max_new_tokens": 8, "gpu_memory_utilization": 0.25},
     }
-    raw["model"]["loss"] = {"class_path": "sgrpo.loss.ClippedSurrogate", "init_args": {"importance_sampling_cap": None}}
+    raw["model"]["loss"] = {
+        "class_path": "sgrpo.train.ClippedSurrogate",
+        "init_args": {"importance_sampling_cap": None},
+    }
     config = tmp_path / "vllm.yaml"
     config.write_text(yaml.safe_dump(raw))
     cli = parse(["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"])
@@ -357,5 +361,5 @@ def test_scale_configs_keep_the_deepmath_model_task_and_estimator(name):
     raw = yaml.safe_load((REPO / "configs" / name).read_text())
     for key in ("model", "task", "estimator"):
         assert raw["model"][key] == reference[key], key
-    assert raw["model"]["rollout"]["class_path"] == "sgrpo.vllm_rollout.VLLMRollout"
+    assert raw["model"]["rollout"]["class_path"] == "sgrpo.rollout.VLLMRollout"
     assert raw["trainer"]["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"

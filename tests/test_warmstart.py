@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sgrpo.tiny import build_char_tokenizer
+from sgrpo.model.tiny import build_char_tokenizer
 from sgrpo.types import Example
 from sgrpo.warmstart import DEFAULT_OUT, Recipe, evaluate, main, make_task, sft_batch, warm_start
 

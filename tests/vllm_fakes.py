@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM
 
-from sgrpo.logprobs import completion_logprobs, logprob_mismatch
+from sgrpo.model.logprobs import completion_logprobs, logprob_mismatch
 from sgrpo.rollout import completion_mask_until_eos
-from sgrpo.vllm_rollout import VLLMRollout
-from sgrpo.weightsync import engine_weights
+from sgrpo.rollout.vllm_engine import VLLMRollout
+from sgrpo.rollout.weightsync import engine_weights
 from tasks.base import Reward, RewardResult
 
 EOS, PAD = 2, 0  # the char tokenizer: <pad> 0, <bos> 1, <eos> 2, "0".."9" -> 3..12, "+" 13, "=" 14, ":" 15, "s" 16

@@ -37,9 +37,9 @@ from typing import NoReturn
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from sgrpo.guards import RewardFailureError
-from sgrpo.preflight import ConfigError
-from sgrpo.resume_changes import ResumeError
+from sgrpo.checks import ConfigError
+from sgrpo.run.guards import RewardFailureError
+from sgrpo.run.resume import ResumeError
 
 ABORT_KEY, FAILURES_KEY = "sgrpo/abort", "sgrpo/failures"  # in the process group's store
 

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import yaml
 
-from sgrpo.data import stopping_rule_error
-from sgrpo.modeling import resolve_model_path
+from sgrpo.checks import ConfigError
+from sgrpo.model.loading import resolve_model_path
+from sgrpo.run.data import stopping_rule_error
 from tasks.data import SplitTable
 
 _URL = re.compile(r"[a-zA-Z][\w+.-]*://")
@@ -31,10 +32,6 @@ _CPU_FIX = (
     "to try sgrpo on CPU run `make quickstart` or configs/tiny.yaml, or override --trainer.accelerator=cpu "
     "--trainer.devices=1 --trainer.strategy=auto --trainer.precision=32-true"
 )
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the fix."""
 
 
 def check_config_files(args: list[str]) -> None:
@@ -112,7 +109,7 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
         )
     if not Path(ckpt_path).expanduser().exists():
         raise ConfigError(f"--ckpt_path {ckpt_path}: no such checkpoint; give 'last' or an existing .ckpt")
-    from sgrpo.checkpoints import checkpoint_problem
+    from sgrpo.run.checkpoints import checkpoint_problem
 
     problem = checkpoint_problem(Path(ckpt_path).expanduser())  # opened memory-mapped: cheap
     if problem:
@@ -253,7 +250,7 @@ def check_table(table: SplitTable) -> None:
 def check_prompt_room(policy: Any) -> None:
     """``max_prompt_tokens`` and each rollout engine's ``max_new_tokens`` fit in the engine's own limit (vLLM's
     ``max_model_len``) and in the model's positions (read from its config.json, where it is at hand)."""
-    from sgrpo.guards import prompt_room
+    from sgrpo.rollout.prompt_limits import prompt_room
 
     positions = configured_positions(policy.model_path)
     for key in ("rollout", "val_rollout"):

@@ -1,5 +1,5 @@
 """Checkpoint files that survive kills: atomic writes in the run folder, checksums, and a resume that skips broken
-files. (``sgrpo.run_checkpoint`` decides what is saved when.)
+files. (``sgrpo.run.saving`` decides what is saved when.)
 
 A checkpoint is written under a hidden name in its own folder (``.last.ckpt.partial``), flushed to disk
 and renamed over the old one, so a kill at any instant leaves the previous checkpoint whole, and

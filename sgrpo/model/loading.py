@@ -22,9 +22,9 @@ def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype | None = 
     optimiser state. Under autocast the blocks' inputs are not cast (``cast_forward_inputs=False``), so the
     residual stream stays in float32 as under autocast alone; outside autocast (a forward of one's own after
     fit) they are, or the blocks' matmuls would mix dtypes. The root (embeddings, final norm, LM head) is
-    gathered in the model's dtype: the LM head the sampler and the loss share (``sgrpo.head``).
+    gathered in the model's dtype: the LM head the sampler and the loss share (``sgrpo.model.head``).
     ``model.sgrpo_gather_dtype`` records ``param_dtype`` for the rollout's weight snapshot and the KL
-    reference (``sgrpo.snapshot``, ``sgrpo.reference``).
+    reference (``sgrpo.rollout.snapshot``, ``sgrpo.train.reference``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -57,8 +57,9 @@ def _inputs_cast_outside_autocast(dtype: torch.dtype):
 
 
 def resolve_model_path(path: str) -> str:
-    """A local folder (relative to the working directory or to the sgrpo checkout), else a hub id."""
-    for candidate in (Path(path).expanduser(), Path(__file__).resolve().parents[1] / path):
+    """A local folder (relative to the working directory or to the sgrpo checkout, two levels above this file), else
+    a hub id."""
+    for candidate in (Path(path).expanduser(), Path(__file__).resolve().parents[2] / path):
         if candidate.is_dir():
             return str(candidate)
     return path

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from sgrpo.lora import plain_weights
+from sgrpo.model.lora import plain_weights
 
 #: module-path components added by wrappers: torch.compile, FSDP1, activation-checkpoint wrappers
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -39,7 +39,7 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
     DTensor values (FSDP2 shards, tensor parallelism) are gathered with ``full_tensor()`` as they
     are reached: a collective, so every process must iterate in step. LoRA adapters are merged into
-    their weights (``sgrpo.lora.plain_weights``). The output embedding is
+    their weights (``sgrpo.model.lora.plain_weights``). The output embedding is
     skipped when the input embedding is tied to it (vLLM shares the tensor and ignores it).
     """
     config = getattr(unwrap(model), "config", None)

@@ -6,7 +6,7 @@ difficulty labels may be strings, which torchmetrics' tensor states cannot hold)
 rows of every process when the metric is computed (``dist_reduce_fx="cat"``, over processes holding different
 numbers of prompts, or none), and ``compute`` counts each prompt once: Lightning's ``DistributedSampler`` repeats
 a few prompts so that every process gets as many, and the first copy (the lowest rank's) stands for the prompt.
-The maths is ``sgrpo.metrics``' (float64 unbiased pass@k).
+The maths is ``sgrpo.eval.passk``' (float64 unbiased pass@k).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from sgrpo.metrics import pass_at_k
+from sgrpo.eval.passk import pass_at_k
 
 
 class PromptOutcomes(Metric):
@@ -72,7 +72,7 @@ class PromptOutcomes(Metric):
 
 class PassAtK(PromptOutcomes):
     """Unbiased pass@k for k = 1..n, the mean over prompts of ``1 - C(n - c, k) / C(n, k)`` (c: the prompt's
-    correct samples; ``sgrpo.metrics.pass_at_k``, float64): ``[n]``, entry k-1 for pass@k."""
+    correct samples; ``sgrpo.eval.passk.pass_at_k``, float64): ``[n]``, entry k-1 for pass@k."""
 
     def compute(self) -> Tensor:
         solved, _ = self.outcomes()
@@ -113,7 +113,7 @@ class PassAtKByDifficulty(PromptOutcomes):
 
 class SuccessCounts(PromptOutcomes):
     """Prompts with c correct samples of n, for c = 0..n: ``[n + 1]`` float64 counts (their sum: the prompts;
-    the shares are ``sgrpo.metrics.success_count_histogram``'s)."""
+    the shares are ``sgrpo.eval.passk.success_count_histogram``'s)."""
 
     def compute(self) -> Tensor:
         solved, _ = self.outcomes()

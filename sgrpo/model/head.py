@@ -197,7 +197,7 @@ def check_logit_head(model: nn.Module, probe_tokens: int = 8) -> None:
             f"{name}'s forward turns its hidden states into logits in a way sgrpo does not model (max "
             f"difference {gap:.3g} from lm_head with {LogitTransform.of(model)}); sgrpo applies "
             "final_logit_softcapping, logits_scaling and logit_scale. Training would use wrong log-probs: "
-            "use another model, or add its transform to sgrpo.head.LogitTransform"
+            "use another model, or add its transform to sgrpo.model.head.LogitTransform"
         )
 
 

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
-from sgrpo.head import LMHead, log_softmax_at
-from sgrpo.logprobs import final_hidden_states
+from sgrpo.model.head import LMHead, log_softmax_at
+from sgrpo.model.logprobs import final_hidden_states
 
 
 class BlockLayer(DynamicLayer):
@@ -177,7 +177,7 @@ class LlamaFamilyStep:
         return getattr(model.model.rotary_emb, "rope_type", "default") in _STATIC_ROPE
 
     def __call__(self, tokens: Tensor, positions: Tensor, key_mask: Tensor) -> Tensor:
-        """float32 logits ``[R, V]`` of one new token per row (``sgrpo.head``); ``key_mask`` ``[R, L+1]`` bool."""
+        """float32 logits ``[R, V]`` of one new token per row (``sgrpo.model.head``); ``key_mask`` ``[R, L+1]`` bool."""
 
         base = self.model.model
         x = base.embed_tokens(tokens).unsqueeze(1)  # [R, 1, H]
@@ -241,12 +241,12 @@ def decode(
 
     ``prompt_ids``/``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded; row r continues
     prompt ``row_prompt[r]``. Rows stop at their first EOS (from token ``min_new_tokens`` on).
-    Logits come from ``sgrpo.head`` (float32 logits from the compute dtype's matmul, the model's own
+    Logits come from ``sgrpo.model.head`` (float32 logits from the compute dtype's matmul, the model's own
     transform), as in the policy loss, so the sampler and the trained policy are one distribution.
     A sharded model (FSDP2) gathers its parameters in every forward, a collective: then the loop
     ends only when no process has a running row, and a process whose rows are all done keeps
     running forwards on one finished row (its tokens are discarded), so the gathers pair up.
-    ``cuda_graphs`` (with the native step) runs fixed-shape steps (``sgrpo.graphs.StaticSteps``),
+    ``cuda_graphs`` (with the native step) runs fixed-shape steps (``sgrpo.rollout.graphs.StaticSteps``),
     replayed as CUDA graphs on a GPU and run eagerly elsewhere.
 
     The KV cache grows ``cache_block`` positions at a time (``BlockLayer``). Which rows are still
@@ -312,7 +312,7 @@ def check_interval(device: torch.device) -> int:
 class DecodeSteps:
     """The decode step of the rows still running, by the fastest path that applies to ``model``.
 
-    Fixed-shape steps replayable as CUDA graphs (``cuda_graphs``, ``sgrpo.graphs.StaticSteps``), the
+    Fixed-shape steps replayable as CUDA graphs (``cuda_graphs``, ``sgrpo.rollout.graphs.StaticSteps``), the
     native Llama-family step (``LlamaFamilyStep``), or the model's own forward on the cache. ``mask``
     ``[R, P + max_new_tokens]``: each row's prompt mask, then ones.
     """
@@ -323,7 +323,7 @@ class DecodeSteps:
         self.native = self.static = None
         if native and LlamaFamilyStep.supported(model):
             if cuda_graphs:
-                from sgrpo.graphs import StaticSteps
+                from sgrpo.rollout.graphs import StaticSteps
 
                 for layer in cache.layers:  # fixed addresses for the graphs: every position allocated up front
                     layer.reserve(mask.shape[1])

@@ -1,7 +1,7 @@
 """Log-probs of completion tokens under a model, and how far a sampler's log-probs are from the trainer's.
 
 ``completion_logprobs`` runs the model's own forward for the hidden states (each distinct prompt once
-when prompts repeat) and the LM head through ``sgrpo.head`` (the compute dtype's operands, float32
+when prompts repeat) and the LM head through ``sgrpo.model.head`` (the compute dtype's operands, float32
 logits, the model's own logit transform, chunked with a hand-written backward). ``logprob_gap`` measures
 a sampler against the trainer on the sampled tokens. Pure functions of tensors and modules: nothing here
 knows about trainers or configs.
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded
-from sgrpo.head import LogitTransform, TokenLogprobs, head_dtype
+from sgrpo.model.head import LogitTransform, TokenLogprobs, head_dtype
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -35,7 +35,7 @@ def completion_logprobs(
     """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
 
     ``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]``. Logits are the
-    model's own (``sgrpo.head``: float32 from the compute dtype's matmul, with its output transform, as
+    model's own (``sgrpo.model.head``: float32 from the compute dtype's matmul, with its output transform, as
     the rollout's sampler computes them) over ``temperature``, the
     distribution the rollout samples from (truncated sampling is refused for training). The LM head runs
     only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
@@ -111,7 +111,7 @@ def final_hidden_states(
 
     The root forward runs (so wrappers such as FSDP2 gather the root's parameters, and keep them
     gathered until backward) with logits for no position (an empty ``logits_to_keep`` index: the
-    head runs in ``sgrpo.head``); a hook on the decoder hands back its output. With ``cache`` (a
+    head runs in ``sgrpo.model.head``); a hook on the decoder hands back its output. With ``cache`` (a
     ``DynamicCache``), the forward extends it: ``attention_mask`` then covers cached + new positions
     and ``position_ids`` those of the new tokens.
     """

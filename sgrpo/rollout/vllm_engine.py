@@ -6,8 +6,8 @@ refreshed from the policy's parameters at the start of every ``generate`` call (
 parameters, gathered one tensor at a time). vLLM is a GPU extra (``pip install -e '.[vllm]'``): it is
 imported on first use only, so configs naming this engine parse and instantiate on any machine.
 
-The pure pieces (request building, output conversion) are module functions with CPU tests; the engine
-calls them, and ``sgrpo.weightsync`` turns the policy's weights into what the engine loads.
+The pure pieces (request building, output conversion) are ``sgrpo.rollout.vllm_requests``; the engine
+calls them, and ``sgrpo.rollout.weightsync`` turns the policy's weights into what the engine loads.
 """
 
 from __future__ import annotations
@@ -24,9 +24,18 @@ import torch
 from torch import nn
 
 from sgrpo.distributed import close_before_release
-from sgrpo.rollout import RolloutEngine, render_prompt, stop_and_pad_ids
+from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids
+from sgrpo.rollout.vllm_requests import prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
+from sgrpo.rollout.weightsync import (
+    as_dtype,
+    begin_reload,
+    end_reload,
+    engine_weights,
+    load_chunk,
+    unwrap,
+    weight_chunks,
+)
 from sgrpo.types import Example, RolloutBatch
-from sgrpo.weightsync import as_dtype, begin_reload, end_reload, engine_weights, load_chunk, unwrap, weight_chunks
 
 INSTALL_HINT = "pip install -e '.[vllm]'"
 log = logging.getLogger(__name__)
@@ -44,106 +53,6 @@ def import_vllm():
     return vllm
 
 
-# ---------------------------------------------------------------------------------------------- requests
-def prompt_token_ids(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
-    """Token ids of each rendered prompt, without special tokens added (the same ids HFRollout feeds)."""
-    texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
-def sampling_kwargs(
-    *,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    stop_token_ids: Sequence[int],
-    greedy: bool = False,
-    seed: int | None = None,
-) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one prompt's group.
-
-    ``logprobs=0`` returns the log-prob of the sampled token only. Greedy decoding asks for one
-    completion (``n=1``, temperature 0): vLLM's greedy samples are identical copies, so the output
-    conversion repeats that one completion ``group_size`` times instead of decoding it G times.
-    """
-    kwargs: dict[str, Any] = {
-        "n": 1 if greedy else group_size,
-        "max_tokens": max_new_tokens,
-        "stop_token_ids": list(stop_token_ids),
-        "logprobs": 0,
-    }
-    if greedy:
-        return kwargs | {"temperature": 0.0}
-    return kwargs | {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
-
-
-# ---------------------------------------------------------------------------------------------- outputs
-def rollout_batch_from_outputs(
-    outputs: Sequence[Any], group_size: int, pad_id: int, tokenizer=None, device: torch.device | None = None
-) -> RolloutBatch:
-    """vLLM ``RequestOutput`` s (one per prompt, in prompt order) -> ``RolloutBatch`` with rows ``b * G + g``.
-
-    Reads ``RequestOutput.prompt_token_ids`` and ``.outputs`` (``CompletionOutput`` s with ``.index``,
-    ``.token_ids``, ``.logprobs``, ``.finish_reason``, ``.text``). A request with one completion
-    (greedy) fills its whole group. vLLM stops at EOS and keeps it in ``token_ids``, so every
-    generated token is in the completion mask; ``finish_reason == "length"`` marks truncation.
-    Texts are decoded by ``tokenizer`` (skipping special tokens, as HFRollout does), or taken from
-    ``.text`` without one. Log-probs are those of the sampled tokens, 0 on padding.
-    """
-    prompts, completions, logprobs, truncated, texts = [], [], [], [], []
-    for request in outputs:
-        samples = sorted(request.outputs, key=lambda c: c.index)
-        if not samples or group_size % len(samples):
-            raise ValueError(f"a request returned {len(samples)} completions for a group of {group_size}")
-        for sample in samples:
-            ids = list(sample.token_ids)
-            row_logprobs = _sampled_logprobs(sample.logprobs, ids)
-            for _ in range(group_size // len(samples)):
-                prompts.append(torch.tensor(list(request.prompt_token_ids), dtype=torch.long, device="cpu"))
-                completions.append(torch.tensor(ids, dtype=torch.long, device="cpu"))
-                logprobs.append(row_logprobs)
-                truncated.append(sample.finish_reason == "length")
-                texts.append(sample.text)
-    if tokenizer is not None:
-        texts = tokenizer.batch_decode([c.tolist() for c in completions], skip_special_tokens=True)
-    pad = nn.utils.rnn.pad_sequence
-    prompt_ids = pad(prompts, batch_first=True, padding_value=pad_id, padding_side="left")  # [N, P]
-    completion_ids = pad(completions, batch_first=True, padding_value=pad_id)  # [N, T]
-    if completion_ids.shape[1] == 0:  # every completion empty: keep one (masked) column
-        completion_ids = torch.full((len(completions), 1), pad_id, dtype=torch.long, device="cpu")
-    p, t = prompt_ids.shape[1], completion_ids.shape[1]
-    prompt_len = torch.tensor([len(x) for x in prompts], device="cpu")  # [N]
-    completion_len = torch.tensor([len(x) for x in completions], device="cpu")  # [N]
-    prompt_mask = torch.arange(p, device="cpu") >= (p - prompt_len).unsqueeze(-1)  # [N, P]
-    completion_mask = torch.arange(t, device="cpu") < completion_len.unsqueeze(-1)  # [N, T]
-    sampled = None
-    if all(lp is not None for lp in logprobs):
-        sampled = torch.zeros(len(completions), t, dtype=torch.float32, device="cpu")  # [N, T]
-        for row, lp in enumerate(logprobs):
-            sampled[row, : len(lp)] = torch.tensor(lp, dtype=torch.float32, device="cpu")
-    return RolloutBatch(
-        input_ids=torch.cat([prompt_ids, completion_ids], 1).to(device),
-        attention_mask=torch.cat([prompt_mask, completion_mask], 1).long().to(device),
-        completion_mask=completion_mask.to(device),
-        completions=list(texts),
-        truncated=torch.tensor(truncated, dtype=torch.bool, device=device),
-        group_size=group_size,
-        logprobs=None if sampled is None else sampled.to(device),
-    )
-
-
-def _sampled_logprobs(steps: Sequence[Any] | None, ids: list[int]) -> list[float] | None:
-    """``CompletionOutput.logprobs`` (per step: {token id: Logprob}) -> the sampled tokens' log-probs."""
-    if steps is None:
-        return None
-    if len(steps) != len(ids):
-        raise ValueError(f"{len(steps)} log-prob steps for {len(ids)} generated tokens")
-    return [float(step[token].logprob) for step, token in zip(steps, ids)]
-
-
-# ---------------------------------------------------------------------------------------------- engine
 class VLLMRollout(RolloutEngine):
     """Rollouts from a colocated vLLM engine, one per training process (GPU extra).
 
@@ -159,7 +68,7 @@ class VLLMRollout(RolloutEngine):
     samples (the engine is only read there) without waking the engine during the update.
 
     Log-probs are vLLM's ``processed_logprobs`` (after temperature) of the sampled tokens; the loss
-    corrects for vLLM's numerics (truncated importance sampling, ``sgrpo.loss.ClippedSurrogate``).
+    corrects for vLLM's numerics (truncated importance sampling, ``sgrpo.train.ClippedSurrogate``).
 
     Sleep level 2 is not used: vLLM issue 29341 reports garbage outputs after a level-2 wake.
 
@@ -278,7 +187,7 @@ class VLLMRollout(RolloutEngine):
         """Copy ``model``'s current parameters into the engine, chunk by chunk, then reset the prefix cache.
 
         The tensors are gathered here (FSDP2: every process must call this together), cast to the
-        engine's dtype and loaded by vLLM's layerwise reload (``sgrpo.weightsync.begin_reload``: every
+        engine's dtype and loaded by vLLM's layerwise reload (``sgrpo.rollout.weightsync.begin_reload``: every
         kernel's copy refreshed, tied heads included). The first call checks that every engine
         parameter received a value.
         """

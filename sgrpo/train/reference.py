@@ -1,6 +1,6 @@
 """The frozen KL reference: the policy as it loaded, stored as small as the policy's own forward allows.
 
-With LoRA the reference is the policy itself with its adapters switched off (``sgrpo.lora.adapters_off``):
+With LoRA the reference is the policy itself with its adapters switched off (``sgrpo.model.lora.adapters_off``):
 its base weights are frozen, so no second model is built. Otherwise ``build_reference`` copies the loaded
 policy (no second load from disk: one model's host memory less while every process loads), each parameter in
 the dtype the policy's forward uses it in at the trainer's precision (``reference_dtypes``):
@@ -9,14 +9,14 @@ the dtype the policy's forward uses it in at the trainer's precision (``referenc
   policy to it);
 * ``bf16-mixed``, ``16-mixed``: every ``nn.Linear`` weight but the LM head in the autocast dtype (autocast
   casts the policy's at each use) and, under FSDP2 mixed precision, every parameter of the transformer
-  blocks in the dtype they are gathered in (``sgrpo.modeling.shard_model``); embeddings, the final norm and
-  the LM head stay in the policy's dtype (the head is ``sgrpo.head``'s, float32 under mixed precision);
+  blocks in the dtype they are gathered in (``sgrpo.model.loading.shard_model``); embeddings, the final norm and
+  the LM head stay in the policy's dtype (the head is ``sgrpo.model.head``'s, float32 under mixed precision);
 * ``32-true``: the policy's dtype.
 
 Its forward is then the initial policy's, number for number: the KL to it starts at 0 exactly, at about half
 the bytes under bf16 (Qwen2.5-1.5B: ~3.5 GB instead of 6.2 GB). Under FSDP2 it is sharded as the policy is
 (``fully_shard`` per block, no optimiser state), so its forwards are collectives that every process runs in
-step, as the policy's are (``sgrpo.update``); each process builds only its own shards.
+step, as the policy's are (``sgrpo.train.update``); each process builds only its own shards.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from sgrpo.distributed import is_sharded
-from sgrpo.lora import adapters_off, has_lora
-from sgrpo.modeling import shard_model
-from sgrpo.snapshot import copy_weights, plain_shell
+from sgrpo.model.loading import shard_model
+from sgrpo.model.lora import adapters_off, has_lora
+from sgrpo.rollout.snapshot import copy_weights, plain_shell
 
 #: precision -> the dtype every weight of the policy is converted to
 _TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from sgrpo.distributed import is_sharded
-from sgrpo.lora import plain_weights
-from sgrpo.modeling import transformer_blocks
+from sgrpo.model.loading import transformer_blocks
+from sgrpo.model.lora import plain_weights
 
 
 def plain_class(model: nn.Module) -> type[nn.Module]:
@@ -82,7 +82,7 @@ def plain_shell(
     """The model's own module tree on the meta device (eval mode, frozen), each parameter in the dtype a forward
     of ``model`` uses it in: ``dtype`` (default: the model's), then ``block_dtype`` for every parameter of the
     transformer blocks (FSDP2 mixed precision gathers them in it), then ``linear_dtype`` for every ``nn.Linear``
-    but the LM head (autocast casts those at each use; the head is ``sgrpo.head``'s, outside autocast)."""
+    but the LM head (autocast casts those at each use; the head is ``sgrpo.model.head``'s, outside autocast)."""
     with torch.device("meta"):
         shell = plain_class(model)(model.config).to(dtype or next(model.parameters()).dtype)
     if block_dtype is not None:

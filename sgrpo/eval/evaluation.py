@@ -3,7 +3,7 @@
 ``PolicyEvaluation`` is mixed into ``GRPOPolicy``. Each prompt of the split gets ``val_samples`` completions
 from ``val_rollout`` (greedy with ``val_greedy``), seeded from (seed, batch, rank), and the task's success
 test grades them. The split holds one or several evaluation sets (``Task.evaluation_set``: Polaris evaluates
-AIME 2025 and MATH-500), each with its own torchmetrics metrics (``sgrpo.eval_metrics``), which sync over the
+AIME 2025 and MATH-500), each with its own torchmetrics metrics (``sgrpo.eval.metrics``), which sync over the
 processes at the epoch's end (each prompt counted once) and are logged under ``val/`` or ``test/`` for a split
 of one set, ``val/<set>/`` for each of several: ``pass@k`` for k = 1..n (unbiased estimator), ``accuracy``,
 ``accuracy/<difficulty>``, ``pass@k/<difficulty>`` and ``successes/<c>`` (the share of prompts with c of n
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from sgrpo.checks import require
-from sgrpo.data import mix_seed, prompt_collate
-from sgrpo.eval_metrics import SET_METRICS, PromptOutcomes
-from sgrpo.metrics import rows_by_difficulty
+from sgrpo.eval.metrics import SET_METRICS, PromptOutcomes
+from sgrpo.eval.passk import rows_by_difficulty
+from sgrpo.run.data import mix_seed, prompt_collate
 from sgrpo.types import Example
 
 #: the metric prefix and the seed salt of each evaluated split

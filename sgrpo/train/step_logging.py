@@ -1,6 +1,6 @@
 """What a training step logs: its metrics (means over every process; maxima, minima and the gradient
 budget by difficulty reduced over processes) and, every ``log_completions_every`` steps, a few groups of
-completions (``sgrpo.samples``). ``StepLogging`` is mixed into ``GRPOPolicy``."""
+completions (``sgrpo.eval.completions``). ``StepLogging`` is mixed into ``GRPOPolicy``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from estimators import SoftmaxGRPO, budget_mass, budget_shares
 from estimators.softmax_grpo import log_mgf
-from sgrpo.samples import completion_rows, write_rows
+from sgrpo.eval.completions import completion_rows, write_rows
 
 
 class StepLogging:

@@ -5,7 +5,7 @@ Every checkpoint holds the state at the end of a training step, the one state a 
 It is written after Lightning logged that step's metrics (a failed write loses no metrics row), before
 the validation or the step that follows, and its loop counters are those of that step's end
 (``step_end_loops``), noting whether the validation due after it has run. Files are written by
-``sgrpo.checkpoints``; what a fault does is ``sgrpo.faults``.
+``sgrpo.run.checkpoints``; what a fault does is ``sgrpo.run.faults``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from sgrpo.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
-from sgrpo.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
-from sgrpo.resume_changes import ResumeError, apply_optimizer_settings, experiment_changes
+from sgrpo.run.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
+from sgrpo.run.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
+from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class RunCheckpoint(ModelCheckpoint):
     written as at that step's end (``step_end_loops``), recording whether the validation due after it
     is still to run. An error inside an update (after some of its optimiser steps), or while a
     checkpoint loads, saves nothing: ``last.ckpt`` stays what it was. Under several processes an error
-    in one ends them all without saving (``sgrpo.faults``). A file of the same name is replaced, never
+    in one ends them all without saving (``sgrpo.run.faults``). A file of the same name is replaced, never
     versioned (``last-v1.ckpt``); writes are atomic (``AtomicCheckpointIO``; sharded folders are written
     hidden and swapped in).
     """
@@ -122,13 +122,13 @@ class RunCheckpoint(ModelCheckpoint):
         self._training = False  # the training loop has started
         self.failed_resume: BaseException | None = None  # an error while the checkpoint to resume from loaded
         self._loaded_optimizers: list[str] | None = None  # the optimisers the checkpoint was trained with
-        self.experiment: dict[str, str] = {}  # this run's experiment (sgrpo.resume_changes), set by the CLI
+        self.experiment: dict[str, str] = {}  # this run's experiment (sgrpo.run.resume), set by the CLI
         self.resume_changes = "refuse"  # or "allow": resume with another experiment, its changes applied
         self._loaded_experiment: dict[str, str] | None = None  # the checkpoint's
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Lightning warns that the folder "exists and is not empty": a resume's is, and a fresh run into a
-        folder holding another run is refused before this (``sgrpo.runs``)."""
+        folder holding another run is refused before this (``sgrpo.run.folders``)."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super().setup(trainer, pl_module, stage)

@@ -33,7 +33,7 @@ class ResumeError(Exception):
     """A checkpoint that loaded but cannot continue in this run (another optimiser, or another experiment).
 
     Every process raises it at the same point (the checkpoint and the config are the same on each), so over
-    several processes it takes the ordinary path of a refused run (``sgrpo.faults.EVERY_PROCESS``): one line,
+    several processes it takes the ordinary path of a refused run (``sgrpo.run.faults.EVERY_PROCESS``): one line,
     exit 2, as on one process."""
 
 

@@ -1,69 +1,20 @@
-"""Rollout engines: sample G completions per prompt and package them as a ``RolloutBatch``."""
+"""``HFRollout``: sampling from the trained model itself (sgrpo's lean decoder, or transformers' ``generate``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded, world_size
-from sgrpo.snapshot import RolloutWeights
-from sgrpo.types import Example, Messages, RolloutBatch
-
-
-def render_prompt(tokenizer, prompt: str | Messages, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-    """Raw text stays as is; chat messages go through the tokenizer's chat template (a plain one if none),
-    with ``chat_template_kwargs`` (an ``Example``'s: Qwen3's ``enable_thinking``)."""
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None):
-        kwargs = dict(chat_template_kwargs or {})
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
-    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in prompt]
-    return "\n\n".join(turns) + "\n\nAssistant:"
-
-
-def completion_mask_until_eos(ids: Tensor, eos_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """``ids`` ``[N, T]`` -> (mask ``[N, T]`` of tokens up to and including the first EOS, truncated ``[N]``)."""
-    is_eos = torch.isin(ids, torch.as_tensor(list(eos_ids), device=ids.device))  # [N, T]
-    seen_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS tokens strictly before each position
-    return seen_before == 0, ~is_eos.any(-1)
-
+from sgrpo.rollout.engine import RolloutEngine, completion_mask_until_eos, left_padded, render_prompt, stop_and_pad_ids
+from sgrpo.rollout.snapshot import RolloutWeights
+from sgrpo.types import Example, RolloutBatch
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated", "logprobs")
-
-
-class RolloutEngine(ABC):
-    """Generates ``group_size`` completions for each example; rows are ordered ``b * G + g``."""
-
-    max_new_tokens: int
-    temperature: float
-    #: True when the engine samples through the trained model's own modules and weights: its log-probs
-    #: (if any) are the policy's up to float rounding, so no importance weights and no second forward
-    samples_from_policy: bool = True
-    #: the longest prompt + completion the engine takes (vLLM: ``max_model_len``); None: the model's positions
-    max_total_tokens: int | None = None
-
-    @abstractmethod
-    def generate(
-        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
-    ) -> RolloutBatch: ...
-
-    def truncation(self) -> str | None:
-        """Which setting makes the sampled distribution differ from softmax(logits / temperature), or None.
-
-        The policy loss computes log-probs of the full softmax, so training refuses an engine that
-        truncates it (top-k, top-p, a forced minimum length); validation may use one.
-        """
-        settings = {"top_k": 0, "top_p": 1.0, "min_new_tokens": 0}
-        changed = [f"{k}={getattr(self, k)}" for k, off in settings.items() if getattr(self, k, off) != off]
-        return ", ".join(changed) or None
-
 
 
 class HFRollout(RolloutEngine):
@@ -72,17 +23,17 @@ class HFRollout(RolloutEngine):
     Samples at ``temperature`` with optional ``top_p`` / ``top_k`` and stops each row at EOS or
     ``max_new_tokens`` (EOS is masked for a row's first ``min_new_tokens`` tokens). Rows are
     generated ``max_batch_rows`` at a time to bound memory. ``decoder="lean"`` (default) runs
-    ``sgrpo.decode.decode``: each prompt prefilled once for its G rows, a preallocated KV cache,
+    ``sgrpo.rollout.decode.decode``: each prompt prefilled once for its G rows, a preallocated KV cache,
     finished rows dropped; ``decoder="generate"`` runs transformers' ``generate`` (same
     distribution, slower; it also applies whatever the model's ``generation_config`` adds, such as a
     repetition penalty). The lean decoder returns the sampled tokens' log-probs (``RolloutBatch.logprobs``,
     from the same float32 head as the loss): the policy compares them with its own on the same tokens
     and logs the gap (``train/rollout/mismatch_*``), which should be float rounding only.
-    ``weights_snapshot`` (``sgrpo.snapshot.RolloutWeights``): decode on an unsharded copy of the
+    ``weights_snapshot`` (``sgrpo.rollout.snapshot.RolloutWeights``): decode on an unsharded copy of the
     weights gathered once per rollout (default: for FSDP2-sharded models, whose every forward would
     otherwise all-gather each block per token), its Linear weights cast once to autocast's dtype;
     the copy's memory is freed before the update. ``cuda_graphs`` (lean decoder, Llama-family models):
-    fixed-shape decode steps replayed as CUDA graphs on a GPU (``sgrpo.graphs``; off until measured).
+    fixed-shape decode steps replayed as CUDA graphs on a GPU (``sgrpo.rollout.graphs``; off until measured).
 
     Args:
         max_new_tokens: Completion length cap in tokens.
@@ -189,7 +140,7 @@ class HFRollout(RolloutEngine):
         and their sampling log-probs (lean decoder; None from ``generate``)."""
         sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         if self.decoder == "lean":
-            from sgrpo.decode import decode  # imports transformers: not needed to check a config
+            from sgrpo.rollout.decode import decode  # imports transformers: not needed to check a config
 
             return decode(
                 model, ids, mask, row_prompt, self.max_new_tokens, eos, pad,
@@ -209,44 +160,3 @@ class HFRollout(RolloutEngine):
             **sampling,
         )
         return out[:, ids.shape[1] :], None
-
-
-
-def left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Token id lists -> (ids ``[B, P]`` left-padded with ``pad``, attention mask ``[B, P]``: 1 on real tokens).
-
-    The mask comes from the rows' lengths, never from ``ids != pad``: the pad id may be EOS, which a prompt
-    can hold. The tokenizer's own padding is not used, so a tokenizer without a pad token works as it is.
-    """
-    tensors = [torch.tensor(list(row), dtype=torch.long, device="cpu") for row in rows]
-    ids = nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=pad, padding_side="left")  # [B, P]
-    lengths = torch.tensor([len(t) for t in tensors], device="cpu")  # [B]
-    mask = torch.arange(ids.shape[1], device="cpu") >= (ids.shape[1] - lengths).unsqueeze(-1)  # [B, P]
-    return ids.to(device), mask.long().to(device)
-
-
-def with_pad_token(tokenizer):
-    """``tokenizer``, its pad token set to its EOS token when it has none (Llama-3.x, Mistral), as TRL does.
-
-    Safe because sgrpo's masks come from lengths and attention masks, never from comparing ids with the
-    pad id: a completion ends at its first EOS, and padding after it is masked whatever its id.
-    """
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def stop_and_pad_ids(model: nn.Module, tokenizer) -> tuple[list[int], int]:
-    """The ids that end a completion (the model's generation_config, else the tokenizer's) and the pad id
-    (the tokenizer's, else the first end id)."""
-    eos = eos_ids(model, tokenizer)
-    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-
-
-def eos_ids(model: nn.Module, tokenizer) -> list[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer and the model's generation_config define no eos_token_id; set one")
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]

@@ -24,7 +24,7 @@ from typing import IO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from sgrpo.checkpoints import remove_path, remove_unfinished, resumable
+from sgrpo.run.checkpoints import remove_path, remove_unfinished, resumable
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def launches_run(trainer) -> bool:
 class SignalExit(Callback):
     """Records the exit status an interrupted fit owes its scheduler: 143 after SIGTERM, 130 after Ctrl-C.
 
-    A stop at a step's end (``sgrpo.faults.Stopped``) carries its own; Lightning exits 1 after a second
+    A stop at a step's end (``sgrpo.run.faults.Stopped``) carries its own; Lightning exits 1 after a second
     Ctrl-C, and 0 after a SIGTERM it handles itself (before training starts), which SLURM reads as success.
     """
 

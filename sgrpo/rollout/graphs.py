@@ -51,7 +51,7 @@ class StaticSteps:
     """Fixed-shape decode steps over a prefilled ``cache`` of ``BlockLayer`` s at full capacity, one row per sequence.
 
     ``key_mask`` ``[R, capacity]``: the prompt columns each row attends to (the rest are set as
-    tokens arrive). ``step_class`` is the native step (``sgrpo.decode.LlamaFamilyStep``).
+    tokens arrive). ``step_class`` is the native step (``sgrpo.rollout.decode.LlamaFamilyStep``).
     """
 
     def __init__(self, model: nn.Module, cache: DynamicCache, key_mask: Tensor, step_class, graphs: bool) -> None:

@@ -1,7 +1,7 @@
 """The update of one rollout: ``ppo_epochs`` x ``num_minibatches`` optimiser steps, micro-batch by micro-batch.
 
 ``PolicyUpdate`` is mixed into ``GRPOPolicy`` (a LightningModule with manual optimisation) and reads its
-``model``, ``_reference``, ``loss`` (a ``sgrpo.loss.PolicyLoss``), ``rollout`` (temperature, max_new_tokens,
+``model``, ``_reference``, ``loss`` (a ``sgrpo.train.PolicyLoss``), ``rollout`` (temperature, max_new_tokens,
 whether it samples through the policy's own weights), the micro-batch settings and ``seed``, and
 Lightning's strategy and precision plugin. Everything that must line up across processes is here:
 
@@ -24,13 +24,13 @@ import time
 import torch
 from torch import Tensor, nn
 
-from sgrpo.batching import micro_batches, trim
-from sgrpo.data import mix_seed
 from sgrpo.distributed import data_parallel_size, gradient_sync, max_over_processes
-from sgrpo.gapwatch import GapWatch
-from sgrpo.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
-from sgrpo.loss import BatchCounts, TokenBatch
-from sgrpo.reference import reference_model
+from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
+from sgrpo.run.data import mix_seed
+from sgrpo.train.batching import micro_batches, trim
+from sgrpo.train.gapwatch import GapWatch
+from sgrpo.train.loss import BatchCounts, TokenBatch
+from sgrpo.train.reference import reference_model
 from sgrpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class PolicyUpdate:
         return logp, entropy, batch["mask"]
 
     def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> list[Tensor]:
-        """``rows`` in micro-batches of similar completion length (``sgrpo.batching.micro_batches``)."""
+        """``rows`` in micro-batches of similar completion length (``sgrpo.train.batching.micro_batches``)."""
         lengths = token_mask[rows].sum(-1)
         return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
 

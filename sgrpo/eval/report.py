@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from estimators import BUCKETS
-from sgrpo.evaluation import result_sets
-from sgrpo.metrics_file import METRICS_FILE, Series, merge_records, read_metrics_file
-from sgrpo.runs import logger_versions
+from sgrpo.eval.evaluation import result_sets
+from sgrpo.eval.metrics_file import METRICS_FILE, Series, merge_records, read_metrics_file
+from sgrpo.run.folders import logger_versions
 
 
 def accuracy_table(history: list[dict[str, Any]]) -> str:
     """Markdown tables of accuracy per difficulty, the first validation against the last: one per evaluation set
-    (titled by its name; ``sgrpo.evaluation.result_sets``)."""
+    (titled by its name; ``sgrpo.eval.evaluation.result_sets``)."""
     if len(history) < 2:
         return "(need a validation before and after training for the table: set --validate_before true)"
     first, last = history[0], history[-1]
@@ -46,7 +46,7 @@ def read_metrics(path: Path) -> Series:
 
 
 def read_run_metrics(root: Path) -> Series:
-    """The run's metrics: its ``metrics.jsonl`` (``sgrpo.metrics_file``, kept whatever the logger).
+    """The run's metrics: its ``metrics.jsonl`` (``sgrpo.eval.metrics_file``, kept whatever the logger).
 
     A run folder from before that file falls back to every ``lightning_logs/version_N/metrics.csv`` (one per
     start or resume), read in order: a step logged again by a later version takes the later value.
