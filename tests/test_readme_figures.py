@@ -1,12 +1,12 @@
-"""Every benchmark figure the README quotes is traced to a committed artefact (``benchmarks/artefact.py``).
+"""Every benchmark figure the docs quote is traced to a committed artefact (``benchmarks/artefact.py``).
 
-A README block fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ... ``<!-- /figures -->`` may only
-contain numbers that occur in that artefact: as written in its ``report.md``, or as a value of its
-``result.json`` ``result`` (not its machine stamp) rounded to the README's digits (a fraction may be quoted
-as a percentage); in a ``FIGURE_SECTIONS`` section it names the command that reproduces them (the
+A block of the README or of a docs/ page fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ...
+``<!-- /figures -->`` may only contain numbers that occur in that artefact: as written in its ``report.md``,
+or as a value of its ``result.json`` ``result`` (not its machine stamp) rounded to the quoted digits (a
+fraction may be quoted as a percentage); on a ``FIGURE_SECTIONS`` page it names the command that reproduces them (the
 artefact's, in inline code). Numbers inside inline code (commands) are not figures and are skipped. And the
-README sections of benchmark figures (``FIGURE_SECTIONS``) hold no number outside such blocks, but in
-headings and in the prose parameters of ``PARAMETERS``.
+pages of benchmark figures (``FIGURE_SECTIONS``: docs/comparing.md, docs/performance.md) hold no number
+outside such blocks, but in headings and in the prose parameters of ``PARAMETERS``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+from tests.docs_blocks import PAGES, REPO
+
 BLOCK = re.compile(r"<!-- figures: (\S+) -->\n(.*?)<!-- /figures -->", re.S)
 # a sign counts only after a space or an opening bracket ("levels 7-9" is 7 and 9, "[-1.7, +0.8]" is signed)
 NUMBER = re.compile(r"(?:(?<=[\s(\[|])[-+\u2212])?(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?")
@@ -65,7 +65,7 @@ def untraced(block: str, artefact: Path) -> list[str]:
     return [t for t in numbers(prose) if not traced(t, report_tokens, values)]
 
 
-BLOCKS = BLOCK.findall(README)
+BLOCKS = [found for page in PAGES for found in BLOCK.findall(page.read_text())]  # README.md and docs/*.md
 
 
 @pytest.mark.parametrize("path,block", BLOCKS, ids=[f"{p}#{i}" for i, (p, _) in enumerate(BLOCKS)])
@@ -75,10 +75,10 @@ def test_readme_block_is_traced_to_its_artefact(path, block):
     stamp = json.loads((artefact / "result.json").read_text())
     assert {"benchmark", "command", "date", "commit", "result"} <= set(stamp), f"{path}: result.json lacks its stamp"
     assert stamp["command"] in (artefact / "report.md").read_text()
-    if any(block in body for body in sections(README).values()):  # a benchmark section's block shows its command
-        assert f"`{stamp['command']}`" in block, f"{path}: the README block does not show `{stamp['command']}`"
+    if any(block in body for body in figure_pages().values()):  # a benchmark page's block shows its command
+        assert f"`{stamp['command']}`" in block, f"{path}: the block does not show `{stamp['command']}`"
     missing = untraced(block, artefact)
-    assert not missing, f"README figures not found in {path}: {missing}"
+    assert not missing, f"figures not found in {path}: {missing}"
 
 
 def test_an_untraced_figure_fails(tmp_path, monkeypatch):
@@ -105,8 +105,9 @@ def test_the_stamp_traces_no_figure(tmp_path, monkeypatch):
     assert untraced("96 runs on levels 7-9 at load 7.5", folder) == ["7", "9"]
 
 
-#: the README sections (each with its ### subsections) whose figures all come from benchmarks
-FIGURE_SECTIONS = ("Comparing estimators", "Performance")
+#: the pages whose figures all come from benchmarks, by title (each page is one ``# title`` section)
+FIGURE_PAGES = {"Comparing estimators": REPO / "docs" / "comparing.md", "Performance": REPO / "docs" / "performance.md"}
+FIGURE_SECTIONS = tuple(FIGURE_PAGES)
 #: numbers allowed outside a fenced block in those sections: phrases that state a setting of a benchmark or
 #: of the engine, never a measured result (each with why)
 PARAMETERS = {
@@ -128,11 +129,25 @@ def sections(text: str, titles=FIGURE_SECTIONS) -> dict[str, str]:
     return out
 
 
+def figure_pages() -> dict[str, str]:
+    """The text of each ``FIGURE_PAGES`` page below its ``# title`` line."""
+    out = {}
+    for title, page in FIGURE_PAGES.items():
+        heading, _, body = page.read_text().partition("\n")
+        assert heading == f"# {title}", f"{page.name} does not open with '# {title}'"
+        out[title] = body
+    return out
+
+
 def unfenced_figures(text: str, titles=FIGURE_SECTIONS) -> list[tuple[str, str]]:
     """(section, number) for each number of the ``titles`` sections outside a fenced block, inline code,
     comment, link target, heading or ``PARAMETERS`` phrase."""
+    return stray_numbers(sections(text, titles))
+
+
+def stray_numbers(bodies: dict[str, str]) -> list[tuple[str, str]]:
     found = []
-    for title, body in sections(text, titles).items():
+    for title, body in bodies.items():
         body = BLOCK.sub(" ", body)
         body = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|^#+ [^\n]*", " ", body, flags=re.S | re.M)
         for phrase in PARAMETERS:
@@ -141,10 +156,10 @@ def unfenced_figures(text: str, titles=FIGURE_SECTIONS) -> list[tuple[str, str]]
     return found
 
 
-def test_readme_figure_sections_have_no_figure_outside_a_fenced_block():
-    assert BLOCKS, "README has no fenced block of figures"
-    stray = unfenced_figures(README)
-    assert not stray, f"README numbers outside a <!-- figures: ... --> block (fence them or state a parameter): {stray}"
+def test_figure_pages_have_no_figure_outside_a_fenced_block():
+    assert BLOCKS, "the docs have no fenced block of figures"
+    stray = stray_numbers(figure_pages())
+    assert not stray, f"numbers outside a <!-- figures: ... --> block (fence them or state a parameter): {stray}"
 
 
 def test_an_unfenced_figure_is_found():

@@ -107,9 +107,9 @@ def test_the_rollout_the_vllm_requests_and_the_length_guard_render_with_the_kwar
     assert kept == examples[:1] and dropped == 1  # the kwargs made the second prompt one token longer
 
 
-def test_the_readme_example_is_a_valid_task_config():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if "chat_template_kwargs" in b)
+def test_the_docs_example_is_a_valid_task_config():
+    page = (Path(__file__).parents[1] / "docs" / "tasks.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, flags=re.S) if "chat_template_kwargs" in b)
     config = yaml.safe_load(block)["model"]["task"]
     config["init_args"]["path"] = str(FIXTURES / "gsm8k.jsonl")  # offline
     parser = ArgumentParser(exit_on_error=False)

@@ -138,9 +138,9 @@ def test_a_fit_logs_each_function_and_counts_its_failures(tmp_path):
     assert logged["train/reward/broken"].item() == 0.0 and logged["train/reward/failures"].item() == 4.0
 
 
-def test_the_readme_config_parses_and_grades_math_once():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if "tasks.FunctionReward" in b)
+def test_the_docs_config_parses_and_grades_math_once():
+    page = (Path(__file__).parents[1] / "docs" / "tasks.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", page, flags=re.S) if "tasks.FunctionReward" in b)
     block = block.replace("mymodule.format_reward", "tests.test_tasks_functions.brevity")
     config = yaml.safe_load(block)["model"]["task"]
     config["init_args"]["path"] = "tests/fixtures/deepmath.jsonl"  # offline
