@@ -9,8 +9,9 @@ A benchmark run keeps its bulky outputs (run folders, checkpoints, figures) unde
 - ``report.md``: the human-readable report, headed by the same command, date and commit.
 
 A README block that quotes an artefact is fenced by ``<!-- figures: benchmarks/reports/<name> -->`` and
-``<!-- /figures -->``; ``tests/test_readme_figures.py`` checks that every number inside such a block
-occurs in that artefact (its report or its result values), so a figure without a source fails the tests.
+``<!-- /figures -->`` and is the artefact's render (``benchmarks/figures``: ``python -m benchmarks.figures
+--write``), which ``publish`` also writes as ``figures.md``; ``tests/test_readme_figures.py`` checks the block
+equals the render byte for byte.
 
 Every benchmark the README quotes ends with ``publish(name, result, report, command_line(__file__, argv))``
 unless run with ``--no-publish`` (``publish_option``); a benchmark that prints its tables captures them
@@ -75,6 +76,10 @@ def publish(name: str, result: dict, report: str, command: str, root: Path | Non
     header = (f"Reproduce: `{command}`  \nDate: {stamp['date']}, commit {stamp['commit']}, "
               f"{stamp['machine']['cpus']} CPUs, load average {stamp['machine']['load_average'][0]}")  # fmt: skip
     (folder / "report.md").write_text("\n".join([title, "", header, "", *body]).rstrip("\n") + "\n")
+    from benchmarks.figures import RENDERS, render  # the docs' block of these figures, as a fresh run gives it
+
+    if name in RENDERS:
+        (folder / "figures.md").write_text(render(name, folder.parent))
     return folder
 
 

@@ -72,7 +72,8 @@ def report(lrs: list[float], results: dict, args) -> tuple[str, dict]:
         "## Each estimator at its own best base rate; Δ top-1 vs GRPO at its best rate (seed-paired)",
         markdown_table(["estimator", "best lr", "top-1", "Δ top-1 vs GRPO (pts)"], best_rows),
     ])
-    return text, {"lrs": lrs, "by_lr": {str(lr): r["summary"] for lr, r in results.items()}, "best": best,
+    return text, {"lrs": lrs, "seeds": args.seeds, "by_lr": {str(lr): r["summary"] for lr, r in results.items()},
+                  "best": best,
                   "seconds": round(seconds, 1)}  # fmt: skip
 
 

@@ -53,6 +53,7 @@ from benchmarks import head_to_head_tail as tail  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
 from benchmarks._h2h_stats import ci, fmt  # noqa: E402
 from benchmarks.artefact import REPORTS, publish  # noqa: E402
+from benchmarks.figures.h2h import SCALAR_DEVIATIONS, deviations_section  # noqa: E402
 from sgrpo.eval.report import read_metrics  # noqa: E402
 
 TAU = 0.16  # the pilot's: mean within-group std 0.1561 over 395 non-constant step-0 groups, two digits
@@ -300,10 +301,12 @@ def main(argv: list[str] | None = None) -> Path:
     path.write_text(text)
     (out / "protocol.json").write_text(json.dumps(proto, indent=1) + "\n")
     finished = sum(len(runs) for runs in results.values())
-    result |= {"protocol": proto, "runs_finished": finished, "runs_planned": len(specs) * len(proto["seeds"])}
+    result |= {"protocol": proto, "runs_finished": finished, "runs_planned": len(specs) * len(proto["seeds"]),
+               "deviations": [] if opts.quick else SCALAR_DEVIATIONS}  # fmt: skip
     name = "scalar_head_to_head" + ("_quick" if opts.quick else "")
     command = "python benchmarks/head_to_head_scalar.py" + (" --quick" if opts.quick else "")
-    folder = publish(name, result, text.split("\n## Figures")[0], command, opts.reports)
+    report = text.split("\n## Figures")[0].rstrip("\n") + "\n\n" + deviations_section(result)
+    folder = publish(name, result, report, command, opts.reports)
     print("\n\n".join(ours) + f"\n\nreport: {path}\nartefact: {folder}")
     return path
 

@@ -1,26 +1,27 @@
-"""Every benchmark figure the docs quote is traced to a committed artefact (``benchmarks/artefact.py``).
+"""Every benchmark figure the docs quote is *rendered from* the exact field of its committed artefact.
 
-A block of the README or of a docs/ page fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ...
-``<!-- /figures -->`` may only contain numbers that occur in that artefact: as written in its ``report.md``,
-or as a value of its ``result.json`` ``result`` (not its machine stamp) rounded to the quoted digits (a
-fraction may be quoted as a percentage); on a ``FIGURE_SECTIONS`` page it names the command that reproduces them (the
-artefact's, in inline code). Numbers inside inline code (commands) are not figures and are skipped. And the
-pages of benchmark figures (``FIGURE_SECTIONS``: docs/comparing.md, docs/performance.md) hold no number
-outside such blocks, but in headings and in the prose parameters of ``PARAMETERS``.
+A block fenced by ``<!-- figures: benchmarks/reports/NAME -->`` ... ``<!-- /figures -->`` in README.md or
+docs/*.md must equal, byte for byte, ``benchmarks.figures.render(NAME)`` (``python -m benchmarks.figures
+--write`` regenerates them). The mutation test shows the comparison catches every single-figure change: a
+digit of any number, a swap of two cells of a table row, a Holm p replaced by its unadjusted p and back. The
+figure sections ("Comparing estimators", "Performance": README sections, or the docs pages of those titles)
+hold no number outside such blocks but in headings and the prose parameters of ``PARAMETERS``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.docs_blocks import PAGES, REPO
+from benchmarks import figures
 
-BLOCK = re.compile(r"<!-- figures: (\S+) -->\n(.*?)<!-- /figures -->", re.S)
+REPO = Path(__file__).resolve().parents[1]
+DOCS = {path: path.read_text() for path in figures.documents(REPO)}
+BLOCKS = [(path, name, body) for path, text in DOCS.items() for name, body in figures.blocks(text)]
+BLOCK = figures.BLOCK
 # a sign counts only after a space or an opening bracket ("levels 7-9" is 7 and 9, "[-1.7, +0.8]" is signed)
 NUMBER = re.compile(r"(?:(?<=[\s(\[|])[-+\u2212])?(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?")
 
@@ -31,83 +32,106 @@ def numbers(text: str) -> list[str]:
     return [t[1:] if t.startswith("-") and float(t) == 0 else t for t in found]
 
 
-def json_values(value) -> list[float]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int | float):
-        return [float(value)]
+def test_every_artefact_block_is_found():
+    quoted = {name for _, name, _ in BLOCKS}
+    assert quoted, "no fenced block of figures in README.md or docs/*.md"
+    assert quoted <= set(figures.RENDERS), f"blocks without a render: {quoted - set(figures.RENDERS)}"
+
+
+@pytest.mark.parametrize("path,name,body", BLOCKS, ids=[f"{p.name}:{n}" for p, n, _ in BLOCKS])
+def test_block_equals_its_render(path, name, body):
+    rendered = figures.render(name)
+    assert body == rendered, (
+        f"{path.name}: the {name} block differs from its render (python -m benchmarks.figures --write)"
+    )
+    stamp = json.loads((figures.REPORTS / name / "result.json").read_text())
+    assert {"benchmark", "command", "date", "commit", "result"} <= set(stamp), f"{name}: result.json lacks its stamp"
+    if any(body in text for text in sections().values()):  # a figure section's block shows its command
+        assert f"`{stamp['command']}`" in body, f"{name}: the block does not show `{stamp['command']}`"
+
+
+def test_figures_md_equals_its_render():
+    for name in figures.RENDERS:
+        assert (figures.REPORTS / name / "figures.md").read_text() == figures.render(name), name
+
+
+def p_pairs(value) -> list[tuple[float, float]]:
+    """(unadjusted p, Holm p) of every comparison in a result."""
     if isinstance(value, dict):
-        return [v for item in value.values() for v in json_values(item)]
-    if isinstance(value, list):
-        return [v for item in value for v in json_values(item)]
-    if isinstance(value, str):
-        return [float(t) for t in numbers(value)]
-    return []
+        pairs = [(value["p"], value.get("holm_p", value.get("p_holm")))] if "p" in value and (
+            "holm_p" in value or "p_holm" in value) else []  # fmt: skip
+        return pairs + [p for v in value.values() for p in p_pairs(v)]
+    return [p for v in value for p in p_pairs(v)] if isinstance(value, list) else []
 
 
-def traced(token: str, report_tokens: set[str], values: list[float]) -> bool:
-    """Whether README number ``token`` is in the report as written, or is a result value rounded to its digits."""
-    if token in report_tokens:
-        return True
-    decimals = len(token.split(".")[1]) if "." in token else 0
-    target = float(token)
-    half_unit = 0.5 * 10**-decimals + 1e-12
-    return any(abs(v - target) <= half_unit or abs(100 * v - target) <= half_unit for v in values)
+def mutations(body: str, result: dict):
+    """Every single-figure mutation of a rendered block: (kind, mutated body)."""
+    code = [m.span() for m in re.finditer(r"`[^`]*`", body)]
+    for m in re.finditer(r"\d+(?:\.\d+)?", body):  # each number token, its last digit changed
+        if any(a <= m.start() < b for a, b in code):
+            continue  # the command (code) is checked above; its digits are not figures
+        token = m.group(0)
+        yield "digit", body[: m.end() - 1] + str((int(token[-1]) + 1) % 10) + body[m.end() :]
+    lines = body.split("\n")
+    for i, line in enumerate(lines):  # a swap of two cells of a table row
+        if line.startswith("| ") and not set(line) <= set("|-: "):
+            cells = line.strip("|").split("|")
+            for a in range(len(cells)):
+                for b in range(a + 1, len(cells)):
+                    if cells[a].strip() != cells[b].strip():
+                        swapped = cells.copy()
+                        swapped[a], swapped[b] = cells[b], cells[a]
+                        yield "swap", "\n".join([*lines[:i], "|" + "|".join(swapped) + "|", *lines[i + 1 :]])
+    for p, holm in p_pairs(result):  # a p-value replaced by the other kind
+        for old, new in ((f"{holm:.3f}", f"{p:.3f}"), (f"{p:.3f}", f"{holm:.3f}")):
+            if old != new:
+                for m in re.finditer(rf"(?<![\d.]){re.escape(old)}(?!\d)", body):
+                    yield "p kind", body[: m.start()] + new + body[m.end() :]
 
 
-def untraced(block: str, artefact: Path) -> list[str]:
-    """The numbers of a README block that its artefact does not contain."""
-    # the header's date, CPU count and load average may be quoted; its commit hash ("9cbd67e" reads as 9) may not
-    report = re.sub(r"\bcommit [0-9a-f]+", "commit", (artefact / "report.md").read_text())
-    values = json_values(json.loads((artefact / "result.json").read_text())["result"])  # not the machine stamp
-    report_tokens = set(numbers(report))
-    prose = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)", " ", block, flags=re.S)  # code spans, comments, link targets
-    return [t for t in numbers(prose) if not traced(t, report_tokens, values)]
+def test_every_single_figure_mutation_is_caught(capsys):
+    """Each mutation of each rendered block, put in a document, makes the document differ from its render."""
+    tried: dict[str, int] = {}
+    missed = []
+    for name in figures.RENDERS:
+        body = figures.render(name)
+        result = json.loads((figures.REPORTS / name / "result.json").read_text())["result"]
+        fence = f"<!-- figures: benchmarks/reports/{name} -->\n"
+        assert figures.differences(f"# Doc\n\n{fence}{body}<!-- /figures -->\n") == ""
+        for kind, mutated in mutations(body, result):
+            tried[kind] = tried.get(kind, 0) + 1
+            if not figures.differences(f"# Doc\n\n{fence}{mutated}<!-- /figures -->\n"):
+                missed.append((name, kind))
+    with capsys.disabled():
+        print(f"\nmutations tried {sum(tried.values())} ({tried}), caught {sum(tried.values()) - len(missed)}")
+    assert tried.get("digit", 0) > 500 and tried.get("swap", 0) > 500 and tried.get("p kind", 0) > 20, tried
+    assert not missed, missed
 
 
-BLOCKS = [found for page in PAGES for found in BLOCK.findall(page.read_text())]  # README.md and docs/*.md
+def test_a_render_fails_loudly_when_its_claim_no_longer_holds():
+    """A comparative sentence is computed and asserted: data that contradicts it fails the render."""
+    stamp = json.loads((figures.REPORTS / "bandit" / "result.json").read_text())
+    stamp["result"]["estimators"]["MaxRL"]["pass@1_by_p0"]["0.2"][0] = 0.99  # MaxRL now beats GRPO at p0 = 0.2
+    with pytest.raises(AssertionError, match="GRPO is not best"):
+        figures.renderer("bandit")(stamp)
 
 
-@pytest.mark.parametrize("path,block", BLOCKS, ids=[f"{p}#{i}" for i, (p, _) in enumerate(BLOCKS)])
-def test_readme_block_is_traced_to_its_artefact(path, block):
-    artefact = REPO / path
-    assert (artefact / "result.json").is_file() and (artefact / "report.md").is_file(), f"{path}: no artefact"
-    stamp = json.loads((artefact / "result.json").read_text())
-    assert {"benchmark", "command", "date", "commit", "result"} <= set(stamp), f"{path}: result.json lacks its stamp"
-    assert stamp["command"] in (artefact / "report.md").read_text()
-    if any(block in body for body in figure_pages().values()):  # a benchmark page's block shows its command
-        assert f"`{stamp['command']}`" in block, f"{path}: the block does not show `{stamp['command']}`"
-    missing = untraced(block, artefact)
-    assert not missing, f"figures not found in {path}: {missing}"
+def test_classification_lr_render_follows_the_grid():
+    """A wider grid (16 and 64 added) changes the stated best rates and edges from the data, not by hand."""
+    stamp = json.loads((figures.REPORTS / "classification_lr" / "result.json").read_text())
+    r = stamp["result"]
+    r["by_lr"]["1.0"] = json.loads(json.dumps(r["by_lr"]["2.0"]))
+    r["by_lr"]["1.0"]["estimators"]["RLOO"]["top-1"]["mean"] = 3.0
+    r["by_lr"]["1.0"]["estimators"]["Dr.GRPO"]["top-1"]["mean"] = 3.0
+    r["lrs"] = [1.0, *r["lrs"]]
+    for k in ("RLOO", "Dr.GRPO"):
+        r["best"][k]["lr"] = 1.0
+    text = " ".join(figures.renderer("classification_lr")(stamp).split())
+    assert "base rates 1, 2, 8, 32, 128" in text and "1 for Dr.GRPO and RLOO (3.00 % top-1, the lowest rate" in text
 
 
-def test_an_untraced_figure_fails(tmp_path, monkeypatch):
-    """The check can fail: a number absent from the artefact is reported, a rounded one is accepted."""
-    from benchmarks.artefact import publish
-
-    # the stamp's load average (here 7 and 9) is no source of figures: it once traced "levels 7-9" by chance
-    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 9.0, 9.0))
-
-    folder = publish("demo", {"accuracy": 0.05834, "runs": 96}, "# Demo\n\n| x | 1.14 |", "python demo.py", tmp_path)
-    assert untraced("accuracy 5.8 % over 96 runs, +1.14 points", folder) == []
-    assert untraced("accuracy 5.9 %, 1.15 points", folder) == ["5.9", "1.15"]
-    assert untraced("run `python demo.py --seeds 12` on levels 7-9", folder) == ["7", "9"]
-
-
-def test_the_stamp_traces_no_figure(tmp_path, monkeypatch):
-    """A commit hash that starts with a digit traces no figure; the load the figures were measured at may be quoted."""
-    from benchmarks import artefact
-
-    monkeypatch.setattr(artefact, "_commit", lambda: "9cbd67e")
-    monkeypatch.setattr(artefact, "machine", lambda: {"cpus": 2, "load_average": [7.5, 7.0, 7.0]})
-    folder = artefact.publish("demo", {"runs": 96}, "# Demo", "python demo.py", tmp_path)
-    assert "commit 9cbd67e" in (folder / "report.md").read_text()
-    assert untraced("96 runs on levels 7-9 at load 7.5", folder) == ["7", "9"]
-
-
-#: the pages whose figures all come from benchmarks, by title (each page is one ``# title`` section)
-FIGURE_PAGES = {"Comparing estimators": REPO / "docs" / "comparing.md", "Performance": REPO / "docs" / "performance.md"}
-FIGURE_SECTIONS = tuple(FIGURE_PAGES)
+#: the README sections (each with its ### subsections) whose figures all come from benchmarks
+FIGURE_SECTIONS = ("Comparing estimators", "Performance")
 #: numbers allowed outside a fenced block in those sections: phrases that state a setting of a benchmark or
 #: of the engine, never a measured result (each with why)
 PARAMETERS = {
@@ -119,35 +143,27 @@ PARAMETERS = {
 }
 
 
-def sections(text: str, titles=FIGURE_SECTIONS) -> dict[str, str]:
-    """The body of each ``## title`` section of ``text``, down to the next ``## `` heading."""
+def sections(text: str | None = None, titles=FIGURE_SECTIONS) -> dict[str, str]:
+    """The body of each figure section: the ``## title`` section of ``text`` (default: README.md), or, once
+    moved, the docs page headed ``# title`` (the whole page)."""
     out = {}
     for title in titles:
-        match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
-        assert match, f"README has no section '## {title}'"
-        out[title] = match.group(1)
-    return out
-
-
-def figure_pages() -> dict[str, str]:
-    """The text of each ``FIGURE_PAGES`` page below its ``# title`` line."""
-    out = {}
-    for title, page in FIGURE_PAGES.items():
-        heading, _, body = page.read_text().partition("\n")
-        assert heading == f"# {title}", f"{page.name} does not open with '# {title}'"
-        out[title] = body
+        match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text or DOCS[REPO / "README.md"], re.S | re.M)
+        if match:
+            out[title] = match.group(1)
+        elif text is None:
+            pages = [t for p, t in DOCS.items() if p.parent.name == "docs" and re.match(rf"# {re.escape(title)}\n", t)]
+            assert pages, f"neither README.md nor a docs page has the section '{title}'"
+            out[title] = pages[0]
+    assert out, f"no figure section in {titles}"
     return out
 
 
 def unfenced_figures(text: str, titles=FIGURE_SECTIONS) -> list[tuple[str, str]]:
     """(section, number) for each number of the ``titles`` sections outside a fenced block, inline code,
     comment, link target, heading or ``PARAMETERS`` phrase."""
-    return stray_numbers(sections(text, titles))
-
-
-def stray_numbers(bodies: dict[str, str]) -> list[tuple[str, str]]:
     found = []
-    for title, body in bodies.items():
+    for title, body in sections(text, titles).items():
         body = BLOCK.sub(" ", body)
         body = re.sub(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|^#+ [^\n]*", " ", body, flags=re.S | re.M)
         for phrase in PARAMETERS:
@@ -156,9 +172,8 @@ def stray_numbers(bodies: dict[str, str]) -> list[tuple[str, str]]:
     return found
 
 
-def test_figure_pages_have_no_figure_outside_a_fenced_block():
-    assert BLOCKS, "the docs have no fenced block of figures"
-    stray = stray_numbers(figure_pages())
+def test_figure_sections_have_no_figure_outside_a_fenced_block():
+    stray = unfenced_figures(None)
     assert not stray, f"numbers outside a <!-- figures: ... --> block (fence them or state a parameter): {stray}"
 
 

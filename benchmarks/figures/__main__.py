@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.figures import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""Renders of the performance artefacts: gpu_hours, rewards, logprob_memory, throughput(_forced)."""
+
+from __future__ import annotations
+
+from benchmarks.figures._fmt import num, spread, table, wrap
+
+
+def gpu_hours(stamp: dict) -> str:
+    experiments = stamp["result"]["experiments"]
+    groups: dict[tuple, list[str]] = {}  # a config and its _sim twin price the same: one row
+    for name, e in experiments.items():
+        groups.setdefault((e["gpus"], *e["gpu_hours"].values(), e["wall_hours_central"]), []).append(name)
+    rows = []
+    for names in sorted(
+        groups.values(), key=lambda n: (experiments[n[0]]["gpus"], experiments[n[0]]["gpu_hours"]["central"])
+    ):
+        e = experiments[names[0]]
+        h = e["gpu_hours"]
+        rows.append([", ".join(sorted(names)), str(e["gpus"]),
+                     f"{num(h['central'], 0)} [{num(h['low'], 0)}-{num(h['high'], 0)}]",
+                     num(h["central_half_length"], 0), f"{num(e['wall_hours_central'], 1)} h"])  # fmt: skip
+    total = sum(e["gpu_hours"]["central"] for e in experiments.values())
+    head = ["experiment", "GPUs", "GPU-hours, central [range]", "at half the response cap", "run on its GPUs"]
+    return (table(head, rows) + f"\n\nAll experiments once: {num(total, 0)} GPU-hours at the central assumptions "
+            "(each GRPO baseline the same again).\n")  # fmt: skip
+
+
+def rewards(stamp: dict) -> str:
+    r, load = stamp["result"], stamp["machine"]["load_average"][0]
+    pool = next(k for k in r if k.startswith("MathVerifyReward (pool of"))
+    workers = pool.removeprefix("MathVerifyReward (pool of ").rstrip(")")
+    one, two = r["DeepMath step: Task.score (one grading)"], r["DeepMath step: reward.score + successes (two gradings)"]
+    assert one["seconds"] < two["seconds"], "grading once is no longer faster than grading twice"
+    return wrap(
+        f"Reward throughput, `{stamp['command']}` (published {stamp['date']} on {stamp['machine']['cpus']} CPUs at "
+        f"load average {load} from other jobs: an idle machine is faster): math-verify grades "
+        f"{r['deepmath_response_chars']}-character DeepMath responses at {num(r[pool]['per_s'], 0)} completions/s in "
+        f"a pool of {workers} ({num(r['MathVerifyReward (in-process)']['per_s'], 0)}/s in-process); chrF "
+        f"{num(r['ChrF `chrf`']['per_s'], 0)}/s, ROUGE-L {num(r['RougeL `rougeL`']['per_s'], 0)}/s, edit similarity "
+        f"{num(r['EditSimilarity `edit`']['per_s'], 0)}/s. A training step grades each completion once (reward "
+        f"and success from one grading, `Task.score`): DeepMath's grading of the batch in a pool of {workers} took "
+        f"{one['seconds']:.3f} s, against {two['seconds']:.3f} s when the success test graded them again."
+    )
+
+
+def logprob_memory(stamp: dict) -> str:
+    r = stamp["result"]
+    chunked, full = r["chunked"]["peak_growth_mib"], r["full"]["peak_growth_mib"]
+    assert abs(r["ratio"] - chunked / full) < 1e-9
+    return wrap(
+        f"`{stamp['command']}` (published {stamp['date']}): log-probs plus backward at Qwen's vocabulary "
+        f"(151,936) for 8 x 512 tokens grow peak memory by {num(chunked, 0)} MiB through sgrpo's chunked LM head "
+        f"against {num(full, 0)} MiB with full logits (ratio {r['ratio']:.3f})."
+    )
+
+
+def throughput(stamp: dict) -> str:
+    r, machine = stamp["result"], stamp["machine"]
+    s, t, ratio = r["sgrpo"], r["trl"], r["ratio"]
+    forced = "--force-length" in stamp["command"]
+    if forced:
+        assert s["mean_len"] == t["mean_len"], "forced lengths differ between the frameworks"
+        sgrpo, trl = spread(s["step_times_s"][1:]), spread(t["step_times_s"][1:])
+        times = f"steps after the first from {sgrpo} s for sgrpo and {trl} s for TRL"
+        return wrap(
+            f"With every completion forced to {s['mean_len']:.0f} tokens, identical work on both sides, "
+            f"`{stamp['command']}` (published {stamp['date']}, load average {machine['load_average'][0]}; wall time "
+            f"{r['wall_s']:.0f} s; {times}): sgrpo's median step is {ratio['step_s']:.2f}x TRL's ({s['step_s']:.3f} "
+            f"against {t['step_s']:.3f} s; rollout {ratio['rollout_s']:.2f}x, update {ratio['update_s']:.2f}x) at "
+            f"{ratio['peak_mib']:.2f}x the peak RSS ({num(s['peak_mib'], 0)} against {num(t['peak_mib'], 0)} MiB)."
+        )
+    assert ratio["rollout_s"] < 1, "the rollout is no longer faster in sgrpo"
+    prose = wrap(
+        f"`{stamp['command']}` (published {stamp['date']}; N = {num(r['parameters'], 0)} parameters, 8 prompts x 8 "
+        f"completions x 32 new tokens, EOS allowed, fp32, 2 threads, {r['warmup_steps']} warm-up + "
+        f"{r['measured_steps']} measured steps each). It ran under nice 10 next to other jobs (load average "
+        f"{machine['load_average'][0]} at publication), and its **timings are the load's more than the "
+        f"frameworks'**: each framework's steps ranged from {spread(s['step_times_s'])} s (sgrpo) and "
+        f"{spread(t['step_times_s'])} s (TRL), far from what an idle machine gives, so the time rows below "
+        "say little beyond the rollout being faster in sgrpo. Peak memory does not depend on the load."
+    )
+    rows = [("median step time (s)", "step_s", 3), ("rollout: time in generate (s)", "rollout_s", 3),
+            ("update: rest of the step (s)", "update_s", 3), ("mean completion length (tokens)", "mean_len", 1),
+            ("peak RSS (MiB)", "peak_mib", 0)]  # fmt: skip
+    body = [[label, num(s[key], d), num(t[key], d), f"{ratio[key]:.2f}"] for label, key, d in rows]
+    return prose + "\n" + table(["", "sgrpo", "TRL", "sgrpo / TRL"], body) + "\n"
