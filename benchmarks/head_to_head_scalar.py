@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> Path:
     result |= {"protocol": proto, "runs_finished": finished, "runs_planned": len(specs) * len(proto["seeds"]),
                "deviations": [] if opts.quick else SCALAR_DEVIATIONS}  # fmt: skip
     name = "scalar_head_to_head" + ("_quick" if opts.quick else "")
-    command = "python benchmarks/head_to_head_scalar.py" + (" --quick" if opts.quick else "")
+    command = ".venv/bin/python benchmarks/head_to_head_scalar.py" + (" --quick" if opts.quick else "")
     report = text.split("\n## Figures")[0].rstrip("\n") + "\n\n" + deviations_section(result)
     folder = publish(name, result, report, command, opts.reports)
     print("\n\n".join(ours) + f"\n\nreport: {path}\nartefact: {folder}")
