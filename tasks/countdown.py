@@ -64,10 +64,10 @@ class Countdown(Task):
     The hub set has a train split only (about 490K rows): validation and test are held out by
     ``tasks.holdout.hash_holdout`` (distinct prompts ranked by a hash of ``seed`` and the prompt, at most 10 %;
     ``validation_size`` 1,000 and seed 42 by default); ``holdout="paper"`` holds out the authors' prompts instead
-    (``tasks.holdout.paper_holdout`` over the ids of the system and user messages; the paper's 500, seed 42). Reward (default
-    ``CountdownReward()``) and success: the paper's verifier (``tasks.arithmetic.grade_countdown``); ``verifier``
-    replaces the success test. Rows are checked at load: ``target`` an integer, ``nums`` a non-empty list of
-    integers.
+    (``tasks.holdout.paper_holdout`` over the ids of the system and user messages; the paper's 500, seed 42).
+    Reward (default ``CountdownReward()``) and success: the paper's verifier (``tasks.arithmetic.grade_countdown``);
+    ``verifier`` replaces the success test. Rows are checked at load: ``target`` an integer, ``nums`` a non-empty
+    list of integers.
     """
 
     schema = SCHEMA

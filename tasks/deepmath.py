@@ -114,7 +114,9 @@ class DeepMath(Task):
         columns = _COLUMNS + SOLUTIONS if reference_solutions else _COLUMNS
         group = _row_question if holdout == "hash" else None
         carve = paper_carver(self._uid) if holdout == "paper" else None
-        self._table = SplitTable(path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group, carve=carve)
+        self._table = SplitTable(
+            path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group, carve=carve
+        )
         self._test_table = (
             None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
         )

@@ -72,7 +72,8 @@ class OpenThoughts(Task):
         self.path, self.seed, self.success_threshold = path, seed, success_threshold
         sizes = {"validation": validation_size, "test": test_size}
         columns = ("conversations", "difficulty", "domain", "source")
-        carve = paper_carver(lambda row: prompt_uid(self.system_prompt, _turn(row, "human"))) if holdout == "paper" else None
+        uid = lambda row: prompt_uid(self.system_prompt, _turn(row, "human"))  # noqa: E731
+        carve = paper_carver(uid) if holdout == "paper" else None
         self.holdout = holdout
         self._table = SplitTable(
             path, None, columns, SCHEMA, sizes, seed, group=lambda row: _turn(row, "human"), carve=carve
