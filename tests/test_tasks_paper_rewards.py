@@ -23,6 +23,9 @@ from tasks.think_format import think_format
         ("<think>x</think> <answer>unclosed", "<answer>unclosed"),  # no complete answer block
         ("<answer>4</answer> then <answer>5", "4"),  # the last COMPLETE block
         ("<think><answer>1</answer></think> no tags here", "no tags here"),  # tags inside the thought do not count
+        ("<answer>a<answer>b</answer>", "a<answer>b"),  # blocks read left to right, as the authors' findall reads
+        ("<answer>a</answer> x </answer>", "a"),
+        ("<think>t</think> 42<|im_end|><|endoftext|>", "42"),  # end-of-turn markers removed
     ],
 )
 def test_final_text(completion, expected):
@@ -151,6 +154,7 @@ def test_word_similarity_is_point6_f1_plus_point4_rouge_l():
     expected = torch.tensor([0.6 * f1 + 0.4 * rouge for *_, f1, rouge in SIMILARITY])
     torch.testing.assert_close(result.total, expected)
     assert normalize_words("The cat's 2.5 mats, a dog.") == ["cats", "25", "mats", "dog"]
+    assert normalize_words("The—cat a’s") == ["—cat", "’s"]  # "the" and "a" at word boundaries
     assert word_f1([], ["a"]) == word_rouge_l(["a"], []) == 0.0
 
 
