@@ -6,9 +6,16 @@ from tasks.countdown import Countdown, CountdownGold
 from tasks.deepmath import DeepMath
 from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
-from tasks.holdout import hash_holdout
+from tasks.holdout import hash_holdout, paper_holdout
 from tasks.judge import JudgeReward
-from tasks.mathgrade import MathVerifyReward, NumericMatch, final_text_verifier, grade_math
+from tasks.mathgrade import (
+    MathVerifyReward,
+    NumericMatch,
+    PaperMathVerify,
+    final_text_verifier,
+    grade_math,
+    grade_paper_math,
+)
 from tasks.meetingbank import MeetingBank
 from tasks.openthoughts import OpenThoughts
 from tasks.poetry import PoetryClassification, PoetryWriting
@@ -45,6 +52,7 @@ __all__ = [
     "MeetingBank",
     "NumericMatch",
     "OpenThoughts",
+    "PaperMathVerify",
     "PoetryClassification",
     "PoetryWriting",
     "Polaris",
@@ -64,6 +72,8 @@ __all__ = [
     "final_text_verifier",
     "grade_countdown",
     "grade_math",
+    "grade_paper_math",
     "hash_holdout",
+    "paper_holdout",
     "think_format",
 ]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from sgrpo.types import Example
 from tasks.arithmetic import CountdownReward
 from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, is_blank
 from tasks.deepmath import prompt_problem
-from tasks.holdout import check_size
+from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
 from tasks.paper import COUNTDOWN_TEMPLATE, SYSTEM_PROMPT
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import WordSimilarity
@@ -62,10 +63,11 @@ class Countdown(Task):
 
     The hub set has a train split only (about 490K rows): validation and test are held out by
     ``tasks.holdout.hash_holdout`` (distinct prompts ranked by a hash of ``seed`` and the prompt, at most 10 %;
-    ``validation_size`` 1,000 and seed 42 by default, as the paper holds out DeepMath). Reward (default
-    ``CountdownReward()``) and success: the paper's verifier (``tasks.arithmetic.grade_countdown``); ``verifier``
-    replaces the success test. Rows are checked at load: ``target`` an integer, ``nums`` a non-empty list of
-    integers.
+    ``validation_size`` 1,000 and seed 42 by default); ``holdout="paper"`` holds out the authors' prompts instead
+    (``tasks.holdout.paper_holdout`` over the ids of the system and user messages; the paper's 500, seed 42).
+    Reward (default ``CountdownReward()``) and success: the paper's verifier (``tasks.arithmetic.grade_countdown``);
+    ``verifier`` replaces the success test. Rows are checked at load: ``target`` an integer, ``nums`` a non-empty
+    list of integers.
     """
 
     schema = SCHEMA
@@ -81,15 +83,18 @@ class Countdown(Task):
         seed: int = 42,
         reward: Reward | None = None,
         verifier: SampleReward | None = None,
+        holdout: Literal["hash", "paper"] = "hash",
         **settings,
     ) -> None:
         super().__init__(reward or CountdownReward(), system_prompt=system_prompt, **settings)
         check_template(template, ["nums", "target"])
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
-        self.path, self.config, self.template, self.seed = path, config, template, seed
+        check_holdout(holdout, validation_size, test_size)
+        self.path, self.config, self.template, self.seed, self.holdout = path, config, template, seed, holdout
         sizes = {"validation": validation_size, "test": test_size}
-        self._table = SplitTable(path, config, None, self.schema, sizes, seed, group=self._key)
+        carve = paper_carver(lambda row: prompt_uid(self.system_prompt, self._key(row))) if holdout == "paper" else None
+        self._table = SplitTable(path, config, None, self.schema, sizes, seed, group=self._key, carve=carve)
         default = self.reward if isinstance(self.reward, CountdownReward) else CountdownReward(name="success")
         self.success_grader = verifier or default
 

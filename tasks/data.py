@@ -254,7 +254,9 @@ class SplitTable:
     Every row must fit ``schema`` (one ``Schema``, or alternatives: each file is held to the one it
     fits); a bad row of a file raises ``ValueError`` naming the file, the row and the column (a hub row
     with a bad value is dropped with a warning). Carved rows come in a seeded random order; the train
-    rows left keep the source's order.
+    rows left keep the source's order. ``group`` (a row's prompt) carves by ``tasks.holdout.hash_holdout``
+    instead; ``carve(train_rows, sizes, seed)`` (the missing splits' sizes) by a rule of its own (the paper's
+    ``tasks.holdout.paper_holdout``).
     """
 
     def __init__(
@@ -267,9 +269,10 @@ class SplitTable:
         seed: int = 0,
         field: str = "path",
         group: Callable[[Row], str] | None = None,
+        carve: Callable[[list[Row], dict[str, int | float], int], dict[str, list[Row]]] | None = None,
     ) -> None:
         self.kind = check_source(path, field)
-        self.group = group
+        self.group, self.carve = group, carve
         self.path, self.config, self.columns, self.seed, self.field = path, config, columns, seed, field
         self.schemas: list[Schema] = [schema] if isinstance(schema, Schema) else list(schema)
         self.sizes = dict(sizes or {})
@@ -338,8 +341,10 @@ class SplitTable:
         missing = [s for s in ("test", "validation") if s not in native and self.sizes.get(s)]
         if not missing:
             return native
+        sizes = {s: self.sizes[s] for s in ("validation", "test") if s in missing}  # validation: the first ranks
+        if self.carve is not None:
+            return native | self.carve(train, sizes, self.seed)
         if self.group is not None:
-            sizes = {s: self.sizes[s] for s in ("validation", "test") if s in missing}  # validation: the first ranks
             return native | hash_holdout(train, self.group, sizes, self.seed)
         order = list(range(len(train)))
         random.Random(self.seed).shuffle(order)

@@ -9,8 +9,8 @@ from typing import Literal
 from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import Task, check_template, fill
-from tasks.data import Schema, SplitTable, not_blank, number_or_blank
-from tasks.holdout import check_size
+from tasks.data import Schema, SplitTable, is_blank, not_blank, number_or_blank
+from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
 from tasks.mathgrade import MathVerifyReward
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import final_text
@@ -94,13 +94,15 @@ class DeepMath(Task):
         reward: Reward | None = None,
         verifier: SampleReward | None = None,
         template: str = "{question}",
-        holdout: Literal["random", "hash"] = "random",
+        holdout: Literal["random", "hash", "paper"] = "random",
         reference_solutions: bool = False,
         **settings,
     ) -> None:
         super().__init__(reward or MathVerifyReward(), system_prompt=system_prompt, **settings)
         check_template(template, ["question"])
-        require(holdout in ("random", "hash"), f"holdout must be 'random' or 'hash', got {holdout!r}")
+        require(holdout in ("random", "hash", "paper"), f"holdout must be 'random', 'hash' or 'paper', got {holdout!r}")
+        if holdout != "random":
+            check_holdout(holdout, validation_size, test_size)
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
         require(
@@ -111,7 +113,10 @@ class DeepMath(Task):
         sizes = {"validation": validation_size, "test": test_size}
         columns = _COLUMNS + SOLUTIONS if reference_solutions else _COLUMNS
         group = _row_question if holdout == "hash" else None
-        self._table = SplitTable(path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group)
+        carve = paper_carver(self._uid) if holdout == "paper" else None
+        self._table = SplitTable(
+            path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group, carve=carve
+        )
         self._test_table = (
             None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
         )
@@ -136,11 +141,12 @@ class DeepMath(Task):
     def _examples(self, table: SplitTable, split: str) -> list[Example]:
         return [self._example(row, table.path) for row in table.rows(split)]  # rows checked against SCHEMAS
 
+    def _uid(self, row: Mapping) -> str:
+        """The authors' id of a row's prompt (``tasks.holdout.prompt_uid`` of the system and user messages)."""
+        return prompt_uid(self.system_prompt, fill(self.template, question=_row_text(row)[0]))
+
     def _example(self, row: Mapping, source: str) -> Example:
-        if "question" in row:
-            question, answer = row["question"], row["final_answer"]
-        else:
-            question, answer = _last_user_message(row["prompt"], source), row["solution"]
+        question, answer = _row_text(row, source)
         difficulty = row.get("difficulty")
         metadata = {"topic": row.get("topic") or "", "source": source, "question": str(question)}
         if self.reference_solutions:
@@ -153,12 +159,21 @@ class DeepMath(Task):
         )
 
 
+def _row_text(row: Mapping, source: str = "a row") -> tuple[str, object]:
+    """The question of a row of either schema, stripped of surrounding whitespace as the paper's authors strip it,
+    and its gold answer."""
+    if "question" in row:
+        return str(row["question"]).strip(), row["final_answer"]
+    return str(_last_user_message(row["prompt"], source)).strip(), row["solution"]
+
+
 def _shortest_final_text(row: Mapping, source: str) -> str:
-    texts = [final_text(str(row[k])) for k in SOLUTIONS if isinstance(row.get(k), str) and row[k].strip()]
-    if not texts:
+    """The shortest non-empty ``final_text`` of ``r1_solution_1..3`` (the first on a tie), else ``final_answer``."""
+    texts = [text for k in SOLUTIONS if not is_blank(row.get(k)) and (text := final_text(str(row[k])))]
+    if not texts and "final_answer" not in row:
         raise ValueError(f"{source}: reference_solutions needs the columns {', '.join(SOLUTIONS)} (zwhe99's schema); "
                          f"a row has none: {str(row.get('question'))[:80]!r}")  # fmt: skip
-    return min(texts, key=len)
+    return min(texts, key=len) if texts else str(row["final_answer"]).strip()
 
 
 def _row_question(row: Mapping) -> str:

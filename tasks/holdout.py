@@ -8,6 +8,7 @@ alone, not on the row order or the other rows, so a prompt stays held out when r
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -63,3 +64,56 @@ def hash_holdout(
     for row, key in zip(rows, keys, strict=True):
         out[side.get(key, "train")].append(row)
     return out
+
+
+def paper_uid(messages: Sequence[Mapping[str, str]]) -> str:
+    """The SoftmaxGRPO authors' id of a prompt: the hex SHA-256 of ``json.dumps(messages, sort_keys=True)`` (UTF-8;
+    json's defaults otherwise: ASCII escapes, ", " and ": " separators), ``messages`` the prompt's chat messages
+    (``[system, user]``, or ``[user]`` for a task without a system message), each a ``{"role", "content"}`` dict."""
+    return hashlib.sha256(json.dumps(list(messages), sort_keys=True).encode()).hexdigest()
+
+
+def paper_holdout(rows: Sequence[Row], uid: Callable[[Row], str], size: int, seed: int) -> dict[str, list[Row]]:
+    """The authors' ``grouped_split``: ``rows`` split into "train" and "validation" by prompt id (``paper_uid``).
+
+    The n distinct ids are ranked by the raw SHA-256 digest of ``f"{seed}:{uid}"`` (UTF-8) and the first
+    min(``size``, max(1, n // 10)) held out; every row of a held-out id goes to validation. Rows keep the source's
+    order. Raises ``ValueError`` for fewer than two distinct prompts or a ``size`` that is not a count >= 1.
+
+    Countdown, its GOLD variant and OpenThoughts as the paper holds them out: ``size`` 500, ``seed`` 42; DeepMath
+    1,000.
+    """
+    require(isinstance(size, int) and not isinstance(size, bool) and size >= 1,
+            f"validation_size must be a count >= 1 with the paper's holdout, got {size!r}")  # fmt: skip
+    ids = [uid(row) for row in rows]
+    distinct = set(ids)
+    require(len(distinct) >= 2, f"the paper's holdout needs two distinct prompts or more, got {len(distinct)}")
+    ranked = sorted(distinct, key=lambda key: hashlib.sha256(f"{seed}:{key}".encode()).digest())
+    held = set(ranked[: min(size, max(1, len(distinct) // 10))])
+    out: dict[str, list[Row]] = {"train": [], "validation": []}
+    for row, key in zip(rows, ids, strict=True):
+        out["validation" if key in held else "train"].append(row)
+    return out
+
+
+def check_holdout(holdout: str, validation_size: int | float, test_size: int | float) -> None:
+    """A task's ``holdout`` and sizes, checked at construction: "hash" (sgrpo's ``hash_holdout``) or "paper" (the
+    authors' ``paper_holdout``: one validation split of ``validation_size`` prompts, a count, and no test split)."""
+    require(holdout in ("hash", "paper"), f"holdout must be 'hash' or 'paper', got {holdout!r}")
+    if holdout == "paper":
+        whole = isinstance(validation_size, int) and not isinstance(validation_size, bool)
+        require(whole and validation_size >= 1, f"validation_size must be a count >= 1 with holdout: paper (the "
+                f"authors hold out a number of prompts), got {validation_size!r}")  # fmt: skip
+        require(not test_size, f"test_size must be 0 with holdout: paper (the authors hold out a validation split "
+                f"only), got {test_size!r}")  # fmt: skip
+
+
+def prompt_uid(system_prompt: str | None, user: str) -> str:
+    """``paper_uid`` of the chat prompt ``[system, user]`` (``[user]`` without a system message)."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return paper_uid([*system, {"role": "user", "content": user}])
+
+
+def paper_carver(uid: Callable[[Row], str]) -> Callable[[list[Row], dict[str, int | float], int], dict[str, list[Row]]]:
+    """The ``carve`` of a ``tasks.data.SplitTable`` that holds validation out by ``paper_holdout`` with ``uid``."""
+    return lambda rows, sizes, seed: paper_holdout(rows, uid, sizes["validation"], seed)

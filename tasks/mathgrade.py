@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from math_verify import parse, verify
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from sympy import Basic
 
 from sgrpo.checks import require
@@ -205,6 +205,52 @@ class MathVerifyReward(SampleReward):
         return grade_math(
             example.answer, completion, self.require_box, timeout, self.max_answer_chars, think, self.final_text
         )
+
+
+def grade_paper_math(gold: str, response: str, timeout: float | None = 5.0) -> tuple[float, str]:
+    """The SoftmaxGRPO authors' math grading: 1.0 if math-verify finds the WHOLE ``final_text`` of ``response``
+    (read with LaTeX and plain-expression extraction) equal to ``parse("\\boxed{" + gold + "}")`` (LaTeX
+    extraction), with the gold first; else 0.0.
+
+    Nothing else: no box required or preferred, every box of the text read together (``\\boxed{2} ... \\boxed{3}``
+    reads as the set {2, 3}, which is not gold 3), no cheap string check, no respelling (e-notation, ``\\fbox``,
+    ``\\mathbb``), no tolerance for a gold printed as a rounded decimal, no guard against huge answers beyond the
+    deadline. Labels: "correct", "wrong", "unparsed" (nothing extracted from the answer), "gold_unparsed" (the gold
+    itself extracts nothing: 0, as the authors score it). ``TimeoutError`` if grading outlives ``timeout`` seconds
+    (math-verify's own default limits are 5 s for parsing and 5 s for verifying; enforced on the main thread).
+    """
+    try:
+        with _deadline(timeout):
+            expected = parse(f"\\boxed{{{gold}}}", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+            if not expected:
+                return 0.0, "gold_unparsed"
+            configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+            actual = parse(final_text(response), extraction_config=configs, parsing_timeout=None)
+            if not actual:
+                return 0.0, "unparsed"
+            return (1.0, "correct") if verify(expected, actual, timeout_seconds=None) else (0.0, "wrong")
+    except _Deadline:
+        raise TimeoutError(f"math-verify grading took over {timeout:g} s") from None
+
+
+class PaperMathVerify(MathVerifyReward):
+    """The math reward in the SoftmaxGRPO authors' grading (``grade_paper_math``): the paper's configs use it.
+    ``MathVerifyReward`` is sgrpo's own grading (a box after ``</think>``, several parts read together only for a
+    gold of several parts, respelling, rounded-decimal tolerance, guards), which sgrpo's own configs use.
+
+    A ``MathVerifyReward``, so a task that takes success from its math reward (``DeepMath``, ``Polaris``) does so
+    here too. Graded in ``workers`` processes with an outer ``timeout`` per answer (math-verify's grading has a
+    deadline of ``timeout / 2``); a timeout or an error scores 0 and counts as a failure.
+    """
+
+    name = "math_verify"
+
+    def __init__(self, scale: Scale = "01", name: str | None = None, workers: int = 2, timeout: float = 10.0) -> None:
+        super().__init__(require_box=False, require_think=False, scale=scale, name=name, workers=workers,
+                         timeout=timeout, final_text=True)  # fmt: skip
+
+    def score_one(self, example: Example, completion: str) -> tuple[float, str]:
+        return grade_paper_math(example.answer, completion, self.timeout / 2)
 
 
 def numeric_answer(text: str) -> float | None:

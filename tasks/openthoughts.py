@@ -4,6 +4,7 @@ traces, learned by similarity to the reference and a think-then-answer format (t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -12,7 +13,7 @@ from sgrpo.checks import require
 from sgrpo.types import Example
 from tasks.base import Task
 from tasks.data import Schema, SplitTable
-from tasks.holdout import check_size
+from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
 from tasks.paper import OPENTHOUGHTS_SYSTEM_PROMPT
 from tasks.reward import Reward, RewardResult, WeightedSum, check_batch
 from tasks.similarity import WordSimilarity
@@ -42,7 +43,9 @@ class OpenThoughts(Task):
     reasoning in ``<think> </think>`` and the answer after it) -> ``answer``: the (last) gpt turn, the reference.
 
     The hub set has a train split only: validation and test are held out by ``tasks.holdout.hash_holdout``
-    (distinct human turns ranked by a hash of ``seed`` and the turn, at most 10 %; 1,000 and seed 42 by default).
+    (distinct human turns ranked by a hash of ``seed`` and the turn, at most 10 %; 1,000 and seed 42 by default);
+    ``holdout="paper"`` holds out the authors' prompts instead (``tasks.holdout.paper_holdout`` over the ids of the
+    system and user messages; the paper's 500, seed 42).
     ``Example.difficulty`` is the row's ``difficulty`` and ``metadata`` has its ``domain`` and ``source``.
     Reward: ``default_reward()``. There is no verifier: success is the training reward reaching
     ``success_threshold`` (graded once with the reward), so ``val/accuracy`` is the share of completions whose
@@ -58,16 +61,23 @@ class OpenThoughts(Task):
         seed: int = 42,
         reward: Reward | None = None,
         success_threshold: float = 0.5,
+        holdout: Literal["hash", "paper"] = "hash",
         **settings,
     ) -> None:
         super().__init__(reward or default_reward(), system_prompt=system_prompt, **settings)
         check_size(validation_size, "validation_size")
         check_size(test_size, "test_size")
+        check_holdout(holdout, validation_size, test_size)
         require(0.0 < success_threshold <= 1.0, f"success_threshold must be in (0, 1], got {success_threshold}")
         self.path, self.seed, self.success_threshold = path, seed, success_threshold
         sizes = {"validation": validation_size, "test": test_size}
         columns = ("conversations", "difficulty", "domain", "source")
-        self._table = SplitTable(path, None, columns, SCHEMA, sizes, seed, group=lambda row: _turn(row, "human"))
+        uid = lambda row: prompt_uid(self.system_prompt, _turn(row, "human"))  # noqa: E731
+        carve = paper_carver(uid) if holdout == "paper" else None
+        self.holdout = holdout
+        self._table = SplitTable(
+            path, None, columns, SCHEMA, sizes, seed, group=lambda row: _turn(row, "human"), carve=carve
+        )
 
     def load(self, split: str) -> Sequence[Example]:
         return [self._example(row) for row in self._table.rows(split)]

@@ -26,7 +26,6 @@ from tasks.reward import SampleReward, Scale
 
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 _ANSWER_PREFIX = re.compile(r"^\s*(final\s+)?answer\s*[:\-]\s*", re.IGNORECASE)
-_ARTICLES = frozenset(("a", "an", "the"))
 
 
 def strip_think(text: str) -> str:
@@ -39,17 +38,34 @@ def strip_think(text: str) -> str:
     return "" if text.lstrip().startswith("<think>") else text
 
 
+#: chat end markers ``final_text`` deletes (a completion decoded with its special tokens may end with one)
+END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+
+
 def final_text(completion: str) -> str:
-    """The text the SoftmaxGRPO paper's rewards grade, stripped of surrounding whitespace: what follows the last
-    ``</think>`` if there is one, else the whole completion (a think block never closed included); then the
-    content of the last complete ``<answer>...</answer>`` in it, if there is one.
+    """The text the SoftmaxGRPO paper's rewards grade (its authors' rule, on completions and references alike):
+
+    1. every ``<|im_end|>`` and ``<|endoftext|>`` deleted, whitespace stripped;
+    2. if a ``</think>`` remains, only what follows the last one, stripped (a think block never closed is kept);
+    3. the answer blocks are read left to right, each from an ``<answer>`` to the first ``</answer>`` after it
+       (so ``<answer>a<answer>b</answer>`` reads ``a<answer>b``); the last one's content, else the text;
+    4. stripped.
 
     ``"<think>a</think> so <answer> 7 </answer>"`` -> ``"7"``; ``"<think>cut off"`` -> ``"<think>cut off"``.
     """
-    text = completion.rsplit("</think>", 1)[1] if "</think>" in completion else completion
-    end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return (text[start + len("<answer>") : end] if start >= 0 else text).strip()
+    text = str(completion)
+    for marker in END_MARKERS:
+        text = text.replace(marker, "")
+    text = text.strip()
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1].strip()
+    last, position = None, 0
+    while (start := text.find("<answer>", position)) >= 0:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end < 0:
+            break
+        last, position = text[start + len("<answer>") : end], end + len("</answer>")
+    return (text if last is None else last).strip()
 
 
 def template_opens_think(tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> bool:
@@ -175,12 +191,17 @@ class EditSimilarity(TextSimilarity):
         return distance.normalized_similarity(prediction, reference)
 
 
+_ARTICLE = re.compile(r"\b(?:a|an|the)\b")
+
+
 def normalize_words(text: str) -> list[str]:
-    """SQuAD-style words: lower-cased, ASCII punctuation deleted, the articles a/an/the dropped, split on whitespace.
+    """SQuAD-style words, the SoftmaxGRPO paper's: lower-cased, ASCII punctuation deleted, then every whole word
+    "a", "an" or "the" (word boundaries as Python's ``re`` draws them: ``"the—cat"`` loses its "the") replaced
+    by a space, then split on whitespace.
 
     ``"The cat's 2.5 mats, a dog."`` -> ``["cats", "25", "mats", "dog"]``.
     """
-    return [w for w in _PUNCTUATION.sub("", text.lower()).split() if w not in _ARTICLES]
+    return _ARTICLE.sub(" ", _PUNCTUATION.sub("", text.lower())).split()
 
 
 def word_f1(prediction: list[str], reference: list[str]) -> float:
@@ -206,16 +227,17 @@ class WordSimilarity(TextSimilarity):
     The reference is ``example.metadata[reference]`` when ``reference`` names a key (GSM8K's ``solution``),
     else ``example.metadata["reference"]`` when the task gives one (DeepMath with ``reference_solutions``,
     Countdown-GOLD), else ``example.answer`` (OpenThoughts, and every reference-text task). So it works with
-    any task that has a reference text. ``reference_final_text`` compares with the reference's own
-    ``final_text`` (a reference that is a whole reasoning trace, such as OpenThoughts' or Countdown-GOLD's
-    assistant message, is then its answer part); off by default, as the issue states the references.
+    any task that has a reference text. The reference is read by its own ``final_text`` too, as the paper's
+    authors read it (``reference_final_text``, default True): a reference that is a whole reasoning trace
+    (OpenThoughts' assistant turn, Countdown-GOLD's assistant message) is compared by its answer part, so a
+    completion that thinks and then gives the reference's answer scores 1. False compares with the whole text.
     ``normalize`` is not used (the words are always normalised).
     """
 
     name = "similarity"
 
     def __init__(
-        self, f1_weight: float = 0.6, reference: str | None = None, reference_final_text: bool = False, **kwargs
+        self, f1_weight: float = 0.6, reference: str | None = None, reference_final_text: bool = True, **kwargs
     ) -> None:
         super().__init__(**kwargs)
         require(0.0 <= f1_weight <= 1.0, f"f1_weight must be in [0, 1], got {f1_weight}")

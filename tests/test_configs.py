@@ -152,7 +152,14 @@ def test_deepmath_configs_are_the_papers_recipe_with_one_estimator_each(capsys):
     the estimator block alone, and the scale_deepmath_* configs in the layout alone."""
     load = lambda name: yaml.safe_load((REPO / "configs" / name).read_text())  # noqa: E731
     recipe, paper = load("deepmath_softmax.yaml"), load("paper/deepmath.yaml")
-    assert _without(recipe, "trainer.default_root_dir") == _without(paper, "trainer.default_root_dir")
+    # the task alone differs: sgrpo's own grading and holdout there, the authors' in the paper's (issue 32)
+    assert _without(recipe, "trainer.default_root_dir", "model.task") == _without(
+        paper, "trainer.default_root_dir", "model.task")  # fmt: skip
+    own, authors = recipe["model"]["task"]["init_args"], paper["model"]["task"]["init_args"]
+    mode = ("holdout", "reward", "verifier")
+    assert {k: v for k, v in own.items() if k not in mode} == {k: v for k, v in authors.items() if k not in mode}
+    assert (own["holdout"], own["reward"]["class_path"]) == ("hash", "tasks.MathVerifyReward")
+    assert (authors["holdout"], authors["reward"]["class_path"]) == ("paper", "tasks.PaperMathVerify")
     for name, estimator in DEEPMATH.items():
         raw = load(f"deepmath_{name}.yaml")
         assert raw["model"]["estimator"] == estimator and raw["trainer"]["default_root_dir"] == f"runs/deepmath_{name}"

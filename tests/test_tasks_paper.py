@@ -84,19 +84,23 @@ def test_countdown_gold_rewards_similarity_to_the_verified_solution_and_succeeds
     assert [e.prompt for e in examples] == [r["messages"][:2] for r in source]  # the same prompts as Countdown's
     references = [r["messages"][-1]["content"] for r in source]
     assert [e.metadata["reference"] for e in examples] == references
-    # a verified solution is correct; its final text (the expression) is compared with the whole message
-    result = task.score(examples[:1], references[:1])
-    assert result.success.tolist() == [True]
-    # "<think>\nTry combining 58, 11, 8 in order: ((58) - 11) - 8 = 39.\n</think>\n<answer>((58) - 11) - 8</answer>"
-    # words: think try combining 58 11 8 in order 58 11 8 39 think answer58 11 8answer (16); the final text's:
-    # 58 11 8 (3): overlap 3, LCS 3 -> F1 = ROUGE-L = 2 x 3 / (3 + 16) = 6/19
-    assert result.total.item() == pytest.approx(6 / 19)
+    # the authors compare final texts on both sides (issue 32): a verified solution, or its bare expression, scores 1
+    result = task.score(examples[:1] * 3, [references[0], "((58) - 11) - 8", "<think>x</think> ((58) - 11) - 8"])
+    assert result.total.tolist() == [1.0, 1.0, 1.0] and result.success.tolist() == [True, True, True]
+    # restating the reasoning without the answer ranks below the answer (it outranked it against the whole message):
+    # try combining 58 11 8 in order 58 11 8 39 (11 words) against 58 11 8: overlap 3, LCS 3 -> 2 x 3 / 14 = 3/7
+    restated = "Try combining 58, 11, 8 in order: ((58) - 11) - 8 = 39."
+    assert task.reward(examples[:1] * 2, [restated, "((58) - 11) - 8"]).tolist() == pytest.approx([3 / 7, 1.0])
+    # reference_final_text=False compares with the whole message (before issue 32): the exact answer then scored
+    # 6/19 (the message's words: think try combining 58 11 8 in order 58 11 8 39 think answer58 11 8answer, 16;
+    # the answer's: 58 11 8, 3: overlap 3, LCS 3 -> F1 = ROUGE-L = 2 x 3 / (3 + 16))
     whole = CountdownGold(path=str(F / "countdown_gold.jsonl"), validation_size=0,
-                          reward=WordSimilarity(reference_final_text=True))  # fmt: skip
-    result = whole.score(examples, references)
+                          reward=WordSimilarity(reference_final_text=False))  # fmt: skip
+    assert whole.reward(examples[:1], ["((58) - 11) - 8"]).item() == pytest.approx(6 / 19)
+    result = task.score(examples, references)
     assert result.total.tolist() == [1.0] * 10 and result.success.all()
     bad = [r.replace("<answer>", "<answer>1 + ") for r in references]
-    result = whole.score(examples, bad)
+    result = task.score(examples, bad)
     assert (result.total < 1).all() and (result.total > 0.5).all() and not result.success.any()
 
 
@@ -112,16 +116,17 @@ def test_openthoughts_prompt_reward_and_success():
     )
     reference = source["What is 12 times 7?"]["conversations"][1]["value"]
     assert example.answer == reference and example.difficulty == 1 and example.metadata["domain"] == "math"
-    # the reference's own text: format 1; similarity of its final text "The product is **84**." (product is 84)
-    # to the whole turn (think 12 7 84 think product is 84): overlap 3 of 3 and 8 words, LCS 3: F1 = ROUGE-L = 6/11
+    # the reference's own text: format 1 and similarity 1 (its final text against the reference's final text, "The
+    # product is **84**.", as the authors compare them: issue 32); the answer alone: similarity 1, format 0
     result = task.score([example] * 3, [reference, "The product is 84.", "<think>12 * 7</think>"])
-    expected = [0.35 + 0.65 * 6 / 11, 0.65 * 6 / 11, 0.0]
-    assert result.total.tolist() == pytest.approx(expected)
+    assert result.total.tolist() == pytest.approx([1.0, 0.65, 0.0])
     assert result.parts["format"].tolist() == [1.0, 0.0, 0.0]
-    assert result.success.tolist() == [True, False, False]  # the training reward >= 0.5
-    assert task.successes([example] * 3, [reference, "The product is 84.", ""]).tolist() == [True, False, False]
-    answer_only = WordSimilarity(reference_final_text=True)  # the reference's answer part: "The product is **84**."
-    assert answer_only([example] * 2, [reference, "the product is 84"]).tolist() == [1.0, 1.0]
+    assert result.success.tolist() == [True, True, False]  # the training reward >= 0.5
+    assert task.successes([example] * 3, [reference, "The product is 84.", ""]).tolist() == [True, True, False]
+    # reference_final_text=False (before issue 32) compares with the whole turn (think 12 7 84 think product is 84,
+    # 8 words): the answer's 3 words overlap 3, LCS 3 -> 6/11, and a perfect completion scored 0.35 + 0.65 x 6/11
+    whole = WordSimilarity(reference_final_text=False)
+    assert whole([example] * 2, [reference, "the product is 84"]).tolist() == pytest.approx([6 / 11, 6 / 11])
 
 
 def test_polaris_evaluates_on_aime25_and_math500_without_their_problems_in_train():

@@ -6,7 +6,7 @@ import torch
 
 from sgrpo.types import Example
 from tasks import CountdownReward, ThinkFormat, WordSimilarity, final_text, final_text_verifier, grade_countdown
-from tasks.arithmetic import evaluate, read_rational
+from tasks.arithmetic import evaluate
 from tasks.similarity import normalize_words, word_f1, word_rouge_l
 from tasks.think_format import think_format
 
@@ -23,6 +23,9 @@ from tasks.think_format import think_format
         ("<think>x</think> <answer>unclosed", "<answer>unclosed"),  # no complete answer block
         ("<answer>4</answer> then <answer>5", "4"),  # the last COMPLETE block
         ("<think><answer>1</answer></think> no tags here", "no tags here"),  # tags inside the thought do not count
+        ("<answer>a<answer>b</answer>", "a<answer>b"),  # blocks read left to right, as the authors' findall reads
+        ("<answer>a</answer> x </answer>", "a"),
+        ("<think>t</think> 42<|im_end|><|endoftext|>", "42"),  # end-of-turn markers removed
     ],
 )
 def test_final_text(completion, expected):
@@ -51,28 +54,41 @@ def test_math_verifier_grades_the_final_text_boxed_or_not():
 
 
 NUMS, TARGET = [2, 3, 4], 24
-COUNTDOWN = [  # (completion, numbers, target, label); reward 1 exactly when the label is "correct"
+COUNTDOWN = [  # (completion, numbers, target, label): the authors' rules; reward 1 exactly when "correct"
     ("2*3*4", NUMS, TARGET, "correct"),
     ("<think>2*3=6, 6*4=24</think>\n<answer>(2 * 3) * 4</answer>", NUMS, TARGET, "correct"),
     ("So \\boxed{4*3*2} or maybe \\boxed{1}", NUMS, TARGET, "correct"),  # the FIRST box
-    ("`2*3*4`.", NUMS, TARGET, "correct"),  # backticks and a final period stripped
+    ("\\boxed{\\frac{24}{1}} then \\boxed{2*3*4}", NUMS, TARGET, "correct"),  # the first box without braces inside
+    ("`2*3*4`", NUMS, TARGET, "correct"),  # backticks at the ends stripped
+    ("`2*3*4`.", NUMS, TARGET, "unparsed"),  # ... before the period goes: the closing backtick stays
     ("$2*3*4$", NUMS, TARGET, "correct"),
+    ("$$2*3*4$$", NUMS, TARGET, "correct"),  # every $ at the ends
+    ("2*3*4...", NUMS, TARGET, "correct"),  # every trailing period
+    ("2*$3$*4", NUMS, TARGET, "unparsed"),  # $ inside stays
+    ("2 × 3 × 4", NUMS, TARGET, "correct"),  # × read as *
+    ("48 ÷ 2 ÷ 3 × 4 − 2 × 3 × 4 + 2 × 3 × 4", [48, 2, 3, 4, 2, 3, 4, 2, 3, 4], 32, "correct"),  # ÷ and − too
     ("2*3*4 = 24", NUMS, TARGET, "correct"),
-    ("2*3*4 = 24.0", NUMS, TARGET, "correct"),
-    ("2*3*4 = 48/2", NUMS, TARGET, "correct"),  # the right side read as an exact rational
-    ("-2+3*4", NUMS, 10, "correct"),  # unary minus is arithmetic notation
-    ("8/(3-8/3)", [3, 3, 8, 8], 24, "correct"),  # exact: in floats 8/(3-8/3) = 23.999999999999993
-    ("5*(5-1/5)", [5, 5, 1, 5], 24, "correct"),  # a number given twice is used twice
-    ("(" * 125 + "2*3*4" + ")" * 125, NUMS, TARGET, "correct"),  # 255 characters
-    ("(" * 126 + "2*3*4" + ")" * 126, NUMS, TARGET, "too_long"),  # 257 characters
+    ("2*3*4 = 24.0", NUMS, TARGET, "correct"),  # Fraction("24.0")
+    ("2*3*4 = 48/2", NUMS, TARGET, "correct"),  # Fraction("48/2")
+    ("2*3*4 = 2.4e1", NUMS, TARGET, "correct"),  # Fraction("2.4e1")
+    ("2*3*4 = 4.8 / 0.2", NUMS, TARGET, "equals"),  # no decimal division: Fraction refuses it
+    ("2*3*4 = 24/0", NUMS, TARGET, "equals"),
     ("2*3*4 = 25", NUMS, TARGET, "equals"),
     ("2*3*4 = 24 = 24", NUMS, TARGET, "equals"),  # more than one =
-    ("24 = 2*3*4", NUMS, TARGET, "equals"),  # the right side is no rational
-    ("2*3*4 = 24/0", NUMS, TARGET, "equals"),
+    ("24 = 2*3*4", NUMS, TARGET, "equals"),  # the right side is no Fraction
+    ("-2+3*4", NUMS, 10, "unparsed"),  # no unary sign
+    ("+2*3*4", NUMS, TARGET, "unparsed"),
+    ("2*3*-4+48", [2, 3, 4, 48], 24, "unparsed"),
+    ("02*3*4", NUMS, TARGET, "unparsed"),  # no leading zeros (Python's literal)
+    ("8/(3-8/3)", [3, 3, 8, 8], 24, "correct"),  # exact: in floats 8/(3-8/3) = 23.999999999999993
+    ("5*(5-1/5)", [5, 5, 1, 5], 24, "correct"),  # a number given twice is used twice
+    ("1000000 - 999976", [1000000, 999976], 24, "correct"),  # literals up to 10**6
+    ("1000001 - 999977", [1000001, 999977], 24, "unparsed"),
+    ("(" * 125 + "2*3*4" + ")" * 125, NUMS, TARGET, "correct"),  # 255 characters
+    ("(" * 126 + "2*3*4" + ")" * 126, NUMS, TARGET, "too_long"),  # 257 characters
     ("2*3*4*1", NUMS, TARGET, "numbers"),  # 1 is not given
     ("2*3*3", NUMS, 18, "numbers"),  # 3 reused, 4 missing
     ("2*12", NUMS, TARGET, "numbers"),  # 12 is not given
-    ("3*4*2/1", NUMS, TARGET, "numbers"),
     ("(2+4)*3", NUMS, TARGET, "wrong"),  # every number once, but 18
     ("(2+4)+3", [4, 3, 2], 9, "correct"),  # the order of the numbers is free
     ("4/(2-2)*3", NUMS, TARGET, "division_by_zero"),
@@ -86,6 +102,9 @@ COUNTDOWN = [  # (completion, numbers, target, label); reward 1 exactly when the
     ("\u0662*\u0663*\u0664", NUMS, TARGET, "unparsed"),  # Arabic-Indic digits are no integers here
     ("<answer></answer>", NUMS, TARGET, "empty"),
 ]
+#: the 13 of these 46 probes the verifier before issue 32 graded otherwise (checked against that code): the first
+#: brace-free box, "`2*3*4`.", "2*3*4...", "2*$3$*4", the three ×/÷/− probes, "= 2.4e1", "= 4.8 / 0.2", the three
+#: unary signs, "02", 1000001
 
 
 @pytest.mark.parametrize(("completion", "numbers", "target", "label"), COUNTDOWN)
@@ -97,17 +116,17 @@ def test_countdown_reward_reads_the_example():
     examples = [Example("p", str(t), metadata={"nums": n}) for _, n, t, _ in COUNTDOWN]
     result = CountdownReward().score(examples, [c for c, _, _, _ in COUNTDOWN])
     assert result.total.tolist() == [float(label == "correct") for *_, label in COUNTDOWN]
-    assert result.counts["correct"] == 13 and result.counts["unparsed"] == 8 and result.failures == 0
+    assert result.counts["correct"] == 19 and result.counts["unparsed"] == 15 and result.failures == 0
 
 
-def test_expression_parser_and_rationals():
+def test_expression_parser():
     from fractions import Fraction
 
     assert evaluate("8 / (3 - 8 / 3)") == (Fraction(24), [8, 3, 8, 3])
-    assert evaluate("-(1 - 4) * +2") == (Fraction(6), [1, 4, 2])
-    assert [read_rational(t) for t in ("24", " 24.0 ", "48/2", "4.8 / 0.2", "1/0", "2e1", "-24", "x")] == [
-        24, 24, 24, 24, None, None, None, None
-    ]  # fmt: skip
+    assert evaluate(" (1 + 4) * 2 ") == (Fraction(10), [1, 4, 2])
+    for bad in ("-(1 - 4) * 2", "1 if 2 else 3", "True + 1", "[1]", "x"):
+        with pytest.raises((SyntaxError, ValueError)):
+            evaluate(bad)
 
 
 SIMILARITY = [  # (completion, reference, F1, ROUGE-L F1) computed by hand over the normalised words
@@ -135,6 +154,7 @@ def test_word_similarity_is_point6_f1_plus_point4_rouge_l():
     expected = torch.tensor([0.6 * f1 + 0.4 * rouge for *_, f1, rouge in SIMILARITY])
     torch.testing.assert_close(result.total, expected)
     assert normalize_words("The cat's 2.5 mats, a dog.") == ["cats", "25", "mats", "dog"]
+    assert normalize_words("The—cat a’s") == ["—cat", "’s"]  # "the" and "a" at word boundaries
     assert word_f1([], ["a"]) == word_rouge_l(["a"], []) == 0.0
 
 
