@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -329,3 +330,31 @@ def test_training_logs_the_log_mgf_objective(model_dir, batch):
             assert float(logged) == pytest.approx(by_hand(tau), rel=1e-6)
     with pytest.raises(ValueError, match="log_mgf_temperature"):
         make_policy(model_dir, batch, GRPO(), log_mgf_temperature=0.0)
+
+
+class ExternalRollout(FixedRollout):
+    """The fixed rows as an external sampler (vLLM) gives them: its own log-probs, a little off the trainer's."""
+
+    samples_from_policy = False
+
+    def generate(self, model, tokenizer, examples, group_size, greedy=False):
+        rows = super().generate(model, tokenizer, examples, group_size, greedy)
+        return dataclasses.replace(rows, logprobs=(rows.completion_mask * -0.1).float())
+
+
+def test_importance_sampling_off_runs_no_forward_at_the_sampling_weights(model_dir, batch, monkeypatch):
+    """The paper's recipes (importance_sampling_cap null, as verl 0.6.1 ran): an external sampler's log-probs feed
+    the metrics only, so the update runs no forward for old log-probs and its gradient is the on-policy one; with
+    sgrpo's truncated IS (cap 2) the trainer's forward at the sampling weights runs, once per step."""
+    grads, forwards = {}, {}
+    for name, cap, engine in (("on-policy", None, FixedRollout), ("off", None, ExternalRollout),
+                              ("tis", 2.0, ExternalRollout)):  # fmt: skip
+        policy = make_policy(model_dir, batch, GRPO(), loss=ClippedSurrogate(importance_sampling_cap=cap))
+        policy.rollout = engine(batch, PROMPTS, MAX_NEW)
+        calls = []
+        monkeypatch.setattr(policy, "_logprobs", lambda *a, _f=policy._logprobs, _c=calls: _c.append(1) or _f(*a))
+        run_steps(policy)
+        grads[name], forwards[name] = flat(policy.captured[0]), len(calls)
+    assert forwards == {"on-policy": 0, "off": 0, "tis": 1}
+    assert rel_err(grads["off"], grads["on-policy"]) < 1e-6
+    assert rel_err(grads["tis"], grads["on-policy"]) > 1e-3  # weights min(e^{old + 0.1}, 2) reweigh the tokens
