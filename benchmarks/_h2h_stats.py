@@ -184,14 +184,38 @@ def seed_interval(values: list[float]) -> list[float]:
     return list(ci(values)) if values else [math.nan, math.nan]
 
 
+def run_time_figures(results, wall_s: float | None = None) -> dict:
+    """The run time a report states, as its figures: finished runs, their minutes in all and per run (1 decimal),
+    how many ran at a time, and (when given) the invocation's wall clock in minutes."""
+    runs = [r for per_seed in results.values() for r in per_seed.values()]
+    walls = [r["wall_s"] for r in runs]
+    figures = {"runs": len(walls), "minutes": round(sum(walls) / 60, 1),
+               "minutes_per_run": round(sum(walls) / max(len(walls), 1) / 60, 1),
+               "jobs": max((r.get("jobs", 1) for r in runs), default=1)}  # fmt: skip
+    return figures | ({"wall_minutes": round(wall_s / 60, 1)} if wall_s is not None else {})
+
+
+def budget_figures(runs: dict, folder: Path, buckets: tuple[str, ...] = BUDGET_BUCKETS) -> dict[str, list[float]]:
+    """Per bucket, ``[mean, 95 % half-width]`` over the seeds of ``runs`` (run folders ``folder/seed<s>``) of the
+    mean L1 budget share over training."""
+    def one(bucket: str) -> list[float]:
+        series = (budget_series(folder / f"seed{s}", bucket) for s in runs)
+        return seed_interval([sum(v for _, v in pts) / len(pts) for pts in series if pts])
+
+    return {b: one(b) for b in buckets}
+
+
 def key_figures(results, specs, out: Path) -> dict:
     """The figures of a head-to-head report for its artefact: per estimator, ``[mean, 95 % half-width]`` over
     seeds of the final mean accuracy over levels, its change from step 0, the final accuracy and pass@k per
     level and overall, the mean L1 budget share per bucket, and the seed-paired difference of the final mean
-    against GRPO (``[mean, half-width, seeds]``); the base model's accuracies (step 0, one run per seed)."""
+    against GRPO (``[mean, half-width, seeds]``) and of each pass@k (``[mean, half-width]``); the base model's
+    accuracies (step 0, one run per seed) and the range of its mean over levels across seeds."""
     base = base_runs(results)
     levels = list(base[0]["initial"]["by_difficulty"]) if base else []
-    figures = {"base": {"mean_over_levels": seed_interval([r["initial"]["mean_over_levels"] for r in base]),
+    base_means = [r["initial"]["mean_over_levels"] for r in base]
+    figures = {"base": {"mean_over_levels": seed_interval(base_means),
+                        "mean_over_levels_range": [min(base_means), max(base_means)] if base else None,
                         "by_difficulty": {lv: seed_interval([r["initial"]["by_difficulty"][lv] for r in base])
                                           for lv in levels}},
                "estimators": {}}  # fmt: skip
@@ -203,10 +227,6 @@ def key_figures(results, specs, out: Path) -> dict:
         finals = [r["final"] for r in runs.values()]
         ks = list(finals[0]["pass_at_k"])
 
-        def budget(bucket, runs=runs, spec=spec):
-            series = (budget_series(out / spec.slug / f"seed{s}", bucket) for s in runs)
-            return seed_interval([sum(v for _, v in pts) / len(pts) for pts in series if pts])
-
         figures["estimators"][spec.label] = {
             "seeds": sorted(runs),
             "mean_over_levels": seed_interval([f["mean_over_levels"] for f in finals]),
@@ -214,7 +234,9 @@ def key_figures(results, specs, out: Path) -> dict:
                                      for r in runs.values()]),
             "by_difficulty": {lv: seed_interval([f["by_difficulty"][lv] for f in finals]) for lv in levels},
             "pass_at_k": {k: seed_interval([f["pass_at_k"][k] for f in finals]) for k in ks},
-            "budget_l1": {b: budget(b) for b in BUDGET_BUCKETS},
+            "budget_l1": budget_figures(runs, out / spec.slug),
             "vs_grpo": list(paired(runs, results[ref])) if ref and spec.label != ref else None,
+            "pass_at_k_vs_grpo": {k: list(paired(runs, results[ref], lambda r, k=k: r["final"]["pass_at_k"][k]))[:2]
+                                  for k in ks} if ref and spec.label != ref else None,
         }  # fmt: skip
     return figures

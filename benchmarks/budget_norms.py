@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         from benchmarks.artefact import publish
 
         given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--publish"]
-        publish("budget_norms", result, text, ("python benchmarks/budget_norms.py " + shlex.join(given)).strip())
+        command = (".venv/bin/python benchmarks/budget_norms.py " + shlex.join(given)).strip()
+        publish("budget_norms", result, text, command)
     return result
 
 

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
         from benchmarks.artefact import publish
 
         given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--publish"]
-        command = "python benchmarks/classification.py " + shlex.join(given)
+        command = ".venv/bin/python benchmarks/classification.py " + shlex.join(given)
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         result = {"summary": summary, "seconds": round(run["seconds"], 1), "load_at_start": load, "args": settings}
         report = "# Classification as RL\n\n" + "\n\n".join([*sections, footer])

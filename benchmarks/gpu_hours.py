@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = report(result)
     print(text)
     if not args.no_publish:
-        command = "python benchmarks/gpu_hours.py" + (f" --measured {args.measured}" if args.measured else "")
+        command = ".venv/bin/python benchmarks/gpu_hours.py" + (f" --measured {args.measured}" if args.measured else "")
         publish("gpu_hours", {**result, "quickstart_h200": quickstart_rate(), "mfu": MFU, "peak": PEAK,
                               "prompt_tokens": PROMPT_TOKENS}, text, command)  # fmt: skip
     return result

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from benchmarks import head_to_head_tail as tail  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
-from benchmarks._h2h_stats import ci, fmt  # noqa: E402
+from benchmarks._h2h_stats import BUDGET_BUCKETS, budget_figures, ci, fmt, run_time_figures  # noqa: E402
 from benchmarks.artefact import REPORTS, publish  # noqa: E402
 from benchmarks.figures.h2h import SCALAR_DEVIATIONS, deviations_section  # noqa: E402
 from sgrpo.eval.report import read_metrics  # noqa: E402
@@ -301,10 +301,15 @@ def main(argv: list[str] | None = None) -> Path:
     path.write_text(text)
     (out / "protocol.json").write_text(json.dumps(proto, indent=1) + "\n")
     finished = sum(len(runs) for runs in results.values())
+    hard_pass = result.get("pass_at_k", {}).get("hard_vs_grpo", {})  # the docs quote Δ pass@k on the primary levels
+    result["pass_primary_vs_grpo"] = {label: [st["mean"], st["half"]] for label, st in hard_pass.items()}
+    result["budget_l1"] = {s.label: budget_figures(results[s.label], out / s.slug, ("unsolved", *BUDGET_BUCKETS))
+                           for s in specs if results[s.label]}  # fmt: skip
+    result["run_time"] = run_time_figures(results)
     result |= {"protocol": proto, "runs_finished": finished, "runs_planned": len(specs) * len(proto["seeds"]),
                "deviations": [] if opts.quick else SCALAR_DEVIATIONS}  # fmt: skip
     name = "scalar_head_to_head" + ("_quick" if opts.quick else "")
-    command = "python benchmarks/head_to_head_scalar.py" + (" --quick" if opts.quick else "")
+    command = ".venv/bin/python benchmarks/head_to_head_scalar.py" + (" --quick" if opts.quick else "")
     report = text.split("\n## Figures")[0].rstrip("\n") + "\n\n" + deviations_section(result)
     folder = publish(name, result, report, command, opts.reports)
     print("\n\n".join(ours) + f"\n\nreport: {path}\nartefact: {folder}")

@@ -51,7 +51,16 @@ import torch  # noqa: E402
 from benchmarks import artefact  # noqa: E402
 from benchmarks import head_to_head as h2h  # noqa: E402
 from benchmarks._common import HelpFormatter, markdown_table  # noqa: E402
-from benchmarks._h2h_stats import budget_series, ci, fmt, holm, key_figures, paired_p, seed_interval  # noqa: E402
+from benchmarks._h2h_stats import (  # noqa: E402
+    budget_series,
+    ci,
+    fmt,
+    holm,
+    key_figures,
+    paired_p,
+    run_time_figures,
+    seed_interval,
+)
 from estimators import BUCKETS, difficulty_bucket  # noqa: E402
 from estimators.base import binomial_pmf  # noqa: E402
 
@@ -399,7 +408,8 @@ def main(argv: list[str] | None = None) -> Path:
     path.write_text(text)
     (out / "protocol.json").write_text(json.dumps(proto, indent=1) + "\n")
     figures = {"protocol": proto, "runs_finished": done, "runs_planned": planned, "primary": primary_figures,
-               "runs": key_figures(results, specs, out), "pass": pass_figures, "budget": budget_figures}  # fmt: skip
+               "runs": key_figures(results, specs, out), "pass": pass_figures, "budget": budget_figures,
+               "run_time": run_time_figures(results)}  # fmt: skip
     artefact.publish_run(opts, "head_to_head_tail" + "_quick" * opts.quick, figures, text, __file__,
                          ["--quick"] if opts.quick else [])  # fmt: skip
     print("\n\n".join(ours) + f"\n\nreport: {path}")

@@ -160,13 +160,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="math-verify pool processes (default 2)")
     args = artefact.publish_option(parser).parse_args()
     with artefact.recording() as printed:
-        rows = measure(args)
+        rows, chars = measure(args)
     result = {name: {"seconds": seconds, "per_s": args.n / seconds} for name, _, seconds in rows}
+    result["deepmath_response_chars"] = round(chars)  # the mean length of the graded responses, as printed
     artefact.publish_run(args, "rewards", result, printed.getvalue(), __file__)
 
 
-def measure(args: argparse.Namespace) -> list[tuple[str, str, float]]:
-    """Print the header and the table; return its rows (name, batch, seconds per batch)."""
+def measure(args: argparse.Namespace) -> tuple[list[tuple[str, str, float]], float]:
+    """Print the header and the table; return its rows (name, batch, seconds per batch) and the mean length in
+    characters of the DeepMath responses graded."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     libs = ", ".join(f"{p} {version(p)}" for p in ("math-verify", "sympy", "sacrebleu", "rouge-score", "rapidfuzz"))
     print(f"# Reward throughput: batches of {args.n}, median of {args.repeats} runs")
@@ -198,7 +200,7 @@ def measure(args: argparse.Namespace) -> list[tuple[str, str, float]]:
     print("|---|---|---:|---:|---:|")
     for name, detail, seconds in rows:
         print(f"| {name} | {detail} | {seconds:.3f} | {args.n / seconds:,.0f} | {1000 * seconds / args.n:.3f} |")
-    return rows
+    return rows, chars
 
 
 if __name__ == "__main__":

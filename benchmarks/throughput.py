@@ -286,7 +286,11 @@ def case_throughput(args, tmp: Path) -> dict:
         if summaries[f]:
             times = ", ".join(f"{s['wall_s']:.2f}" for s in results[f]["steps"])
             print(f"{f} step times (s): {times}")
-    return {"parameters": n, "matmul_peak_flop_s": peak, **summaries,
+    for f in FRAMEWORKS:  # every measured step's time, as printed above (the docs quote their range)
+        if summaries[f]:
+            summaries[f]["step_times_s"] = [round(s["wall_s"], 2) for s in results[f]["steps"]]
+    return {"parameters": n, "matmul_peak_flop_s": peak, **summaries, "warmup_steps": args.warmup,
+            "measured_steps": args.steps,
             "ratio": {key: values[label][0] / values[label][1] for label, key, _ in ROWS
                       if None not in values[label] and values[label][1]}}  # fmt: skip
 
@@ -469,7 +473,9 @@ def main() -> None:
         }
         with artefact.recording() as printed:
             result = cases[args.case](args, Path(tmp))
-            print(f"\n(wall time {time.perf_counter() - started:.0f} s)")
+            wall = time.perf_counter() - started
+            print(f"\n(wall time {wall:.0f} s)")
+        result["wall_s"] = float(round(wall))
     name = "throughput" + "".join(f"_{part}" for part, on in ((args.case, args.case != "throughput"),
                                   ("forced", args.force_length), ("cuda", args.device == "cuda")) if on)  # fmt: skip
     report = f"# sgrpo against TRL: {args.case}\n" + printed.getvalue()

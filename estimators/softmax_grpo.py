@@ -22,7 +22,8 @@ class SoftmaxGRPO(AdvantageEstimator):
 
     Zero-sum, bounded in [-1, G-1], monotone in r_i; shift invariant and covariant under a joint
     rescale of rewards and temperature (tau is measured in reward units). tau -> 0 gives MaxRL's
-    practical estimator on binary rewards; tau -> inf gives Dr.GRPO / tau. Per-rollout expected
+    practical estimator on binary rewards only (for scalar rewards it puts all the weight on the group's
+    maximum: G/n - 1 on its n maxima, -1 elsewhere); tau -> inf gives Dr.GRPO / tau. Per-rollout expected
     weight is bounded: 0 < c_G(p)/G < e^(1/tau) - 1 for all p and G; the large-group objective is
     the log-MGF ``log E[exp(r / tau)]``.
 
@@ -203,9 +204,10 @@ def ess_temperatures(rewards: Tensor, target: float) -> Tensor:
     ESS is increasing in tau, strictly for a non-constant group, from n/G (tau -> 0; n members tied at the
     maximum) to 1 (tau -> inf). Writing tau = t (max r - min r), ESS depends on t alone (shift and scale
     invariance), and t is found by bisection on log t in [2^-20, 2^20] (64 steps, to float64 precision).
-    A target at or below n/G is unreachable: t = 2^-20, where exp(-2^20) == 0 gives MaxRL's tau -> 0
-    advantages (G/n - 1 on the maxima, -1 elsewhere). A constant group gets tau = 1 (its advantages are 0 at
-    any tau). Example: rewards (0, 1), target 0.9 -> e^(1/tau) = 2, tau = 1/ln 2 = 1.4427.
+    A target at or below n/G is unreachable: t = 2^-20, where exp(-2^20) == 0 gives the tau -> 0 advantages
+    (G/n - 1 on the n maxima, -1 elsewhere; MaxRL's when the rewards are binary). A constant group gets
+    tau = 1 (its advantages are 0 at any tau). Example: rewards (0, 1), target 0.9 -> e^(1/tau) = 2,
+    tau = 1/ln 2 = 1.4427.
     """
     r = as_float64(rewards)
     spread = r.amax(-1, keepdim=True) - r.amin(-1, keepdim=True)  # [B, 1]
@@ -222,13 +224,15 @@ def ess_temperatures(rewards: Tensor, target: float) -> Tensor:
 
 
 def log_mgf(rewards: Tensor, temperature: Tensor | float) -> Tensor:
-    """The SoftmaxGRPO objective of each group (arXiv 2608.09271, docs/theory.md §4.4), float64 ``[B]``:
+    """Per group, a plug-in estimate of the log-MGF objective (docs/theory.md §4.4), float64 ``[B]``:
 
         J_tau(r) = tau log( (1/G) sum_j exp(r_j / tau) ),
 
     the empirical log-moment-generating function of the group's rewards at 1/tau, in reward units: a soft
-    maximum between mean(r) (tau -> inf) and max(r) (tau -> 0). For large groups SoftmaxGRPO's expected update
-    per rollout is the gradient of log E[exp(r / tau)] = J / tau (``SoftmaxGRPO.large_group_objective``).
+    maximum between mean(r) (tau -> inf) and max(r) (tau -> 0). It estimates, from this one group,
+    tau log E[exp(r / tau)]: tau times the log-MGF objective whose gradient SoftmaxGRPO's expected update per
+    rollout tends to as G grows (``SoftmaxGRPO.large_group_objective``). It is not that objective itself (its
+    expectation is at most it, by Jensen), and at finite G the update need not ascend any objective (§3.4).
     Evaluated stably as ``m + tau (logsumexp((r - m) / tau) - log G)`` with m = max r, so large rewards and
     small tau neither overflow nor lose the differences. ``temperature``: a number or ``[B]`` / ``[B, 1]``.
     Example: rewards (0, 1), tau = 1 -> log((1 + e)/2) = 0.62011.

@@ -53,7 +53,8 @@ def test_budget_norms_identity_on_real_rollouts():
 
 def test_learning_rate_sweep_reports_each_estimator_at_its_best_rate():
     """benchmarks/classification_lr.py --quick at two rates: a best rate per estimator, chosen by top-1 among
-    the rates run, and the seed-paired difference to GRPO at its own best rate (0 for GRPO itself)."""
+    the rates run, and the seed-paired difference to GRPO at its own best rate (0 for GRPO itself). With two
+    rates every best rate is at an edge of the grid, and the result says which."""
     from benchmarks import classification_lr
 
     result = classification_lr.main(["--quick", "--threads", "1", "--lrs", "4", "16"])
@@ -61,4 +62,15 @@ def test_learning_rate_sweep_reports_each_estimator_at_its_best_rate():
     for label, best in result["best"].items():
         tops = [result["by_lr"][str(lr)]["estimators"][label]["top-1"]["mean"] for lr in result["lrs"]]
         assert best["lr"] in result["lrs"] and best["top-1"] == max(tops), label
+        assert best["edge"] == ("lowest" if best["lr"] == 4.0 else "highest"), label
     assert result["best"]["GRPO"]["diff"] == 0
+    assert result["at_edge"] == list(result["best"])
+
+
+def test_learning_rate_sweep_grid_edges():
+    """grid_edge flags a best rate at the smallest or largest rate of the grid (its optimum may lie beyond)."""
+    from benchmarks.classification_lr import grid_edge
+
+    grid = [1.0, 4.0, 16.0, 64.0]
+    assert [grid_edge(lr, grid) for lr in grid] == ["lowest", None, None, "highest"]
+    assert grid_edge(8.0, [8.0]) == "only"

@@ -60,6 +60,9 @@ def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch
                  "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.precision=32-true",
                  f"--trainer.default_root_dir={tmp_path}", *overrides])  # fmt: skip
     policy = cli.model
+    printed = yaml.safe_load(cli.parser.dump(cli.config))  # what --print_config prints: the class paths resolve
+    for part, package in (("estimator", "estimators."), ("loss", "sgrpo.train."), ("rollout", "sgrpo.rollout.")):
+        assert printed["model"][part]["class_path"].startswith(package), (part, printed["model"][part])
     assert isinstance(policy, GRPOPolicy) and isinstance(policy.estimator, AdvantageEstimator)
     assert policy.model is None  # nothing loaded at parse time
     assert (policy.peft is not None) == bool(raw["model"].get("peft"))  # an overlay's blocks reach the policy
@@ -168,3 +171,4 @@ def test_deepmath_configs_are_the_papers_recipe_with_one_estimator_each(capsys):
     assert exit_.value.code in (0, None)
     assert (printed["model"]["model"], printed["trainer"]["max_steps"], printed["trainer"]["num_nodes"]) == (
         "Qwen/Qwen2.5-1.5B", 3220, 2)  # fmt: skip
+

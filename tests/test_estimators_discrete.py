@@ -2,10 +2,10 @@
 
 T15: the enumerated field against Monte Carlo and its large-group limit, the log-MGF gradient, with
 the 1/G rate of the finite-group error. The curl of the field on the reward simplex: zero for the
-estimators that optimise expected reward (Dr.GRPO, RLOO), non-zero for GRPO and SoftmaxGRPO, whose
-finite-group updates are therefore the gradient of no objective of the reward law, with
-SoftmaxGRPO's curl vanishing as G grows. Stokes' theorem ties the curl (derivatives of g_G) to loop
-integrals of g_G alone.
+estimators that optimise expected reward (Dr.GRPO, RLOO), non-zero for GRPO and SoftmaxGRPO (tau 0.5) at
+every G = 3..16 checked, whose updates there are therefore the gradient of no objective of the reward law
+(a numerical check of those cases, not a proof for every G), with SoftmaxGRPO's curl shrinking as G grows.
+Stokes' theorem ties the curl (derivatives of g_G) to loop integrals of g_G alone.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_grpo_has_curl_at_every_group_size():
 
 
 def test_softmax_curl_is_nonzero_and_shrinks_with_the_group():
-    """SoftmaxGRPO tau 0.5: no objective at finite G (relative curl >= 0.01 at every point, G = 3..16),
+    """SoftmaxGRPO tau 0.5: no objective at G = 3..16 (relative curl >= 0.01 at every point; larger G unchecked),
     but the curl shrinks towards the curl-free log-MGF limit: strictly decreasing in G at every point,
     from 0.26-0.65 at G = 3 to 0.014-0.057 at G = 16 (at least 10x), and always below GRPO's."""
     est = SoftmaxGRPO(TAU)
@@ -149,7 +149,8 @@ def test_softmax_curl_is_nonzero_and_shrinks_with_the_group():
     assert (rel[-1] <= rel[0] / 10).all(), (rel[0].tolist(), rel[-1].tolist())
     grpo = torch.stack([relative_curl(GRPO(), LEVELS, POINTS, g) for g in range(3, 17)])
     assert (rel < grpo).all()
-    # MaxRL (tau -> 0) has curl too: the finite-group hard max is no gradient either
+    # MaxRL has curl too (at G = 8). On these scalar levels MaxRL is r / mean - 1, not SoftmaxGRPO's tau -> 0
+    # hard max: the two coincide on binary rewards only
     assert (relative_curl(MaxRL(), LEVELS, POINTS, 8) >= 0.01).all()
 
 

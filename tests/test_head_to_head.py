@@ -79,5 +79,11 @@ def test_tiny_benchmark_reports_and_skips_finished_runs(tmp_path, capsys):
     grpo = published["result"]["estimators"]["GRPO"]
     assert grpo["mean_over_levels"][0] == pytest.approx(result["final"]["mean_over_levels"]) and grpo["seeds"] == [0]
     assert published["result"]["estimators"]["SoftmaxGRPO(temperature=0.5)"]["vs_grpo"][2] == 1  # one paired seed
+    # what the docs' rendered block reads (benchmarks/figures/h2h.py), written by the benchmark itself
+    figures = published["result"]
+    assert figures["run_time"]["runs"] == 2 and "wall_minutes" not in figures["run_time"]  # --report-only: no wall
+    low, high = figures["base"]["mean_over_levels_range"]
+    assert low == high == pytest.approx(figures["base"]["mean_over_levels"][0])  # one seed
+    assert set(figures["estimators"]["SoftmaxGRPO(temperature=0.5)"]["pass_at_k_vs_grpo"]) == {"1", "2"}
     with pytest.raises(SystemExit, match="other settings"):
         h2h.main([*args, "--val-samples", "3"])

@@ -91,3 +91,9 @@ def test_quick_runs_and_publishes_end_to_end(tmp_path):
     logged = scalar.tail_mean(run, "train/log_mgf", 2)
     assert math.isfinite(logged) and 0.0 <= logged <= 1.0  # a soft maximum of rewards in [0, 1]
     assert stamp["result"]["runs_finished"] == 2
+    # what the docs' rendered block reads (benchmarks/figures/h2h.py), written by the benchmark itself
+    assert stamp["result"]["run_time"]["runs"] == 2
+    assert set(stamp["result"]["budget_l1"]) == {"GRPO", row["estimator"]}
+    shares = stamp["result"]["budget_l1"]["GRPO"]
+    assert {"unsolved", "near_solved"} <= set(shares) and sum(v[0] for v in shares.values()) <= 1 + 1e-9
+    assert set(stamp["result"]["pass_primary_vs_grpo"]) <= {row["estimator"]}  # one seed: no interval, maybe none

@@ -95,3 +95,4 @@ def test_quick_runs_end_to_end(tmp_path, capsys):
     assert published["command"] == ".venv/bin/python benchmarks/head_to_head_tail.py --quick"
     assert "Holm p" in (artefact.REPORTS / "head_to_head_tail_quick" / "report.md").read_text()
     assert published["result"]["primary"]["GRPO"]["vs_grpo"] is None
+    assert published["result"]["run_time"]["runs"] == published["result"]["runs_finished"]  # the docs quote it

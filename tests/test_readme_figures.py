@@ -117,17 +117,20 @@ def test_a_render_fails_loudly_when_its_claim_no_longer_holds():
 
 
 def test_classification_lr_render_follows_the_grid():
-    """A wider grid (16 and 64 added) changes the stated best rates and edges from the data, not by hand."""
+    """A rate added below the grid, where Dr.GRPO and RLOO do best, changes the stated best rates and edges from the
+    data, not by hand."""
     stamp = json.loads((figures.REPORTS / "classification_lr" / "result.json").read_text())
     r = stamp["result"]
-    r["by_lr"]["1.0"] = json.loads(json.dumps(r["by_lr"]["2.0"]))
-    r["by_lr"]["1.0"]["estimators"]["RLOO"]["top-1"]["mean"] = 3.0
-    r["by_lr"]["1.0"]["estimators"]["Dr.GRPO"]["top-1"]["mean"] = 3.0
-    r["lrs"] = [1.0, *r["lrs"]]
+    low = min(r["lrs"])
+    new = low / 2
+    r["by_lr"][str(new)] = json.loads(json.dumps(r["by_lr"][str(low)]))
     for k in ("RLOO", "Dr.GRPO"):
-        r["best"][k]["lr"] = 1.0
+        r["by_lr"][str(new)]["estimators"][k]["top-1"]["mean"] = 9.0
+        r["best"][k]["lr"] = new
+    r["lrs"] = [new, *r["lrs"]]
     text = " ".join(figures.renderer("classification_lr")(stamp).split())
-    assert "base rates 1, 2, 8, 32, 128" in text and "1 for Dr.GRPO and RLOO (3.00 % top-1, the lowest rate" in text
+    assert f"base rates {new:g}, {low:g}," in text
+    assert f"{new:g} for Dr.GRPO and RLOO (9.00 % top-1, the lowest rate" in text
 
 
 #: the README sections (each with its ### subsections) whose figures all come from benchmarks

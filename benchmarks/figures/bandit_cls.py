@@ -121,7 +121,7 @@ def classification(stamp: dict) -> str:
     hard = {k: est[k]["top-1 hard third"] for k in est}
     assert min(hard["MaxRL"], hard[soft]) > hard["GRPO"]
     setup = (
-        f"Setup (`python benchmarks/classification.py`): an analogue of the paper's ResNet-50/ImageNet experiment "
+        f"Setup (`{stamp['command']}`): an analogue of the paper's ResNet-50/ImageNet experiment "
         f"at CPU scale, not that experiment: {num(a['classes'], 0)} synthetic classes (Gaussian prototypes in d = "
         f"{a['dim']}, per-class noise with spread {a['spread']}, so some classes are much harder than others), a "
         f"{a['dim']}-{a['hidden']}-{num(a['classes'], 0)} ReLU network (an MLP) that starts from the uniform policy "
@@ -150,6 +150,11 @@ def classification(stamp: dict) -> str:
     return wrap(setup) + "\n" + table(head, rows) + "\n\n" + wrap(prose)
 
 
+def rate(lr: float) -> str:
+    """A learning rate as the grid names it: 0.5, 16 (not 0 or 16.0)."""
+    return f"{lr:g}"
+
+
 def classification_lr(stamp: dict) -> str:
     r = stamp["result"]
     lrs, by_lr = r["lrs"], r["by_lr"]
@@ -169,7 +174,7 @@ def classification_lr(stamp: dict) -> str:
     groups: dict[tuple, list[str]] = {}
     for k in names:  # estimators with the same best rate and figure (Dr.GRPO and RLOO) share a clause
         groups.setdefault((best[k], f"{top1(k, best[k]):.2f}"), []).append(_cls_label(k))
-    clauses = [f"{num(lr, 0)} for {words(ks)} ({fig} % top-1{edge(lr)})" for (lr, fig), ks in groups.items()]
+    clauses = [f"{rate(lr)} for {words(ks)} ({fig} % top-1{edge(lr)})" for (lr, fig), ks in groups.items()]
     vs = {k: r["best"][k] for k in names if k != "GRPO"}
     order = sorted(names, key=lambda k: -top1(k, best[k]))
     shared = [lr for lr in lrs if sorted(names, key=lambda k, lr=lr: -top1(k, lr))[:2] == order[:2]]
@@ -181,12 +186,12 @@ def classification_lr(stamp: dict) -> str:
         diffs.setdefault(f"{b['diff']:+.2f} ± {b['diff_half']:.2f}", []).append(_cls_label(k))
     seeds = f"{r['seeds']} seeds per rate and " if "seeds" in r else ""
     return wrap(
-        f"`{stamp['command']}`: with {seeds}base rates {', '.join(num(lr, 0) for lr in lrs)}, each estimator's "
+        f"`{stamp['command']}`: with {seeds}base rates {', '.join(rate(lr) for lr in lrs)}, each estimator's "
         f"best rate (highest mean top-1) is " + "; ".join(clauses) + ". Each at its own best rate, against GRPO at "
         "its best: " + ", ".join(f"{words(ks)} {d}" for d, ks in diffs.items()) + " top-1 points. Ranked at their "
         f"best rates: {', '.join(_cls_label(k) for k in order)}; the same two lead, in that order, at base rate"
-        f"{'s' if len(shared) > 1 else ''} {words([num(lr, 0) for lr in shared]) if shared else 'none'} of the "
-        f"grid. {_cls_label(largest)} has the largest best rate ({num(best[largest], 0)}). At {num(max(lrs), 0)} "
+        f"{'s' if len(shared) > 1 else ''} {words([rate(lr) for lr in shared]) if shared else 'none'} of the "
+        f"grid. {_cls_label(largest)} has the largest best rate ({rate(best[largest])}). At {rate(max(lrs))} "
         f"every estimator scores at most {ceiling:.2f} % top-1"
         + (", below its best." if all(best[k] != max(lrs) for k in names) else ".")
     )

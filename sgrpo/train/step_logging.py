@@ -53,9 +53,11 @@ class StepLogging:
         self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
 
     def _objective(self, rewards: Tensor) -> dict[str, Tensor]:
-        """``train/log_mgf``: the mean over groups of SoftmaxGRPO's objective tau log mean_j exp(r_j / tau)
-        (``estimators.softmax_grpo.log_mgf``, arXiv 2608.09271), at ``log_mgf_temperature``, else at a SoftmaxGRPO
-        estimator's own temperature (per group under its ESS rule; not for z-scored rewards), else not logged."""
+        """``train/log_mgf``: the mean over groups of tau log mean_j exp(r_j / tau), each group's plug-in estimate of
+        the log-MGF objective tau log E exp(r / tau) that SoftmaxGRPO's update approaches as G grows, not that
+        objective itself (``estimators.softmax_grpo.log_mgf``, arXiv 2608.09271), at ``log_mgf_temperature``, else
+        at a SoftmaxGRPO estimator's own temperature (per group under its ESS rule; not for z-scored rewards), else
+        not logged."""
         tau = self.log_mgf_temperature
         if tau is None and isinstance(self.estimator, SoftmaxGRPO) and not self.estimator.standardize:
             tau = self.estimator.group_temperatures(rewards)
