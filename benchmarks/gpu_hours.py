@@ -12,10 +12,13 @@ therefore prices each experiment with a FLOPs model at a stated model-FLOP utili
 - generation: ``2 N`` FLOPs per token (prompts prefilled once per prompt, responses decoded per row);
 - training, per row token ``p + r``: ``6 N`` (forward and backward), ``+ 2 N`` recompute under activation
   checkpointing, ``+ 2 N`` the trainer's forward at the sampling weights when an external sampler (vLLM)
-  samples (truncated importance sampling needs it), ``+ 2 N`` the KL reference's forward when ``kl_coef > 0``;
+  samples and the loss weighs it (truncated importance sampling, ``importance_sampling_cap`` not null), or
+  when a step takes several optimiser steps (``ppo_epochs`` or ``num_minibatches`` > 1), ``+ 2 N`` the KL
+  reference's forward when ``kl_coef > 0``;
 - attention's quadratic term, which ``2 N`` leaves out: ``2 n_layers d_attn t`` FLOPs per token forward at
   context position ``t`` (QK^T and AV), taken at the mean position of a row (``p + r / 2``), times 3 in training;
-- validation: ``1 + max_steps // val_check_interval`` generations of the held-out prompts x ``val_samples``;
+- validation: ``1 + max_steps // val_check_interval`` generations of the held-out prompts x ``val_samples``, one
+  more at the last step with ``validate_last`` when the interval does not fall on it;
 - seconds = generation FLOPs / (peak x MFU_gen) + training FLOPs / (peak x MFU_train), peak = the H200's
   989 TFLOP/s dense bf16; GPU-hours assume perfect data-parallel scaling (wall time = GPU-hours / GPUs).
 
@@ -90,15 +93,18 @@ def experiment(raw: dict, fill: float = 1.0) -> dict:
     p, r = PROMPT_TOKENS[task], fill * m["rollout"]["init_args"]["max_new_tokens"]
     loss = m.get("loss", {}).get("init_args", {})
     external = m["rollout"]["class_path"].endswith("VLLMRollout")
+    weighted = external and loss.get("importance_sampling_cap", 2.0) is not None  # ClippedSurrogate's default cap
+    old_pass = weighted or m.get("ppo_epochs", 1) > 1 or m.get("num_minibatches", 1) > 1
     passes = {"forward and backward": 6, "activation recompute": 2 if m.get("activation_checkpointing") else 0,
-              "forward at the sampling weights": 2 if external else 0,
+              "forward at the sampling weights": 2 if old_pass else 0,
               "KL reference forward": 2 if loss.get("kl_coef", 0) > 0 else 0}  # fmt: skip
     factor = sum(passes.values())
     attention = attention_flops(m["model"], p + r / 2)  # per token forward, at the mean position
     generation = 2 * n * (prompts * p + rows * r) + attention * (prompts * p + rows * r)
     training = rows * (p + r) * (factor * n + factor / 2 * attention)  # attention's backward: 2x its forward
     steps = run_steps(trainer, task, prompts)
-    validations = 1 + steps // trainer["val_check_interval"]
+    interval = trainer["val_check_interval"]
+    validations = 1 + steps // interval + (1 if raw.get("validate_last") and steps % interval else 0)
     val_prompts = m["task"].get("init_args", {}).get("validation_size") or SOURCE_VALIDATION[task]
     val_r = fill * (m.get("val_rollout") or m["rollout"])["init_args"]["max_new_tokens"]
     val_attention = attention_flops(m["model"], p + val_r / 2)
@@ -156,7 +162,8 @@ def report(result: dict) -> str:
              f"{q['step_s']:.2f} s for {q['flops_per_step']:.1e} FLOPs: {q['flop_rate'] / 1e9:.1f} GFLOP/s, "
              f"{q['share_of_peak']:.0e} of the peak, fixed overhead that does not scale with FLOPs, so it is not "
              "used. Instead: FLOPs per step (2N per generated token; 6N per trained token, +2N recompute, +2N the "
-             "forward at the sampling weights under vLLM, +2N the KL reference; attention's quadratic term added) "
+             "forward at the sampling weights under vLLM with importance sampling (off in the paper's configs), "
+             "+2N the KL reference; attention's quadratic term added) "
              f"at an assumed MFU of {MFU['generation'][1]:.0%} for generation ({MFU['generation'][0]:.0%}-"
              f"{MFU['generation'][2]:.0%}) and {MFU['training'][1]:.0%} for training ({MFU['training'][0]:.0%}-"
              f"{MFU['training'][2]:.0%}) of an H200's {PEAK / 1e12:.0f} TFLOP/s; responses at the cap (at most) "
@@ -180,8 +187,8 @@ def report(result: dict) -> str:
     lines += ["", f"All experiments once, central, responses at the cap: {total:,.0f} GPU-hours (each GRPO baseline "
               "costs the same again).", "", "Assumed mean prompt tokens: " + ", ".join(
                   f"{k.split('.')[1]} {v}" for k, v in PROMPT_TOKENS.items()) + ". Parameters: the model cards'. "
-              "Validation: the held-out prompts x val_samples, before training and every val_check_interval steps "
-              "(included in the GPU-hours)."]  # fmt: skip
+              "Validation: the held-out prompts x val_samples, before training, every val_check_interval steps "
+              "and at the last step (validate_last; included in the GPU-hours)."]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -202,6 +202,12 @@ class SgrpoCLI(LightningCLI):
             help="validate the initial policy before training (the 'before' of the report)",
         )
         parser.add_argument(
+            "--validate_last",
+            type=bool,
+            default=False,
+            help="validate after the last training step when trainer.val_check_interval did not (as verl does)",
+        )
+        parser.add_argument(
             "--report",
             type=bool,
             default=False,
@@ -320,10 +326,18 @@ def train(cli: SgrpoCLI) -> None:
         if config.validate_before and ckpt_path is None:
             trainer.validate(policy, verbose=False)
         fit(trainer, policy, ckpt_path)
+        if config.validate_last and last_step_unvalidated(policy):
+            trainer.validate(policy, verbose=False)
         if config.report and trainer.is_global_zero:
             from sgrpo.eval.report import write_report
 
             write_report(policy, trainer)
+
+
+def last_step_unvalidated(policy: GRPOPolicy) -> bool:
+    """Whether the fit trained a step after its last validation (verl validates at the last step as well)."""
+    history = policy.val_history
+    return policy.rollout_step > 0 and (not history or history[-1]["step"] != policy.rollout_step)
 
 
 def evaluate(cli: SgrpoCLI, mode: str) -> None:

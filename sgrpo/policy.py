@@ -46,7 +46,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
     The trained policy is the sampling policy: dropout is off unless ``keep_dropout``, the rollout's LM
     head is the loss's (``sgrpo.model.head``, float32, with the model's own logit transform; a model whose
     forward does something else to its logits is refused at load), and a rollout engine that truncates
-    the distribution (top-k, top-p, ``min_new_tokens``) is refused for training. The LR scheduler steps
+    the distribution by top-k or ``min_new_tokens`` is refused for training (top-p is allowed, as in verl:
+    the loss's log-probs stay the full softmax's; ``train/rollout/nucleus_mass``). The LR scheduler steps
     once per training step; the gradient norm is taken and clipped after mixed precision's loss scale
     is removed.
     """
@@ -77,6 +78,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         scheduler: LRSchedulerCallable | None = None,
         val_samples: int = 4,
         val_greedy: bool = False,
+        val_reward: bool = False,
         val_prompts_per_batch: int = 32,
         logits_chunk_mib: float = 128.0,
         share_prompts: bool = True,
@@ -118,6 +120,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             scheduler: LR scheduler class and arguments; stepped once per training step.
             val_samples: Completions per validation prompt (pass@k up to this k).
             val_greedy: Validate with greedy decoding (one completion per prompt).
+            val_reward: Also log the mean training reward of the validation completions (``val/reward``).
             val_prompts_per_batch: Validation prompts per rollout call.
             logits_chunk_mib: Memory bound of one chunk of float32 logits in the loss.
             share_prompts: Run each distinct prompt once per micro-batch (off under FSDP2).
@@ -157,8 +160,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         require(
             truncation is None,
             f"rollout samples with {truncation}, a truncated distribution, but the loss's log-probs are those of "
-            "the full softmax(logits / temperature), so every importance ratio would be off: train with top_k 0, "
-            "top_p 1.0 and min_new_tokens 0, and give truncated sampling to val_rollout for evaluation",
+            "the full softmax(logits / temperature), so every importance ratio would be off: train with top_k 0 "
+            "and min_new_tokens 0 (top_p is allowed), and give truncated sampling to val_rollout for evaluation",
         )
         self.val_rollout = val_rollout if val_rollout is not None else self.rollout
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
@@ -179,6 +182,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
+        self.val_reward = val_reward
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts = share_prompts
         self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing

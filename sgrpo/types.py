@@ -46,6 +46,7 @@ class RolloutBatch:
     truncated: Tensor  # [N] bool: stopped by max_new_tokens before EOS
     group_size: int  # G
     logprobs: Tensor | None = None  # [N, T] float32 sampling log-probs, 0 on padding (engines that have them)
+    nucleus_mass: Tensor | None = None  # [N, T] float32 the mass top-p kept for each token, 0 on padding (ditto)
 
     @property
     def prompt_length(self) -> int:
@@ -60,7 +61,7 @@ class RolloutBatch:
         t = self.completion_mask.shape[1]
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"rows ({n}) must be a multiple of group_size ({self.group_size})")
-        bad_logprobs = self.logprobs is not None and self.logprobs.shape != (n, t)
+        bad_logprobs = any(x is not None and x.shape != (n, t) for x in (self.logprobs, self.nucleus_mass))
         if self.attention_mask.shape != (n, total) or bad_logprobs or t > total:
             raise ValueError(
                 f"inconsistent RolloutBatch shapes: input_ids {tuple(self.input_ids.shape)}, attention_mask "
@@ -82,6 +83,7 @@ class RolloutBatch:
             truncated=self.truncated[rows],
             group_size=g,
             logprobs=None if self.logprobs is None else self.logprobs[rows],
+            nucleus_mass=None if self.nucleus_mass is None else self.nucleus_mass[rows],
         )
 
     @staticmethod
@@ -100,9 +102,10 @@ class RolloutBatch:
             prompt, completion = x[:, : b.prompt_length], x[:, b.prompt_length :]
             return torch.cat([F.pad(prompt, (p - prompt.shape[1], 0)), right(completion)], 1)
 
-        logprobs = None
-        if all(b.logprobs is not None for b in batches):
-            logprobs = torch.cat([right(b.logprobs) for b in batches])
+        def per_token(name: str) -> Tensor | None:  # an optional [N, T] field: kept when every batch has it
+            values = [getattr(b, name) for b in batches]
+            return None if any(v is None for v in values) else torch.cat([right(v) for v in values])
+
         return RolloutBatch(
             input_ids=torch.cat([pad(b.input_ids, b) for b in batches]),
             attention_mask=torch.cat([pad(b.attention_mask, b) for b in batches]),
@@ -110,5 +113,6 @@ class RolloutBatch:
             completions=[c for b in batches for c in b.completions],
             truncated=torch.cat([b.truncated for b in batches]),
             group_size=batches[0].group_size,
-            logprobs=logprobs,
+            logprobs=per_token("logprobs"),
+            nucleus_mass=per_token("nucleus_mass"),
         )

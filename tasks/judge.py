@@ -1,6 +1,8 @@
 """An LLM judge: a model grades each completion with a rubric prompt into a score in [0, 1].
 
-The SoftmaxGRPO paper scores Poetry and MeetingBank this way. The judge is a local Hugging Face model folder
+The SoftmaxGRPO paper scores Poetry and MeetingBank this way, with Qwen/Qwen3-30B-A3B-Thinking-2507 and a rubric
+per task: a thinking judge (``thinking: true``), whose score is read after its thought. The judge is a local
+Hugging Face model folder
 (or hub id), sampled greedily with sgrpo's own decoder, or an OpenAI-compatible endpoint (``url``: its base,
 such as ``http://127.0.0.1:8000/v1``; a vLLM or TGI server). ``JudgeReward`` is a ``TextSimilarity``, so it
 is a reward and a success test: ``success_metric`` of a reference-text task (MeetingBank, Poetry), read by
@@ -35,6 +37,17 @@ _SCORE = re.compile(r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def after_thought(reply: str, thinking: bool = False) -> str | None:
+    """The part of a judge's reply that holds its verdict: the text after the last ``</think>``; the whole reply
+    when it has no think tags and the judge does not think; None when the thought never ended (cut off by the
+    token cap): a thinking judge's reply without ``</think>`` (its chat template opens the thought in the
+    prompt), or a reply whose ``<think>`` is not closed. ``after_thought("7? no, 8</think>Score: 8")`` ->
+    ``"Score: 8"``."""
+    if "</think>" in reply:
+        return reply.rsplit("</think>", 1)[1]
+    return None if thinking or "<think>" in reply else reply
+
+
 def read_score(reply: str, max_score: float) -> float | None:
     """``reply``'s score / ``max_score``: the number after the last "Score:", else the reply's last number; None when
     there is none or it lies outside [0, ``max_score``]. ``read_score("Score: 7", 10)`` -> 0.7."""
@@ -52,7 +65,13 @@ class JudgeError(RuntimeError):
 class JudgeReward(TextSimilarity):
     """A judge model's score of each completion in [0, 1]: ``rubric`` filled with {prompt} (the example's last user
     message, or its raw text), {reference} (``example.answer``), {response} (the completion without its think
-    block) and {max_score}, answered by the judge, read by ``read_score``.
+    block) and {max_score}, answered by the judge, read by ``read_score`` from the reply after its thought
+    (``after_thought``).
+
+    A thinking judge (``thinking``: Qwen3-30B-A3B-Thinking-2507, the paper's) thinks before its verdict: it gets
+    ``max_new_tokens`` 8192 by default (16 for a judge that answers at once), a reply whose thought did not end
+    scores 0 (label "unfinished"), and from an OpenAI-compatible server with a reasoning parser the thought
+    comes as ``reasoning_content`` (or ``reasoning``) and the verdict as ``content``.
 
     Exactly one of ``model`` (a local folder or hub id, loaded once on ``device``, answering greedily in at most
     ``max_new_tokens`` tokens, ``batch_size`` prompts at a time) and ``url`` (an OpenAI-compatible base URL:
@@ -72,7 +91,8 @@ class JudgeReward(TextSimilarity):
         judge_model: str = "judge",
         rubric: str = RUBRIC,
         max_score: float = 10.0,
-        max_new_tokens: int = 16,
+        max_new_tokens: int | None = None,
+        thinking: bool = False,
         device: str = "cpu",
         batch_size: int = 16,
         concurrency: int = 8,
@@ -83,10 +103,13 @@ class JudgeReward(TextSimilarity):
         super().__init__(timeout=timeout, **kwargs)
         require((model is None) != (url is None), "give the judge as exactly one of model: (a folder) or url:")
         require("{response}" in rubric, "rubric must contain the placeholder {response}")
+        if max_new_tokens is None:
+            max_new_tokens = 8192 if thinking else 16  # room to think, or a one-line verdict
         require(max_score > 0 and max_new_tokens >= 1 and batch_size >= 1 and concurrency >= 1,
                 "max_score must be > 0, and max_new_tokens, batch_size and concurrency >= 1")  # fmt: skip
         self.model, self.url, self.judge_model, self.rubric = model, url, judge_model, rubric
         self.max_score, self.max_new_tokens, self.device = max_score, max_new_tokens, device
+        self.thinking = thinking
         self.batch_size, self.concurrency, self.api_key_env = batch_size, concurrency, api_key_env
         self._judge = None  # (model, tokenizer, rollout), loaded on first use
 
@@ -109,8 +132,10 @@ class JudgeReward(TextSimilarity):
         replies = self._ask_model(questions) if self.model is not None else self._ask_endpoint(questions)
         values, counts, failures = [], {}, 0
         for reply in replies:
-            value = read_score(reply, self.max_score) if isinstance(reply, str) else None
-            label = "judged" if value is not None else "unparsed" if isinstance(reply, str) else reply[0]
+            verdict = after_thought(reply, self.thinking) if isinstance(reply, str) else None
+            value = None if verdict is None else read_score(verdict, self.max_score)
+            label = "judged" if value is not None else reply[0] if isinstance(reply, tuple) else \
+                "unfinished" if verdict is None else "unparsed"
             if value is None:
                 failures += 1
                 warn_once(self, f"judge gave no score ({label}): {str(reply)[:120]!r}")
@@ -176,7 +201,7 @@ class JudgeReward(TextSimilarity):
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 reply = json.loads(response.read())
-            return str(reply["choices"][0]["message"]["content"])
+            return reply_text(reply["choices"][0]["message"])
         except TimeoutError as err:
             return ("timeout", str(err))
         except urllib.error.URLError as err:
@@ -184,3 +209,14 @@ class JudgeReward(TextSimilarity):
             return ("timeout" if timed_out else "error", str(err))
         except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
             return ("error", f"{type(err).__name__}: {err}")
+
+
+def reply_text(message: dict) -> str:
+    """An OpenAI-compatible chat message as one reply: a thought a reasoning parser split off (``reasoning_content``,
+    or ``reasoning`` in newer vLLM) comes back inside ``<think>...</think>`` before the content; a thought without
+    content (cut off by ``max_tokens``) stays open, so ``after_thought`` finds no verdict."""
+    content = message.get("content") or ""
+    thought = message.get("reasoning_content") or message.get("reasoning")
+    if not thought:
+        return str(content)
+    return f"<think>{thought}</think>{content}" if content else f"<think>{thought}"

@@ -15,9 +15,8 @@ from lightning.pytorch import Callback
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from estimators import DrGRPO
-from sgrpo.train.loss import ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
-from tests.test_policy_gradients import MAX_NEW, G, make_policy
+from tests.test_policy_gradients import MAX_NEW, G, make_policy, surrogate
 
 
 class Recorder:
@@ -41,7 +40,7 @@ def run(model_dir: str, aggregation: str, out: Path) -> None:
     """One update with ``aggregation``: the gradient to ``out/grads_<aggregation>.pt``, counts beside it."""
     Recorder.rows, Recorder.allreduce_rounds = [], 0
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation), micro_batch_size=2)
+    policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation), micro_batch_size=2)
     generate = policy.rollout.generate
 
     def counting(*args, **kwargs):

@@ -51,14 +51,27 @@ def test_one_config_per_experiment_with_the_authors_numbers():
             group, tau, prompts), name  # fmt: skip
         bound = f"{trainer['max_epochs']} epochs" if trainer["max_steps"] == -1 else trainer["max_steps"]
         assert (bound, model["rollout"]["init_args"]["max_new_tokens"]) == (steps, tokens), name
-        assert (trainer["num_nodes"], trainer["devices"], trainer["val_check_interval"]) == (nodes, 8, 25), name
-        assert raw["validate_before"] and model["ppo_epochs"] == model["num_minibatches"] == 1, name
-        loss = model["loss"]["init_args"]
         qwen3 = name.startswith("qwen3")
+        # verl's test_freq (25; qwen3 50), validation before training and at the last step
+        assert (trainer["num_nodes"], trainer["devices"], trainer["val_check_interval"]) == (
+            nodes, 8, 50 if qwen3 else 25), name  # fmt: skip
+        assert raw["validate_before"] and raw["validate_last"], name
+        assert model["ppo_epochs"] == model["num_minibatches"] == 1, name
+        loss = model["loss"]["init_args"]
         clip_kl = (0.2, 0.2, 0.0) if qwen3 else (0.2, 0.28, 0.001)
         assert (loss["clip_low"], loss["clip_high"], loss["kl_coef"]) == clip_kl, name
-        assert loss["aggregation"] == "token_mean" and model["optimizer"]["init_args"]["lr"] == 1e-6
+        # verl 0.6.1's token-mean over ppo_micro_batch_size_per_gpu rows (4; DeepMath 8), its k3 clamp, no IS
+        assert loss["aggregation"] == "micro_batch_token_mean", name
+        assert loss["micro_batch_rows"] == (8 if name.startswith("deepmath") else 4), name
+        assert loss.get("kl_max") == (None if qwen3 else 10.0) and loss["importance_sampling_cap"] is None, name
+        assert model["optimizer"]["init_args"]["lr"] == 1e-6
+        # top-p 0.999 with top-k off (qwen3: 1.0), at temperature 1.0
         assert model["rollout"]["init_args"]["temperature"] == 1.0
+        assert model["rollout"]["init_args"]["top_p"] == (1.0 if qwen3 else 0.999), name
+        assert model["rollout"]["init_args"].get("top_k", 0) == 0, name
+        assert model.get("val_reward", False) == (name == "openthoughts"), name  # OpenThoughts: the mean reward
+        header = (PAPER / f"{name}.yaml").read_text().split("\nseed_everything")[0]
+        assert "refuses top-p" not in header and ("top-p 1.0" in header) == qwen3, name
         assert (model["val_samples"], model["val_greedy"]) == ((32, False) if qwen3 else (1, True)), name
         assert model["max_grad_norm"] == (0.3 if qwen3 else 1.0)
         assert model["model"] == {"qwen3_1.7b": "Qwen/Qwen3-1.7B-Base", "qwen3_4b": "Qwen/Qwen3-4B-Base"}.get(
@@ -77,6 +90,9 @@ def test_print_config_shows_every_setting(name, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert exit_.value.code in (0, None) and printed["model"]["task"]["class_path"].startswith("tasks.")
     assert printed["trainer"]["num_nodes"] == TABLE[name][5] and printed["validate_before"] is True
+    assert printed["validate_last"] is True and printed["model"]["rollout"]["init_args"]["top_p"] in (0.999, 1.0)
+    loss = printed["model"]["loss"]["init_args"]
+    assert loss["aggregation"] == "micro_batch_token_mean" and loss["importance_sampling_cap"] is None
 
 
 @pytest.fixture(scope="module")

@@ -138,14 +138,26 @@ def test_sampler_draws_from_the_truncated_softmax():
     cases[(0, 0.8)] = torch.where(keep, p, torch.zeros_like(p)) / p[keep].sum()
     torch.manual_seed(0)
     for (k, top_p), want in cases.items():
-        draws = sample(logits.expand(n, -1), temperature, k, top_p, greedy=False)
+        draws, _ = sample(logits.expand(n, -1), temperature, k, top_p, greedy=False)
         counts = torch.bincount(draws, minlength=6).double()
         assert (counts[want == 0] == 0).all(), (k, top_p)
         expected = want.double()[want > 0] * n
         chi2 = ((counts[want > 0] - expected) ** 2 / expected).sum()
         assert chi2 < 25, (k, top_p, counts, want)  # df <= 5: P(chi2 > 25) < 2e-4
-    greedy = sample(logits.expand(4, -1), 1.0, 0, 1.0, greedy=True)
+    greedy, mass = sample(logits.expand(4, -1), 1.0, 0, 1.0, greedy=True)
     torch.testing.assert_close(greedy, torch.zeros(4, dtype=torch.long), rtol=0, atol=0)
+    assert mass.tolist() == [1.0] * 4
+
+
+def test_nucleus_keeps_the_smallest_top_set_reaching_top_p_and_reports_its_mass():
+    """p = [0.5, 0.3, 0.15, 0.05]: top-p 0.7 keeps {0, 1} (mass 0.8), 0.9 keeps {0, 1, 2} (0.95), 1.0 all (1);
+    20,000 draws never leave the nucleus."""
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    torch.manual_seed(0)
+    for top_p, kept, want in ((0.7, 2, 0.8), (0.9, 3, 0.95), (1.0, 4, 1.0)):
+        draws, mass = sample(logits.expand(20_000, -1), 1.0, 0, top_p, greedy=False)
+        assert int(draws.max()) == kept - 1 and set(draws.tolist()) == set(range(kept)), top_p
+        torch.testing.assert_close(mass, torch.full((20_000,), want), atol=1e-6, rtol=0)
 
 
 def test_unsupported_models_use_the_model_forward():

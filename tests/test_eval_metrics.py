@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgrpo.eval.metrics import SET_METRICS, AccuracyByDifficulty, MeanAccuracy, PassAtK, PromptOutcomes
+from sgrpo.eval.metrics import SET_METRICS, AccuracyByDifficulty, MeanAccuracy, MeanReward, PassAtK, PromptOutcomes
 from tasks.synthetic import SyntheticTask
 
 N = 4
@@ -172,3 +172,14 @@ def check_two_sets_validate_as_one_process(root: Path, tmp_path: Path) -> None:
     one = main([*TWO_SETS, f"--trainer.default_root_dir={tmp_path / 'one_process'}"]).model.last_evaluation
     assert json.loads(json.dumps(one)) == two  # the JSON round trip turns the k of pass@k into strings
     assert list(two["sets"]) == ["short", "long"] and [s["prompts"] for s in two["sets"].values()] == [8, 7]
+
+
+def test_mean_reward_counts_each_prompt_once_by_hand():
+    """val/reward (OpenThoughts: verl's validation score): prompts 0 and 1 with 2 samples each, rewards
+    [0.2, 0.4] and [1.0, 0.6]; prompt 1 seen again (a repeat of Lightning's sampler) counts once: (0.6 + 1.6) / 4."""
+    metric = MeanReward(samples=2)
+    metric.update(torch.tensor([0, 1]), torch.tensor([[0.2, 0.4], [1.0, 0.6]]))
+    metric.update(torch.tensor([1]), torch.tensor([[0.0, 0.0]]))  # the repeat: its first copy stands
+    assert metric.compute().item() == pytest.approx(2.2 / 4)
+    with pytest.raises(ValueError, match="rewards \\[B, 2\\]"):
+        metric.update(torch.tensor([2]), torch.tensor([[0.5]]))

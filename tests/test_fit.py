@@ -73,6 +73,22 @@ def test_tiny_fit_logs_checkpoints_and_exports(tmp_path, model_dir):
     assert any(not torch.equal(p, trained[n]) for n, p in initial.named_parameters())  # it learned something
 
 
+def test_the_paper_recipes_settings_in_a_tiny_fit(tmp_path, model_dir):
+    """The paper's recipes as verl ran them: top-p in training (the kept mass logged), verl's token-mean over loss
+    micro-batches of 3 rows with the k3 clamp, the mean reward validated, and a validation at the last step (3)
+    although the interval (2) does not fall on it; before training too."""
+    cli = fit(tmp_path, model_dir, "--trainer.max_steps=3", "--trainer.val_check_interval=2", "--validate_last=true",
+              "--validate_before=true", "--model.rollout.init_args.top_p=0.9", "--model.val_reward=true",
+              "--model.loss=sgrpo.train.ClippedSurrogate", "--model.loss.aggregation=micro_batch_token_mean",
+              "--model.loss.micro_batch_rows=3", "--model.loss.kl_coef=0.01", "--model.loss.kl_max=10")  # fmt: skip
+    assert [v["step"] for v in cli.model.val_history] == [0, 2, 3]
+    assert 0.0 <= cli.model.val_history[-1]["reward"] <= 1.0
+    rows = metrics(tmp_path)
+    masses = [float(r["train/rollout/nucleus_mass"]) for r in rows]
+    assert len(masses) == 3 and all(0.9 <= m <= 1.0 for m in masses), masses
+    assert cli.model.loss.rows_per_group == 3 and cli.model.rollout.top_p == 0.9
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
 def test_the_sampler_is_the_trained_policy(tmp_path, precision):
     """The shipped model (rows with rewards that vary, so the update runs) logs the gap between the rollout's

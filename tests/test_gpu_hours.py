@@ -29,7 +29,21 @@ def test_flops_of_a_step_by_hand():
     heavy = config(rollout={"class_path": "sgrpo.rollout.VLLMRollout", "init_args": {"max_new_tokens": 10}},
                    loss={"init_args": {"kl_coef": 0.001}}, activation_checkpointing=True)  # fmt: skip
     assert gh.experiment(heavy)["training_flops_per_step"] == pytest.approx(8 * 140 * (12 * n + 6 * attention))
+    # importance sampling off (the paper's recipes): vLLM's log-probs only feed metrics, no forward at the
+    # sampling weights (one on-policy pass); several optimiser steps per step need it again
+    plain = config(rollout={"class_path": "sgrpo.rollout.VLLMRollout", "init_args": {"max_new_tokens": 10}},
+                   loss={"init_args": {"kl_coef": 0.001, "importance_sampling_cap": None}},
+                   activation_checkpointing=True)  # fmt: skip
+    assert gh.experiment(plain)["training_flops_per_step"] == pytest.approx(8 * 140 * (10 * n + 5 * attention))
+    assert gh.experiment(plain)["training_passes"]["forward at the sampling weights"] == 0
+    assert gh.experiment(plain | {"model": plain["model"] | {"ppo_epochs": 2}})["training_flops_per_step"] == (
+        pytest.approx(8 * 140 * (12 * n + 6 * attention)))
     assert gh.experiment(config(), fill=0.5)["response_tokens"] == 5
+    # validate_last: one more validation when the interval (2) does not fall on the last step (3)
+    last = config() | {"validate_last": True}
+    last["trainer"] = last["trainer"] | {"val_check_interval": 2}
+    assert gh.experiment(last)["validations"] == 3
+    assert gh.experiment(last | {"validate_last": False})["validations"] == 2
 
 
 def test_every_paper_experiment_is_priced_and_a_measurement_calibrates_them_all():

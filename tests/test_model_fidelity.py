@@ -108,7 +108,16 @@ def test_dropout_is_off_in_training_unless_asked_for(tmp_path):
     assert disable_dropout(with_module) == 1 and with_module[1].p == 0.0
 
 
-@pytest.mark.parametrize("setting", [{"top_p": 0.9}, {"top_k": 5}, {"min_new_tokens": 2}])
+def test_top_p_is_allowed_for_training_as_verl_allows_it():
+    """The paper's recipes sample with top-p 0.999: the engine draws from the nucleus, the loss keeps the full
+    softmax's log-probs (verl's way), so top-p alone is no truncation training refuses."""
+    task = SyntheticTask(kind="sort", levels=[3], num_train=8, num_validation=2)
+    policy = GRPOPolicy("unused", task, GRPO(), HFRollout(max_new_tokens=4, top_p=0.999))
+    assert policy.rollout.truncation() is None and policy.rollout.top_p == 0.999
+    assert HFRollout(max_new_tokens=4, top_p=0.9, top_k=5).truncation() == "top_k=5"
+
+
+@pytest.mark.parametrize("setting", [{"top_k": 5}, {"min_new_tokens": 2}])
 def test_truncated_sampling_is_refused_for_training_and_allowed_for_validation(setting):
     """The loss models softmax(logits / T); a truncated sampler would put every importance ratio off."""
     task = SyntheticTask(kind="sort", levels=[3], num_train=8, num_validation=2)

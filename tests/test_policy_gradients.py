@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,12 @@ def make_policy(model_dir, batch, estimator, **kwargs) -> GradCapture:
         group_size=G, prompts_per_step=4, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), seed=0
     )
     return GradCapture(str(model_dir), task, estimator, FixedRollout(batch, PROMPTS, MAX_NEW), **(defaults | kwargs))
+
+
+def surrogate(aggregation: str, rows: int = 4) -> ClippedSurrogate:
+    """ClippedSurrogate with ``aggregation``; micro_batch_token_mean's loss groups of ``rows`` rows."""
+    grouped = aggregation == "micro_batch_token_mean"
+    return ClippedSurrogate(aggregation=aggregation, micro_batch_rows=rows if grouped else None)
 
 
 def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -89,9 +96,10 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
     grads, chunks = [], []
     width = batch.prompt_length + batch.completion_mask.shape[1]
     # 16 rows in one piece; in 4-row micro-batches; in micro-batches of at most 3 full-width rows' tokens
+    # (micro_batch_token_mean's loss groups of 3 rows cross the memory micro-batches' bounds)
     for rows, tokens in ((None, None), (4, None), (None, 3 * width)):
         policy = make_policy(
-            model_dir, batch, GRPO(), loss=ClippedSurrogate(aggregation=aggregation), micro_batch_size=rows,
+            model_dir, batch, GRPO(), loss=surrogate(aggregation, rows=3), micro_batch_size=rows,
             micro_batch_tokens=tokens,
         )
         run_steps(policy)
@@ -322,3 +330,31 @@ def test_training_logs_the_log_mgf_objective(model_dir, batch):
             assert float(logged) == pytest.approx(by_hand(tau), rel=1e-6)
     with pytest.raises(ValueError, match="log_mgf_temperature"):
         make_policy(model_dir, batch, GRPO(), log_mgf_temperature=0.0)
+
+
+class ExternalRollout(FixedRollout):
+    """The fixed rows as an external sampler (vLLM) gives them: its own log-probs, a little off the trainer's."""
+
+    samples_from_policy = False
+
+    def generate(self, model, tokenizer, examples, group_size, greedy=False):
+        rows = super().generate(model, tokenizer, examples, group_size, greedy)
+        return dataclasses.replace(rows, logprobs=(rows.completion_mask * -0.1).float())
+
+
+def test_importance_sampling_off_runs_no_forward_at_the_sampling_weights(model_dir, batch, monkeypatch):
+    """The paper's recipes (importance_sampling_cap null, as verl 0.6.1 ran): an external sampler's log-probs feed
+    the metrics only, so the update runs no forward for old log-probs and its gradient is the on-policy one; with
+    sgrpo's truncated IS (cap 2) the trainer's forward at the sampling weights runs, once per step."""
+    grads, forwards = {}, {}
+    for name, cap, engine in (("on-policy", None, FixedRollout), ("off", None, ExternalRollout),
+                              ("tis", 2.0, ExternalRollout)):  # fmt: skip
+        policy = make_policy(model_dir, batch, GRPO(), loss=ClippedSurrogate(importance_sampling_cap=cap))
+        policy.rollout = engine(batch, PROMPTS, MAX_NEW)
+        calls = []
+        monkeypatch.setattr(policy, "_logprobs", lambda *a, _f=policy._logprobs, _c=calls: _c.append(1) or _f(*a))
+        run_steps(policy)
+        grads[name], forwards[name] = flat(policy.captured[0]), len(calls)
+    assert forwards == {"on-policy": 0, "off": 0, "tis": 1}
+    assert rel_err(grads["off"], grads["on-policy"]) < 1e-6
+    assert rel_err(grads["tis"], grads["on-policy"]) > 1e-3  # weights min(e^{old + 0.1}, 2) reweigh the tokens

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from sgrpo.fit import main
-from sgrpo.train.loss import BatchCounts, ClippedSurrogate, PolicyLoss, TokenBatch
+from sgrpo.train.loss import BatchCounts, ClippedSurrogate, PolicyLoss, TokenBatch, k3_kl, loss_groups
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,3 +106,70 @@ def test_a_loss_class_chosen_in_the_config_trains(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert "train/clip/any" in metrics and "train/clip/low" not in metrics
     assert cli.trainer.global_step == 2
+
+
+def test_micro_batch_token_mean_is_verls_token_mean_per_micro_batch_by_hand():
+    # verl 0.6.1's token-mean: each micro-batch of ppo_micro_batch_size_per_gpu rows (2 here) its own token mean,
+    # x 1 / accumulation steps, averaged over ranks. Rows: 3, 1 | 2, 4 tokens; per-token loss -A (ratio 1) with
+    # A = [1, 2 | 3, 4]: micro-batch 1: (3 x -1 + 1 x -2) / 4 = -1.25; micro-batch 2: (2 x -3 + 4 x -4) / 6 = -22/6;
+    # the loss is their mean (-1.25 - 22/6) / 2 = -2.4583; a global token mean would give -24/10 = -2.4
+    lengths, adv = [3, 1, 2, 4], torch.tensor([1.0, 2.0, 3.0, 4.0])
+    mask = torch.arange(4).unsqueeze(0) < torch.tensor(lengths).unsqueeze(-1)  # [4, 4]
+    logp = torch.zeros(4, 4, requires_grad=True)
+    group_tokens, groups = loss_groups(mask.sum(-1), 2)
+    assert group_tokens.tolist() == [4.0, 4.0, 6.0, 6.0] and groups == 2
+    loss_fn = ClippedSurrogate(aggregation="micro_batch_token_mean", micro_batch_rows=2)
+    counts = BatchCounts(sequences=4, tokens=10, max_new_tokens=4, groups=groups)
+    whole = TokenBatch(logp, torch.zeros(4, 4), adv, mask, group_tokens=group_tokens)
+    loss, _ = loss_fn(whole, counts)
+    assert loss.item() == pytest.approx((-1.25 - 22 / 6) / 2)
+    loss.backward()
+    # d loss / d logp of a token: -A / (tokens of its micro-batch x micro-batches)
+    want = torch.tensor([-1 / 8, -1 / 8, -1 / 8, 0] + [-2 / 8, 0, 0, 0] + [-3 / 12] * 2 + [0, 0] + [-4 / 12] * 4)
+    torch.testing.assert_close(logp.grad, want.view(4, 4) * mask)
+    # the memory micro-batches cut elsewhere (rows 0 | 1, 2, 3): the shares add up to the same loss
+    parts = [
+        loss_fn(TokenBatch(logp[r], torch.zeros(len(r), 4), adv[r], mask[r], group_tokens=group_tokens[r]), counts)[0]
+        for r in (torch.tensor([0]), torch.tensor([1, 2, 3]))
+    ]
+    assert sum(p.item() for p in parts) == pytest.approx(loss.item())
+    # two processes of 2 rows each (one loss micro-batch each): each one's counts summed over both, shares added
+    shares = []
+    for r in (torch.tensor([0, 1]), torch.tensor([2, 3])):
+        tokens, n = loss_groups(mask[r].sum(-1), 2)
+        share, _ = loss_fn(TokenBatch(logp[r], torch.zeros(2, 4), adv[r], mask[r], group_tokens=tokens), counts)
+        shares.append(share.item())
+        assert n == 1
+    assert sum(shares) == pytest.approx(loss.item())
+    # a short last group: 3 rows in groups of 2 -> groups [0, 1], [2]
+    tokens, n = loss_groups(torch.tensor([1, 2, 5]), 2)
+    assert tokens.tolist() == [3.0, 3.0, 5.0] and n == 2
+
+
+def test_k3_value_clamp_as_verls_low_var_kl():
+    # d = ref - logp = [3, 0.5]: e^3 - 3 - 1 = 16.0855 -> clamped to 10 (its gradient stops); e^0.5 - 1.5 = 0.14872
+    logp = torch.tensor([[-3.0, -0.5]], requires_grad=True)
+    kl = k3_kl(logp, torch.zeros(1, 2), max_value=10.0)
+    assert kl.tolist()[0] == pytest.approx([10.0, math.exp(0.5) - 1.5])
+    kl.sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -(math.exp(0.5) - 1)])
+    assert k3_kl(torch.tensor([-3.0]), torch.zeros(1)).item() == pytest.approx(math.exp(3) - 4)  # unclamped by default
+    loss_fn = ClippedSurrogate(kl_coef=0.1, kl_max=10.0)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    batch = TokenBatch(logp.detach(), logp.detach(), torch.zeros(1), mask, torch.zeros(1, 2))
+    _, stats = loss_fn(batch, BatchCounts(1, 2, 2))
+    assert stats["kl"].item() == pytest.approx(10.0 + math.exp(0.5) - 1.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"aggregation": "micro_batch_token_mean"}, "micro_batch_rows (an int >= 1) goes with"),
+        ({"micro_batch_rows": 4}, "micro_batch_rows (an int >= 1) goes with"),
+        ({"aggregation": "micro_batch_token_mean", "micro_batch_rows": 0}, "micro_batch_rows (an int >= 1)"),
+        ({"kl_max": 0.0}, "kl_max must be > 0"),
+    ],
+)
+def test_micro_batch_rows_and_kl_max_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClippedSurrogate(**kwargs)

@@ -20,11 +20,11 @@ from sgrpo.export import main as export
 from sgrpo.fit import main
 from sgrpo.model.logprobs import completion_logprobs
 from sgrpo.model.tiny import ensure_tiny_model
-from sgrpo.train.loss import AGGREGATIONS, ClippedSurrogate
+from sgrpo.train.loss import AGGREGATIONS
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.sharded_worker import PROBE, update
 from tests.test_eval_metrics import check_synced_metrics, check_two_sets_validate_as_one_process
-from tests.test_policy_gradients import MAX_NEW, G, flat, make_policy, rel_err
+from tests.test_policy_gradients import MAX_NEW, G, flat, make_policy, rel_err, surrogate
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -203,7 +203,7 @@ def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out
     gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation."""
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
     for aggregation in AGGREGATIONS:
-        policy = make_policy(model_dir, batch, DrGRPO(), loss=ClippedSurrogate(aggregation=aggregation))
+        policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation))
         run_steps(policy)
         single = flat(policy.captured[0])
         info = json.loads((out / f"grads_{aggregation}.json").read_text())

@@ -12,7 +12,7 @@ from jsonargparse import ArgumentParser
 
 from sgrpo.types import Example
 from tasks import JudgeReward, MeetingBank, Task
-from tasks.judge import read_score
+from tasks.judge import after_thought, read_score
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,9 +70,14 @@ class Judge(BaseHTTPRequestHandler):
                     return
                 time.sleep(0.3)
             return
-        payload = b"not json" if "BROKEN" in question else json.dumps(
-            {"choices": [{"message": {"content": "I cannot grade this" if "BABBLE" in question else "Score: 7"}}]}
-        ).encode()  # fmt: skip
+        message = {"content": "I cannot grade this" if "BABBLE" in question else "Score: 7"}
+        if "THINKER" in question:  # a server with a reasoning parser: the thought apart, the verdict as content
+            message = {"content": "Score: 6", "reasoning_content": "Score: 2? No: the rhyme holds, so 9... or 6."}
+        if "THINKCUT" in question:  # the same server, the thought cut off by max_tokens: no content at all
+            message = {"content": None, "reasoning_content": "Score: 3 would be harsh, let me reread"}
+        if "INLINE" in question:  # no parser: the thought inline, opened by the chat template in the prompt
+            message = {"content": "Score: 2 is too low.</think>\n\nScore: 9"}
+        payload = b"not json" if "BROKEN" in question else json.dumps({"choices": [{"message": message}]}).encode()
         try:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -133,3 +138,52 @@ def test_a_judge_needs_exactly_one_of_model_and_url():
         JudgeReward()
     with pytest.raises(ValueError, match="exactly one of model"):
         JudgeReward(model="m", url="http://127.0.0.1:1/v1")
+
+
+def test_a_thinking_judge_is_read_after_its_thought_from_a_server(endpoint):
+    """The paper's judge thinks (Qwen3-30B-A3B-Thinking-2507): room to think, and the verdict read after the
+    thought, whether a reasoning parser split it off (reasoning_content) or it came inline before </think>; a
+    thought cut off by max_tokens scores 0 as "unfinished", never as the numbers inside the thought."""
+    judge = JudgeReward(url=endpoint, judge_model="stub", thinking=True, timeout=2.0, concurrency=2)
+    example = Example([{"role": "user", "content": "a poem"}], "a reference poem")
+    result = judge.score([example] * 4, ["THINKER", "THINKCUT", "INLINE", "plain"])
+    assert result.total.tolist() == pytest.approx([0.6, 0.0, 0.9, 0.0])
+    assert result.counts == {"judged": 2, "unfinished": 2} and result.failures == 2  # "plain": no thought ended
+    assert {body["max_tokens"] for _, body, _ in Judge.seen} == {8192}  # room to think by default
+    # a judge that does not think: 16 tokens by default, and a reply without think tags is read whole
+    plain = JudgeReward(url=endpoint, judge_model="stub", timeout=2.0)
+    assert plain.max_new_tokens == 16 and plain.score([example], ["plain"]).total.tolist() == [pytest.approx(0.7)]
+    assert plain.score([example], ["THINKCUT"]).counts == {"unfinished": 1}  # an open <think>: cut off
+
+
+def test_a_local_thinking_judge_reads_the_verdict_after_the_thought():
+    """A fake local judge model (its rollout stubbed): the reply after </think> is read; a reply whose thought never
+    closed (the template opened it in the prompt) is "unfinished"; the local judge gets room to think too."""
+
+    class FakeRollout:
+        replies = ["Score: 1 at first, then 8.</think>\nScore: 8", "still weighing: Score: 5 or"]
+
+        def generate(self, model, tokenizer, examples, group_size, greedy=False):
+            assert greedy and group_size == 1
+            return type("Batch", (), {"completions": self.replies[: len(examples)]})()
+
+    judge = JudgeReward(model="a-thinking-judge", thinking=True, batch_size=4)
+    assert judge.max_new_tokens == 8192
+    judge._judge = (None, None, FakeRollout())
+    example = Example([{"role": "user", "content": "a poem"}], "a reference")
+    result = judge.score([example] * 2, ["a", "b"])
+    assert result.total.tolist() == pytest.approx([0.8, 0.0]) and result.counts == {"judged": 1, "unfinished": 1}
+
+
+@pytest.mark.parametrize(
+    ("reply", "thinking", "expected"),
+    [
+        ("Score: 3</think>Score: 8", True, "Score: 8"),
+        ("<think>a</think>b</think>Score: 4", False, "Score: 4"),  # the last </think>
+        ("Score: 3 and still thinking", True, None),
+        ("<think>Score: 3 and still thinking", False, None),
+        ("Score: 7", False, "Score: 7"),
+    ],
+)
+def test_after_thought(reply, thinking, expected):
+    assert after_thought(reply, thinking) == expected

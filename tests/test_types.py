@@ -19,8 +19,8 @@ def test_joined_batches_keep_every_rows_tokens_and_logprobs(tmp_path):
     path = ensure_tiny_model(tmp_path / "tiny")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
-    first = HFRollout(max_new_tokens=5).generate(model, tokenizer, EXAMPLES[:3], 2)  # 31, 402, 9175
-    second = HFRollout(max_new_tokens=3).generate(model, tokenizer, EXAMPLES[4:6], 2)  # 803, 4127
+    first = HFRollout(max_new_tokens=5, top_p=0.9).generate(model, tokenizer, EXAMPLES[:3], 2)  # 31, 402, 9175
+    second = HFRollout(max_new_tokens=3, top_p=0.9).generate(model, tokenizer, EXAMPLES[4:6], 2)  # 803, 4127
     joined = RolloutBatch.cat([first, second])
     assert joined.num_groups == 5 and joined.completions == first.completions + second.completions
     picked = joined.select_groups(torch.tensor([3, 0]))  # second's first group, then first's first group
@@ -36,3 +36,7 @@ def test_joined_batches_keep_every_rows_tokens_and_logprobs(tmp_path):
         assert (got[rows, t:] == 0).all()  # completion padding is outside the mask
         torch.testing.assert_close(picked.completion_mask[rows, :t], source.completion_mask[:2], rtol=0, atol=0)
         torch.testing.assert_close(picked.logprobs[rows, :t], source.logprobs[:2], rtol=0, atol=0)
+        # top-p's kept mass per token travels with its row: in [0.9, 1] on the completion, 0 on its padding
+        torch.testing.assert_close(picked.nucleus_mass[rows, :t], source.nucleus_mass[:2], rtol=0, atol=0)
+        mask = picked.completion_mask[rows]
+        assert (picked.nucleus_mass[rows][mask] >= 0.9 - 1e-6).all() and (picked.nucleus_mass[rows][~mask] == 0).all()

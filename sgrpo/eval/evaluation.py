@@ -7,7 +7,7 @@ AIME 2025 and MATH-500), each with its own torchmetrics metrics (``sgrpo.eval.me
 processes at the epoch's end (each prompt counted once) and are logged under ``val/`` or ``test/`` for a split
 of one set, ``val/<set>/`` for each of several: ``pass@k`` for k = 1..n (unbiased estimator), ``accuracy``,
 ``accuracy/<difficulty>``, ``pass@k/<difficulty>`` and ``successes/<c>`` (the share of prompts with c of n
-samples right).
+samples right); with ``val_reward`` also ``reward``, the mean training reward of the completions (``MeanReward``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sgrpo.checks import require
-from sgrpo.eval.metrics import SET_METRICS, PromptOutcomes
+from sgrpo.eval.metrics import SET_METRICS, MeanReward, PromptOutcomes
 from sgrpo.eval.passk import rows_by_difficulty
 from sgrpo.run.data import mix_seed, prompt_collate
 from sgrpo.types import Example
@@ -37,6 +37,7 @@ class PolicyEvaluation:
     val_history: list[dict[str, Any]]
     last_evaluation: dict[str, Any] | None
     _evaluation_metrics: dict[str, dict[str, PromptOutcomes]]  # set -> its metrics (SET_METRICS)
+    _evaluation_rewards: dict[str, MeanReward]  # set -> its mean reward (with val_reward)
     _evaluation_rows: list[tuple[str, int]]  # per index of the split: its set and its level's index there
 
     def val_dataloader(self):
@@ -68,6 +69,7 @@ class PolicyEvaluation:
             self._evaluation_metrics[name] = {
                 key: metric(self.val_samples, list(levels)).to(device) for key, metric in SET_METRICS.items()
             }
+        self._evaluation_rewards = {name: MeanReward(self.val_samples).to(device) for name in sets if self.val_reward}
         indexed = list(enumerate(examples))
         return torch.utils.data.DataLoader(indexed, batch_size=self.val_prompts_per_batch, collate_fn=prompt_collate)
 
@@ -95,6 +97,9 @@ class PolicyEvaluation:
         repeated = [ex for ex in examples for _ in range(self.val_samples)]
         with torch.device("cpu"):  # host tensors from the task, as in `score`
             correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
+            rewards = None
+            if self.val_reward:  # the training reward of every completion, its mean logged beside success
+                rewards = self.task.score(repeated, rollout.completions).total.view(len(examples), -1)
         index = torch.tensor([i for i, _ in batch], dtype=torch.long, device="cpu")
         placed = [self._evaluation_rows[i] for i, _ in batch]
         for name, metrics in self._evaluation_metrics.items():
@@ -103,6 +108,8 @@ class PolicyEvaluation:
                 level = torch.tensor([placed[row][1] for row in rows], dtype=torch.long, device="cpu")
                 for metric in metrics.values():
                     metric.update(index[rows], correct.cpu()[rows], level)
+                if rewards is not None:
+                    self._evaluation_rewards[name].update(index[rows], rewards[rows])
 
     def _evaluation_end(self, split: str) -> dict[str, Any] | None:
         """Compute every set's metrics (synced over the processes: every process computes them), log them, and
@@ -110,8 +117,9 @@ class PolicyEvaluation:
         sets: dict[str, dict[str, Any]] = {}
         metrics: dict[str, float] = {}
         for name, set_metrics in self._evaluation_metrics.items():
+            mean_reward = getattr(self, "_evaluation_rewards", {}).get(name)
             if self.trainer.sanity_checking:
-                for metric in set_metrics.values():
+                for metric in [*set_metrics.values(), *([mean_reward] if mean_reward is not None else [])]:
                     metric.reset()
                 continue
             values = {key: computed(metric, self.val_samples) for key, metric in set_metrics.items()}
@@ -131,6 +139,9 @@ class PolicyEvaluation:
                 "prompts": prompts,
             }
             prefix = f"{SPLITS[split][0]}/{name}/" if name else f"{SPLITS[split][0]}/"
+            if mean_reward is not None:
+                sets[name]["reward"] = mean_reward.compute().item()
+                metrics[f"{prefix}reward"] = sets[name]["reward"]
             metrics |= {f"{prefix}pass@{k}": value for k, value in passes.items()}
             metrics[f"{prefix}accuracy"] = sets[name]["accuracy"]
             metrics |= {f"{prefix}accuracy/{level}": acc for level, acc in sets[name]["by_difficulty"].items()}

@@ -128,3 +128,41 @@ SET_METRICS = {
     "pass_at_k_by_difficulty": PassAtKByDifficulty,
     "successes": SuccessCounts,
 }
+
+
+class MeanReward(Metric):
+    """The mean training reward over every sample of every distinct prompt: ``sum_b r_b / (P n)`` (float64
+    scalar), r_b the prompt's summed reward over its n samples (verl's validation score: OpenThoughts has no
+    verifier). ``update(index [B], rewards [B, n] float)``; a prompt repeated across processes counts once."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = True
+
+    def __init__(self, samples: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}")
+        self.samples = samples
+        self.add_state("rows", default=[], dist_reduce_fx="cat")  # [P, 2] float64: index, summed reward
+
+    def update(self, index: Tensor, rewards: Tensor) -> None:
+        if rewards.dim() != 2 or rewards.shape[1] != self.samples or len(index) != len(rewards):
+            raise ValueError(f"expected index [B] and rewards [B, {self.samples}], got {tuple(index.shape)}, "
+                             f"{tuple(rewards.shape)}")  # fmt: skip
+        summed = rewards.to(self.device, torch.float64).sum(-1)
+        self.rows.append(torch.stack([index.to(self.device, torch.float64), summed], -1))
+
+    def _sync_dist(self, dist_sync_fn=gather_all_tensors, process_group=None) -> None:
+        if isinstance(self.rows, list) and not self.rows:  # as PromptOutcomes: an empty [0, 2] block
+            self.rows.append(torch.zeros(0, 2, dtype=torch.float64, device=self.device))
+        super()._sync_dist(dist_sync_fn, process_group)
+
+    def compute(self) -> Tensor:
+        empty = isinstance(self.rows, list) and not self.rows
+        rows = torch.zeros(0, 2, dtype=torch.float64, device=self.device) if empty else dim_zero_cat(self.rows)
+        rows = rows.view(-1, 2)
+        rows = rows[torch.argsort(rows[:, 0], stable=True)]
+        first = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        first[1:] = rows[1:, 0] != rows[:-1, 0]
+        return rows[first, 1].sum() / (int(first.sum()) * self.samples)

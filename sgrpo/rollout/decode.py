@@ -114,15 +114,19 @@ def select_rows(cache: DynamicCache, indices: Tensor) -> None:
         layer.batch_select_indices(indices)
 
 
-def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> Tensor:
-    """One token per row from ``logits`` ``[R, V]``: argmax, or softmax(logits / T) cut to top-k then top-p.
+def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
+    """One token per row from ``logits`` ``[R, V]``: argmax, or softmax(logits / T) cut to top-k then top-p;
+    and the kept mass ``[R]`` float32: the full softmax(logits / T)'s mass on the tokens it could draw (1: none cut).
 
-    Sampling uses the exponential-race form (argmax of p_i / E_i with E_i ~ Exp(1)), which draws
-    exactly from p and draws from the global torch generator.
+    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (the nucleus; the
+    top token always survives) and draws from it renormalised: token i with p_i / mass. Sampling uses
+    the exponential-race form (argmax of p_i / E_i with E_i ~ Exp(1)), which draws exactly from the
+    kept p and draws from the global torch generator.
     """
     if greedy:
-        return logits.argmax(-1)
+        return logits.argmax(-1), logits.new_ones(logits.shape[0], dtype=torch.float32)
     logits = logits.float() / temperature
+    full = logits.softmax(-1)
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -132,7 +136,8 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy:
         # keep the smallest prefix whose mass reaches top_p (the top token always survives)
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1)
+    mass = full.masked_fill(probs == 0, 0.0).sum(-1)  # [R] the full distribution's mass on the drawable tokens
+    return probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1), mass
 
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -235,6 +240,7 @@ def decode(
     cuda_graphs: bool = False,
     check_every: int | None = None,
     cache_block: int = 256,
+    nucleus_mass: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """New tokens ``[R, max_new_tokens]`` (``pad`` after a row's EOS) for rows ``row_prompt`` ``[R]``, and
     their log-probs ``[R, max_new_tokens]`` float32 under softmax(logits / temperature) (0 after EOS).
@@ -256,6 +262,8 @@ def decode(
     interval, except through the drops, which happen at check steps only (a sampled row then draws
     other random numbers: the same distribution, not the same draws).
     Under FSDP2 every process checks at the same steps (one all-reduce per check).
+    ``nucleus_mass`` ``[R, max_new_tokens]`` float32, if given, receives each token's kept mass (``sample``;
+    0 after EOS); the log-probs stay the full softmax's, as the policy loss computes them.
     """
     device = prompt_ids.device
     synced = is_sharded(model) and world_size() > 1
@@ -280,8 +288,10 @@ def decode(
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos_t] = float("-inf")
-        next_tokens = sample(logits, temperature, top_k, top_p, greedy)
+        next_tokens, mass = sample(logits, temperature, top_k, top_p, greedy)
         logprobs[alive, t] = log_softmax_at(logits / temperature, next_tokens).masked_fill_(~running, 0.0)
+        if nucleus_mass is not None:
+            nucleus_mass[alive, t] = mass.masked_fill(~running, 0.0)
         next_tokens = next_tokens.masked_fill(~running, pad)
         tokens[alive, t] = next_tokens
         running &= ~torch.isin(next_tokens, eos_t)

@@ -49,12 +49,15 @@ class RolloutEngine(ABC):
     ) -> RolloutBatch: ...
 
     def truncation(self) -> str | None:
-        """Which setting makes the sampled distribution differ from softmax(logits / temperature), or None.
+        """Which setting that training refuses makes the sampled distribution differ from softmax(logits / T), or None.
 
-        The policy loss computes log-probs of the full softmax, so training refuses an engine that
-        truncates it (top-k, top-p, a forced minimum length); validation may use one.
+        The policy loss computes log-probs of the full softmax, so training refuses top-k and a forced
+        minimum length; validation may use them. Top-p is allowed, as verl allows it: tokens are drawn
+        from the nucleus (the smallest top set holding ``top_p`` of the mass) while the loss's log-probs
+        stay the full softmax's, a bias of at most -log(kept mass) per token in the importance ratio
+        (``train/rollout/nucleus_mass`` logs the kept mass where the engine reports it).
         """
-        settings = {"top_k": 0, "top_p": 1.0, "min_new_tokens": 0}
+        settings = {"top_k": 0, "min_new_tokens": 0}
         changed = [f"{k}={getattr(self, k)}" for k, off in settings.items() if getattr(self, k, off) != off]
         return ", ".join(changed) or None
 

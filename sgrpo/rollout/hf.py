@@ -14,7 +14,7 @@ from sgrpo.rollout.engine import RolloutEngine, completion_mask_until_eos, left_
 from sgrpo.rollout.snapshot import RolloutWeights
 from sgrpo.types import Example, RolloutBatch
 
-_TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated", "logprobs")
+_TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated", "logprobs", "nucleus_mass")
 
 
 class HFRollout(RolloutEngine):
@@ -38,7 +38,7 @@ class HFRollout(RolloutEngine):
     Args:
         max_new_tokens: Completion length cap in tokens.
         temperature: Sampling temperature (> 0; the loss uses the same).
-        top_p: Nucleus sampling (1: off; refused for training, allowed for ``val_rollout``).
+        top_p: Nucleus sampling (1: off); in training the loss's log-probs stay the full softmax's, as verl's.
         top_k: Top-k sampling (0: off; refused for training).
         max_batch_rows: Rows decoded at once (bounds the KV cache).
         min_new_tokens: EOS masked for this many tokens (0: off; refused for training).
@@ -112,16 +112,13 @@ class HFRollout(RolloutEngine):
         finally:
             model.train(was_training)
 
-        width = max(p.shape[1] for p, _ in pieces)
-        new = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p, _ in pieces])  # [N, T]
+        width = max(p.shape[1] for p, _, _ in pieces)
+        new = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p, _, _ in pieces])  # [N, T]
         mask, truncated = completion_mask_until_eos(new, eos)
         length = int(mask.sum(-1).max())
         new, mask = new[:, :length], mask[:, :length]
         new = new.masked_fill(~mask, pad)
-        logprobs = None
-        if all(lp is not None for _, lp in pieces):
-            logprobs = torch.cat([nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in pieces])[:, :length]
-            logprobs = logprobs.masked_fill(~mask, 0.0)  # [N, T]
+        logprobs, masses = (self._joined([piece[i] for piece in pieces], width, length, mask) for i in (1, 2))
         completions = tokenizer.batch_decode(new, skip_special_tokens=True)
         return RolloutBatch(
             input_ids=torch.cat([ids[row_prompt], new], 1),
@@ -131,22 +128,37 @@ class HFRollout(RolloutEngine):
             truncated=truncated,
             group_size=group_size,
             logprobs=logprobs,
+            nucleus_mass=masses,
         )
+
+    @staticmethod
+    def _joined(parts: list[Tensor | None], width: int, length: int, mask: Tensor) -> Tensor | None:
+        """Per-token values ``[R_i, T_i]`` of each piece as one ``[N, T]`` (0 off ``mask``); None if a piece has
+        none."""
+        if any(part is None for part in parts):
+            return None
+        joined = torch.cat([nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])[:, :length]
+        return joined.masked_fill(~mask, 0.0)
 
     def _generate_rows(
         self, model, ids: Tensor, mask: Tensor, row_prompt: Tensor, eos: list[int], pad: int, greedy: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """New tokens ``[R, <= max_new_tokens]`` for rows ``row_prompt`` of the prompts ``ids``/``mask`` ``[U, P]``,
-        and their sampling log-probs (lean decoder; None from ``generate``)."""
+        their sampling log-probs (the full softmax's) and the nucleus mass kept for each (lean decoder, top-p < 1
+        and not greedy; None from ``generate``)."""
         sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         if self.decoder == "lean":
             from sgrpo.rollout.decode import decode  # imports transformers: not needed to check a config
 
-            return decode(
+            masses = None
+            if not greedy and self.top_p < 1.0:
+                masses = torch.zeros(len(row_prompt), self.max_new_tokens, dtype=torch.float32, device=ids.device)
+            tokens, logprobs = decode(
                 model, ids, mask, row_prompt, self.max_new_tokens, eos, pad,
-                greedy=greedy, min_new_tokens=self.min_new_tokens, cuda_graphs=self.cuda_graphs, **sampling,
-
+                greedy=greedy, min_new_tokens=self.min_new_tokens, cuda_graphs=self.cuda_graphs,
+                nucleus_mass=masses, **sampling,
             )  # fmt: skip
+            return tokens, logprobs, None if masses is None else masses[:, : tokens.shape[1]]
         out = model.generate(
             input_ids=ids[row_prompt],
             attention_mask=mask[row_prompt],
@@ -159,4 +171,4 @@ class HFRollout(RolloutEngine):
             synced_gpus=is_sharded(model) and world_size() > 1,  # FSDP2: forwards are collectives
             **sampling,
         )
-        return out[:, ids.shape[1] :], None
+        return out[:, ids.shape[1] :], None, None

@@ -75,7 +75,7 @@ class VLLMRollout(RolloutEngine):
     Args:
         max_new_tokens: Completion length cap in tokens.
         temperature: Sampling temperature (> 0; the loss uses the same).
-        top_p: Nucleus sampling (1: off; refused for training, allowed for ``val_rollout``).
+        top_p: Nucleus sampling (1: off); in training the loss's log-probs stay the full softmax's, as verl's.
         top_k: Top-k sampling (0: off; refused for training).
         gpu_memory_utilization: Share of the GPU vLLM may take while awake (weights and KV cache).
         sleep: Offload the engine between rollouts so the update gets the memory (without a sleep mode, on CPU: off).

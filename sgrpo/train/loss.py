@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const"]
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const", "micro_batch_token_mean"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const", "micro_batch_token_mean")
 
 
 def clipped_surrogate(
@@ -40,24 +40,42 @@ def clipped_surrogate(
     return loss, active & (ratio < 1 - clip_low), active & (ratio > 1 + clip_high)
 
 
-def k3_kl(logp: Tensor, ref_logp: Tensor, max_log_ratio: float = 20.0) -> Tensor:
-    """k3 estimator of KL(pi || ref) per token: ``exp(d) - d - 1`` with ``d = ref - logp`` clamped (>= 0)."""
+def k3_kl(logp: Tensor, ref_logp: Tensor, max_log_ratio: float = 20.0, max_value: float | None = None) -> Tensor:
+    """k3 estimator of KL(pi || ref) per token: ``exp(d) - d - 1`` with ``d = ref - logp`` clamped to
+    [-max_log_ratio, max_log_ratio] (the value is >= 0); with ``max_value``, the value is then clamped to
+    [-max_value, max_value] (verl's low_var_kl: 10), which stops the gradient of a token past it."""
     d = (ref_logp - logp).clamp(-max_log_ratio, max_log_ratio)
-    return torch.expm1(d) - d
+    kl = torch.expm1(d) - d
+    return kl if max_value is None else kl.clamp(-max_value, max_value)
 
 
 def token_weights(
-    mask: Tensor, mode: Aggregation, num_sequences: float, num_tokens: float, max_new_tokens: int
+    mask: Tensor,
+    mode: Aggregation,
+    num_sequences: float,
+    num_tokens: float,
+    max_new_tokens: int,
+    group_tokens: Tensor | None = None,
+    num_groups: float = 0.0,
 ) -> Tensor:
     """Per-token weights ``[N, T]`` such that ``loss = sum(weights * per_token_loss)``.
 
     The counts are those of the *global* batch (all micro-batches and processes), so summing the
     pieces gives the same loss however the batch is split (docs/theory.md §7):
-      token_mean           1 / sum_i |o_i|                    (DAPO)
-      seq_mean_token_mean  1 / (B |o_i|)                      (original GRPO)
-      seq_sum_const        1 / (B L_max)                      (Dr.GRPO; L_max = max_new_tokens)
+      token_mean              1 / sum_i |o_i|                 (DAPO)
+      seq_mean_token_mean     1 / (B |o_i|)                   (original GRPO)
+      seq_sum_const           1 / (B L_max)                   (Dr.GRPO; L_max = max_new_tokens)
+      micro_batch_token_mean  1 / (M |g(i)|)                  (verl 0.6.1's token-mean)
+    where for micro_batch_token_mean the rows are cut into M groups of a fixed number of rows over all
+    processes (``loss_groups``), g(i) is row i's group and |g(i)| its tokens (``group_tokens`` ``[N]``,
+    ``num_groups`` = M): the mean over groups of each group's token mean, as verl's ``token-mean`` over
+    ``ppo_micro_batch_size_per_gpu`` rows, scaled by 1 / accumulation steps and averaged over ranks.
     """
     m = mask.float()
+    if mode == "micro_batch_token_mean":
+        if group_tokens is None or num_groups <= 0:
+            raise ValueError("micro_batch_token_mean needs each row's group tokens and the number of groups")
+        return m / (group_tokens.float().clamp_min(1.0).unsqueeze(-1) * num_groups)
     if mode == "token_mean":
         return m / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
@@ -82,6 +100,22 @@ def tis_weights(trainer_logp: Tensor, vllm_logp: Tensor, mask: Tensor, cap: floa
     return torch.where(mask.bool(), log_ratio.exp(), torch.zeros_like(log_ratio))
 
 
+def loss_groups(token_counts: Tensor, rows_per_group: int) -> tuple[Tensor, int]:
+    """Consecutive groups of ``rows_per_group`` rows (the last may be short), as verl's micro-batches of
+    ``ppo_micro_batch_size_per_gpu`` rows: each row's group's token count ``[N]`` and the number of groups.
+
+    ``token_counts`` ``[N]``: the loss tokens of each row, in the order the rows are grouped.
+    """
+    if rows_per_group < 1:
+        raise ValueError(f"rows_per_group must be >= 1, got {rows_per_group}")
+    n = token_counts.shape[0]
+    group = torch.arange(n, device=token_counts.device) // rows_per_group  # [N]
+    groups = -(-n // rows_per_group)
+    sums = torch.zeros(groups, dtype=torch.float32, device=token_counts.device)
+    sums.index_add_(0, group, token_counts.float())
+    return sums[group], groups
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """One micro-batch of completion tokens, ``[n, T]`` over its n rows (T trimmed to its longest row)."""
@@ -92,6 +126,7 @@ class TokenBatch:
     mask: Tensor  # [n, T] bool: the tokens that carry loss
     ref_logp: Tensor | None = None  # [n, T] the frozen KL reference's, when the loss asks for one
     sampler_logp: Tensor | None = None  # [n, T] an external sampler's (vLLM), for importance weights
+    group_tokens: Tensor | None = None  # [n] the tokens of each row's loss group (``PolicyLoss.rows_per_group``)
 
 
 @dataclass(frozen=True)
@@ -101,6 +136,7 @@ class BatchCounts:
     sequences: float
     tokens: float
     max_new_tokens: int  # L_max of a constant-length aggregation
+    groups: float = 0.0  # loss groups over all processes (``PolicyLoss.rows_per_group``; else 0)
 
 
 class PolicyLoss(ABC):
@@ -111,12 +147,18 @@ class PolicyLoss(ABC):
     masked tokens; the policy logs ``train/<name>`` as their mean per token. ``needs_reference`` loads
     a frozen copy of the initial policy whose log-probs arrive as ``TokenBatch.ref_logp``.
     ``zero_at_zero_advantage`` promises that a row with advantage exactly 0 adds exactly 0 to the loss
-    and its gradient, so the update need not run it.
+    and its gradient, so the update need not run it. ``rows_per_group`` (an int) asks the update to cut
+    each process's rows of a mini-batch, in order, into groups of that many rows (``loss_groups``),
+    whatever its memory micro-batches, and to pass each row's group token count
+    (``TokenBatch.group_tokens``) and the number of groups over all processes (``BatchCounts.groups``).
     """
 
     stats: tuple[str, ...] = ()
     needs_reference: bool = False
     zero_at_zero_advantage: bool = True
+    rows_per_group: int | None = None
+    weighs_sampler: bool = True  # reads TokenBatch.sampler_logp (importance weights): the update then runs a
+    # forward at the sampling weights for old_logp; False: an external sampler's log-probs only feed metrics
 
     @abstractmethod
     def __call__(self, batch: TokenBatch, counts: BatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
@@ -129,10 +171,12 @@ class ClippedSurrogate(PolicyLoss):
     Per token, with ratio rho = exp(logp - old_logp) and the row's advantage A:
       l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) x w + kl_coef x k3(logp, ref_logp)
     where w = min(exp(old_logp - sampler_logp), importance_sampling_cap) when an external sampler
-    (vLLM) supplied its log-probs (truncated importance sampling, a constant), else 1. The loss is
-    sum l x weight over tokens, the weights given by ``aggregation`` (``token_weights``: token_mean as
-    DAPO, seq_mean_token_mean as the original GRPO, seq_sum_const as Dr.GRPO). Statistics: tokens
-    clipped below / above, the k3 KL and the importance weight w, summed over the masked tokens.
+    (vLLM) supplied its log-probs (truncated importance sampling, a constant), else 1, and k3 is
+    clamped to [-kl_max, kl_max] when ``kl_max`` is set. The loss is sum l x weight over tokens, the
+    weights given by ``aggregation`` (``token_weights``: token_mean as DAPO, seq_mean_token_mean as the
+    original GRPO, seq_sum_const as Dr.GRPO, micro_batch_token_mean as verl 0.6.1's token-mean over
+    micro-batches of ``micro_batch_rows`` rows). Statistics: tokens clipped below / above, the k3 KL and
+    the importance weight w, summed over the masked tokens.
 
     Args:
         clip_low: Ratio clipped below at 1 - clip_low (TRL ``epsilon``, verl ``clip_ratio_low``).
@@ -140,6 +184,10 @@ class ClippedSurrogate(PolicyLoss):
         aggregation: token_mean (DAPO), seq_mean_token_mean (original GRPO) or seq_sum_const (Dr.GRPO).
         kl_coef: Weight of the k3 KL to the initial policy (0 loads no reference model).
         importance_sampling_cap: Cap of the truncated importance weight for an external sampler (null: none).
+        micro_batch_rows: Rows per loss micro-batch of micro_batch_token_mean (verl's
+            ``ppo_micro_batch_size_per_gpu``), per process, independent of ``micro_batch_size`` and
+            ``micro_batch_tokens`` (the memory micro-batches).
+        kl_max: Clamp of the k3 value to [-kl_max, kl_max] (verl's low_var_kl: 10; null: none).
     """
 
     stats = ("clip/low", "clip/high", "kl", "rollout/tis_weight_mean")
@@ -151,6 +199,8 @@ class ClippedSurrogate(PolicyLoss):
         aggregation: Aggregation = "token_mean",
         kl_coef: float = 0.0,
         importance_sampling_cap: float | None = 2.0,
+        micro_batch_rows: int | None = None,
+        kl_max: float | None = None,
     ) -> None:
         if not (0 <= clip_low < 1 and clip_high >= 0):
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
@@ -161,7 +211,17 @@ class ClippedSurrogate(PolicyLoss):
         if importance_sampling_cap is not None and not importance_sampling_cap > 0:
             raise ValueError(f"importance_sampling_cap must be > 0 or null, got {importance_sampling_cap}")
         self.clip_low, self.clip_high, self.aggregation = clip_low, clip_high, aggregation
+        grouped = aggregation == "micro_batch_token_mean"
+        if grouped != (micro_batch_rows is not None) or (grouped and micro_batch_rows < 1):
+            raise ValueError(
+                f"micro_batch_rows (an int >= 1) goes with aggregation micro_batch_token_mean and only with it, "
+                f"got micro_batch_rows {micro_batch_rows} with aggregation {aggregation}"
+            )
+        if kl_max is not None and not kl_max > 0:
+            raise ValueError(f"kl_max must be > 0 or null, got {kl_max}")
         self.kl_coef, self.importance_sampling_cap = kl_coef, importance_sampling_cap
+        self.rows_per_group, self.kl_max = micro_batch_rows, kl_max
+        self.weighs_sampler = importance_sampling_cap is not None
         self.needs_reference = kl_coef > 0
         self.zero_at_zero_advantage = kl_coef == 0  # the KL term has a gradient whatever the advantage
 
@@ -177,8 +237,11 @@ class ClippedSurrogate(PolicyLoss):
             per_token = per_token * weights
             stats["rollout/tis_weight_mean"] = weights.sum()
         if batch.ref_logp is not None:
-            kl = k3_kl(batch.logp, batch.ref_logp)
+            kl = k3_kl(batch.logp, batch.ref_logp, max_value=self.kl_max)
             per_token = per_token + self.kl_coef * kl
             stats["kl"] = (kl.detach() * m).sum()
-        weights = token_weights(batch.mask, self.aggregation, counts.sequences, counts.tokens, counts.max_new_tokens)
+        weights = token_weights(
+            batch.mask, self.aggregation, counts.sequences, counts.tokens, counts.max_new_tokens,
+            batch.group_tokens, counts.groups,
+        )  # fmt: skip
         return (per_token * weights).sum(), stats

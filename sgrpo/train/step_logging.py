@@ -42,7 +42,8 @@ class StepLogging:
                 "train/time/step_s": timing["step_s"],
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             }
-            | self._objective(rewards),
+            | self._objective(rewards)
+            | nucleus_log(rollout),
             prog_bar=("train/reward", "train/success_rate"),
         )
         maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
@@ -67,3 +68,12 @@ class StepLogging:
         for key, value in values.items():
             value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
             self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
+
+
+def nucleus_log(rollout) -> dict[str, Tensor]:
+    """``train/rollout/nucleus_mass``: the mean over sampled tokens of the mass top-p kept (the full softmax's mass
+    on the nucleus the token was drawn from; 1 without top-p), where the engine reports it (the lean decoder)."""
+    if rollout.nucleus_mass is None:
+        return {}
+    mask = rollout.completion_mask.float()
+    return {"train/rollout/nucleus_mass": (rollout.nucleus_mass * mask).sum() / mask.sum().clamp_min(1.0)}

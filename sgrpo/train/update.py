@@ -29,7 +29,7 @@ from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, me
 from sgrpo.run.data import mix_seed
 from sgrpo.train.batching import micro_batches, trim
 from sgrpo.train.gapwatch import GapWatch
-from sgrpo.train.loss import BatchCounts, TokenBatch
+from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.reference import reference_model
 from sgrpo.types import RolloutBatch
 
@@ -50,6 +50,7 @@ class PolicyUpdate:
         rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
         sampler_logp = rollout.logprobs  # [N, T] the sampler's log-probs of its tokens, if it reports them
         external = sampler_logp is not None and not self.rollout.samples_from_policy  # vLLM: other weights, kernels
+        external = external and self.loss.weighs_sampler  # importance weights need the trainer's own old log-probs
         old_logp = None  # one on-policy pass: the current log-probs, detached, serve (no second forward)
         if external or self.ppo_epochs > 1 or self.num_minibatches > 1:
             old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the sampling weights
@@ -115,9 +116,14 @@ class PolicyUpdate:
         (constant groups) are counted in the denominators but not run; statistics then describe the rows
         that ran.
         """
+        group_tokens, groups = None, 0
+        if self.loss.rows_per_group is not None:  # the loss's own row groups, whatever the memory micro-batches
+            group_tokens = torch.zeros(token_mask.shape[0], dtype=torch.float32, device=token_mask.device)  # [N]
+            group_tokens[rows], groups = loss_groups(token_mask[rows].sum(-1), self.loss.rows_per_group)
         counts = torch.stack([token_mask.new_tensor(len(rows), dtype=torch.float32), token_mask[rows].sum().float()])
-        sequences, tokens = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
-        counts = BatchCounts(sequences, tokens, self.rollout.max_new_tokens)
+        counts = torch.cat([counts, counts.new_tensor([groups])])
+        sequences, tokens, groups = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        counts = BatchCounts(sequences, tokens, self.rollout.max_new_tokens, groups)
         adv_rows = advantages.reshape(-1)  # [N]
         skipped = len(rows)
         if self.loss.zero_at_zero_advantage:
@@ -139,7 +145,9 @@ class PolicyUpdate:
             if gap_sampler is not None:
                 gap = merge_gaps(gap, logprob_gap(old, gap_sampler[chunk][:, :t], mask))
             ref, sampler = (None if x is None else x[chunk][:, :t] for x in (inputs["ref"], inputs["sampler"]))
-            loss, loss_stats = self.loss(TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler), counts)
+            rows_groups = None if group_tokens is None else group_tokens[chunk]
+            batch = TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler, rows_groups)
+            loss, loss_stats = self.loss(batch, counts)
             self._backward(loss * scale, sync=j == backwards - 1)
             stats["loss"] += loss.detach() * scale  # the mini-batch loss once averaged over processes
             stats["entropy"] += (entropy * mask).sum()
