@@ -74,3 +74,21 @@ def test_a_resume_with_another_experiment_is_refused_or_applied(tmp_path, capsys
     fit("--trainer.max_steps=3", "--ckpt_path=last", "--model.optimizer.init_args.lr=0.01", "--resume_changes=allow")
     saved = torch.load(last, weights_only=False)
     assert saved["global_step"] == 3 and [g["lr"] for g in saved["optimizer_states"][0]["param_groups"]] == [0.01]
+
+
+def test_seed_everything_true_is_recorded_as_the_setting_so_a_resume_is_the_same_experiment(tmp_path):
+    """Lightning draws a new seed for ``seed_everything: true`` at every start; the record keeps ``true``, so two
+    starts of the same config (a run and its resume) record the same experiment."""
+    from pathlib import Path
+
+    from sgrpo.fit import parse
+    from sgrpo.run.saving import RunCheckpoint
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    records, seeds = [], []
+    for _ in range(2):
+        cli = parse(["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--seed_everything=true"])
+        records.append(next(c for c in cli.trainer.callbacks if isinstance(c, RunCheckpoint)).experiment)
+        seeds.append(cli.config["seed_everything"])
+    assert records[0]["seed_everything"] == "true" and records[0] == records[1]
+    assert all(isinstance(seed, int) for seed in seeds)  # Lightning still seeds each start

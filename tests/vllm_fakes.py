@@ -74,11 +74,12 @@ class FakeLLM:
     def generate(self, prompts, sampling_params, use_tqdm=True):
         self.events.append("generate")
         self.params = sampling_params
+        self.draws = [*getattr(self, "draws", []), torch.rand(1).item()]  # what an unseeded request's sampler draws
         outputs = []
         for prompt, params in zip(prompts, sampling_params):
             outs = []
             for g in range(params.n):
-                ids = [3 + (getattr(params, "seed", 0) + g) % 10, EOS] if g % 2 == 0 else [4] * params.max_tokens
+                ids = [3 + ((getattr(params, "seed", 0) or 0) + g) % 10, EOS] if g % 2 == 0 else [4] * params.max_tokens
                 lps = [-0.1 * (k + 1) for k in range(len(ids))]
                 outs.append(completion(g, ids, lps, "stop" if g % 2 == 0 else "length"))
             outputs.append(request(prompt["prompt_token_ids"], outs))

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
-from sgrpo.model.head import LMHead, log_softmax_at
+from sgrpo.model.head import LMHead
 from sgrpo.model.logprobs import final_hidden_states
 
 
@@ -57,11 +57,12 @@ class BlockLayer(DynamicLayer):
         self.is_initialized = True
 
     def reserve(self, positions: int) -> None:
-        """Grow the buffers to hold ``positions`` positions (rounded up to a block, at most ``capacity``)."""
+        """Grow the buffers to hold ``positions`` positions: rounded up to a block, and at least doubled (at most
+        ``capacity``), so a rollout of n tokens copies its cache O(log n) times, not n / block times."""
         if positions > self.capacity:
             raise RuntimeError(f"KV cache full: {positions} positions > capacity {self.capacity}")
         if positions > self.key_buffer.shape[2]:
-            size = min(self.capacity, -(-positions // self.block) * self.block)
+            size = min(self.capacity, max(-(-positions // self.block) * self.block, 2 * self.key_buffer.shape[2]))
             self.key_buffer = self._copy(self.key_buffer, size)
             self.value_buffer = self._copy(self.value_buffer, size)
 
@@ -115,24 +116,46 @@ def select_rows(cache: DynamicCache, indices: Tensor) -> None:
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> Tensor:
-    """One token per row from ``logits`` ``[R, V]``: argmax, or softmax(logits / T) cut to top-k then top-p.
+    """One token per row from ``logits`` ``[R, V]`` (``sample_with_logprobs``'s tokens)."""
+    return sample_with_logprobs(logits, temperature, top_k, top_p, greedy)[0]
 
-    Sampling uses the exponential-race form (argmax of p_i / E_i with E_i ~ Exp(1)), which draws
-    exactly from p and draws from the global torch generator.
+
+def sample_with_logprobs(
+    logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool
+) -> tuple[Tensor, Tensor]:
+    """One token per row from ``logits`` ``[R, V]`` and its log-prob under softmax(logits / T), ``[R]`` each.
+
+    ``z = logits / T`` and ``lse = logsumexp(z)`` are computed once and serve both: the sampling distribution
+    ``p = exp(z - lse)`` (cut to top-k then top-p where asked) and the log-prob ``z[token] - lse`` of the full
+    softmax (what the loss computes). Sampling is argmax, or the exponential race (argmax of p_i / E_i with
+    E_i ~ Exp(1)), which draws exactly from p, from the global torch generator. Six passes over ``[R, V]``
+    without truncation (the scaling, logsumexp's two, the exponential, the draws, the race), where sampling and
+    then the log-prob from the logits again took eleven.
     """
+    z = logits.float() / temperature  # [R, V]: a new tensor, the caller's logits stay
+    lse = z.logsumexp(-1, keepdim=True)  # [R, 1]
     if greedy:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
+        tokens = logits.argmax(-1)  # of the logits themselves: dividing could round two of them into a tie
+    else:
+        truncated = 0 < top_k < z.shape[-1] or top_p < 1.0
+        probs = _truncated(z, top_k, top_p) if truncated else torch.sub(z, lse).exp_()
+        tokens = probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1)
+    return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+
+
+def _truncated(z: Tensor, top_k: int, top_p: float) -> Tensor:
+    """softmax(z) cut to its top-k, then to the smallest prefix whose mass reaches ``top_p`` (not renormalised:
+    the exponential race needs no normalisation)."""
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = z.softmax(-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the top token always survives)
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1)
+    return probs
 
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -280,8 +303,8 @@ def decode(
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos_t] = float("-inf")
-        next_tokens = sample(logits, temperature, top_k, top_p, greedy)
-        logprobs[alive, t] = log_softmax_at(logits / temperature, next_tokens).masked_fill_(~running, 0.0)
+        next_tokens, next_logprobs = sample_with_logprobs(logits, temperature, top_k, top_p, greedy)
+        logprobs[alive, t] = next_logprobs.masked_fill_(~running, 0.0)
         next_tokens = next_tokens.masked_fill(~running, pad)
         tokens[alive, t] = next_tokens
         running &= ~torch.isin(next_tokens, eos_t)
