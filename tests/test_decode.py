@@ -335,8 +335,9 @@ def _vocab_passes(fn, rows: int, vocab: int) -> int:
 
 
 def test_a_sampled_token_and_its_logprob_share_one_pass_over_the_vocabulary():
-    """The decoder's token and log-prob come from one scaled copy of the logits and one logsumexp: the log-prob is
-    log softmax(logits / T) at the token, as before, and the vocabulary-sized passes per token drop from 11 to 6."""
+    """The decoder's log-prob of a sampled token is read from the probabilities that sampled it: log softmax(logits / T)
+    at the token, as before (to float32 rounding), with 7 operations over the vocabulary per token instead of 9
+    (sampling, then scaling the logits again and taking their logsumexp)."""
     from sgrpo.model.head import log_softmax_at
     from sgrpo.rollout.decode import sample_with_logprobs
 
@@ -345,9 +346,9 @@ def test_a_sampled_token_and_its_logprob_share_one_pass_over_the_vocabulary():
     tokens, logp = sample_with_logprobs(logits, 0.7, 0, 1.0, greedy=False)
     torch.manual_seed(1)
     assert torch.equal(tokens, sample(logits, 0.7, 0, 1.0, greedy=False))
-    torch.testing.assert_close(logp, log_softmax_at(logits / 0.7, tokens), atol=0, rtol=0)
+    torch.testing.assert_close(logp, log_softmax_at(logits / 0.7, tokens), atol=1e-6, rtol=0)
     greedy, greedy_logp = sample_with_logprobs(logits, 0.7, 5, 0.9, greedy=True)
     assert torch.equal(greedy, logits.argmax(-1))
     torch.testing.assert_close(greedy_logp, log_softmax_at(logits / 0.7, greedy), atol=0, rtol=0)
     passes = _vocab_passes(lambda: sample_with_logprobs(logits, 0.7, 0, 1.0, False), 5, 300)
-    assert passes <= 7, passes
+    assert passes == 7  # measured on the code before: 9 (its sample, then log_softmax_at(logits / T, token))

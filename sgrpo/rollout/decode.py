@@ -123,24 +123,28 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy:
 def sample_with_logprobs(
     logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool
 ) -> tuple[Tensor, Tensor]:
-    """One token per row from ``logits`` ``[R, V]`` and its log-prob under softmax(logits / T), ``[R]`` each.
+    """One token per row from ``logits`` ``[R, V]`` and its log-prob under ``p = softmax(logits / T)``, ``[R]`` each.
 
-    ``z = logits / T`` and ``lse = logsumexp(z)`` are computed once and serve both: the sampling distribution
-    ``p = exp(z - lse)`` (cut to top-k then top-p where asked) and the log-prob ``z[token] - lse`` of the full
-    softmax (what the loss computes). Sampling is argmax, or the exponential race (argmax of p_i / E_i with
-    E_i ~ Exp(1)), which draws exactly from p, from the global torch generator. Six passes over ``[R, V]``
-    without truncation (the scaling, logsumexp's two, the exponential, the draws, the race), where sampling and
-    then the log-prob from the logits again took eleven.
+    Sampling is argmax, or the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which draws exactly
+    from p (cut to top-k then top-p where asked), from the global torch generator. Untruncated, the log-prob
+    is read from the probabilities the race used, ``log p[token]``: seven operations over ``[R, V]`` per
+    token (the scaling, the softmax, the draws' allocation and draws, the race's division and argmax, the
+    gather), where sampling, then the log-prob from the logits again (scaling and logsumexp), took nine; greedy
+    and truncated sampling take ``z[token] - logsumexp(z)`` of the full softmax (what the loss computes).
     """
     z = logits.float() / temperature  # [R, V]: a new tensor, the caller's logits stay
-    lse = z.logsumexp(-1, keepdim=True)  # [R, 1]
-    if greedy:
-        tokens = logits.argmax(-1)  # of the logits themselves: dividing could round two of them into a tie
-    else:
-        truncated = 0 < top_k < z.shape[-1] or top_p < 1.0
-        probs = _truncated(z, top_k, top_p) if truncated else torch.sub(z, lse).exp_()
-        tokens = probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1)
-    return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+    if greedy or 0 < top_k < z.shape[-1] or top_p < 1.0:
+        tokens = logits.argmax(-1) if greedy else _race(_truncated(z, top_k, top_p))
+        return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
+    probs = z.softmax(-1)
+    tokens = _race(probs, keep=True)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
+
+
+def _race(probs: Tensor, keep: bool = False) -> Tensor:
+    """argmax_i p_i / E_i, E_i ~ Exp(1) (a draw from p); ``keep``: ``probs`` is left as it was."""
+    draws = torch.empty_like(probs).exponential_(1.0)
+    return (torch.div(probs, draws, out=draws) if keep else probs.div_(draws)).argmax(-1)
 
 
 def _truncated(z: Tensor, top_k: int, top_p: float) -> Tensor:
