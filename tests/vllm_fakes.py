@@ -104,7 +104,8 @@ class SamplingLLM(FakeLLM):
         outputs = []
         for prompt, params in zip(prompts, sampling_params):
             ids = torch.tensor([prompt["prompt_token_ids"]] * params.n)  # [n, P]
-            torch.manual_seed(params.seed)
+            if params.seed is not None:  # else the process's generator, which VLLMRollout seeds per step
+                torch.manual_seed(params.seed)
             out = self.engine_model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=params.temperature,
                 top_k=0, max_new_tokens=params.max_tokens, eos_token_id=params.stop_token_ids, pad_token_id=PAD,
