@@ -202,8 +202,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         gather = torch.bfloat16 if mesh is not None and precision == "bf16-mixed" else None  # its blocks' dtype
         if self.model is None:
             self._load_model(mesh, gather)
-        # the KL reference, for training only (validate and test never use it; a fit after a validation builds it
-        # then, from the same initial weights); with LoRA it is the policy, adapters off (sgrpo.train.reference)
+            bump_weights_version(self.model)  # known weights: an engine holding a copy syncs once until they change
+        # the KL reference for fits only (validate, test never use it); LoRA: the policy, adapters off (train.reference)
         if self.loss.needs_reference and self.peft is None and self._reference is None and not self._evaluating():
             self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
 

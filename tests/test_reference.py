@@ -103,11 +103,14 @@ def test_validate_and_test_build_no_reference_and_a_fit_after_them_does(model_di
 
     from lightning.pytorch.trainer.states import TrainerFn
 
+    from sgrpo.rollout.engine import weights_version
+
     policy = make_policy(model_dir, batch, GRPO(), loss=KL)
     state = SimpleNamespace(fn=TrainerFn.VALIDATING)
     policy._trainer = SimpleNamespace(state=state, precision_plugin=SimpleNamespace(precision="32-true"))
     policy.configure_model()
     assert policy.model is not None and policy._reference is None
+    assert weights_version(policy.model) == 1  # known weights: a vLLM engine syncs once per validation, not per batch
     state.fn = TrainerFn.TESTING
     policy.configure_model()
     assert policy._reference is None
