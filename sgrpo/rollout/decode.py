@@ -34,13 +34,14 @@ from sgrpo.model.logprobs import final_hidden_states
 
 
 class BlockLayer(DynamicLayer):
-    """A full-attention cache layer in buffers grown ``block`` positions at a time, up to ``capacity``.
+    """A full-attention cache layer in buffers grown in whole ``block`` s, at least doubling, up to ``capacity``.
 
     Keys and values are views of the buffers' filled positions. The buffers hold the positions written
-    so far rounded up to a block (not prompt + ``max_new_tokens`` from the start: most rows of a
-    rollout end early, and finished rows are dropped from the batch), and keys are stored in the values'
-    dtype (under autocast rotary embeddings promote keys to float32; attention casts them back to the
-    values' dtype anyway, so rounding them once on write gives the same numbers in half the key memory).
+    so far rounded up to a block, or twice what they held when that is more (not prompt + ``max_new_tokens``
+    from the start: most rows of a rollout end early, and finished rows are dropped from the batch); keys are
+    stored in the values' dtype (under autocast rotary embeddings promote keys to float32; attention casts them
+    back to the values' dtype anyway, so rounding them once on write gives the same numbers in half the key
+    memory).
     """
 
     def __init__(self, capacity: int, block: int = 256) -> None:
