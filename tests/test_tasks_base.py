@@ -210,6 +210,14 @@ def test_a_process_with_cuda_starts_its_pool_from_a_forkserver(monkeypatch):
     assert tasks.pool._start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert tasks.pool._start_method() == "forkserver"
+
+
+@pytest.mark.slow
+def test_a_pool_started_from_a_forkserver_scores(monkeypatch):
+    """8 s: the forkserver and its worker import their modules afresh."""
+    import tasks.pool
+
+    monkeypatch.setattr(tasks.pool, "_start_method", lambda: "forkserver")
     pool = WorkerPool(1)
     try:
         assert pool.run(math.sqrt, [(4.0,)], timeout=30)[0].value == 2.0  # a working pool from the forkserver
