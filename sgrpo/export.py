@@ -63,10 +63,10 @@ def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merg
                 sharded: bool = False) -> None:  # fmt: skip
     """The trained policy to ``path``: the model, or with LoRA the adapter folder (and the merged model in
     ``path/merged`` if ``merged``). Sharded weights are gathered, a collective: every process calls this,
-    and the ``leader`` writes."""
+    and the ``leader`` alone keeps the merged copy and writes."""
     if peft is not None:
         adapter = adapter_state(model)
-        full = merged_state(model) if merged else None
+        full = merged_state(model, keep=leader) if merged else None  # gathered by all, kept by the leader
         if leader:
             save_adapter(adapter, peft, base, path)
             tokenizer.save_pretrained(path)

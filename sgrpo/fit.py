@@ -46,6 +46,7 @@ from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.faults import disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 from sgrpo.run.guards import RewardFailureError
+from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
     check_config_files,
     check_nodes,
@@ -53,7 +54,6 @@ from sgrpo.run.preflight import (
     check_strategy,
     check_tensor_parallel,
     check_values,
-    check_weight_precision,
     check_writable,
     writable,
 )
@@ -109,6 +109,12 @@ class SgrpoCLI(LightningCLI):
         self.mode = mode  # "fit", or "validate" / "test": an evaluation, which keeps no checkpoints or metrics file
         super().__init__(*args, **kwargs)
 
+    def _set_seed(self) -> None:
+        """Lightning replaces ``seed_everything: true`` in the config by the seed it draws, another at every start;
+        the experiment record keeps the setting (``true``), so a resume of such a run is the same experiment."""
+        self.configured_seed = self._get(self.config, "seed_everything")
+        super()._set_seed()
+
     def instantiate_trainer(self, **kwargs):
         """Lightning's trainer with sgrpo's checkpoints (atomic writes), metrics file, exit codes and progress bar.
 
@@ -141,7 +147,7 @@ class SgrpoCLI(LightningCLI):
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
             loggers.append(metrics)
             checkpoints = RunCheckpoint(str(root / "checkpoints"), every, keep)
-            model, seed = self._get(self.config, "model"), self._get(self.config, "seed_everything")
+            model, seed = self._get(self.config, "model"), self.configured_seed
             checkpoints.experiment = experiment_record(model, seed)
             checkpoints.resume_changes = self._get(self.config, "resume_changes")
             callbacks += [checkpoints, SignalExit(), MarkResume(metrics)]
@@ -152,7 +158,7 @@ class SgrpoCLI(LightningCLI):
         check_tensor_parallel(trainer.strategy)
         check_nodes(trainer)
         if self.mode == "fit":
-            check_weight_precision(trainer.precision_plugin.precision, self.model)
+            check_weight_precision(trainer.precision_plugin.precision, self.model, trainer.max_steps)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer

@@ -19,7 +19,7 @@ from sgrpo.export import PolicyExport
 from sgrpo.model.head import check_logit_head
 from sgrpo.model.loading import disable_dropout, resolve_model_path, shard_model
 from sgrpo.model.lora import LoRA, apply_lora, is_adapter
-from sgrpo.rollout.engine import RolloutEngine, with_pad_token
+from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_token
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
@@ -201,8 +201,21 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
-        if self.model is not None:
-            return
+        precision = self._trainer.precision_plugin.precision if self._trainer is not None else "32-true"
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None  # FSDP2 (ModelParallel)
+        gather = torch.bfloat16 if mesh is not None and precision == "bf16-mixed" else None  # its blocks' dtype
+        if self.model is None:
+            self._load_model(mesh, gather)
+            bump_weights_version(self.model)  # known weights: an engine holding a copy syncs once until they change
+        # the KL reference for fits only (validate, test never use it); LoRA: the policy, adapters off (train.reference)
+        if self.loss.needs_reference and self.peft is None and self._reference is None and not self._evaluating():
+            self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
+
+    def _evaluating(self) -> bool:  # the trainer runs ``validate`` or ``test`` (not a fit or its validations)
+        fn = getattr(getattr(self._trainer, "state", None), "fn", None)
+        return getattr(fn, "value", fn) in ("validate", "test")
+
+    def _load_model(self, mesh, gather: torch.dtype | None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dtype = getattr(torch, self.model_dtype)
@@ -218,16 +231,10 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         self.model.train()
         if self.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        precision = self._trainer.precision_plugin.precision if self._trainer is not None else "32-true"
-        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None  # FSDP2 (ModelParallel)
-        gather = torch.bfloat16 if mesh is not None and precision == "bf16-mixed" else None  # its blocks' dtype
         if mesh is not None:
             shard_model(self.model, mesh, gather)
             device = self.trainer.strategy.root_device
             self.defer_gradient_sync = defers_gradient_sync(self.gradient_sync, self.model, device)
-        # with LoRA the reference is the policy, adapters off (sgrpo.train.reference)
-        if self.loss.needs_reference and self.peft is None:
-            self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
@@ -292,6 +299,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         state = checkpoint.get("sgrpo", {})
         self.rollout_step = state.get("rollout_step", 0)
         self.val_history = state.get("val_history", [])
+        if self.model is not None:  # the checkpoint's weights replace the model's: engine copies sync again
+            bump_weights_version(self.model)
         # A checkpoint saved on an exception is saved mid-batch (batch "ready" but not "completed"), and
         # Lightning's restart counts that batch once more in `_batches_that_stepped`, which numbers the
         # logged steps: undo it, so the resumed run logs its next step as `rollout_step`.

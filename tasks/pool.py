@@ -35,10 +35,23 @@ class Outcome:
 
 
 def _start_method() -> str:
-    # fork: workers start in milliseconds with the parent's imports (math-verify already loaded) and need
-    # no `if __name__ == "__main__"` guard; the children never touch CUDA or torch threads, as with
-    # DataLoader workers. macOS / Windows use spawn (fork is unsafe or absent there).
-    return "fork" if sys.platform.startswith("linux") else "spawn"
+    """fork where it is safe, else forkserver (Linux) or spawn (macOS / Windows, where fork is unsafe or absent).
+
+    fork: workers start in milliseconds with the parent's imports (math-verify already loaded) and need no
+    ``if __name__ == "__main__"`` guard; the children never touch CUDA or torch threads, as with DataLoader
+    workers. But a process that has initialised CUDA runs native threads (the CUDA driver's, NCCL's watchdog and
+    proxy threads) that may hold locks at the fork, which the child then inherits held:
+    such a process starts its pool from a forkserver, a clean single-threaded process.
+    """
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    return "forkserver" if _runs_native_threads() else "fork"
+
+
+def _runs_native_threads() -> bool:
+    """Whether this process has initialised CUDA (whose NCCL communicators and driver run threads)."""
+    torch = sys.modules.get("torch")  # not imported: no CUDA
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def _init_worker() -> None:

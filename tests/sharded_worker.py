@@ -260,10 +260,10 @@ def decode(model_dir: str, out: str) -> None:
     sharded = AutoModelForCausalLM.from_pretrained(model_dir)
     mesh = dist.device_mesh.init_device_mesh("cpu", (2,))
     shard_model(sharded, mesh)
+    results = {"gather": bucketed_gather(plain, sharded)}  # before a forward leaves the root's weights unsharded
     examples = EXAMPLES[4 * rank : 4 * rank + 4]  # different prompts per process
     forwards: list[int] = []  # forwards of the sharded model (each all-gathers every block)
     sharded.register_forward_pre_hook(lambda *_: forwards.append(1))
-    results = {}
     for name, model, snapshot in (("plain", plain, None), ("gathered", sharded, None), ("per_token", sharded, False)):
         torch.manual_seed(rank)
         forwards.clear()
@@ -272,6 +272,33 @@ def decode(model_dir: str, out: str) -> None:
         results[name]["sharded_forwards"] = len(forwards)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
+
+
+def bucketed_gather(plain, sharded) -> dict:
+    """The vLLM sync's gather of the sharded model: bf16, every parameter in one bucket (one collective), against
+    the plain model's parameters in bf16; FSDP2 pads shards of uneven rows (the 17-token embedding over 2)."""
+    import math
+
+    import torch.distributed as dist
+
+    from sgrpo.rollout.weightsync import engine_weights
+
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    sizes, real = [], getattr(dist, name)
+    setattr(dist, name, lambda out, inp, group=None: sizes.append(out.nbytes) or real(out, inp, group=group))
+    try:
+        got = dict(engine_weights(sharded, torch.bfloat16, bucket_bytes=2**30))
+    finally:
+        setattr(dist, name, real)
+    want = {k: v.to(torch.bfloat16) for k, v in engine_weights(plain)}
+    padded = sum(2 * math.ceil(v.shape[0] / 2) * v[0].numel() * 2 for v in want.values())  # 2 ranks, 2 bytes
+    return {
+        "equal": got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items()),
+        "dtypes": sorted({str(v.dtype) for v in got.values()}),
+        "sizes": sizes,
+        "padded_bytes": padded,
+        "uneven": [k for k, v in want.items() if v.shape[0] % 2],
+    }
 
 
 def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:

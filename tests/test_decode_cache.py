@@ -135,3 +135,16 @@ def test_running_rows_are_read_every_few_tokens_with_the_same_samples():
     assert reads[1] - reads[4] == last - math.ceil(last / 4), (reads, last)
     after = torch.arange(16) > (tokens == 1).float().argmax(-1, keepdim=True)
     assert (tokens[after & ended.unsqueeze(-1)] == 0).all() and (logprobs[after & ended.unsqueeze(-1)] == 0).all()
+
+
+def test_cache_grows_geometrically_so_a_long_rollout_copies_it_a_few_times():
+    """One position at a time to 1,000 with 16-position blocks: the buffers are reallocated (and the cache copied)
+    7 times (16, 32, ..., 1,000: each growth at least doubles), not 63 times (one block at a time)."""
+    layer = BlockLayer(capacity=1000, block=16)
+    sizes = []
+    for _ in range(1000):
+        layer.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+        if not sizes or sizes[-1] != layer.key_buffer.shape[2]:
+            sizes.append(layer.key_buffer.shape[2])
+    assert sizes == [16, 32, 64, 128, 256, 512, 1000]
+    assert layer.get_seq_length() == 1000 and layer.keys.shape[2] == 1000

@@ -114,3 +114,65 @@ def test_token_logprobs_in_bf16_compute_match_autograd_of_the_rounded_head(trans
         exact = transform.softcap * torch.tanh(exact / transform.softcap)
     exact = (exact / 0.8).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     assert float((logp.detach() - exact).abs().max()) > 1e-4
+
+
+def test_real_fp32_output_matmuls_stack_the_parts_along_the_inner_dimension_on_meta(monkeypatch):
+    """The real ``torch.mm(..., out_dtype=torch.float32)`` / ``torch.addmm`` calls of the bf16 head, run on the meta
+    device (CUDA's branch: meta has the kernels' shape and dtype rules): the forward's two parts of h go in as one
+    GEMM of inner size 2H writing the ``[chunk, V]`` logits once (no ``[2 chunk, V]`` float32 temporary); the
+    backward's grad_h is one GEMM of inner size 2V, and grad_W accumulates in place (beta = 1), never writing a
+    ``[V, H]`` float32 product per chunk."""
+    vocab, hidden, tokens, chunk = 40, 8, 10, 4
+    h = torch.randn(tokens, hidden, device="meta", requires_grad=True)
+    weight = torch.randn(vocab, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.zeros(tokens, dtype=torch.long, device="meta")
+    from sgrpo.model.head import _fp32_accumulate, _fp32_output
+
+    assert _fp32_output("meta", torch.bfloat16) and _fp32_accumulate("meta", torch.bfloat16)  # probed: the real calls
+    calls, inside = [], []
+    real_mm, real_addmm = torch.mm, torch.addmm
+
+    def mm(a, b, *args, **kwargs):  # the head's calls (not those of the meta kernels' own decompositions)
+        if not inside:
+            calls.append(("mm", tuple(a.shape), tuple(b.shape), a.dtype, kwargs.get("out_dtype")))
+        inside.append(1)
+        try:
+            return real_mm(a, b, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    def addmm(acc, a, b, *args, **kwargs):
+        if not inside:
+            calls.append(("addmm", tuple(a.shape), tuple(b.shape), a.dtype, kwargs.get("out_dtype")))
+        inside.append(1)
+        try:
+            out = real_addmm(acc, a, b, *args, **kwargs)
+        finally:
+            inside.pop()
+        assert out is acc  # accumulated in place
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    logp, _ = TokenLogprobs.apply(h, weight, None, targets, 1.0, chunk, False, None, torch.bfloat16)
+    forward, calls[:] = list(calls), []
+    bf16, f32 = torch.bfloat16, torch.float32
+    rows = [4, 4, 2]
+    assert forward == [("mm", (n, 2 * hidden), (2 * hidden, vocab), bf16, f32) for n in rows]
+    logp.sum().backward()
+    for n in rows:  # per chunk: the logits again, grad_h, grad_W
+        assert ("mm", (n, 2 * hidden), (2 * hidden, vocab), bf16, f32) in calls
+        assert ("mm", (n, 2 * vocab), (2 * vocab, hidden), bf16, f32) in calls  # [dr_hi, dr_lo] @ [W; W]
+        assert ("addmm", (vocab, 3 * n), (3 * n, hidden), bf16, f32) in calls  # hi hi + hi lo + lo hi, into grad_W
+    assert len(calls) == 3 * len(rows)
+    assert h.grad.shape == h.shape and h.grad.dtype == f32 and weight.grad.dtype == bf16
+
+
+def test_logit_chunks_fill_accelerator_tiles():
+    from sgrpo.model.logprobs import logit_chunk_tokens
+
+    vocab = 151936  # Qwen2.5
+    assert logit_chunk_tokens(128, vocab, "cpu") == 220  # 128 MiB / (4 x 151,936 B)
+    assert logit_chunk_tokens(128, vocab, "cuda") == 1024  # at least 1,024 on an accelerator
+    assert logit_chunk_tokens(2048, vocab, "cuda") == 3584  # 3,533 rounded up to whole 256-token tiles
+    assert logit_chunk_tokens(0.001, 50, "cpu") == 5

@@ -85,3 +85,34 @@ def test_rollouts_sample_base_plus_adapter(snapshot):
     assert not any(is_adapter(n) or ".base_layer." in n for n in merged)
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            model.model.layers[0].self_attn.q_proj.base_layer.weight)  # fmt: skip
+
+
+def test_merged_state_is_kept_by_the_leader_alone(monkeypatch, tmp_path):
+    """Every process walks every merged weight (under FSDP2 each is a collective); only the leader keeps copies.
+    ``save_policy`` of a LoRA policy with the merged export: the others keep nothing."""
+    import sgrpo.export
+    import sgrpo.model.lora
+    from sgrpo.model.lora import merged_state
+
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    apply_lora(model, LoRA(rank=4, alpha=8))
+    walked, real = [], sgrpo.model.lora.plain_weights
+
+    def counting(*args, **kwargs):
+        for name, value in real(*args, **kwargs):
+            walked.append(name)
+            yield name, value
+
+    monkeypatch.setattr(sgrpo.model.lora, "plain_weights", counting)
+    full = merged_state(model)
+    every = list(walked)
+    walked.clear()
+    assert merged_state(model, keep=False) == {} and walked == every  # all gathered, none kept
+    assert full.keys() and not any(is_adapter(n) for n in full)
+    kept = []
+    monkeypatch.setattr(sgrpo.export, "merged_state", lambda m, keep=True: kept.append(keep) or {})
+    monkeypatch.setattr(sgrpo.export, "save_adapter", lambda *a: None)
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
+    for leader in (False, True):
+        sgrpo.export.save_policy(model, tokenizer, tmp_path / str(leader), LoRA(rank=4), SHIPPED, True, leader=leader)
+    assert kept == [False, True]

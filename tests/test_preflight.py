@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,8 @@ from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny
 from sgrpo.rollout import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_room
 from sgrpo.rollout.vllm_engine import VLLMRollout
-from sgrpo.run.preflight import BF16_MIN_ADAM_LR, check_tensor_parallel, check_weight_precision
+from sgrpo.run.precision import BF16_MIN_ADAM_LR, check_weight_precision
+from sgrpo.run.preflight import check_tensor_parallel
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -326,3 +328,16 @@ def test_several_nodes_started_by_hand_are_refused_in_one_line_not_left_waiting(
         check_nodes(SimpleNamespace(num_nodes=nodes, strategy=SimpleNamespace(cluster_environment=environment)))
     monkeypatch.setenv("NODE_RANK", "1")  # Lightning's launch by hand: every node given its rank
     check_nodes(SimpleNamespace(num_nodes=2, strategy=SimpleNamespace(cluster_environment=LightningEnvironment())))
+
+
+def test_a_scheduler_that_takes_bfloat16_steps_below_the_bound_is_warned():
+    """The base lr passes the bound, but a linear decay to 0 over 100 steps crosses it at step 97 (lr 3e-5)."""
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    decay = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / 100)  # noqa: E731
+    policy = SimpleNamespace(model_dtype="bfloat16", optimizer_factory=adamw, scheduler_factory=decay)
+    with pytest.warns(UserWarning, match=r"model.scheduler takes the lr to 3e-05 at step 97, below 3.9e-05"):
+        check_weight_precision("bf16-true", policy, max_steps=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_weight_precision("bf16-true", policy, max_steps=96)  # the run ends before the crossing
+        check_weight_precision("bf16-mixed", SimpleNamespace(**{**vars(policy), "model_dtype": "float32"}), 100)

@@ -94,3 +94,28 @@ def test_lora_reference_is_the_base_with_the_adapters_off(model_dir, batch, monk
     assert (adapted - base).abs().max() > 1e-3  # the adapters moved the policy: they were off above
     assert torch.equal(logprobs(model, batch), adapted)
     assert all(p.requires_grad == is_adapter(n) for n, p in model.named_parameters())
+
+
+def test_validate_and_test_build_no_reference_and_a_fit_after_them_does(model_dir, batch):
+    """``sgrpo.fit validate|test`` never use the KL reference: it is not built (a second model's memory); a fit
+    after a validation (``validate_before``) builds it then, from the policy's still initial weights."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from sgrpo.rollout.engine import weights_version
+
+    policy = make_policy(model_dir, batch, GRPO(), loss=KL)
+    state = SimpleNamespace(fn=TrainerFn.VALIDATING)
+    policy._trainer = SimpleNamespace(state=state, precision_plugin=SimpleNamespace(precision="32-true"))
+    policy.configure_model()
+    assert policy.model is not None and policy._reference is None
+    assert weights_version(policy.model) == 1  # known weights: a vLLM engine syncs once per validation, not per batch
+    state.fn = TrainerFn.TESTING
+    policy.configure_model()
+    assert policy._reference is None
+    state.fn = TrainerFn.FITTING
+    policy.configure_model()
+    reference = policy._reference
+    assert reference is not None and reference is not policy.model
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), policy.model.parameters()))

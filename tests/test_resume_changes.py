@@ -74,3 +74,24 @@ def test_a_resume_with_another_experiment_is_refused_or_applied(tmp_path, capsys
     fit("--trainer.max_steps=3", "--ckpt_path=last", "--model.optimizer.init_args.lr=0.01", "--resume_changes=allow")
     saved = torch.load(last, weights_only=False)
     assert saved["global_step"] == 3 and [g["lr"] for g in saved["optimizer_states"][0]["param_groups"]] == [0.01]
+
+
+def test_seed_everything_true_is_recorded_as_the_setting_so_a_resume_is_the_same_experiment(tmp_path, monkeypatch):
+    """Lightning resolves ``seed_everything: true`` at every start into a seed: the one in ``PL_GLOBAL_SEED`` where
+    the environment has it (a launcher, an earlier seeding in the job), else 0 (Lightning 2.6; older versions drew
+    one at random). The record keeps the setting, ``true``, so two starts of the same config (a run and its resume)
+    that resolve it differently record the same experiment (before: 11 -> 22, refused as another experiment)."""
+    from pathlib import Path
+
+    from sgrpo.fit import parse
+    from sgrpo.run.saving import RunCheckpoint
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    records, seeds = [], []
+    for drawn in ("11", "22"):
+        monkeypatch.setenv("PL_GLOBAL_SEED", drawn)
+        cli = parse(["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--seed_everything=true"])
+        records.append(next(c for c in cli.trainer.callbacks if isinstance(c, RunCheckpoint)).experiment)
+        seeds.append(cli.config["seed_everything"])
+    assert seeds == [11, 22]  # Lightning still seeds each start
+    assert records[0]["seed_everything"] == "true" and experiment_changes(records[0], records[1]) == []

@@ -196,6 +196,11 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert runs["gathered"]["sharded_forwards"] == 0  # no collective per token: one gather per rollout
         assert runs["per_token"]["sharded_forwards"] >= 6  # the prefill and a forward per new token
+        # the vLLM sync's gather: every parameter cast to bf16 before it travels, one collective for all (before:
+        # one per parameter, in float32), the padded rows of uneven shards cut away
+        gather = runs["gather"]
+        assert gather["equal"] and gather["dtypes"] == ["torch.bfloat16"] and gather["uneven"], gather
+        assert gather["sizes"] == [gather["padded_bytes"]], gather
 
 
 def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out: Path) -> None:

@@ -198,3 +198,28 @@ def test_rewards_and_tasks_show_their_settings():
     )
     assert repr(Toy(ExactMatch(), max_train_examples=2)).startswith("Toy(reward=ExactMatch(scale='01'")
     assert "_cache" not in repr(Toy(ExactMatch()))  # private state stays out
+
+
+def test_a_process_with_cuda_starts_its_pool_from_a_forkserver(monkeypatch):
+    """fork copies a process's threads' held locks but not the threads: after CUDA (NCCL's threads) the pool's
+    workers come from a forkserver; before it, fork (fast)."""
+    import tasks.pool
+
+    monkeypatch.setattr(tasks.pool.sys, "platform", "linux")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert tasks.pool._start_method() == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert tasks.pool._start_method() == "forkserver"
+
+
+@pytest.mark.slow
+def test_a_pool_started_from_a_forkserver_scores(monkeypatch):
+    """8 s: the forkserver and its worker import their modules afresh."""
+    import tasks.pool
+
+    monkeypatch.setattr(tasks.pool, "_start_method", lambda: "forkserver")
+    pool = WorkerPool(1)
+    try:
+        assert pool.run(math.sqrt, [(4.0,)], timeout=30)[0].value == 2.0  # a working pool from the forkserver
+    finally:
+        pool.close()

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from sgrpo.model.logprobs import logprob_mismatch
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.rollout import HFRollout
+from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.rollout.vllm_engine import INSTALL_HINT, VLLMRollout
 from sgrpo.rollout.vllm_requests import prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
 from sgrpo.rollout.weightsync import engine_weights, hf_parameter_name, weight_chunks
@@ -186,6 +187,22 @@ def test_engine_weights_gather_fsdp2_shards(tokenizer):
         got = dict(engine_weights(model))
         assert got.keys() == expected.keys()
         assert all(type(v) is torch.Tensor and torch.equal(v, expected[k]) for k, v in got.items())
+        # in the engine's dtype and in buckets: one collective per bucket, moving bf16 bytes
+        name = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+        gathers, real = [], getattr(torch.distributed, name)
+        record = lambda out, inp, group=None: gathers.append(out.nbytes) or real(out, inp, group)  # noqa: E731
+        setattr(torch.distributed, name, record)
+        try:
+            one_bucket = dict(engine_weights(model, torch.bfloat16, bucket_bytes=2**30))
+            full_bytes = sum(v.numel() for v in expected.values()) * 2
+            assert gathers == [full_bytes]  # all parameters, half their float32 bytes, one collective
+            assert all(torch.equal(one_bucket[k], v.to(torch.bfloat16)) for k, v in expected.items())
+            gathers.clear()
+            small = dict(engine_weights(model, torch.bfloat16, bucket_bytes=full_bytes // 3))
+            assert 3 <= len(gathers) < len(expected) and sum(gathers) == full_bytes
+            assert all(torch.equal(small[k], v.to(torch.bfloat16)) for k, v in expected.items())
+        finally:
+            setattr(torch.distributed, name, real)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -245,7 +262,7 @@ def test_generate_syncs_weights_sleeps_and_wakes_in_order(fake_vllm, model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = build_char_tokenizer()
     examples = [Example(prompt="s:31=", answer="13"), Example(prompt="s:402=", answer="024")]
-    engine = VLLMRollout(max_new_tokens=3, temperature=0.8, gpu_memory_utilization=0.4, seed=5)
+    engine = VLLMRollout(max_new_tokens=3, temperature=0.8, gpu_memory_utilization=0.4, seed=5, seed_per_request=True)
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)  # the policy moved away from the checkpoint the engine loaded
     torch.manual_seed(0)
@@ -277,6 +294,87 @@ def test_generate_syncs_weights_sleeps_and_wakes_in_order(fake_vllm, model_dir):
     assert torch.equal(llm.engine_model.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
     assert llm.params[0].n == 1 and llm.params[0].temperature == 0.0
     assert greedy.input_ids.shape[0] == 3 and len(set(greedy.completions)) == 1  # one argmax completion, 3 rows
+
+
+def tracked_model(model_dir: str):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    bump_weights_version(model)  # as GRPOPolicy's optimiser steps do
+    return model
+
+
+EXAMPLES_2 = [Example(prompt="s:31=", answer="13"), Example(prompt="s:402=", answer="024")]
+STEP = ["wake:weights", "load", "reset", "wake:kv_cache", "generate", "sleep1"]
+
+
+def test_sync_is_skipped_while_the_weights_version_is_unchanged(fake_vllm, model_dir):
+    model, tokenizer = tracked_model(model_dir), build_char_tokenizer()
+    engine = VLLMRollout(max_new_tokens=2)
+    engine.generate(model, tokenizer, EXAMPLES_2, 2)
+    llm = engine._llm
+    assert llm.events == ["load", "reset", "generate", "sleep1"]
+    llm.events.clear()
+    engine.generate(model, tokenizer, EXAMPLES_2, 2)  # no optimiser step since: the engine's weights are current
+    assert llm.events == ["wake:weights", "wake:kv_cache", "generate", "sleep1"]
+    llm.events.clear()
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    bump_weights_version(model)  # an optimiser step
+    engine.generate(model, tokenizer, EXAMPLES_2, 2)
+    assert llm.events == STEP
+    assert torch.equal(llm.engine_model.model.norm.weight, model.model.norm.weight)
+    other = tracked_model(model_dir)  # another model at the same version number is synced
+    llm.events.clear()
+    engine.generate(other, tokenizer, EXAMPLES_2, 2)
+    assert llm.events == STEP
+
+
+def test_engine_stays_awake_and_synced_once_through_a_validation(fake_vllm, model_dir):
+    model, tokenizer = tracked_model(model_dir), build_char_tokenizer()
+    engine = VLLMRollout(max_new_tokens=2)
+    engine.generate(model, tokenizer, EXAMPLES_2, 2)  # a training step leaves the engine asleep
+    bump_weights_version(model)
+    llm = engine._llm
+    llm.events.clear()
+    engine.hold()  # PolicyEvaluation.on_validation_epoch_start
+    for _ in range(3):
+        engine.generate(model, tokenizer, EXAMPLES_2, 2, greedy=True)
+    engine.release()  # on_validation_epoch_end
+    assert llm.events == STEP[:-1] + ["generate", "generate", "sleep1"]
+
+
+def test_device_cache_is_emptied_before_each_wake_up(fake_vllm, model_dir, monkeypatch):
+    """The weight sync's freed blocks go back to the device before the KV cache is mapped again."""
+    model, tokenizer = tracked_model(model_dir), build_char_tokenizer()
+    engine = VLLMRollout(max_new_tokens=2)
+    engine.generate(model, tokenizer, EXAMPLES_2, 2)
+    llm = engine._llm
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.events.append("empty_cache"))
+    bump_weights_version(model)
+    llm.events.clear()
+    engine.generate(model, tokenizer, EXAMPLES_2, 2)
+    assert llm.events == ["empty_cache", "wake:weights", "load", "reset", "empty_cache", "wake:kv_cache",
+                          "generate", "sleep1"]  # fmt: skip
+
+
+def test_engine_is_seeded_per_step_without_per_request_seeds(fake_vllm, model_dir):
+    """Default: no per-request seeds (vLLM's batched sampler); the engine's generators are seeded from torch's RNG,
+    so the policy's per-step seed reproduces the draws, and the caller's RNG state is left as one draw moved it."""
+    model, tokenizer = tracked_model(model_dir), build_char_tokenizer()
+    engine = VLLMRollout(max_new_tokens=2)
+    assert engine.seed_per_request is False
+    draws = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        engine.generate(model, tokenizer, EXAMPLES_2, 2)
+        draws.append(engine._llm.draws[-1])
+        after = torch.rand(1)
+        torch.manual_seed(seed)
+        torch.randint(2**31 - 1, (1,))  # the engine's one draw from the caller's generator
+        assert torch.equal(after, torch.rand(1))
+    assert all(p.seed is None for p in engine._llm.params)
+    assert draws[0] == draws[1] != draws[2]
 
 
 def test_sync_reports_engine_parameters_left_without_a_value(fake_vllm, model_dir):

@@ -74,11 +74,12 @@ class FakeLLM:
     def generate(self, prompts, sampling_params, use_tqdm=True):
         self.events.append("generate")
         self.params = sampling_params
+        self.draws = [*getattr(self, "draws", []), torch.rand(1).item()]  # what an unseeded request's sampler draws
         outputs = []
         for prompt, params in zip(prompts, sampling_params):
             outs = []
             for g in range(params.n):
-                ids = [3 + (getattr(params, "seed", 0) + g) % 10, EOS] if g % 2 == 0 else [4] * params.max_tokens
+                ids = [3 + ((getattr(params, "seed", 0) or 0) + g) % 10, EOS] if g % 2 == 0 else [4] * params.max_tokens
                 lps = [-0.1 * (k + 1) for k in range(len(ids))]
                 outs.append(completion(g, ids, lps, "stop" if g % 2 == 0 else "length"))
             outputs.append(request(prompt["prompt_token_ids"], outs))
@@ -103,7 +104,8 @@ class SamplingLLM(FakeLLM):
         outputs = []
         for prompt, params in zip(prompts, sampling_params):
             ids = torch.tensor([prompt["prompt_token_ids"]] * params.n)  # [n, P]
-            torch.manual_seed(params.seed)
+            if params.seed is not None:  # else the process's generator, which VLLMRollout seeds per step
+                torch.manual_seed(params.seed)
             out = self.engine_model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=params.temperature,
                 top_k=0, max_new_tokens=params.max_tokens, eos_token_id=params.stop_token_ids, pad_token_id=PAD,

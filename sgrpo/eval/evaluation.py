@@ -79,12 +79,20 @@ class PolicyEvaluation:
     def test_step(self, batch: list[tuple[int, Example]], batch_idx: int) -> None:
         self._evaluate(batch, batch_idx, "test")
 
+    def on_validation_epoch_start(self) -> None:
+        self.val_rollout.hold()  # the weights do not change during a validation: vLLM stays awake, synced once
+
+    def on_test_epoch_start(self) -> None:
+        self.val_rollout.hold()
+
     def on_validation_epoch_end(self) -> None:
+        self.val_rollout.release()
         result = self._evaluation_end("validation")
         if result is not None:
             self.val_history.append(result)
 
     def on_test_epoch_end(self) -> None:
+        self.val_rollout.release()
         self._evaluation_end("test")
 
     def _evaluate(self, batch: list[tuple[int, Example]], batch_idx: int, split: str) -> None:

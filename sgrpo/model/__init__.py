@@ -1,5 +1,5 @@
-"""The policy model: loading and sharding, the LM head shared by sampling and the loss, completion log-probs,
-LoRA through peft, and the tiny models the tests and the quickstart build."""
+"""The policy model: loading, sharding and gathering its shards, the LM head shared by sampling and the loss,
+completion log-probs, LoRA through peft, and the tiny models the tests and the quickstart build."""
 
 from sgrpo.model.head import LMHead, TokenLogprobs
 from sgrpo.model.loading import resolve_model_path, shard_model

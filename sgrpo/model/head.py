@@ -18,6 +18,7 @@ its logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -104,35 +105,61 @@ def _mm_fp32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if out is None else torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
-def weight_mm(x: Tensor, weight: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
-    """float32 ``x @ weight`` for an activation ``x`` and a ``head_operand`` ``weight`` (or its transpose).
+@functools.cache
+def _fp32_accumulate(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm`` adds the float32 product of ``dtype`` operands into a float32 tensor in place."""
+    try:
+        acc, a = torch.zeros(2, 2, device=device_type), torch.ones(2, 2, dtype=dtype, device=device_type)
+        return torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` for half-precision operands and a float32 ``acc``: one GEMM with beta = 1 where the
+    device has it (CUDA), so no ``[n, p]`` float32 product is written and read back; else product, then add."""
+    if _fp32_accumulate(acc.device.type, a.dtype):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_(_mm_fp32(a, b))
+
+
+def stacked_operand(weight: Tensor, dim: int) -> Tensor:
+    """``weight`` twice along ``dim`` (``[W, W]``): the right operand of ``[hi, lo] @ [W; W] = hi W + lo W``."""
+    return torch.cat([weight, weight], dim)
+
+
+def weight_mm(x: Tensor, weight: Tensor, dtype: torch.dtype, out: Tensor | None = None,
+              stacked: Tensor | None = None) -> Tensor:  # fmt: skip
+    """float32 ``x @ weight`` for an activation ``x`` ``[m, k]`` and a ``head_operand`` ``weight`` ``[k, n]``.
 
     The weight is in the compute dtype; the activation is not rounded to it: where the device multiplies
-    the compute dtype with a float32 result, ``x`` goes in as two parts (``_parts``: stacked along the
-    rows, one matmul reading the weight once); elsewhere (CPU) it is multiplied exactly, in float32.
-    Rounding ``x`` to one bf16 part is a step function of it: a difference ``d`` between two runs (1 and
-    2 processes) would come out of the head as about ``sqrt(d * 2^-8)`` instead of ``d``.
+    the compute dtype with a float32 result, ``x = hi + lo`` goes in as two parts (``_parts``) stacked along
+    the inner dimension, ``[hi, lo] @ [W; W]``: one GEMM of inner size ``2k`` writing the ``[m, n]`` float32
+    result once (``stacked``: ``[W; W]`` ``[2k, n]`` made once by the caller, else here). Elsewhere (CPU)
+    ``x`` is multiplied exactly, in float32. Rounding ``x`` to one bf16 part is a step function of it: a
+    difference ``d`` between two runs (1 and 2 processes) would come out of the head as about
+    ``sqrt(d * 2^-8)`` instead of ``d``.
     """
     if weight.dtype == torch.float32:
         return torch.mm(x.to(torch.float32), weight, out=out)
     parts = _parts(x, dtype)
     if len(parts) == 1:
         return _mm_fp32(parts[0], weight, out=out)
-    m = x.shape[0]
-    both = _mm_fp32(torch.cat(parts), weight)  # [2m, n]: hi @ W over lo @ W
-    return torch.add(both[:m], both[m:], out=out)
+    stacked = stacked_operand(weight, 0) if stacked is None else stacked  # [2k, n]
+    return _mm_fp32(torch.cat(parts, 1), stacked, out=out)  # [m, 2k] @ [2k, n]: hi @ W + lo @ W
 
 
 def activations_mm_(acc: Tensor, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``acc += a @ b`` in float32 for two activations (float32, ``[n, k]`` and ``[k, p]``), in ``dtype``'s matmul.
 
     Where the device multiplies the compute dtype with a float32 result: ``hi hi + hi lo + lo hi``
-    (``_parts``), one matmul over the three stacked along ``k``; elsewhere one float32 matmul."""
+    (``_parts``), one GEMM over the three stacked along ``k`` accumulating into ``acc`` (``_addmm_fp32_``);
+    elsewhere one float32 matmul."""
     if dtype == torch.float32 or not _fp32_output(a.device.type, dtype):
         return acc.addmm_(a.float(), b.float())
     a_parts, b_parts = _parts(a, dtype), _parts(b, dtype)
     pairs = [(x, y) for i, x in enumerate(a_parts) for j, y in enumerate(b_parts) if i + j < 2]  # no lo lo
-    return acc.add_(_mm_fp32(torch.cat([x for x, _ in pairs], 1), torch.cat([y for _, y in pairs], 0)))
+    return _addmm_fp32_(acc, torch.cat([x for x, _ in pairs], 1), torch.cat([y for _, y in pairs], 0))
 
 
 class LMHead:
@@ -148,6 +175,15 @@ class LMHead:
         self.dtype = head_dtype(weight) if dtype is None else dtype
         self.weight, self.bias = head_operand(weight, self.dtype), bias
         self.transform = transform or LogitTransform()
+        self._stacked: dict[int, Tensor] = {}  # [W, W] along a dimension, made on first use (two-part matmuls)
+
+    def stacked(self, dim: int) -> Tensor | None:
+        """``[W, W]`` along ``dim`` (``weight_mm``'s two-part operand), made once per head; None where unused."""
+        if self.weight.dtype == torch.float32:
+            return None
+        if dim not in self._stacked:
+            self._stacked[dim] = stacked_operand(self.weight, dim)
+        return self._stacked[dim]
 
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
@@ -157,8 +193,11 @@ class LMHead:
 
     def __call__(self, h: Tensor, temperature: float = 1.0, out: Tensor | None = None) -> Tensor:
         """float32 logits ``[M, V]``; ``out`` (float32 ``[M, V]``) is an optional reusable buffer."""
-        with torch.autocast(h.device.type, enabled=False):
-            z = weight_mm(h, self.weight.t(), self.dtype, out=out)
+        # the meta device (CI's stand-in for CUDA's kernels) has no autocast, so none to turn off
+        off = torch.autocast(h.device.type, enabled=False) if h.device.type != "meta" else contextlib.nullcontext()
+        with off:
+            stacked = self.stacked(1) if h.dtype != self.dtype else None  # [V, 2H]: its transpose is [W^T; W^T]
+            z = weight_mm(h, self.weight.t(), self.dtype, out=out, stacked=None if stacked is None else stacked.t())
             if self.bias is not None:
                 z.add_(self.bias)
         self.transform.apply_(z)
@@ -269,7 +308,7 @@ class TokenLogprobs(torch.autograd.Function):
                     grad_w.addmm_(z.t(), hc.float())
             else:
                 if need_h:
-                    grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype)
+                    grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype, stacked=head.stacked(0))
                 if need_w:
                     activations_mm_(grad_w, z.t(), hc, dtype)
             if need_b:

@@ -17,7 +17,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
+
+from sgrpo.model.gather import gathered
 
 ADAPTER = "default"
 
@@ -86,21 +89,41 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
             layer.enable_adapters(True)
 
 
-def plain_weights(model: nn.Module, buffers: bool = True) -> Iterator[tuple[str, Tensor]]:
-    """The model's parameters (and buffers) under its plain (adapter-free) names, adapters merged in, gathered
-    from FSDP2 shards one tensor at a time (a collective per tensor: every process must iterate in step)."""
-    full = lambda t: t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach()  # noqa: E731
+def plain_weights(
+    model: nn.Module, buffers: bool = True, dtype: torch.dtype | None = None, bucket_bytes: int = 0
+) -> Iterator[tuple[str, Tensor]]:
+    """The model's parameters (and buffers) under its plain (adapter-free) names, adapters merged in
+    (``W + scaling * B @ A``), gathered from FSDP2 shards (collectives: every process must iterate in step).
+
+    ``dtype``: floating-point parameters are cast to it before they are gathered (bf16 halves the bytes),
+    an adapted weight after its merge (its base weight and adapters travel in their own dtypes);
+    ``bucket_bytes``: tensors gathered together up to that many bytes (``sgrpo.model.gather``; 0: one by one).
+    """
     adapted = {name: module for name, module in model.named_modules() if hasattr(module, "base_layer")}
-    for name, param in model.named_parameters():
-        if is_adapter(name):
-            continue
-        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if owner in adapted and name.endswith(".base_layer.weight"):
-            layer = adapted[owner]
-            a, b = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight)
-            yield f"{owner}.weight", full(param) + (b.float() @ a.float()).to(param.dtype) * layer.scaling[ADAPTER]
-        else:
-            yield name.replace(".base_layer.", "."), full(param)
+
+    def items():
+        for name, param in model.named_parameters():
+            if is_adapter(name):
+                continue
+            owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+            if owner in adapted and name.endswith(".base_layer.weight"):
+                layer = adapted[owner]
+                yield ("W", owner), param, None
+                yield ("A", owner), layer.lora_A[ADAPTER].weight, None
+                yield ("B", owner), layer.lora_B[ADAPTER].weight, None
+            else:
+                yield ("", name.replace(".base_layer.", ".")), param, dtype if param.is_floating_point() else None
+
+    parts: dict[str, Tensor] = {}
+    for (kind, name), value in gathered(items(), bucket_bytes):
+        if not kind:
+            yield name, value
+        elif kind != "B":
+            parts[kind] = value
+        else:  # the base weight, A, B of one adapted layer are consecutive
+            w, a, scaling = parts.pop("W"), parts.pop("A"), adapted[name].scaling[ADAPTER]
+            merged = w + (value.float() @ a.float()).to(w.dtype) * scaling
+            yield f"{name}.weight", merged if dtype is None else merged.to(dtype)
     for name, buffer in model.named_buffers() if buffers else ():
         yield name.replace(".base_layer.", "."), buffer
 
@@ -128,10 +151,15 @@ def save_adapter(state: dict[str, Tensor], spec: LoRA, base: str, path: Path) ->
     (path / "sgrpo_lora.json").write_text(json.dumps(asdict(spec)))
 
 
-def merged_state(model: nn.Module) -> dict[str, Tensor]:
+def merged_state(model: nn.Module, keep: bool = True) -> dict[str, Tensor]:
     """A full, adapter-free state dict (adapters merged) on the CPU: what ``save_pretrained`` of the merged
-    model would hold."""
-    return {name: tensor.detach().cpu() for name, tensor in plain_weights(model) if not _non_persistent(model, name)}
+    model would hold. Under FSDP2 every process must call this (each tensor is gathered, a collective); only
+    one that ``keep``s holds the copies (the others get ``{}``: a 7B model is 28 GB of host memory per process)."""
+    state = {}
+    for name, tensor in plain_weights(model):
+        if keep and not _non_persistent(model, name):
+            state[name] = tensor.detach().cpu()
+    return state
 
 
 def _non_persistent(model: nn.Module, name: str) -> bool:

@@ -29,18 +29,19 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import any_process, is_sharded, world_size
-from sgrpo.model.head import LMHead, log_softmax_at
+from sgrpo.model.head import LMHead
 from sgrpo.model.logprobs import final_hidden_states
 
 
 class BlockLayer(DynamicLayer):
-    """A full-attention cache layer in buffers grown ``block`` positions at a time, up to ``capacity``.
+    """A full-attention cache layer in buffers grown in whole ``block`` s, at least doubling, up to ``capacity``.
 
     Keys and values are views of the buffers' filled positions. The buffers hold the positions written
-    so far rounded up to a block (not prompt + ``max_new_tokens`` from the start: most rows of a
-    rollout end early, and finished rows are dropped from the batch), and keys are stored in the values'
-    dtype (under autocast rotary embeddings promote keys to float32; attention casts them back to the
-    values' dtype anyway, so rounding them once on write gives the same numbers in half the key memory).
+    so far rounded up to a block, or twice what they held when that is more (not prompt + ``max_new_tokens``
+    from the start: most rows of a rollout end early, and finished rows are dropped from the batch); keys are
+    stored in the values' dtype (under autocast rotary embeddings promote keys to float32; attention casts them
+    back to the values' dtype anyway, so rounding them once on write gives the same numbers in half the key
+    memory).
     """
 
     def __init__(self, capacity: int, block: int = 256) -> None:
@@ -57,11 +58,12 @@ class BlockLayer(DynamicLayer):
         self.is_initialized = True
 
     def reserve(self, positions: int) -> None:
-        """Grow the buffers to hold ``positions`` positions (rounded up to a block, at most ``capacity``)."""
+        """Grow the buffers to hold ``positions`` positions: rounded up to a block, and at least doubled (at most
+        ``capacity``), so a rollout of n tokens copies its cache O(log n) times, not n / block times."""
         if positions > self.capacity:
             raise RuntimeError(f"KV cache full: {positions} positions > capacity {self.capacity}")
         if positions > self.key_buffer.shape[2]:
-            size = min(self.capacity, -(-positions // self.block) * self.block)
+            size = min(self.capacity, max(-(-positions // self.block) * self.block, 2 * self.key_buffer.shape[2]))
             self.key_buffer = self._copy(self.key_buffer, size)
             self.value_buffer = self._copy(self.value_buffer, size)
 
@@ -115,29 +117,59 @@ def select_rows(cache: DynamicCache, indices: Tensor) -> None:
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
-    """One token per row from ``logits`` ``[R, V]``: argmax, or softmax(logits / T) cut to top-k then top-p;
-    and the kept mass ``[R]`` float32: the full softmax(logits / T)'s mass on the tokens it could draw (1: none cut).
+    """One token per row from ``logits`` ``[R, V]`` and the kept mass ``[R]`` (``sample_with_logprobs``'s)."""
+    tokens, _, mass = sample_with_logprobs(logits, temperature, top_k, top_p, greedy)
+    return tokens, mass
 
-    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (the nucleus; the
-    top token always survives) and draws from it renormalised: token i with p_i / mass. Sampling uses
-    the exponential-race form (argmax of p_i / E_i with E_i ~ Exp(1)), which draws exactly from the
-    kept p and draws from the global torch generator.
+
+def sample_with_logprobs(
+    logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One token per row from ``logits`` ``[R, V]``, its log-prob under the full ``p = softmax(logits / T)`` and the
+    kept mass: ``p``'s mass on the tokens the sampler could draw (1: nothing cut), ``[R]`` each (mass float32).
+
+    Sampling is argmax, or the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which draws exactly
+    from p (cut to top-k then top-p where asked: the nucleus is the smallest set of most probable tokens whose mass
+    reaches ``top_p``, the top token always kept, drawn from renormalised), from the global torch generator.
+    Untruncated, the log-prob is read from the probabilities the race used, ``log p[token]``: seven operations over
+    ``[R, V]`` per token (the scaling, the softmax, the draws' allocation and draws, the race's division and argmax,
+    the gather), where sampling, then the log-prob from the logits again (scaling and logsumexp), took nine; greedy
+    and truncated sampling take ``z[token] - logsumexp(z)`` of the full softmax (what the loss computes).
     """
+    z = logits.float() / temperature  # [R, V]: a new tensor, the caller's logits stay
+    ones = torch.ones(z.shape[0], dtype=torch.float32, device=z.device)
     if greedy:
-        return logits.argmax(-1), logits.new_ones(logits.shape[0], dtype=torch.float32)
-    logits = logits.float() / temperature
-    full = logits.softmax(-1)
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
+        tokens = logits.argmax(-1)
+        return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1), ones
+    if 0 < top_k < z.shape[-1] or top_p < 1.0:
+        kept = _truncated(z, top_k, top_p)
+        mass = z.softmax(-1).masked_fill(kept == 0, 0.0).sum(-1)  # [R] the full softmax's mass on the drawable
+        tokens = _race(kept)
+        return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1), mass
+    probs = z.softmax(-1)
+    tokens = _race(probs, keep=True)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(), ones
+
+
+def _race(probs: Tensor, keep: bool = False) -> Tensor:
+    """argmax_i p_i / E_i, E_i ~ Exp(1) (a draw from p); ``keep``: ``probs`` is left as it was."""
+    draws = torch.empty_like(probs).exponential_(1.0)
+    return (torch.div(probs, draws, out=draws) if keep else probs.div_(draws)).argmax(-1)
+
+
+def _truncated(z: Tensor, top_k: int, top_p: float) -> Tensor:
+    """softmax(z) cut to its top-k, then to the smallest prefix whose mass reaches ``top_p`` (not renormalised:
+    the exponential race needs no normalisation)."""
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = z.softmax(-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the top token always survives)
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    mass = full.masked_fill(probs == 0, 0.0).sum(-1)  # [R] the full distribution's mass on the drawable tokens
-    return probs.div_(torch.empty_like(probs).exponential_(1.0)).argmax(-1), mass
+    return probs
 
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -288,8 +320,8 @@ def decode(
     for t in range(max_new_tokens):
         if t < min_new_tokens:
             logits[:, eos_t] = float("-inf")
-        next_tokens, mass = sample(logits, temperature, top_k, top_p, greedy)
-        logprobs[alive, t] = log_softmax_at(logits / temperature, next_tokens).masked_fill_(~running, 0.0)
+        next_tokens, next_logprobs, mass = sample_with_logprobs(logits, temperature, top_k, top_p, greedy)
+        logprobs[alive, t] = next_logprobs.masked_fill_(~running, 0.0)
         if nucleus_mass is not None:
             nucleus_mass[alive, t] = mass.masked_fill(~running, 0.0)
         next_tokens = next_tokens.masked_fill(~running, pad)

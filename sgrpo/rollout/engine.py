@@ -61,6 +61,32 @@ class RolloutEngine(ABC):
         changed = [f"{k}={getattr(self, k)}" for k, off in settings.items() if getattr(self, k, off) != off]
         return ", ".join(changed) or None
 
+    def hold(self) -> None:  # noqa: B027 (a hook: engines without state between calls need none)
+        """Keep the engine ready between ``generate`` calls until ``release`` (a validation's batches); no-op here."""
+
+    def release(self) -> None:  # noqa: B027
+        """End a ``hold``: the engine gives its memory back as after any ``generate``; no-op here."""
+
+
+#: the attribute holding a model's weights version (``bump_weights_version``)
+WEIGHTS_VERSION = "sgrpo_weights_version"
+
+
+def weights_version(model: nn.Module) -> int | None:
+    """The weights version of ``model`` (bumped by every optimiser step and checkpoint load), or None: unknown.
+
+    An engine that keeps its own copy of the weights (vLLM) copies them again only when it changed;
+    unknown means always.
+    """
+    return getattr(model, WEIGHTS_VERSION, None)
+
+
+def bump_weights_version(model: nn.Module) -> int:
+    """Mark ``model``'s weights as changed (after an optimiser step, a checkpoint load); the new version."""
+    version = (weights_version(model) or 0) + 1
+    object.__setattr__(model, WEIGHTS_VERSION, version)  # a plain attribute: no state dict entry, no hook
+    return version
+
 
 def left_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Token id lists -> (ids ``[B, P]`` left-padded with ``pad``, attention mask ``[B, P]``: 1 on real tokens).

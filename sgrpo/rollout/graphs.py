@@ -112,7 +112,9 @@ class StaticSteps:
         graph = torch.cuda.CUDAGraph()
         dtype = torch.get_autocast_dtype("cuda")
         autocast = torch.autocast("cuda", dtype=dtype, enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        with autocast, torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: only this thread's unsafe CUDA calls break the capture, not another thread's (a reward
+        # pool's feeder, a logger's flush, the fault watcher) running while the step is recorded
+        with autocast, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._run(b)
         self._pool = graph.pool()
         return graph, out

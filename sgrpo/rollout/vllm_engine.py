@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from sgrpo.distributed import close_before_release
-from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids
+from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids, weights_version
 from sgrpo.rollout.vllm_requests import prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
 from sgrpo.rollout.weightsync import (
     as_dtype,
@@ -83,7 +83,9 @@ class VLLMRollout(RolloutEngine):
         max_model_len: Prompt + completion tokens per row (null: the model's).
         dtype: vLLM's weights dtype.
         seed: Engine seed.
-        seed_per_request: Per-request seeds from torch's RNG (a resumed run draws the same).
+        seed_per_request: Per-request seeds from torch's RNG (vLLM then samples each sequence with its own
+            generator, a Python loop per decode step); off: the engine is seeded per step from torch's RNG.
+            Either way a resumed run draws the same.
         enforce_eager: No CUDA graphs in vLLM.
         weight_chunk_mib: Size of a weight sync chunk.
         engine_kwargs: Passed to ``vllm.LLM`` as they are (``max_num_seqs``, ``enable_prefix_caching``, ...).
@@ -103,7 +105,7 @@ class VLLMRollout(RolloutEngine):
         max_model_len: int | None = None,
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16",
         seed: int = 0,
-        seed_per_request: bool = True,
+        seed_per_request: bool = False,
         enforce_eager: bool = False,
         weight_chunk_mib: float = 512.0,
         engine_kwargs: dict[str, Any] | None = None,
@@ -134,6 +136,8 @@ class VLLMRollout(RolloutEngine):
         self._asleep = False
         self._tp_group = None
         self._names_checked = False
+        self._synced: tuple[int, int] | None = None  # (model, weights version) the engine holds
+        self._held = False
 
     @property
     def max_total_tokens(self) -> int | None:
@@ -151,15 +155,10 @@ class VLLMRollout(RolloutEngine):
             raise ValueError(f"a prompt has {longest} tokens, max_model_len is {self.max_model_len}: raise it")
         draw = self.seed_per_request and not greedy
         seeds = torch.randint(2**31 - 1, (len(prompts),), device="cpu").tolist() if draw else [None] * len(prompts)
+        step_seed = None if greedy or draw else int(torch.randint(2**31 - 1, (1,), device="cpu"))
         llm = self._engine(model)
-        if self._asleep:
-            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
-            llm.wake_up(tags=["weights"])
-        self.sync_weights(model)
-        if self._asleep:
-            llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
-        prompts, seeds, rows = self._pool_group(prompts, seeds)
+        self._ready(llm, model)
+        prompts, seeds, rows, step_seed = self._pool_group(prompts, seeds, step_seed)
         params = [
             vllm.SamplingParams(
                 **sampling_kwargs(
@@ -175,12 +174,40 @@ class VLLMRollout(RolloutEngine):
             )
             for seed in seeds
         ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[rows]
-        if self.sleep:
+        with engine_rng(step_seed):
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[rows]
+        if self.sleep and not self._held:
             llm.sleep(level=1)
             self._asleep = True
         device = next(model.parameters()).device
         return rollout_batch_from_outputs(outputs, group_size, pad, tokenizer, device)
+
+    def _ready(self, llm, model: nn.Module) -> None:
+        """Wake the engine if it sleeps and copy the policy's weights into it if they changed since the last sync
+        (``weights_version``: bumped by each optimiser step; unknown: always copied). The cache allocator's free
+        blocks go back to the device before each wake-up (the trainer's, then the sync's gathered tensors)."""
+        version = weights_version(unwrap(model))
+        stale = version is None or self._synced != (id(unwrap(model)), version)
+        if self._asleep:
+            empty_device_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
+            llm.wake_up(tags=["weights"])
+        if stale:
+            self.sync_weights(model)
+        if self._asleep:
+            empty_device_cache()  # the sync's freed blocks, before the KV cache is mapped again
+            llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+
+    def hold(self) -> None:
+        """Stay awake between ``generate`` calls (a validation: its batches share the weights) until ``release``."""
+        self._held = True
+
+    def release(self) -> None:
+        """Sleep now if ``hold`` kept the engine awake (with ``sleep``)."""
+        self._held = False
+        if self.sleep and self._llm is not None and not self._asleep:
+            self._llm.sleep(level=1)
+            self._asleep = True
 
     @torch.no_grad()
     def sync_weights(self, model: nn.Module) -> None:
@@ -193,7 +220,9 @@ class VLLMRollout(RolloutEngine):
         """
         llm = self._engine(model)
         config = llm.llm_engine.vllm_config
-        weights = as_dtype(engine_weights(model), config.model_config.dtype)
+        dtype = config.model_config.dtype
+        # gathered in the engine's dtype (bf16: half the bytes of float32), in buckets of one chunk: one collective each
+        weights = as_dtype(engine_weights(model, dtype, bucket_bytes=int(self.weight_chunk_mib * 2**20)), dtype)
         llm.apply_model(lambda engine_model: begin_reload(engine_model, config))
         loaded: set[str] = set()
         for chunk in weight_chunks(weights, int(self.weight_chunk_mib * 2**20)):
@@ -210,6 +239,8 @@ class VLLMRollout(RolloutEngine):
                 )
         self._names_checked = True
         llm.reset_prefix_cache()
+        version = weights_version(unwrap(model))
+        self._synced = None if version is None else (id(unwrap(model)), version)
 
     def _engine(self, model: nn.Module):
         if self._llm is not None:
@@ -251,17 +282,43 @@ class VLLMRollout(RolloutEngine):
         """Shut the engine down (it is built again on the next ``generate``); ``sgrpo.fit`` calls this at exit."""
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown()
-            self._llm, self._asleep, self._names_checked = None, False, False
+            self._llm, self._asleep, self._names_checked, self._synced = None, False, False, None
 
-    def _pool_group(self, prompts: list[list[int]], seeds: list) -> tuple[list[list[int]], list, slice]:
-        """With tensor parallelism, every process of a group feeds the group's prompts; ``rows`` are its own."""
+    def _pool_group(self, prompts: list[list[int]], seeds: list, step_seed: int | None):
+        """With tensor parallelism, every process of a group feeds the group's prompts; ``rows`` are its own, and
+        the group samples with its first process's ``step_seed``. Returns (prompts, seeds, rows, step_seed)."""
         if self._tp_group is None:
-            return prompts, seeds, slice(0, len(prompts))
+            return prompts, seeds, slice(0, len(prompts)), step_seed
         parts: list[Any] = [None] * self.tensor_parallel_size
-        torch.distributed.all_gather_object(parts, (prompts, seeds), group=self._tp_group)
-        start = sum(len(p) for p, _ in parts[: torch.distributed.get_rank(self._tp_group)])
-        pooled = [x for p, _ in parts for x in p], [x for _, s in parts for x in s]
-        return *pooled, slice(start, start + len(prompts))
+        torch.distributed.all_gather_object(parts, (prompts, seeds, step_seed), group=self._tp_group)
+        start = sum(len(p) for p, _, _ in parts[: torch.distributed.get_rank(self._tp_group)])
+        pooled = [x for p, _, _ in parts for x in p], [x for _, s, _ in parts for x in s]
+        return *pooled, slice(start, start + len(prompts)), parts[0][2]
+
+
+def empty_device_cache() -> None:
+    """``torch.cuda.empty_cache()`` where CUDA is in use (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def engine_rng(seed: int | None):
+    """Seed torch's generators (the CPU's and every CUDA device's) with ``seed`` while the block runs, then put
+    their states back; nothing without a seed.
+
+    The colocated engine samples in this process (external launcher), requests without a seed of their own
+    from the device's default generator: seeded per step (``seed`` drawn from torch's RNG, which
+    ``GRPOPolicy`` seeds from (seed, step, rank)) a run and its resume draw the same, and vLLM's sampler keeps
+    its batched path (per-request seeds take a Python loop over the sequences at every decode step).
+    """
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def sleep_mode_available() -> bool:

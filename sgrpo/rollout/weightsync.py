@@ -34,17 +34,21 @@ def hf_parameter_name(name: str) -> str:
     return ".".join(parts)
 
 
-def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(HF checkpoint name, full tensor) for each parameter of ``model``, lazily, one at a time.
+def engine_weights(
+    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 0
+) -> Iterator[tuple[str, Tensor]]:
+    """(HF checkpoint name, full tensor) for each parameter of ``model``, lazily.
 
-    DTensor values (FSDP2 shards, tensor parallelism) are gathered with ``full_tensor()`` as they
-    are reached: a collective, so every process must iterate in step. LoRA adapters are merged into
+    DTensor values (FSDP2 shards, tensor parallelism) are gathered as they are reached, cast to
+    ``dtype`` first (the engine's: bf16 gathers half the bytes of float32 master weights) and
+    ``bucket_bytes`` at a time (one collective per bucket, ``sgrpo.model.gather``; 0: per tensor):
+    collectives, so every process must iterate in step. LoRA adapters are merged into
     their weights (``sgrpo.model.lora.plain_weights``). The output embedding is
     skipped when the input embedding is tied to it (vLLM shares the tensor and ignores it).
     """
     config = getattr(unwrap(model), "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    for raw_name, value in plain_weights(model, buffers=False):  # LoRA adapters merged in
+    for raw_name, value in plain_weights(model, buffers=False, dtype=dtype, bucket_bytes=bucket_bytes):
         name = hf_parameter_name(raw_name)
         if not (tied and name == "lm_head.weight"):
             yield name, value

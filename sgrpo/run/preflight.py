@@ -3,9 +3,9 @@
 ``check_config_files`` runs on the command line (a missing or empty ``--config``), ``check_values`` on
 the parsed values (steps, checkpoint path, GPUs, trainer keys sgrpo does its own way), ``check_policy`` on
 the policy built from them (the model, optimizer and scheduler arguments, hub datasets), and
-``check_weight_precision`` on the precision the trainer resolved; nothing has loaded yet. A hub id must be in
-the local cache or the hub reachable: without hub access the error names the model or dataset,
-instead of retries and an error about something else once loading starts.
+``sgrpo.run.precision.check_weight_precision`` on the precision the trainer resolved; nothing has loaded
+yet. A hub id must be in the local cache or the hub reachable: without hub access the error names the model
+or dataset, instead of retries and an error about something else once loading starts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import yaml
 from sgrpo.checks import ConfigError
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.run.data import stopping_rule_error
+from sgrpo.run.precision import stand_in_optimizer
 from tasks.data import SplitTable
 
 _URL = re.compile(r"[a-zA-Z][\w+.-]*://")
@@ -273,62 +274,6 @@ def configured_positions(model: str) -> int | None:
     except (OSError, ValueError, AttributeError):  # unreadable: loading will say so
         return None
     return positions if isinstance(positions, int) else None
-
-
-def stand_in_optimizer(policy: Any) -> torch.optim.Optimizer:
-    """The configured optimiser, built on a stand-in parameter (nothing has loaded yet)."""
-    try:
-        return policy.optimizer_factory([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"model.optimizer: {err}") from None
-
-
-#: the dtype a "-true" precision converts the weights to; other precisions train them in ``model.dtype``
-_CONVERTED = {"16-true": "float16", "bf16-true": "bfloat16", "64-true": "float64"}
-#: the learning rate below which bfloat16 rounds away an Adam-family step of a typical weight: bfloat16 keeps
-#: 8 significant bits, so w + d differs from w only where |d| > |w| * 2^-9 at least (half a unit in the last
-#: place); Adam's step is about lr, and |w| ~ 0.02 (the usual initializer_range) gives 0.02 * 2^-9 = 3.9e-5
-BF16_MIN_ADAM_LR = 0.02 * 2**-9
-
-
-def check_weight_precision(precision: str, policy: Any) -> None:
-    """Refuse low-precision weights that an optimiser with an ``eps`` (one that normalises its step by squared
-    gradients: Adam, AdamW, RMSprop, ...) cannot train.
-
-    float16 weights: a squared gradient below 6e-8 (a gradient below 2.4e-4) is 0, so such a step divides
-    by ``eps`` alone: after one ``16-true`` AdamW step (eps 1e-4) the quickstart model's weights had moved by
-    up to 54x the learning rate and every reward after was 0; with eps 1e-8, which float16 rounds to 0, the
-    gradient norm was NaN from the second step.
-
-    bfloat16 weights at ``lr < BF16_MIN_ADAM_LR`` (3.9e-5): the step, about ``lr``, is below half a unit in
-    the last place of a weight of magnitude 0.02, so it rounds away. Measured on the tiny model (N(0, 0.02)
-    weights, AdamW, 10 steps): 98.0 % of the weights never changed at lr 1e-6, 84.8 % at 1e-5, 45 % at 4e-5,
-    15 % at 1e-4, 0.8 % at 1e-3. float32 master weights (``bf16-mixed`` with ``model.dtype`` float32) keep
-    every step. Evaluation in either dtype is not refused.
-    """
-    dtype = _CONVERTED.get(precision, policy.model_dtype)
-    source = f"trainer.precision={precision}" if precision in _CONVERTED else f"model.dtype={policy.model_dtype}"
-    if dtype not in ("float16", "bfloat16"):
-        return
-    optimizer = stand_in_optimizer(policy)
-    if "eps" not in optimizer.defaults:
-        return
-    name = type(optimizer).__name__
-    if dtype == "float16":
-        raise ConfigError(
-            f"{source} trains float16 weights, whose squared gradients in {name} round to 0 "
-            "and wreck the model in a step: use --trainer.precision=16-mixed (float32 weights, loss scaling) on "
-            "a GPU without bfloat16, else bf16-mixed or bf16-true, with model.dtype float32 or bfloat16"
-        )
-    lr = min(float(group["lr"]) for group in optimizer.param_groups)
-    if lr < BF16_MIN_ADAM_LR:
-        raise ConfigError(
-            f"{source} trains bfloat16 weights at lr {lr:g}, where {name}'s steps round away: a step moves a "
-            f"weight by about lr, and bfloat16 (8 significant bits) changes a weight w only by more than "
-            f"|w| * 2^-9, so for |w| ~ 0.02 an lr below {BF16_MIN_ADAM_LR:.1e} is lost (98% of the tiny model's "
-            f"weights never moved in 10 AdamW steps at lr 1e-6): use --trainer.precision=bf16-mixed with "
-            f"--model.dtype=float32 (float32 master weights), or an lr of at least {BF16_MIN_ADAM_LR:.1e}"
-        )
 
 
 def check_strategy(strategy: Any) -> None:

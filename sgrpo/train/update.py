@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from sgrpo.distributed import data_parallel_size, gradient_sync, max_over_processes
 from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
+from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.train.batching import micro_batches, trim
 from sgrpo.train.gapwatch import GapWatch
@@ -218,6 +219,7 @@ class PolicyUpdate:
         else:
             self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
         optimizer.zero_grad(set_to_none=True)
+        bump_weights_version(self.model)  # an engine with its own copy of the weights (vLLM) syncs again
         return self._grad_norm
 
     def on_before_optimizer_step(self, optimizer) -> None:
