@@ -104,6 +104,17 @@ class ParameterCount(Callback):
         rank_zero_info(f"{type(pl_module.model).__name__}: {count(total)} parameters, {count(trainable)} trainable")
 
 
+def run_folder(root: str | os.PathLike | None) -> Path:
+    """``trainer.default_root_dir`` as a folder; an empty name is refused (it meant the working directory, where
+    ``--overwrite true`` would delete what is there)."""
+    if root is None or not str(root).strip():
+        raise ConfigError(
+            f"trainer.default_root_dir={root!r} names no folder (the run would be written into the working "
+            "directory): give the run its own folder, e.g. --trainer.default_root_dir=runs/NAME"
+        )
+    return Path(root)
+
+
 class SgrpoCLI(LightningCLI):
     def __init__(self, *args, mode: str = "fit", **kwargs) -> None:
         self.mode = mode  # "fit", or "validate" / "test": an evaluation, which keeps no checkpoints or metrics file
@@ -118,7 +129,7 @@ class SgrpoCLI(LightningCLI):
         check_policy(self.model)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
-        root = Path(config["default_root_dir"])
+        root = run_folder(config.get("default_root_dir"))
         if self.mode == "fit":
             check_writable(root)  # before any process or model: a read-only folder fails at the lock, mid-start
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
@@ -141,8 +152,6 @@ class SgrpoCLI(LightningCLI):
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
             loggers.append(metrics)
             checkpoints = RunCheckpoint(str(root / "checkpoints"), every, keep)
-            model, seed = self._get(self.config, "model"), self._get(self.config, "seed_everything")
-            checkpoints.experiment = experiment_record(model, seed)
             checkpoints.resume_changes = self._get(self.config, "resume_changes")
             callbacks += [checkpoints, SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
@@ -153,6 +162,8 @@ class SgrpoCLI(LightningCLI):
         check_nodes(trainer)
         if self.mode == "fit":
             check_weight_precision(trainer.precision_plugin.precision, self.model)
+            model, seed = self._get(self.config, "model"), self._get(self.config, "seed_everything")
+            checkpoints.experiment = experiment_record(model, seed, trainer.precision_plugin.precision)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
@@ -362,11 +373,12 @@ def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> 
     return ckpt_path
 
 
-def fit(trainer, policy: GRPOPolicy, ckpt_path: str | None) -> None:
+def fit(trainer, policy: GRPOPolicy, ckpt_path: str | os.PathLike | None) -> None:
     """``trainer.fit``, exiting 143 after SIGTERM and 130 after Ctrl-C (Lightning exits 0 and 1); a checkpoint that
     does not load into this run is refused in one line (``CheckpointError``), and left as it was."""
     signal_exit = next(c for c in trainer.callbacks if isinstance(c, SignalExit))
     checkpoints = next(c for c in trainer.callbacks if isinstance(c, RunCheckpoint))
+    checkpoints.resume_from = ckpt_path  # agreed over the processes before it loads
     try:
         trainer.fit(policy, ckpt_path=ckpt_path)
     except SystemExit:
