@@ -5,7 +5,10 @@ A checkpoint is written under a hidden name in its own folder (``.last.ckpt.part
 and renamed over the old one, so a kill at any instant leaves the previous checkpoint whole, and
 ``$TMPDIR`` is never used (Lightning's own save goes through a temporary file there, then a copy when
 it is on another filesystem). Sharded (FSDP2) checkpoints are folders: the processes write a hidden
-folder, then global rank 0 swaps it in.
+folder, then global rank 0 swaps it in (``replace_folder``; a kill between its two renames is undone by
+``recover_swapped`` at the next start). A second name for the same state (``last.ckpt`` beside the periodic
+``stepN.ckpt``) is a hard link, not a second write (``link_checkpoint``). ``--ckpt_path last`` takes the newest
+*step* that loads (``resumable``).
 """
 
 from __future__ import annotations
