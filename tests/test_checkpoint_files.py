@@ -20,6 +20,8 @@ from sgrpo.run.checkpoints import (
     checkpoint_problem,
     checkpoint_step,
     hidden_name,
+    link_checkpoint,
+    remove_path,
     remove_unfinished,
     replace_folder,
     resumable,
@@ -110,6 +112,19 @@ def test_a_periodic_save_writes_once_and_last_ckpt_links_to_it(tmp_path, monkeyp
     assert sorted(p.name for p in folder.glob("[!.]*")) == ["last.ckpt", "step3.ckpt"]
     assert resumable(folder) == (folder / "last.ckpt", [])  # its recorded checksum matches: it loads
     assert checkpoint_step(folder / "last.ckpt") == 3
+
+
+def test_a_linked_checkpoint_shares_the_bytes_and_outlives_its_source(tmp_path):
+    """``link_checkpoint`` of a file (its recorded checksum carried over) and of a sharded folder (file by file)."""
+    for make, name in ((lightning_file, "step3.ckpt"), (sharded_folder, "shards3.ckpt")):
+        source, target = tmp_path / name, tmp_path / f"last_{name}"
+        make(source, 3)
+        link_checkpoint(source, target)
+        pairs = [(source, target)] if source.is_file() else [(f, target / f.name) for f in source.iterdir()]
+        assert all(a.stat().st_ino == b.stat().st_ino for a, b in pairs) and len(pairs) >= 2 - source.is_file()
+        remove_path(source)  # as keep_last prunes it
+        assert checkpoint_problem(target) == "" and checkpoint_step(target) == 3
+    assert not list(tmp_path.glob(f".*{PARTIAL}"))
 
 
 def test_a_resume_records_precision_and_data_content(tmp_path):

@@ -161,10 +161,10 @@ def test_kill_9_in_the_middle_of_writing_last_ckpt(model_dir, reference, other_t
     wait_for(marker.exists, process)
     process.kill()
     process.wait()
-    assert (root / "checkpoints" / f".last.ckpt{PARTIAL}").exists()  # half written, never renamed
+    assert (root / "checkpoints" / f".step5.ckpt{PARTIAL}").exists()  # half written, never renamed (nor linked)
     assert last_step(root) == 4  # the previous one, whole
     resume_and_compare(root, model_dir, reference)
-    assert not (root / "checkpoints" / f".last.ckpt{PARTIAL}").exists()
+    assert not (root / "checkpoints" / f".step5.ckpt{PARTIAL}").exists()
 
 
 def test_a_broken_last_ckpt_falls_back_to_the_newest_that_loads(model_dir, reference, tmp_path, caplog):

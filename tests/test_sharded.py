@@ -100,7 +100,8 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["metrics", str(out / "metrics")],
             ["validate_sets", str(out / "sets")],
             ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
-            ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
+            # fused AdamW on DTensors, as the GPU recipes; at step 3 last.ckpt is a tree of hard links to step3.ckpt
+            ["fit", str(root), model_dir, "3", "", FUSED, "--checkpoint_every=3"],
             ["fit", str(root), model_dir, "5", "last", FUSED],
             ["refused_resume", str(tmp_path / "refused"), model_dir, str(checkpoint)],
             ["validate", str(root), model_dir, str(checkpoint)],
@@ -218,7 +219,8 @@ def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out
 
 
 def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:
-    """A 3-step FSDP2 fit wrote one checkpoint shard per process; the resume picked up at step 3; the run's
+    """A 3-step FSDP2 fit wrote one checkpoint shard per process (``step3.ckpt`` once, ``last.ckpt`` a tree of hard
+    links to it, replaced by the resume's own at step 5); the resume picked up at step 3; the run's
     export and ``python -m sgrpo.export`` of the sharded checkpoint (gathered in this one process) both hold
     the trained policy."""
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
@@ -226,7 +228,9 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
     for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
         with open(path) as f:
             steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
-    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3
+    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3 (from last.ckpt, linked to step3.ckpt)
+    linked = root / "checkpoints" / "step3.ckpt"
+    assert len(list(linked.glob("*.distcp"))) == 2  # kept (keep_last 3) whole, once last.ckpt was replaced
     assert list(root.glob("evaluations/version_0/metrics.csv"))  # validate logs beside the run
     records = [line for line in (root / "metrics.jsonl").read_text().splitlines() if "train/reward" in line]
     assert len(records) == 5 and [s for s, _ in read_run_metrics(root)["train/reward"]] == [0, 1, 2, 3, 4]  # rank 0's
