@@ -44,7 +44,7 @@ from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.faults import disk_fault
-from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
+from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
 from sgrpo.run.guards import RewardFailureError
 from sgrpo.run.preflight import (
     check_config_files,
@@ -102,17 +102,6 @@ class ParameterCount(Callback):
         trainable = sum(p.numel() for p in parameters if p.requires_grad)
         count = lambda n: get_human_readable_count(n).strip()  # noqa: E731  ("132 K")
         rank_zero_info(f"{type(pl_module.model).__name__}: {count(total)} parameters, {count(trainable)} trainable")
-
-
-def run_folder(root: str | os.PathLike | None) -> Path:
-    """``trainer.default_root_dir`` as a folder; an empty name is refused (it meant the working directory, where
-    ``--overwrite true`` would delete what is there)."""
-    if root is None or not str(root).strip():
-        raise ConfigError(
-            f"trainer.default_root_dir={root!r} names no folder (the run would be written into the working "
-            "directory): give the run its own folder, e.g. --trainer.default_root_dir=runs/NAME"
-        )
-    return Path(root)
 
 
 class SgrpoCLI(LightningCLI):

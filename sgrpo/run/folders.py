@@ -24,6 +24,7 @@ from typing import IO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from sgrpo.checks import ConfigError
 from sgrpo.run.checkpoints import checkpoint_identity, remove_path, remove_unfinished, resumable
 from sgrpo.run.resume import ProcessesDisagree
 
@@ -52,6 +53,17 @@ os.register_at_fork(after_in_child=_close_held_locks)
 
 class RunRefused(Exception):
     """A run that must not start as asked; the message names the folder, the reason and the fixes."""
+
+
+def run_folder(root: str | os.PathLike | None) -> Path:
+    """``trainer.default_root_dir`` as a folder; an empty name is refused (it meant the working directory, where
+    ``--overwrite true`` would delete what is there)."""
+    if root is None or not str(root).strip():
+        raise ConfigError(
+            f"trainer.default_root_dir={root!r} names no folder (the run would be written into the working "
+            "directory): give the run its own folder, e.g. --trainer.default_root_dir=runs/NAME"
+        )
+    return Path(root)
 
 
 def lock_run(root: Path) -> IO[str]:
