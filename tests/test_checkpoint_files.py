@@ -92,9 +92,8 @@ def test_a_sharded_swap_cut_between_its_renames_is_recovered_before_cleaning(tmp
 
 
 def test_a_periodic_save_writes_once_and_last_ckpt_links_to_it(tmp_path, monkeypatch):
-    """``stepN.ckpt`` and ``last.ckpt`` were two full writes (each hashed in the training thread), and the final step
-    wrote ``last.ckpt`` a third time: one write per step now, ``last.ckpt`` a hard link with the same checksum,
-    still whole once ``keep_last`` prunes its ``stepN.ckpt``."""
+    """``stepN.ckpt`` and ``last.ckpt`` were two full writes (each hashed in the training thread): one write per step
+    now, ``last.ckpt`` a hard link with the same checksum, still whole once ``keep_last`` prunes its ``stepN.ckpt``."""
     from sgrpo.fit import main
 
     writes = []
@@ -107,7 +106,7 @@ def test_a_periodic_save_writes_once_and_last_ckpt_links_to_it(tmp_path, monkeyp
     monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", counted)
     main(fit_args(tmp_path, "--trainer.max_steps=3", "--checkpoint_every=1", "--keep_last=1"))
     folder = tmp_path / "checkpoints"
-    assert writes == ["step1.ckpt", "step2.ckpt", "step3.ckpt"]  # was: step1, last, step2, last, step3, last, last
+    assert writes == ["step1.ckpt", "step2.ckpt", "step3.ckpt"]  # was: step1, last, step2, last, step3, last
     assert (folder / "last.ckpt").stat().st_ino == (folder / "step3.ckpt").stat().st_ino
     assert sorted(p.name for p in folder.glob("[!.]*")) == ["last.ckpt", "step3.ckpt"]
     assert resumable(folder) == (folder / "last.ckpt", [])  # its recorded checksum matches: it loads
