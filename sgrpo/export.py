@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,8 @@ from torch import Tensor, nn
 from sgrpo.checks import exit_with_error
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
-from sgrpo.run.checkpoints import checkpoint_problem
+from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
+from sgrpo.run.faults import Stopped
 from sgrpo.run.folders import logger_versions
 
 
@@ -82,6 +88,43 @@ def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merg
         save_hf(model, tokenizer, path, state)
 
 
+class ExportInterrupted(Stopped):
+    """SIGTERM or Ctrl-C while the end of a fit exported the policy: nothing was put in place (exit 143 / 130)."""
+
+
+@contextmanager
+def staged_export(path: Path, leader: bool = True) -> Iterator[Path]:
+    """Where to write an export that lands at ``path`` whole or not at all: a hidden folder beside it
+    (``.NAME.partial``), swapped in once complete (``replace_folder``). A SIGTERM or Ctrl-C meanwhile (from the main
+    thread) stops the write, says so and raises ``ExportInterrupted``; ``path`` is left as it was, and a resume
+    with ``--ckpt_path last`` (the same ``trainer.max_steps``) exports again."""
+    staged = hidden_name(path, PARTIAL)
+    previous: dict[int, Any] = {}
+
+    def interrupted(signum: int, frame) -> None:
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n{name} during the export to {path}: it was not written (the checkpoints are whole); resume with "
+              "--ckpt_path last to export again", file=sys.stderr, flush=True)  # fmt: skip
+        raise ExportInterrupted(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if leader:
+            remove_path(staged)  # a cut export's
+            path.parent.mkdir(parents=True, exist_ok=True)
+        yield staged
+        if leader:
+            replace_folder(staged, path)
+    except BaseException:
+        if leader:
+            remove_path(staged)
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 class PolicyExport:
     """Mixin of ``GRPOPolicy``: the export at the end of a fit, and the record its checkpoints keep."""
 
@@ -94,8 +137,10 @@ class PolicyExport:
     def on_fit_end(self) -> None:
         base = self.policy_record()["base"]
         merged = self.peft is not None and self.peft.export_merged
-        save_policy(self.model, self.tokenizer, self.export_path, self.peft, base, merged,
-                    leader=self.trainer.is_global_zero, sharded=self.device_mesh is not None)  # fmt: skip
+        leader = self.trainer.is_global_zero
+        with staged_export(self.export_path, leader) as staged:
+            save_policy(self.model, self.tokenizer, staged, self.peft, base, merged, leader=leader,
+                        sharded=self.device_mesh is not None)  # fmt: skip
 
     def policy_record(self) -> dict[str, Any]:
         """The base model, dtype and LoRA settings: what a checkpoint needs to be exported on its own. The

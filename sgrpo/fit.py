@@ -44,7 +44,7 @@ from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.faults import disk_fault
-from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
+from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
 from sgrpo.run.guards import RewardFailureError
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
@@ -124,7 +124,7 @@ class SgrpoCLI(LightningCLI):
         check_policy(self.model)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
-        root = Path(config["default_root_dir"])
+        root = run_folder(config.get("default_root_dir"))
         if self.mode == "fit":
             check_writable(root)  # before any process or model: a read-only folder fails at the lock, mid-start
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
@@ -147,8 +147,6 @@ class SgrpoCLI(LightningCLI):
             metrics = MetricsFile(root)  # the report's metrics, whichever logger the run chose (or none)
             loggers.append(metrics)
             checkpoints = RunCheckpoint(str(root / "checkpoints"), every, keep)
-            model, seed = self._get(self.config, "model"), self.configured_seed
-            checkpoints.experiment = experiment_record(model, seed)
             checkpoints.resume_changes = self._get(self.config, "resume_changes")
             callbacks += [checkpoints, SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
@@ -159,6 +157,8 @@ class SgrpoCLI(LightningCLI):
         check_nodes(trainer)
         if self.mode == "fit":
             check_weight_precision(trainer.precision_plugin.precision, self.model, trainer.max_steps)
+            model, seed = self._get(self.config, "model"), self.configured_seed
+            checkpoints.experiment = experiment_record(model, seed, trainer.precision_plugin.precision)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
@@ -382,11 +382,12 @@ def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> 
     return ckpt_path
 
 
-def fit(trainer, policy: GRPOPolicy, ckpt_path: str | None) -> None:
+def fit(trainer, policy: GRPOPolicy, ckpt_path: str | os.PathLike | None) -> None:
     """``trainer.fit``, exiting 143 after SIGTERM and 130 after Ctrl-C (Lightning exits 0 and 1); a checkpoint that
     does not load into this run is refused in one line (``CheckpointError``), and left as it was."""
     signal_exit = next(c for c in trainer.callbacks if isinstance(c, SignalExit))
     checkpoints = next(c for c in trainer.callbacks if isinstance(c, RunCheckpoint))
+    checkpoints.resume_from = ckpt_path  # agreed over the processes before it loads
     try:
         trainer.fit(policy, ckpt_path=ckpt_path)
     except SystemExit:

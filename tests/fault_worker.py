@@ -1,7 +1,8 @@
 """Run by test_faults.py in a fresh interpreter: ``sgrpo.fit`` with a fault injected at one point.
 
-fault_worker.py stall STEP MARKER FIT_ARGS...   the write of last.ckpt at global step STEP writes half of its
-                                                bytes, creates MARKER and hangs there (the test kills it)
+fault_worker.py stall STEP MARKER FIT_ARGS...   the checkpoint write at global step STEP (stepSTEP.ckpt, of
+                                                which last.ckpt becomes a link) writes half of its bytes,
+                                                creates MARKER and hangs there (the test kills it)
 fault_worker.py raise RANK STEP FIT_ARGS...     process RANK (of a multi-process fit: Lightning's launcher runs
                                                 this same command for the others) raises inside the gradient
                                                 accumulation of training step STEP (1-based), as a CUDA
@@ -32,8 +33,8 @@ def stall_at(step: int, marker: Path) -> None:
     save = torch.save
 
     def stalling_save(obj, f, *args, **kwargs):
-        into_last = "last" in str(getattr(f, "name", ""))  # a file (not a buffer) that becomes last.ckpt
-        if into_last and isinstance(obj, dict) and obj.get("global_step") == step:
+        into_file = bool(getattr(f, "name", ""))  # a file (not a buffer) that becomes a checkpoint
+        if into_file and isinstance(obj, dict) and obj.get("global_step") == step:
             buffer = io.BytesIO()
             save(obj, buffer, *args, **kwargs)
             f.write(buffer.getvalue()[: buffer.tell() // 2])

@@ -8,6 +8,9 @@ sharded_worker.py validate ROOT MODEL_DIR CHECKPOINT   sgrpo.fit validate of a s
 sharded_worker.py refused_resume ROOT MODEL_DIR CHECKPOINT   resume CHECKPOINT as another experiment (process 0
                                                   a second late, so process 1 refuses first); each process's exit
                                                   status and stderr to ROOT/refused.RANK.json
+sharded_worker.py disagreeing_resume ROOT MODEL_DIR   resume the DDP run ROOT/run where process 1 sees another
+                                                  folder; each process's exit status and stderr to
+                                                  ROOT/disagree.RANK.json
 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
 sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
@@ -192,13 +195,13 @@ def refused_resume(root: str, model_dir: str, checkpoint: str) -> None:
     from sgrpo.fit import main
     from sgrpo.run.saving import RunCheckpoint
 
-    rank, start = int(os.environ.get("RANK", "0")), RunCheckpoint.on_train_start
+    rank, load = int(os.environ.get("RANK", "0")), RunCheckpoint.on_load_checkpoint
 
-    def late(self, trainer, pl_module):
+    def late(self, trainer, pl_module, checkpoint):  # where the refusal is made
         time.sleep(1.5 if rank == 0 else 0.0)  # past the abort watch's period (0.5 s)
-        start(self, trainer, pl_module)
+        load(self, trainer, pl_module, checkpoint)
 
-    RunCheckpoint.on_train_start, stderr, code = late, io.StringIO(), 0
+    RunCheckpoint.on_load_checkpoint, stderr, code = late, io.StringIO(), 0
     try:
         with contextlib.redirect_stderr(stderr):
             main(["--config", str(REPO / "configs" / "tiny.yaml"), "--config", str(SHARDED_CPU),
@@ -208,9 +211,42 @@ def refused_resume(root: str, model_dir: str, checkpoint: str) -> None:
     except SystemExit as err:
         code = err.code
     finally:
-        RunCheckpoint.on_train_start = start
+        RunCheckpoint.on_load_checkpoint = load
     Path(root).mkdir(parents=True, exist_ok=True)
     (Path(root) / f"refused.{rank}.json").write_text(json.dumps({"code": code, "stderr": stderr.getvalue()}))
+
+
+def disagreeing_resume(root: str, model_dir: str) -> None:
+    """``--ckpt_path last`` of the DDP run ``ROOT/run``, given as the relative path ``run`` (as a cluster gives the same
+    path to every process), where process 1 sees another folder: a copy lacking ``last.ckpt`` and ``step2.ckpt`` (a
+    stale network-filesystem view), so that resolving it alone it took ``step1.ckpt``. Each process's exit status and
+    stderr to ROOT/disagree.RANK.json."""
+    import contextlib
+    import io
+    import os
+    import shutil
+
+    from sgrpo.fit import main
+
+    rank, here = int(os.environ.get("RANK", "0")), os.getcwd()
+    view = Path(root) if rank == 0 else Path(root) / "stale"
+    if rank == 1:
+        shutil.copytree(Path(root) / "run", view / "run", ignore=shutil.ignore_patterns(".sgrpo.lock"))
+        for name in ("last.ckpt", "step2.ckpt"):
+            (view / "run" / "checkpoints" / name).unlink()
+    stderr, code = io.StringIO(), 0
+    os.chdir(view)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            main(["--config", str(REPO / "configs" / "tiny.yaml"), "--config", str(SHARDED_CPU),
+                  f"--model.model={model_dir}", "--trainer.default_root_dir=run", "--trainer.max_steps=3",
+                  "--trainer.strategy=ddp", "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=100",
+                  "--checkpoint_every=1", "--ckpt_path=last"])  # fmt: skip
+    except SystemExit as err:
+        code = err.code
+    finally:
+        os.chdir(here)
+    (Path(root) / f"disagree.{rank}.json").write_text(json.dumps({"code": code, "stderr": stderr.getvalue()}))
 
 
 def fit_recording_lengths(root: str, steps: str) -> None:
@@ -323,7 +359,8 @@ if __name__ == "__main__":
 
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
-             "refused_resume": refused_resume, "ddp_grads": ddp_grads}  # fmt: skip
+             "refused_resume": refused_resume, "ddp_grads": ddp_grads,
+             "disagreeing_resume": disagreeing_resume}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

@@ -161,10 +161,10 @@ def test_kill_9_in_the_middle_of_writing_last_ckpt(model_dir, reference, other_t
     wait_for(marker.exists, process)
     process.kill()
     process.wait()
-    assert (root / "checkpoints" / f".last.ckpt{PARTIAL}").exists()  # half written, never renamed
+    assert (root / "checkpoints" / f".step5.ckpt{PARTIAL}").exists()  # half written, never renamed (nor linked)
     assert last_step(root) == 4  # the previous one, whole
     resume_and_compare(root, model_dir, reference)
-    assert not (root / "checkpoints" / f".last.ckpt{PARTIAL}").exists()
+    assert not (root / "checkpoints" / f".step5.ckpt{PARTIAL}").exists()
 
 
 def test_a_broken_last_ckpt_falls_back_to_the_newest_that_loads(model_dir, reference, tmp_path, caplog):
@@ -172,8 +172,10 @@ def test_a_broken_last_ckpt_falls_back_to_the_newest_that_loads(model_dir, refer
     last = tmp_path / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:100_000])  # as a kill during today's copy from $TMPDIR left it
     resume_and_compare(tmp_path, model_dir, reference)
-    assert f"skipped {last}: it does not load (truncated, or not a checkpoint (100,000 bytes))" in caplog.text
-    assert "resuming from " + str(tmp_path / "checkpoints" / "step5.ckpt") in caplog.text
+    for name in ("last.ckpt", "step5.ckpt"):  # one file under two names (a hard link): both truncated
+        path = tmp_path / "checkpoints" / name
+        assert f"skipped {path}: it does not load (truncated, or not a checkpoint (100,000 bytes))" in caplog.text
+    assert "resuming from " + str(tmp_path / "checkpoints" / "step4.ckpt") in caplog.text
 
 
 def flip_tensor_bytes(path: Path) -> None:
@@ -198,8 +200,10 @@ def test_a_checkpoint_whose_bytes_changed_is_skipped(model_dir, tmp_path):
     assert resumable(folder) == (last, [])
     flip_tensor_bytes(last)
     torch.load(last, map_location="cpu", mmap=True, weights_only=False)  # silent to torch
-    assert resumable(folder) == (folder / "step3.ckpt", [f"skipped {last}: it does not load (corrupt: its SHA-256 "
-                                                         "is not that of the bytes written)"])  # fmt: skip
+    corrupt = "it does not load (corrupt: its SHA-256 is not that of the bytes written)"
+    # last.ckpt and step3.ckpt are one file under two names (a hard link): both changed, step 2 is the newest whole
+    assert resumable(folder) == (folder / "step2.ckpt", [f"skipped {last}: {corrupt}",
+                                                         f"skipped {folder / 'step3.ckpt'}: {corrupt}"])  # fmt: skip
     with pytest.raises(CheckpointError, match="corrupt"):
         open_checkpoint(last)
     hidden = sorted(p.name for p in folder.glob(".*"))  # keep_last 2 pruned step1.ckpt and its checksum

@@ -100,10 +100,14 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["metrics", str(out / "metrics")],
             ["validate_sets", str(out / "sets")],
             ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
-            ["fit", str(root), model_dir, "3", "", FUSED],  # fused AdamW on DTensors, as the GPU recipes
+            # fused AdamW on DTensors, as the GPU recipes; at step 3 last.ckpt is a tree of hard links to step3.ckpt
+            ["fit", str(root), model_dir, "3", "", FUSED, "--checkpoint_every=3"],
             ["fit", str(root), model_dir, "5", "last", FUSED],
             ["refused_resume", str(tmp_path / "refused"), model_dir, str(checkpoint)],
             ["validate", str(root), model_dir, str(checkpoint)],
+            ["fit", str(tmp_path / "disagree" / "run"), model_dir, "2", "", "--trainer.strategy=ddp",
+             "--checkpoint_every=1"],
+            ["disagreeing_resume", str(tmp_path / "disagree"), model_dir],
             ["fit", str(bf16), str(SHIPPED), "2", "", *BF16_KL_FSDP],  # rewards vary: the update moves it
             *lora_jobs(tmp_path),
         ),
@@ -118,6 +122,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_two_ddp_processes_give_the_single_process_gradient(model_dir, out / "ddp")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
+    check_processes_that_see_another_checkpoint_refuse_the_resume(tmp_path / "disagree")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
     check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
@@ -219,7 +224,8 @@ def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out
 
 
 def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:
-    """A 3-step FSDP2 fit wrote one checkpoint shard per process; the resume picked up at step 3; the run's
+    """A 3-step FSDP2 fit wrote one checkpoint shard per process (``step3.ckpt`` once, ``last.ckpt`` a tree of hard
+    links to it, replaced by the resume's own at step 5); the resume picked up at step 3; the run's
     export and ``python -m sgrpo.export`` of the sharded checkpoint (gathered in this one process) both hold
     the trained policy."""
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
@@ -227,7 +233,9 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
     for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
         with open(path) as f:
             steps.append([int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")])
-    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3
+    assert steps == [[0, 1, 2], [3, 4]]  # the resumed run picks up at step 3 (from last.ckpt, linked to step3.ckpt)
+    linked = root / "checkpoints" / "step3.ckpt"
+    assert len(list(linked.glob("*.distcp"))) == 2  # kept (keep_last 3) whole, once last.ckpt was replaced
     assert list(root.glob("evaluations/version_0/metrics.csv"))  # validate logs beside the run
     records = [line for line in (root / "metrics.jsonl").read_text().splitlines() if "train/reward" in line]
     assert len(records) == 5 and [s for s, _ in read_run_metrics(root)["train/reward"]] == [0, 1, 2, 3, 4]  # rank 0's
@@ -249,6 +257,20 @@ def check_a_resume_as_another_experiment_is_refused_in_one_line(root: Path) -> N
         assert refused["code"] == 2 and len(errors) == 1, refused
         assert "(ResumeError: it was trained as another experiment (" in errors[0], refused
         assert "model.estimator.init_args.temperature: 0.5 -> 0.7" in errors[0] and "Traceback" not in refused["stderr"]
+
+
+def check_processes_that_see_another_checkpoint_refuse_the_resume(root: Path) -> None:
+    """``--ckpt_path last`` under DDP, process 1 seeing another run folder at the same path (``step1.ckpt`` its
+    newest): each process resolved "last" alone (and hashed the whole file), and Lightning's DDP strategy does not
+    broadcast the path, so process 1 resumed step 1 against process 0's step 2, silently. Now process 0 alone
+    resolves it, broadcasts its choice, every process compares what it sees there, and both refuse in one line."""
+    for rank in (0, 1):
+        seen = json.loads((root / f"disagree.{rank}.json").read_text())
+        errors = [line for line in seen["stderr"].splitlines() if line.startswith("error: ")]
+        assert seen["code"] == 2 and len(errors) == 1 and "Traceback" not in seen["stderr"], seen
+        assert errors[0].startswith(f"error: --ckpt_path {Path('run') / 'checkpoints' / 'last.ckpt'}: process 1 sees "
+                                    "other bytes there than process 0"), errors  # fmt: skip
+    assert torch.load(root / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2  # untouched
 
 
 def check_sharded_checkpoint_validates_with_its_strategy_only(model_dir: str, root: Path, checkpoint: Path, capsys):

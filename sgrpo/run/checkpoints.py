@@ -5,7 +5,10 @@ A checkpoint is written under a hidden name in its own folder (``.last.ckpt.part
 and renamed over the old one, so a kill at any instant leaves the previous checkpoint whole, and
 ``$TMPDIR`` is never used (Lightning's own save goes through a temporary file there, then a copy when
 it is on another filesystem). Sharded (FSDP2) checkpoints are folders: the processes write a hidden
-folder, then global rank 0 swaps it in.
+folder, then global rank 0 swaps it in (``replace_folder``; a kill between its two renames is undone by
+``recover_swapped`` at the next start). A second name for the same state (``last.ckpt`` beside the periodic
+``stepN.ckpt``) is a hard link, not a second write (``link_checkpoint``). ``--ckpt_path last`` takes the newest
+*step* that loads (``resumable``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -122,7 +126,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def replace_folder(staged: Path, target: Path) -> None:
-    """Put the folder ``staged`` at ``target`` (a file or folder that may exist), removing the old one."""
+    """Put the folder ``staged`` at ``target`` (a file or folder that may exist), removing the old one.
+
+    Two renames (``target`` -> ``.target.old``, ``staged`` -> ``target``): a kill between them leaves no
+    ``target``, and both copies whole, which ``recover_swapped`` puts back before any cleaning."""
     old = hidden_name(target, OLD)
     remove_path(old)
     if target.exists():
@@ -132,16 +139,62 @@ def replace_folder(staged: Path, target: Path) -> None:
     remove_path(old)
 
 
+def link_checkpoint(source: Path, target: Path) -> None:
+    """Make ``target`` hold checkpoint ``source`` (a file or a sharded folder) without writing it again: hard links
+    (a copy of the bytes where the filesystem has none), swapped in as a write is, with ``source``'s checksum. Pruning
+    ``source`` later leaves ``target`` whole; neither is ever written in place (every write is a new file)."""
+    staged = hidden_name(target, PARTIAL)
+    remove_path(staged)
+    if source.is_dir():
+        try:
+            shutil.copytree(source, staged, copy_function=os.link)
+        except OSError:  # no hard links on this filesystem (or across two): copy the bytes
+            remove_path(staged)
+            shutil.copytree(source, staged)
+        replace_folder(staged, target)
+        return
+    try:
+        os.link(source, staged)
+    except OSError:
+        shutil.copyfile(source, staged)
+    digests = recorded_checksums(source)
+    if digests:
+        record_checksum(target, digests[0])
+    os.replace(staged, target)
+    _fsync_dir(target.parent)
+
+
 def remove_path(path: Path) -> None:
     """Delete a file or a folder tree (nothing if it does not exist)."""
     if path.is_dir():
         shutil.rmtree(path)
-    elif path.exists():
+    elif path.exists() or path.is_symlink():
         path.unlink()
 
 
+def recover_swapped(folder: Path) -> list[str]:
+    """Put back a checkpoint whose swap (``replace_folder``) was cut between its two renames: ``NAME`` is gone, and
+    ``.NAME.partial`` (the new copy, complete: it is swapped in only once written) and ``.NAME.old`` are left. The
+    new copy if it loads, else the old one, becomes ``NAME`` again; one line per recovery."""
+    recovered = []
+    for old in folder.glob(f".*{OLD}") if folder.is_dir() else []:
+        target = folder / old.name[1 : -len(OLD)]
+        if target.exists():
+            continue
+        new = hidden_name(target, PARTIAL)
+        source = new if new.exists() and not checkpoint_problem(new) else old
+        os.replace(source, target)
+        _fsync_dir(folder)
+        which = "the new copy" if source == new else "the previous copy (the new one was incomplete)"
+        recovered.append(f"recovered {target} from {which}, left by a swap that a kill cut short")
+    return recovered
+
+
 def remove_unfinished(folder: Path) -> list[Path]:
-    """Delete what killed writes left in ``folder`` (``.*.partial``, ``.*.old``); return what was removed."""
+    """Delete what killed writes left in ``folder`` (``.*.partial``, ``.*.old``), once ``recover_swapped`` has put
+    back a checkpoint they alone held; return what was removed."""
+    for line in recover_swapped(folder):
+        log.warning(line)
     leftovers = [p for p in folder.glob(".*") if p.name.endswith((PARTIAL, OLD))] if folder.is_dir() else []
     for path in leftovers:
         remove_path(path)
@@ -181,20 +234,47 @@ def checkpoint_problem(path: Path) -> str:
     return ""
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The training step a checkpoint holds (its ``global_step``), read without its tensors (memory-mapped; a sharded
+    folder's ``meta.pt``); None if it cannot be read."""
+    try:
+        if path.is_dir():
+            checkpoint = torch.load(path / "meta.pt", map_location="cpu")
+        else:
+            checkpoint = torch.load(path, map_location="cpu", mmap=True)
+        return int(checkpoint["global_step"])
+    except Exception:  # truncated, not a checkpoint: checkpoint_problem says why
+        return None
+
+
 def resumable(folder: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint of ``folder`` that loads (``last.ckpt``, then ``stepN.ckpt`` from the highest N),
-    and one line per newer checkpoint skipped, saying why."""
-    numbered = numbered_checkpoints(folder)
-    steps = sorted(numbered, key=numbered.get, reverse=True)
+    """The checkpoint of ``folder`` that holds the newest step and loads, and one line per newer one skipped, saying
+    why. Ranked by the step each holds, not by name: after a failed ``last.ckpt`` write, ``last.ckpt`` may hold an
+    older step than a good ``stepN.ckpt``. At equal steps ``last.ckpt`` comes first (it is then a link to the
+    other); one whose step cannot be read is tried first (and skipped, saying why)."""
+    paths = [p for p in [folder / "last.ckpt", *numbered_checkpoints(folder)] if p.exists()]
+    steps = {p: checkpoint_step(p) for p in paths}
+    ranked = sorted(paths, key=lambda p: (math.inf if steps[p] is None else steps[p], p.name == "last.ckpt"))
     skipped = []
-    for path in [folder / "last.ckpt", *steps]:
-        if not path.exists():
-            continue
+    for path in reversed(ranked):
         problem = checkpoint_problem(path)
         if not problem:
             return path, skipped
         skipped.append(f"skipped {path}: it does not load ({problem})")
     return None, skipped
+
+
+def checkpoint_identity(path: Path) -> list:
+    """What tells two views of a checkpoint apart without reading its bytes: each file's name, size and modification
+    time (a sharded folder's every file), and the SHA-256 recorded when it was written. Processes that see other
+    bytes under the same path (a stale NFS cache, another copy) see another identity."""
+    try:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        stats = [(str(f.relative_to(path)) if path.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                 for f in files]  # fmt: skip
+    except OSError as err:
+        return [f"unreadable: {err.strerror}"]
+    return [*stats, (recorded_checksums(path) or [None])[0]]
 
 
 def numbered_checkpoints(folder: Path) -> dict[Path, int]:

@@ -24,7 +24,9 @@ from typing import IO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from sgrpo.run.checkpoints import remove_path, remove_unfinished, resumable
+from sgrpo.checks import ConfigError
+from sgrpo.run.checkpoints import checkpoint_identity, remove_path, remove_unfinished, resumable
+from sgrpo.run.resume import ProcessesDisagree
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,17 @@ os.register_at_fork(after_in_child=_close_held_locks)
 
 class RunRefused(Exception):
     """A run that must not start as asked; the message names the folder, the reason and the fixes."""
+
+
+def run_folder(root: str | os.PathLike | None) -> Path:
+    """``trainer.default_root_dir`` as a folder; an empty name is refused (it meant the working directory, where
+    ``--overwrite true`` would delete what is there)."""
+    if root is None or not str(root).strip():
+        raise ConfigError(
+            f"trainer.default_root_dir={root!r} names no folder (the run would be written into the working "
+            "directory): give the run its own folder, e.g. --trainer.default_root_dir=runs/NAME"
+        )
+    return Path(root)
 
 
 def lock_run(root: Path) -> IO[str]:
@@ -86,18 +99,69 @@ def unlock_run(handle: IO[str]) -> None:
     handle.close()
 
 
-def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool) -> str | None:
+class AgreedCheckpoint(os.PathLike):
+    """``--ckpt_path last`` as global rank 0 resolved and verified it, the one checkpoint every process resumes.
+
+    The other processes leave ``"last"`` unresolved (reading and hashing every candidate on each was 25 GB per
+    process for a 1.5B model with AdamW) and take rank 0's path once the process group exists (``agree``, from
+    ``RunCheckpoint.setup``, before anything loads): Lightning's DDP strategy does not broadcast it, and a process
+    that resolved it alone could pick another file (a stale network-filesystem cache, a read error that fell back
+    to ``stepN.ckpt``) and resume other optimiser moments, data position and counters. Lightning reads the path
+    (``os.fspath``) only when it loads the checkpoint, after ``agree``.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def __fspath__(self) -> str:
+        if self.path is None:
+            raise RuntimeError("--ckpt_path last read before global rank 0's decision reached this process")
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path or "last"
+
+    def __repr__(self) -> str:
+        return f"AgreedCheckpoint({self.path!r})"
+
+
+def agree_checkpoint(trainer, ckpt_path) -> None:
+    """Every process resumes the checkpoint global rank 0 chose, and sees the same bytes there: rank 0's path (of an
+    ``AgreedCheckpoint``) is broadcast, then each process's view of the file (``checkpoint_identity``) compared with
+    rank 0's; a difference raises ``ProcessesDisagree`` on every process, before anything loads. A collective."""
+    if trainer.world_size < 2 or ckpt_path is None:
+        return
+    import torch.distributed as dist
+
+    if isinstance(ckpt_path, AgreedCheckpoint):
+        ckpt_path.path = trainer.strategy.broadcast(ckpt_path.path, src=0)
+    seen: list = [None] * trainer.world_size
+    dist.all_gather_object(seen, checkpoint_identity(Path(ckpt_path)))
+    differ = [str(rank) for rank, view in enumerate(seen) if view != seen[0]]
+    if differ:
+        processes = f"process{'es' if len(differ) > 1 else ''} {', '.join(differ)}"
+        raise ProcessesDisagree(
+            f"--ckpt_path {ckpt_path}: {processes} see{'s' if len(differ) == 1 else ''} other bytes there than "
+            f"process 0 (size, modification time or checksum differ: a stale network-filesystem cache, or another "
+            f"copy of the run folder), so they would resume another state; nothing was loaded. Make every process "
+            f"see the same {Path(ckpt_path).parent.parent}, then resume"
+        )
+
+
+def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool) -> str | AgreedCheckpoint | None:
     """The checkpoint to resume from (``"last"`` resolved), after the checks of a run folder.
 
-    Only the ``leader`` (global rank 0) removes unfinished checkpoint writes and refuses, or with
-    ``overwrite`` clears, a folder that holds another run; every process resolves ``"last"`` alike.
+    Only the ``leader`` (global rank 0) removes unfinished checkpoint writes (after putting back a checkpoint a cut
+    swap left hidden), refuses, or with ``overwrite`` clears, a folder that holds another run, and resolves
+    ``"last"`` (reading and checking the file); the others learn its decision once the processes are connected
+    (``AgreedCheckpoint``).
     """
     folder = root / "checkpoints"
     if leader:
         for path in remove_unfinished(folder):
             log.info("removed %s, left by a write that did not finish", path)
     if ckpt_path == "last":
-        return latest_checkpoint(folder)
+        return AgreedCheckpoint(latest_checkpoint(folder) if leader else None)
     held = [name for name in RUN_OUTPUTS if _holds_output(root / name)]
     resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
     if not leader or not held or resuming:
@@ -149,7 +213,9 @@ def latest_checkpoint(folder: Path, hint: str = FRESH) -> str:
 
 
 @contextmanager
-def claimed_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool) -> Iterator[str | None]:
+def claimed_run(
+    root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
+) -> Iterator[str | AgreedCheckpoint | None]:
     """``prepare_run`` under the folder's lock (taken by the leader), held until the block ends."""
     lock = lock_run(root) if leader else None
     try:

@@ -8,13 +8,20 @@ change is applied: the policy, task and estimator are built from the new config 
 settings, which loading the optimiser state would silently put back to the old ones (a new learning rate was
 ignored), are set again from the new config (``apply_optimizer_settings``).
 
+Outside the ``model`` block, the record holds ``trainer.precision`` (``64-true`` made the weights, and the export,
+float64 mid-run) and the content of every local data file the task names (``PATH@content``: its size and a hash of
+its first and last MiB, ``content_fingerprint``), since only the path is in the config: another file under the same
+path is another experiment too. Checkpoints written before these were recorded resume without them being compared.
+
 Settings that change how a step is computed, not what it computes, may change freely (``OPERATIONAL``):
 micro-batching, memory and logging options, and the evaluation's own settings.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 #: ``model.*`` keys a resume may change without changing the experiment (prefixes match their sub-keys)
@@ -37,6 +44,11 @@ class ResumeError(Exception):
     exit 2, as on one process."""
 
 
+class ProcessesDisagree(ResumeError):
+    """The processes of a run would resume different checkpoints (or see different bytes at one path); the
+    message is the whole line."""
+
+
 def _flatten(value: Any, prefix: str, out: dict[str, str]) -> None:
     if isinstance(value, dict) and value:
         for key, item in value.items():
@@ -45,19 +57,69 @@ def _flatten(value: Any, prefix: str, out: dict[str, str]) -> None:
         out[prefix] = json.dumps(value, sort_keys=True, default=str)
 
 
-def experiment_record(model, seed) -> dict[str, str]:
+#: suffix of a data file's content fingerprint in the record (``model.task.init_args.path@content``)
+CONTENT = "@content"
+_EDGE = 1 << 20  # the bytes hashed at each end of a data file
+
+
+def content_fingerprint(path: Path) -> str:
+    """A cheap fingerprint of a file's content, or of a folder's files: size and the SHA-256 of the first and last
+    MiB (whole files up to 2 MiB), not the modification time (a copy of the same data is the same experiment).
+    An edit of the middle of a large file that keeps its size goes unseen; any other edit changes it."""
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    digest, size = hashlib.sha256(), 0
+    for file in files:
+        with open(file, "rb") as f:
+            length = f.seek(0, 2)
+            f.seek(0)
+            digest.update(f"{file.relative_to(path) if path.is_dir() else ''}:{length}:".encode())
+            digest.update(f.read(min(length, 2 * _EDGE)))
+            if length > 2 * _EDGE:
+                f.seek(length - _EDGE)
+                digest.update(f.read(_EDGE))
+        size += length
+    return f"{size} bytes, {digest.hexdigest()[:16]}"
+
+
+def _data_fingerprints(record: dict[str, str]) -> dict[str, str]:
+    """``KEY@content`` for every ``model.task`` value that names a local file or folder (a hub id names none)."""
+    fingerprints = {}
+    for key, text in record.items():
+        value = json.loads(text)
+        if key.startswith("model.task.") and isinstance(value, str) and value.strip():
+            path = Path(value).expanduser()
+            try:
+                if path.exists():
+                    fingerprints[key + CONTENT] = json.dumps(content_fingerprint(path))
+            except OSError:  # unreadable: the task's own check says so
+                continue
+    return fingerprints
+
+
+def experiment_record(model, seed, precision: str | None = None) -> dict[str, str]:
     """The parsed config's ``model`` block (a jsonargparse namespace or a dict) and seed as
-    ``{"model.group_size": "8", ...}`` (values as JSON text), without the ``OPERATIONAL`` keys."""
+    ``{"model.group_size": "8", ...}`` (values as JSON text), without the ``OPERATIONAL`` keys; with the content
+    fingerprint of each local data file (``KEY@content``) and, given, ``trainer.precision``."""
     record: dict[str, str] = {}
     _flatten(model.as_dict() if hasattr(model, "as_dict") else dict(model), "model", record)
     record["seed_everything"] = json.dumps(seed, default=str)
-    return {k: v for k, v in record.items() if not k.startswith(OPERATIONAL)}
+    record = {k: v for k, v in record.items() if not k.startswith(OPERATIONAL)}
+    record |= _data_fingerprints(record)
+    if precision is not None:
+        record["trainer.precision"] = json.dumps(str(precision))
+    return record
+
+
+def _recorded_since(key: str) -> bool:
+    """Keys that checkpoints of earlier versions did not record: not compared when the checkpoint lacks them."""
+    return key.startswith("trainer.") or key.endswith(CONTENT)
 
 
 def experiment_changes(trained: dict[str, str], resumed: dict[str, str]) -> list[str]:
     """``key: old -> new`` for every key whose value differs (``unset`` where one side lacks it); a class that
     changed is one line, without its arguments."""
-    keys = [k for k in sorted(set(trained) | set(resumed)) if trained.get(k) != resumed.get(k)]
+    keys = [k for k in sorted(set(trained) | set(resumed))
+            if trained.get(k) != resumed.get(k) and (k in trained or not _recorded_since(k))]  # fmt: skip
     classes = tuple(k.removesuffix("class_path") + "init_args." for k in keys if k.endswith(".class_path"))
     return [f"{k}: {trained.get(k, 'unset')} -> {resumed.get(k, 'unset')}" for k in keys if not k.startswith(classes)]
 

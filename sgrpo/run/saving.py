@@ -20,9 +20,17 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from sgrpo.run.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
+from sgrpo.run.checkpoints import (
+    PARTIAL,
+    checksum_path,
+    hidden_name,
+    link_checkpoint,
+    numbered_checkpoints,
+    replace_folder,
+)
 from sgrpo.run.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
-from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
+from sgrpo.run.folders import agree_checkpoint
+from sgrpo.run.resume import ProcessesDisagree, ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,8 @@ def step_end_loops(
 
 def resume_failure(ckpt_path, exception: BaseException) -> str:
     """One line for a checkpoint that failed to load into this run (nothing is written after it)."""
+    if isinstance(exception, ProcessesDisagree):
+        return str(exception)
     message = str(exception).splitlines()[0] if str(exception) else ""
     return (
         f"--ckpt_path {ckpt_path} does not load into this run ({type(exception).__name__}: {message}); it was "
@@ -125,6 +135,8 @@ class RunCheckpoint(ModelCheckpoint):
         self.experiment: dict[str, str] = {}  # this run's experiment (sgrpo.run.resume), set by the CLI
         self.resume_changes = "refuse"  # or "allow": resume with another experiment, its changes applied
         self._loaded_experiment: dict[str, str] | None = None  # the checkpoint's
+        self.resume_from = None  # the fit's --ckpt_path (an AgreedCheckpoint for "last"), set by the CLI
+        self._written: tuple[str, tuple[int, bool]] | None = None  # the newest checkpoint written, and its state
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Lightning warns that the folder "exists and is not empty": a resume's is, and a fresh run into a
@@ -132,6 +144,9 @@ class RunCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            agree_checkpoint(trainer, self.resume_from)  # before anything loads: one checkpoint, the same bytes
+            self._written = None
         if trainer.world_size > 1 and self._watch is None:
             self._watch = AbortWatch(trainer.global_rank)
             self._watch.start()
@@ -153,12 +168,7 @@ class RunCheckpoint(ModelCheckpoint):
             trained = ", ".join(self._loaded_optimizers)
             raise ResumeError(f"it was trained with {trained}, this run has {', '.join(ours)}")
         changes = experiment_changes(self._loaded_experiment, self.experiment) if self._loaded_experiment else []
-        if changes and self.resume_changes != "allow":
-            raise ResumeError(
-                f"it was trained as another experiment ({'; '.join(changes)}): resume with the run's config, or give "
-                "--resume_changes allow to train on with these changes"
-            )
-        if changes:  # allowed: applied, the optimiser's settings too (its loaded state had put the old ones back)
+        if changes:  # allowed (else refused while loading): applied, the optimiser's settings too
             apply_optimizer_settings(trainer.optimizers, trainer.lr_scheduler_configs)
             log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
@@ -266,7 +276,27 @@ class RunCheckpoint(ModelCheckpoint):
             state["_batches_that_stepped"] = mark["step"] - (2 if mark["validation_pending"] else 1)
             self._loaded_optimizers = mark.get("optimizers")
             self._loaded_experiment = mark.get("experiment")
+        self._check_resume(trainer, checkpoint)
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+    def _check_resume(self, trainer, checkpoint: dict[str, Any]) -> None:
+        """Refuse, while it loads (on every process, before anything trains or exports), a checkpoint this run would
+        continue as another experiment (``sgrpo.run.resume``: the model block, seed, precision, data files), unless
+        ``--resume_changes allow``; and one whose step is past ``trainer.max_steps``: the fit would stop at once and
+        overwrite the export with the checkpoint's policy (at ``max_steps`` exactly it re-exports it, as after an
+        export a signal cut short). A fit that skips its loop never reached the refusal in ``on_train_start``."""
+        changes = experiment_changes(self._loaded_experiment, self.experiment) if self._loaded_experiment else []
+        if changes and self.resume_changes != "allow":
+            raise ResumeError(
+                f"it was trained as another experiment ({'; '.join(changes)}): resume with the run's config, or give "
+                "--resume_changes allow to train on with these changes"
+            )
+        step = checkpoint.get("global_step")
+        if step is not None and 0 <= trainer.max_steps < step:
+            raise ResumeError(
+                f"it holds step {step}, past --trainer.max_steps={trainer.max_steps}: give --trainer.max_steps={step} "
+                "or more, or export it with python -m sgrpo.export"
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The numbered checkpoints that ``keep_last`` prunes are the ``stepN.ckpt`` in this run's folder, wherever
@@ -292,8 +322,22 @@ class RunCheckpoint(ModelCheckpoint):
             checksum_path(Path(filepath)).unlink(missing_ok=True)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """Write the checkpoint, unless the newest one written holds this very state (the same step's end, the
+        same validation still due): then ``filepath`` becomes a hard link to it (``stepN.ckpt`` and ``last.ckpt``
+        of a periodic save were two full writes, each hashed in the training thread), or is left as it is if it
+        is that one (``last.ckpt`` saved again at the final step or a signal)."""
         self._writing = True  # until the write is done: an error in it saves nothing more
-        self._save_checkpoint_atomically(trainer, filepath)
+        state = (trainer.global_step, self._validation_pending) if self._step_end == trainer.global_step else None
+        written = self._written
+        self._written = None  # until this write is done
+        if state is not None and written is not None and written[1] == state:  # the same decision on every process
+            if written[0] != filepath and trainer.is_global_zero:
+                link_checkpoint(Path(written[0]), Path(filepath))
+            trainer.strategy.barrier("RunCheckpoint.link")
+            self._last_global_step_saved, self._last_checkpoint_saved = trainer.global_step, filepath
+        else:
+            self._save_checkpoint_atomically(trainer, filepath)
+        self._written = (filepath, state) if state is not None else None
         self._writing = False
 
     def _save_checkpoint_atomically(self, trainer, filepath: str) -> None:
