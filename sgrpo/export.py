@@ -31,6 +31,7 @@ from sgrpo.model.loading import resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import checkpoint_problem
 from sgrpo.run.folders import logger_versions
+from sgrpo.train.update import largest_magnitude
 
 
 class CheckpointError(Exception):
@@ -63,7 +64,10 @@ def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merg
                 sharded: bool = False) -> None:  # fmt: skip
     """The trained policy to ``path``: the model, or with LoRA the adapter folder (and the merged model in
     ``path/merged`` if ``merged``). Sharded weights are gathered, a collective: every process calls this,
-    and the ``leader`` writes."""
+    and the ``leader`` writes. Weights that are not all finite are refused (``CheckpointError``): a diverged
+    model is no model to deploy."""
+    if not bool(torch.isfinite(largest_magnitude(model.parameters()))):
+        raise CheckpointError(f"the model's weights are not all finite (NaN or infinite): {path} was not written")
     if peft is not None:
         adapter = adapter_state(model)
         full = merged_state(model) if merged else None
@@ -92,6 +96,7 @@ class PolicyExport:
         return Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model")
 
     def on_fit_end(self) -> None:
+        self.divergence_watch.finish(self.rollout_step)  # a run that ended on skipped (non-finite) steps: no export
         base = self.policy_record()["base"]
         merged = self.peft is not None and self.peft.export_merged
         save_policy(self.model, self.tokenizer, self.export_path, self.peft, base, merged,

@@ -10,7 +10,7 @@ the logger's files and the resolved config in ``lightning_logs/version_N/``, the
 ``test`` evaluate a checkpoint (``--ckpt_path``) or a model folder (``--model.model``) on that split
 and print its accuracy by difficulty, without training.
 
-Exit codes: 0 done; 1 an error (a reward that keeps failing: one line); 2 a configuration, run folder or
+Exit codes: 0 done; 1 an error (a reward that keeps failing, a diverged run: one line); 2 a configuration, run folder or
 checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 after Ctrl-C, once
 ``last.ckpt`` is saved.
 """
@@ -45,7 +45,7 @@ from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.faults import disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
-from sgrpo.run.guards import RewardFailureError
+from sgrpo.run.guards import GuardError
 from sgrpo.run.preflight import (
     check_config_files,
     check_nodes,
@@ -277,7 +277,7 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(str(err), 2)
     except ConfigError as err:  # one known only once the processes exist (before any model loads)
         exit_with_error(f"invalid configuration: {err}", 2)
-    except RewardFailureError as err:
+    except GuardError as err:  # a reward that keeps failing, a diverged run: one line
         exit_with_error(str(err), 1)
     except Exception as err:  # a full or read-only disk at run time: one line, the run's checkpoints kept
         disk = disk_fault(err)

@@ -68,6 +68,11 @@ def test_the_report_draws_its_curves_whatever_the_logger(logger, tmp_path, monke
         monkeypatch.chdir(tmp_path)  # anything a logger writes beside its save_dir stays in the test's folder
         steps = spy_on(logger, monkeypatch)
         extra = [f"--trainer.logger={logger}", f"--trainer.logger.save_dir={tmp_path}"]
+    import sgrpo.eval.report as report_module
+
+    titles, plot = [], report_module.plot_curves
+    drawn = lambda *a, title="": titles.append(title) or plot(*a, title=title)  # noqa: E731
+    monkeypatch.setattr(report_module, "plot_curves", drawn)
     fit(tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=2", "--validate_before=true",
         "--report=true", *extra)  # fmt: skip
     if logger == "WandbLogger":
@@ -78,7 +83,12 @@ def test_the_report_draws_its_curves_whatever_the_logger(logger, tmp_path, monke
     assert [s for s, _ in series["train/reward"]] == [0, 1, 2]
     assert [s for s, _ in series["val/accuracy"]] == [0, 1]  # before training, and after step 2 (logged at 1)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    assert "| mean over levels |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| mean over levels |" in report
+    # which run, estimator, temperature and LoRA the report belongs to (it did not say); the figure's title too
+    header = f"run {tmp_path} (3 steps): SoftmaxGRPO(temperature=0.5"
+    assert report.startswith(header) and "sampling temperature 1, full weights" in report.splitlines()[0]
+    assert titles == [report.splitlines()[0]]
     if logger == "default":  # the CSV logger's file holds the same values
         assert read_metrics(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") == series
     if steps is not None:
