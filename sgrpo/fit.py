@@ -256,7 +256,17 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
             },
         )
     except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
-        exit_with_error(f"invalid configuration: {err}", 2)
+        exit_with_error(f"invalid configuration: {union_error(str(err))}", 2)
+
+
+def union_error(message: str) -> str:
+    """The parser's dump for a value that fits no type of a union (``rollout: RolloutEngine | None`` with
+    ``temperature: 0``: eight lines, the constructor's message in the middle) as the constructor's message alone."""
+    if "Does not validate against any of the Union subtypes" not in message:
+        return message
+    errors = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")]
+    errors = [e for e in errors if not e.startswith("Expected a <class 'NoneType'>")]
+    return "; ".join(errors) if errors else message
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:

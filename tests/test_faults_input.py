@@ -154,3 +154,4 @@ def test_a_reward_that_always_fails_stops_the_run(model_dir, tmp_path, capsys):
     line = error_line(capsys)
     assert "the reward failed for 16 of 16 completions" in line and "2 steps in a row" in line
     assert last_step(tmp_path) == 1  # one step trained on zeros, then it stopped
+    assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 16.0), (1, 16.0)]  # both steps logged

@@ -38,6 +38,22 @@ def test_a_resume_supersedes_the_steps_it_logs_again_and_a_cut_line_is_skipped(t
     assert merge_records([{"step": 0, "a": 1.0}, {"step": 0, "a": 2.0}]) == {"a": [(0, 2.0)]}  # later wins
 
 
+def test_damaged_lines_are_skipped_and_counted_and_the_curves_still_drawn(tmp_path, caplog):
+    """A line that is not UTF-8, a JSON list or a string value made a finished run exit 1 with a traceback
+    (UnicodeDecodeError, AttributeError, ValueError) and no curves.png."""
+    from sgrpo.eval.report import plot_curves
+
+    path = tmp_path / METRICS_FILE
+    good = [{"step": 0, "train/reward": 0.5}, {"step": 1, "train/reward": 0.75, "train/grad_norm": float("nan")}]
+    damaged = [b"\xff\xfe{\"step\": 2}", b"[1, 2]", b'{"step": 2, "train/reward": "high"}', b'{"step": "two"}']
+    path.write_bytes(b"\n".join([json.dumps(good[0]).encode(), *damaged, json.dumps(good[1]).encode()]) + b"\n")
+    series = read_run_metrics(tmp_path)
+    assert series["train/reward"] == [(0, 0.5), (1, 0.75)]
+    assert len(series["train/grad_norm"]) == 1  # NaN is a diverged value, not damage: kept
+    assert "skipped 4 damaged lines (line 2 first)" in caplog.text
+    assert plot_curves(series, tmp_path / "curves.png").stat().st_size > 0
+
+
 def spy_on(logger_class: str, monkeypatch) -> list[int]:
     """The steps at which the chosen logger's ``log_metrics`` received a training reward."""
     import lightning.pytorch.loggers as loggers

@@ -326,3 +326,18 @@ def test_several_nodes_started_by_hand_are_refused_in_one_line_not_left_waiting(
         check_nodes(SimpleNamespace(num_nodes=nodes, strategy=SimpleNamespace(cluster_environment=environment)))
     monkeypatch.setenv("NODE_RANK", "1")  # Lightning's launch by hand: every node given its rank
     check_nodes(SimpleNamespace(num_nodes=2, strategy=SimpleNamespace(cluster_environment=LightningEnvironment())))
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--trainer.val_check_interval=0"], "error: invalid configuration: trainer.val_check_interval must be >= 1"),
+        (["--model.rollout.init_args.temperature=0"], "error: invalid configuration: temperature must be > 0"),
+        (["--model.rollout.init_args.max_new_tokens=0"], "error: invalid configuration: max_new_tokens must be"),
+    ],
+    ids=["val_check_interval", "temperature", "max_new_tokens"],
+)
+def test_bad_values_fail_in_one_line_not_a_traceback_or_a_union_dump(extra, needle, model_dir, tmp_path, capsys):
+    """val_check_interval 0 raised ZeroDivisionError once the model had loaded; temperature or max_new_tokens 0
+    printed an eight-line union dump with the message in the middle."""
+    assert refusal(tmp_path, model_dir, capsys, *extra).startswith(needle)

@@ -75,16 +75,23 @@ class RewardFailureWatch:
             raise ValueError(f"reward_failure_steps must be >= 1, got {steps}")
         self.share, self.steps = share, steps
         self.streak = 0  # consecutive steps over the share
+        self.pending: RewardFailureError | None = None  # raised once the failing step's metrics are logged
 
     def observe(self, failures: float, total: int, strategy) -> None:
-        """Count one step's ``failures`` of ``total`` rewards (this process's); raise on the ``steps``-th bad step."""
+        """Count one step's ``failures`` of ``total`` rewards (this process's); on the ``steps``-th bad step keep
+        the error for ``raise_pending``, so that the step trains and logs its metrics first."""
         counts = torch.tensor([float(failures), float(total)], device=strategy.root_device)
         failed, scored = strategy.reduce(counts, reduce_op="sum").tolist()
         self.streak = self.streak + 1 if scored and failed >= self.share * scored else 0
         if self.streak >= self.steps:
-            raise RewardFailureError(
+            self.pending = RewardFailureError(
                 f"the reward failed for {failed:.0f} of {scored:.0f} completions, and for at least {self.share:.0%} "
                 f"of them {self.steps} steps in a row: a failed scoring counts as a wrong answer, so this run "
                 f"trains nothing; the first failure's error is in the log above (fix the reward, or raise "
                 f"model.reward_failure_share / model.reward_failure_steps)"
             )
+
+    def raise_pending(self) -> None:
+        """Raise the error ``observe`` kept, if any (after the step's metrics were logged)."""
+        if self.pending is not None:
+            raise self.pending

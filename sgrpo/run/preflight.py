@@ -91,6 +91,11 @@ def check_trainer_keys(trainer: Any) -> None:
         if value is not None and not (key == "accumulate_grad_batches" and value == 1):
             raise ConfigError(f"trainer.{key} is not for sgrpo, which steps the optimiser itself: use {ours}")
     interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # a ZeroDivisionError, later
+        raise ConfigError(
+            f"trainer.val_check_interval must be >= 1 training steps, got {interval} (to validate only at the end, "
+            f"set it to trainer.max_steps)"
+        )
     if isinstance(interval, float):  # Lightning reads a float as a fraction of an epoch
         raise ConfigError(
             f"trainer.val_check_interval must count training steps (an integer, counted across epochs; not a fraction "
