@@ -27,11 +27,10 @@ import yaml
 from torch import Tensor, nn
 
 from sgrpo.checks import exit_with_error
-from sgrpo.model.loading import resolve_model_path
+from sgrpo.model.loading import largest_magnitude, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import checkpoint_problem
 from sgrpo.run.folders import logger_versions
-from sgrpo.train.update import largest_magnitude
 
 
 class CheckpointError(Exception):

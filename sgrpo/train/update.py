@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.distributed import any_process, data_parallel_size, gradient_sync, max_over_processes
+from sgrpo.model.loading import largest_magnitude
 from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
@@ -262,15 +263,6 @@ class PolicyUpdate:
         sums = self.trainer.strategy.reduce(torch.stack([gap["kl"], gap["abs_diff"], gap["tokens"]]), reduce_op="sum")
         largest = self.trainer.strategy.reduce(gap["max_abs"].float(), reduce_op="max")
         return {"kl": sums[0], "abs_diff": sums[1], "tokens": sums[2], "max_abs": largest}
-
-
-def largest_magnitude(tensors) -> Tensor:
-    """max |x| over all ``tensors`` (over all shards under FSDP2): finite iff every entry is (no sum to overflow)."""
-    tensors = [t.detach() for t in tensors]
-    if not tensors:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(tensors, norm_type=float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None) -> Tensor:
