@@ -153,5 +153,6 @@ def test_a_reward_that_always_fails_stops_the_run(model_dir, tmp_path, capsys):
     assert stopped.value.code == 1
     line = error_line(capsys)
     assert "the reward failed for 16 of 16 completions" in line and "2 steps in a row" in line
-    assert last_step(tmp_path) == 1  # one step trained on zeros, then it stopped
-    assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 16.0), (1, 16.0)]  # both steps logged
+    # both failing steps trained (on zeros) and were logged, then it stopped (the second's row was lost)
+    assert last_step(tmp_path) == 2
+    assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 16.0), (1, 16.0)]
