@@ -43,6 +43,7 @@ from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
+from sgrpo.run.cli_errors import one_line_errors, union_error
 from sgrpo.run.faults import disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 from sgrpo.run.guards import GuardError
@@ -108,6 +109,9 @@ class SgrpoCLI(LightningCLI):
     def __init__(self, *args, mode: str = "fit", **kwargs) -> None:
         self.mode = mode  # "fit", or "validate" / "test": an evaluation, which keeps no checkpoints or metrics file
         super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs):
+        return one_line_errors(super().init_parser(**kwargs))  # the error alone, not 85 lines of usage first
 
     def instantiate_trainer(self, **kwargs):
         """Lightning's trainer with sgrpo's checkpoints (atomic writes), metrics file, exit codes and progress bar.
@@ -257,16 +261,6 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
         )
     except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
         exit_with_error(f"invalid configuration: {union_error(str(err))}", 2)
-
-
-def union_error(message: str) -> str:
-    """The parser's dump for a value that fits no type of a union (``rollout: RolloutEngine | None`` with
-    ``temperature: 0``: eight lines, the constructor's message in the middle) as the constructor's message alone."""
-    if "Does not validate against any of the Union subtypes" not in message:
-        return message
-    errors = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")]
-    errors = [e for e in errors if not e.startswith("Expected a <class 'NoneType'>")]
-    return "; ".join(errors) if errors else message
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:

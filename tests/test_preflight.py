@@ -341,3 +341,27 @@ def test_bad_values_fail_in_one_line_not_a_traceback_or_a_union_dump(extra, need
     """val_check_interval 0 raised ZeroDivisionError once the model had loaded; temperature or max_new_tokens 0
     printed an eight-line union dump with the message in the middle."""
     assert refusal(tmp_path, model_dir, capsys, *extra).startswith(needle)
+
+
+def test_parser_errors_are_one_line_with_the_nearest_name(tmp_path, capsys):
+    """A type error, an unknown key or class came after 85 lines of usage; now the error alone, with the nearest
+    key or class suggested. Several refusals of the parser in one test (in-process: no model loads)."""
+    from sgrpo.fit import parse
+
+    (tmp_path / "unknown.yaml").write_text("model:\n  grup_size: 8\n")
+    (tmp_path / "typed.yaml").write_text('model:\n  group_size: "eight"\n')
+    cases = {
+        ("--model.grup_size=8",): "unrecognized arguments: --model.grup_size=8 (did you mean model.group_size?)",
+        ("--config", str(tmp_path / "unknown.yaml")): "does not accept option 'grup_size' (did you mean "
+        "model.group_size?)",
+        ("--config", str(tmp_path / "typed.yaml")): 'Parser key "model.group_size": Expected a <class \'int\'>. '
+        "Got value: eight",
+        ("--model.estimator=estimators.GRPo",): "has no attribute 'GRPo' (did you mean estimators.GRPO?)",
+    }
+    for extra, needle in cases.items():
+        with pytest.raises(SystemExit) as refused:
+            parse(["--config", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}", *extra])
+        assert refused.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: invalid configuration: "), lines
+        assert needle in lines[0], lines[0]
