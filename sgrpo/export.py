@@ -208,6 +208,8 @@ def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
 
 def export_checkpoint(path: Path, out: Path, merged: bool = False, base: str | None = None) -> Path:
     """Write ``out`` from the checkpoint at ``path`` (see the module docstring); refuses a non-empty ``out``."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file: give a folder to write the model into (new or empty)")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty: choose another folder or remove it")
     weights, checkpoint = read_checkpoint(path)
