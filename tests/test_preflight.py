@@ -365,3 +365,15 @@ def test_parser_errors_are_one_line_with_the_nearest_name(tmp_path, capsys):
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: invalid configuration: "), lines
         assert needle in lines[0], lines[0]
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_in_one_line(model_dir, tmp_path, capsys):
+    """It failed in a transformers traceback about sentencepiece, once the processes had started."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "special_tokens*"))
+    line = refusal(tmp_path, model_dir, capsys, f"--model.model={bare}")
+    assert line == (f"error: invalid configuration: model: {bare} has no tokenizer (tokenizer.json, "
+                    "tokenizer_config.json, tokenizer.model, vocab.json, spiece.model): copy the tokenizer files of "
+                    "the model it came from into it (tokenizer.save_pretrained)")  # fmt: skip
