@@ -3,12 +3,14 @@
 The distribution installs three top-level packages: ``sgrpo`` (the engine), ``estimators`` and ``tasks``
 (the public faces users subclass). Generic names can collide: a project's own ``tasks`` folder in the
 working directory, or another distribution's, would be imported in place of sgrpo's and fail later in
-confusing ways. Importing sgrpo checks that both resolve beside it, and says which file shadows them.
+confusing ways. Importing sgrpo checks that both resolve beside it, and says which file shadows them: in
+one line and exit 2 from ``python -m sgrpo.<command>``, an ImportError to a program that imports it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 COMPANIONS = ("estimators", "tasks")
@@ -29,4 +31,10 @@ def check_companions() -> None:
             )
 
 
-check_companions()
+try:
+    check_companions()
+except ImportError as err:
+    if sys.argv[:1] != ["-m"]:  # imported by a program: its ImportError
+        raise
+    sys.stderr.write(f"error: {err}\n")  # `python -m sgrpo.fit` (argv[0] is "-m" while Python finds the module)
+    raise SystemExit(2) from None

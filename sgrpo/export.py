@@ -32,7 +32,7 @@ import yaml
 from torch import Tensor, nn
 
 from sgrpo.checks import exit_with_error
-from sgrpo.model.loading import resolve_model_path
+from sgrpo.model.loading import largest_magnitude, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
 from sgrpo.run.faults import Stopped
@@ -69,7 +69,10 @@ def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merg
                 sharded: bool = False) -> None:  # fmt: skip
     """The trained policy to ``path``: the model, or with LoRA the adapter folder (and the merged model in
     ``path/merged`` if ``merged``). Sharded weights are gathered, a collective: every process calls this,
-    and the ``leader`` alone keeps the merged copy and writes."""
+    and the ``leader`` alone keeps the merged copy and writes. Weights that are not all finite are refused
+    (``CheckpointError``): a diverged model is no model to deploy."""
+    if not bool(torch.isfinite(largest_magnitude(model.parameters()))):
+        raise CheckpointError(f"the model's weights are not all finite (NaN or infinite): {path} was not written")
     if peft is not None:
         adapter = adapter_state(model)
         full = merged_state(model, keep=leader) if merged else None  # gathered by all, kept by the leader
@@ -135,6 +138,7 @@ class PolicyExport:
         return Path(self.export_dir or Path(self.trainer.default_root_dir) / "hf_model")
 
     def on_fit_end(self) -> None:
+        self.divergence_watch.finish(self.rollout_step)  # a run that ended on skipped (non-finite) steps: no export
         base = self.policy_record()["base"]
         merged = self.peft is not None and self.peft.export_merged
         leader = self.trainer.is_global_zero
@@ -249,6 +253,8 @@ def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
 
 def export_checkpoint(path: Path, out: Path, merged: bool = False, base: str | None = None) -> Path:
     """Write ``out`` from the checkpoint at ``path`` (see the module docstring); refuses a non-empty ``out``."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file: give a folder to write the model into (new or empty)")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty: choose another folder or remove it")
     weights, checkpoint = read_checkpoint(path)

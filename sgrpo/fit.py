@@ -10,7 +10,7 @@ the logger's files and the resolved config in ``lightning_logs/version_N/``, the
 ``test`` evaluate a checkpoint (``--ckpt_path``) or a model folder (``--model.model``) on that split
 and print its accuracy by difficulty, without training.
 
-Exit codes: 0 done; 1 an error (a reward that keeps failing: one line); 2 a configuration, run folder or
+Exit codes: 0 done; 1 an error (a reward that keeps failing, a diverged run: one line); 2 a configuration, run folder or
 checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 after Ctrl-C, once
 ``last.ckpt`` is saved.
 """
@@ -43,9 +43,10 @@ from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
+from sgrpo.run.cli_errors import one_line_errors, union_error
 from sgrpo.run.faults import disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
-from sgrpo.run.guards import RewardFailureError
+from sgrpo.run.guards import GuardError
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
     check_config_files,
@@ -114,6 +115,9 @@ class SgrpoCLI(LightningCLI):
         the experiment record keeps the setting (``true``), so a resume of such a run is the same experiment."""
         self.configured_seed = self._get(self.config, "seed_everything")
         super()._set_seed()
+
+    def init_parser(self, **kwargs):
+        return one_line_errors(super().init_parser(**kwargs))  # the error alone, not 85 lines of usage first
 
     def instantiate_trainer(self, **kwargs):
         """Lightning's trainer with sgrpo's checkpoints (atomic writes), metrics file, exit codes and progress bar.
@@ -268,7 +272,7 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
             },
         )
     except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
-        exit_with_error(f"invalid configuration: {err}", 2)
+        exit_with_error(f"invalid configuration: {union_error(str(err))}", 2)
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:
@@ -289,7 +293,7 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(str(err), 2)
     except ConfigError as err:  # one known only once the processes exist (before any model loads)
         exit_with_error(f"invalid configuration: {err}", 2)
-    except RewardFailureError as err:
+    except GuardError as err:  # a reward that keeps failing, a diverged run: one line
         exit_with_error(str(err), 1)
     except Exception as err:  # a full or read-only disk at run time: one line, the run's checkpoints kept
         disk = disk_fault(err)

@@ -23,7 +23,7 @@ from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_t
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
-from sgrpo.run.guards import RewardFailureWatch
+from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch
 from sgrpo.train.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.train.reference import build_reference
 from sgrpo.train.step_logging import StepLogging
@@ -92,6 +92,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         max_prompt_tokens: int | None = None,
         reward_failure_share: float = 1.0,
         reward_failure_steps: int = 3,
+        max_nonfinite_steps: int = 3,
     ) -> None:
         """The config's ``model:`` block.
 
@@ -134,6 +135,8 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
             max_prompt_tokens: Longer prompts are dropped at read (default: positions less max_new_tokens).
             reward_failure_share: Share of a step's rewards that failed, at or above which the step counts as failed.
             reward_failure_steps: Failed steps in a row that stop the run.
+            max_nonfinite_steps: Optimiser steps in a row with a non-finite loss or gradient (each skipped) that stop
+                the run (docs/training.md).
         """
 
         super().__init__()
@@ -150,6 +153,7 @@ class GRPOPolicy(PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, Ligh
         require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
         require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
         self.reward_watch = RewardFailureWatch(reward_failure_share, reward_failure_steps)
+        self.divergence_watch = DivergenceWatch(max_nonfinite_steps)
         self.max_prompt_tokens, self.prompts_dropped = max_prompt_tokens, 0
         self.automatic_optimization = False
         self.model_path = model

@@ -2,8 +2,10 @@
 
 Graders such as math-verify use ``signal.alarm`` (main thread only) and sympy calls that can run
 away; running them here keeps the training process safe: a call that raises or outlives its timeout
-comes back as a failure, and a hung pool is killed and restarted. One pool per worker count is
-shared by every reward of the process and closed at exit.
+comes back as a failure, and a hung pool is killed and restarted. A call that ends its worker
+(``sys.exit`` and any other exception are caught in the worker; ``os._exit``, a crash or the OOM killer are
+not) comes back at once as a failure naming the worker's exit code, and the pool is restarted. One pool per
+worker count is shared by every reward of the process and closed at exit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import multiprocessing.pool
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: a worker is replaced after this many calls, which bounds the growth of sympy's caches
 MAX_TASKS_PER_CHILD = 2000
+#: seconds between two looks at the workers while waiting for a result (a dead one is noticed this soon)
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,9 @@ class WorkerPool:
     Calls are queued in order; the wait for a result starts once every earlier call has finished, so
     each call gets at least ``timeout`` seconds of running time. A call that times out marks the pool
     as hung: it is terminated (killing the stuck worker), restarted, and the calls still pending are
-    submitted again. The pool is created on first use and re-created in a forked child process.
+    submitted again. A worker that dies (a non-zero exit code) fails the first call still waiting, in order
+    (the one it ran when there is one worker), and the pool is restarted likewise. The pool is created on first
+    use and re-created in a forked child process.
     """
 
     def __init__(self, workers: int) -> None:
@@ -77,6 +84,7 @@ class WorkerPool:
         self.restarts = 0
         self._pool: multiprocessing.pool.Pool | None = None
         self._pid = -1
+        self._workers: set = set()  # every worker process seen since the pool started (the pool forgets dead ones)
 
     def _get(self) -> multiprocessing.pool.Pool:
         if self._pool is None or self._pid != os.getpid():
@@ -91,6 +99,7 @@ class WorkerPool:
             self._pool.terminate()
             self._pool.join()
         self._pool = None
+        self._workers = set()
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple], timeout: float) -> list[Outcome]:
         """``[fn(*args) for args in calls]`` in the workers; never raises for a failing call."""
@@ -98,28 +107,41 @@ class WorkerPool:
         pending = list(range(len(calls)))
         while pending:
             pool = self._get()
-            futures = {i: pool.apply_async(fn, calls[i]) for i in pending}
-            hung = self._collect(futures, pending, outcomes, timeout)
-            if hung is None:
+            futures = {i: pool.apply_async(_guarded, (fn, *calls[i])) for i in pending}
+            failed = self._collect(futures, pending, outcomes, timeout)
+            if failed is None:
                 break
-            outcomes[hung] = Outcome(False, error=f"timeout after {timeout:g} s")
+            hung, error = failed
+            outcomes[hung] = Outcome(False, error=error)
             for i in pending:  # results that arrived before the restart are kept
                 if outcomes[i] is None and futures[i].ready():
                     outcomes[i] = _outcome(futures[i], 0)
             self.restarts += 1
-            log.warning("scoring call %d timed out after %g s; restarting the worker pool", hung, timeout)
+            log.warning("scoring call %d failed: %s; restarting the worker pool", hung, error)
             self.close()
             pending = [i for i in pending if outcomes[i] is None]
         return outcomes  # type: ignore[return-value]
 
-    @staticmethod
-    def _collect(futures: dict, pending: list[int], outcomes: list, timeout: float) -> int | None:
-        """Fill ``outcomes`` in order; return the index of the first call that timed out, if any."""
+    def _collect(self, futures: dict, pending: list[int], outcomes: list, timeout: float) -> tuple[int, str] | None:
+        """Fill ``outcomes`` in order; return the first call that timed out or whose worker died, and why."""
         for i in pending:
-            try:
-                outcomes[i] = _outcome(futures[i], timeout)
-            except multiprocessing.TimeoutError:
-                return i
+            deadline = time.monotonic() + timeout
+            while not futures[i].ready():
+                code = self._dead_worker()
+                if code is not None:
+                    return i, f"worker process died (exit code {code})"
+                if time.monotonic() >= deadline:
+                    return i, f"timeout after {timeout:g} s"
+                futures[i].wait(POLL_S)
+            outcomes[i] = _outcome(futures[i], 0)
+        return None
+
+    def _dead_worker(self) -> int | None:
+        """The exit code of a worker that died (non-zero; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``)."""
+        self._workers.update(getattr(self._pool, "_pool", []))  # the pool drops exited workers within 0.1 s
+        for worker in self._workers:
+            if worker.exitcode not in (None, 0):
+                return worker.exitcode
         return None
 
 
@@ -130,6 +152,15 @@ def _outcome(future: multiprocessing.pool.AsyncResult, timeout: float) -> Outcom
         raise
     except Exception as err:  # the call raised in the worker (or its result did not pickle)
         return Outcome(False, error=f"{type(err).__name__}: {err}")
+
+
+def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker, where ``sys.exit`` (which the pool would let end the worker, losing the call)
+    is an error like any other."""
+    try:
+        return fn(*args)
+    except SystemExit as err:
+        raise RuntimeError(f"the reward called sys.exit({err.code!r})") from None
 
 
 _POOLS: dict[int, WorkerPool] = {}

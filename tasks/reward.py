@@ -55,9 +55,9 @@ class RewardResult:
 class Reward(ABC):
     """A reward function: ``score(examples, completions)`` -> ``RewardResult``; calling it gives the total.
 
-    Every subclass's ``score`` is protected, whoever calls it: a call that raises scores 0 for each
-    completion and counts them all as failures (labelled "error"); a total that is NaN or infinite
-    scores 0 and is counted. A result that is not a ``RewardResult`` of one reward per completion
+    Every subclass's ``score`` is protected, whoever calls it: a call that raises (``sys.exit`` included)
+    scores 0 for each completion and counts them all as failures (labelled "error"); a total that is NaN or
+    infinite scores 0 and is counted. A result that is not a ``RewardResult`` of one reward per completion
     raises, naming the reward and both lengths: that is a bug in the reward, not a failed scoring.
     """
 
@@ -119,8 +119,8 @@ def _protected(score):
         n = len(completions)
         try:
             result = score(self, examples, completions, **options)
-        except Exception as err:
-            warn_once(self, f"{type(err).__name__}: {err}")
+        except (Exception, SystemExit) as err:  # sys.exit in a reward is a failed scoring, not the run's end
+            warn_once(self, describe(err))
             zeros = torch.zeros(n, dtype=torch.float32)
             return RewardResult(zeros, {self.name: zeros}, n, {"error": n})
         if not isinstance(result, RewardResult):
@@ -209,8 +209,15 @@ class SampleReward(Reward):
 def call_safely(fn, args: tuple) -> tuple[object, str]:
     try:
         return fn(*args), ""
-    except Exception as err:
-        return None, f"{type(err).__name__}: {err}"
+    except (Exception, SystemExit) as err:  # sys.exit in a reward is a failed scoring, not the run's end
+        return None, describe(err)
+
+
+def describe(err: BaseException) -> str:
+    """An exception in one phrase: ``ValueError: bad``, ``sys.exit(3)``."""
+    if isinstance(err, SystemExit):
+        return f"the reward called sys.exit({err.code!r})"
+    return f"{type(err).__name__}: {err}"
 
 
 def _valid(value: object) -> bool:

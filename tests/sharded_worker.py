@@ -15,6 +15,7 @@ sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
 sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
+sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -25,6 +26,7 @@ per process) for each job.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -346,6 +348,25 @@ def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:
         run(model_dir, aggregation, Path(out))
 
 
+def nonfinite(model_dir: str, out: str) -> None:
+    """Two DDP steps whose first has a NaN gradient on process 1 only (after the all-reduce: as a process-local
+    overflow would): every process must skip it, or their weights part. Each process's weight checksum and
+    skip count to OUT/nonfinite.json."""
+    from tests.test_optimiser_steps import poisoned_policy
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
+    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+    policy = poisoned_policy(model_dir, batch, poison=(0,) if rank == 1 else ())
+    trainer = run_steps(policy, steps=2, accelerator="cpu", devices=2, strategy="ddp")
+    mine = torch.tensor([sum(float(p.detach().double().sum()) for p in policy.model.parameters()),
+                         float(policy.divergence_watch.skipped)], dtype=torch.float64)  # fmt: skip
+    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
+    torch.distributed.all_gather(gathered, mine)
+    if trainer.is_global_zero:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "nonfinite.json").write_text(json.dumps([g.tolist() for g in gathered]))
+
+
 def jobs(argv: list[str]) -> list[list[str]]:
     """``["update", "a", "+", "decode", "b"]`` -> ``[["update", "a"], ["decode", "b"]]``."""
     split: list[list[str]] = [[]]
@@ -360,7 +381,7 @@ if __name__ == "__main__":
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
              "refused_resume": refused_resume, "ddp_grads": ddp_grads,
-             "disagreeing_resume": disagreeing_resume}  # fmt: skip
+             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

@@ -177,7 +177,7 @@ def test_a_checkpoint_without_its_record_takes_the_base_from_the_run_config_or_b
 
 
 @pytest.mark.parametrize("case", ["missing", "hf_folder", "truncated", "out_not_empty", "merged_without_lora",
-                                  "base_missing"])
+                                  "base_missing", "out_is_file", "nan_weights"])
 def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
     ckpt, out, extra = run / "checkpoints" / "last.ckpt", tmp_path / "out", []
     if case == "missing":
@@ -192,6 +192,13 @@ def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
         (out / "keep.txt").write_text("mine")
     elif case == "merged_without_lora":
         extra = ["--merged"]
+    elif case == "out_is_file":  # was a NotADirectoryError traceback
+        out.write_text("mine")
+    elif case == "nan_weights":  # a diverged run's checkpoint: no export of non-finite weights
+        checkpoint = torch.load(ckpt, weights_only=False)
+        checkpoint["state_dict"] = {k: torch.full_like(v, float("nan")) for k, v in checkpoint["state_dict"].items()}
+        ckpt = tmp_path / "nan.ckpt"
+        torch.save(checkpoint, ckpt)
     else:
         extra = ["--base=/nonexistent/model"]
     with pytest.raises(SystemExit) as refused:
@@ -200,8 +207,9 @@ def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
     line = error_line(capsys)
     assert {"missing": "no checkpoint at", "hf_folder": "an HF model folder already", "truncated": "does not load",
             "out_not_empty": "is not empty", "merged_without_lora": "--merged applies to LoRA",
-            "base_missing": "cannot load the base model /nonexistent/model"}[case] in line
-    assert case == "out_not_empty" or not out.exists()
+            "base_missing": "cannot load the base model /nonexistent/model", "out_is_file": "is a file: give a folder",
+            "nan_weights": "weights are not all finite (NaN or infinite)"}[case] in line
+    assert case in ("out_not_empty", "out_is_file") or not out.exists()
 
 
 def test_validate_a_lora_checkpoint_as_its_merged_export(lora_run):

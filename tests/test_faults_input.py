@@ -153,4 +153,14 @@ def test_a_reward_that_always_fails_stops_the_run(model_dir, tmp_path, capsys):
     assert stopped.value.code == 1
     line = error_line(capsys)
     assert "the reward failed for 16 of 16 completions" in line and "2 steps in a row" in line
-    assert last_step(tmp_path) == 1  # one step trained on zeros, then it stopped
+    # both failing steps trained (on zeros) and were logged, then it stopped (the second's row was lost)
+    assert last_step(tmp_path) == 2
+    assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 16.0), (1, 16.0)]
+
+
+def test_an_empty_train_split_is_refused_in_one_line(model_dir, tmp_path, capsys):
+    """num_train: 0 ended in a ValueError traceback from the prompt stream."""
+    with pytest.raises(SystemExit) as refused:
+        main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--model.task.init_args.num_train=0"))
+    assert refused.value.code == 2
+    assert "the task's train split is empty: give it rows" in error_line(capsys)

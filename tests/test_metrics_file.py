@@ -38,6 +38,22 @@ def test_a_resume_supersedes_the_steps_it_logs_again_and_a_cut_line_is_skipped(t
     assert merge_records([{"step": 0, "a": 1.0}, {"step": 0, "a": 2.0}]) == {"a": [(0, 2.0)]}  # later wins
 
 
+def test_damaged_lines_are_skipped_and_counted_and_the_curves_still_drawn(tmp_path, caplog):
+    """A line that is not UTF-8, a JSON list or a string value made a finished run exit 1 with a traceback
+    (UnicodeDecodeError, AttributeError, ValueError) and no curves.png."""
+    from sgrpo.eval.report import plot_curves
+
+    path = tmp_path / METRICS_FILE
+    good = [{"step": 0, "train/reward": 0.5}, {"step": 1, "train/reward": 0.75, "train/grad_norm": float("nan")}]
+    damaged = [b"\xff\xfe{\"step\": 2}", b"[1, 2]", b'{"step": 2, "train/reward": "high"}', b'{"step": "two"}']
+    path.write_bytes(b"\n".join([json.dumps(good[0]).encode(), *damaged, json.dumps(good[1]).encode()]) + b"\n")
+    series = read_run_metrics(tmp_path)
+    assert series["train/reward"] == [(0, 0.5), (1, 0.75)]
+    assert len(series["train/grad_norm"]) == 1  # NaN is a diverged value, not damage: kept
+    assert "skipped 4 damaged lines (line 2 first)" in caplog.text
+    assert plot_curves(series, tmp_path / "curves.png").stat().st_size > 0
+
+
 def spy_on(logger_class: str, monkeypatch) -> list[int]:
     """The steps at which the chosen logger's ``log_metrics`` received a training reward."""
     import lightning.pytorch.loggers as loggers
@@ -68,6 +84,11 @@ def test_the_report_draws_its_curves_whatever_the_logger(logger, tmp_path, monke
         monkeypatch.chdir(tmp_path)  # anything a logger writes beside its save_dir stays in the test's folder
         steps = spy_on(logger, monkeypatch)
         extra = [f"--trainer.logger={logger}", f"--trainer.logger.save_dir={tmp_path}"]
+    import sgrpo.eval.report as report_module
+
+    titles, plot = [], report_module.plot_curves
+    drawn = lambda *a, title="": titles.append(title) or plot(*a, title=title)  # noqa: E731
+    monkeypatch.setattr(report_module, "plot_curves", drawn)
     fit(tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=2", "--validate_before=true",
         "--report=true", *extra)  # fmt: skip
     if logger == "WandbLogger":
@@ -78,7 +99,13 @@ def test_the_report_draws_its_curves_whatever_the_logger(logger, tmp_path, monke
     assert [s for s, _ in series["train/reward"]] == [0, 1, 2]
     assert [s for s, _ in series["val/accuracy"]] == [0, 1]  # before training, and after step 2 (logged at 1)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    assert "| mean over levels |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| mean over levels |" in report
+    # which run, estimator, temperature and LoRA the report belongs to (it did not say); the figure's title too
+    header = report.splitlines()[0]
+    assert header.startswith(f"run {tmp_path} (3 steps): SoftmaxGRPO(") and "temperature=0.5" in header
+    assert header.endswith("sampling temperature 1, full weights") and "on SyntheticTask" in header
+    assert titles == [report.splitlines()[0]]
     if logger == "default":  # the CSV logger's file holds the same values
         assert read_metrics(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") == series
     if steps is not None:

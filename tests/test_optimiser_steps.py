@@ -8,7 +8,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from estimators import GRPO
 from sgrpo.model.tiny import ensure_tiny_model
-from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
+from tests.engine_helpers import EXAMPLES, GradCapture, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy
 
 
@@ -66,3 +66,59 @@ def test_the_lr_schedule_steps_once_per_training_step(model_dir, batch):
     scheduler = policy.lr_schedulers()
     assert scheduler.last_epoch == 2
     assert scheduler.get_last_lr() == pytest.approx([0.05])  # 0.1 x (1 - 2/4)
+
+
+class Poisoned(GradCapture):
+    """Makes the gradients NaN at the optimiser steps (counted from 0) in ``poison``, before the policy's hook."""
+
+    def __init__(self, *args, poison=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.poison, self.steps_seen = set(poison), 0
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.steps_seen in self.poison:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        self.steps_seen += 1
+        super().on_before_optimizer_step(optimizer)
+
+
+def poisoned_policy(model_dir, batch, poison, **kwargs):
+    sgd = lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9)  # noqa: E731
+    policy = make_policy(model_dir, batch, GRPO(), optimizer=sgd, **kwargs)
+    policy.__class__ = Poisoned
+    policy.poison, policy.steps_seen = set(poison), 0
+    policy.configure_model()
+    return policy
+
+
+def test_a_non_finite_gradient_is_skipped_never_applied(model_dir, batch):
+    """lr 1000 on configs/tiny.yaml gave NaN gradients from step 8 and trained (and exported) NaN weights, exit 0.
+    A step whose gradient is not finite changes nothing (weights, momentum): two steps whose first is NaN end
+    where one clean step ends, and the skip is logged."""
+    clean = poisoned_policy(model_dir, batch, poison=())
+    run_steps(clean, steps=1)
+    policy = poisoned_policy(model_dir, batch, poison=(0,))
+    trainer = run_steps(policy, steps=2)
+    for got, want in zip(policy.model.parameters(), clean.model.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert float(trainer.callback_metrics["train/skipped_steps"]) == 0.0  # the last step's count
+    assert policy.divergence_watch.skipped == 1 and policy.divergence_watch.streak == 0
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_naming_the_step_and_the_cause(model_dir, batch, tmp_path):
+    """Three in a row (model.max_nonfinite_steps) stop the run; a run that ends on a skipped step is not exported."""
+    from sgrpo.run.guards import DivergenceError
+
+    policy = poisoned_policy(model_dir, batch, poison=(1, 2, 3))
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    with pytest.raises(DivergenceError, match=r"diverged at step 4: .* 3 optimiser steps in a row.*lr 0.5"):
+        run_steps(policy, steps=6)
+    assert policy.rollout_step == 3  # steps 2-4 skipped: the weights are step 1's, finite
+    assert all(torch.isfinite(p).all() for p in policy.model.parameters())
+    assert any(not torch.equal(p, b) for p, b in zip(policy.model.parameters(), before, strict=True))
+    policy = poisoned_policy(model_dir, batch, poison=(2,), max_nonfinite_steps=2)
+    with pytest.raises(DivergenceError, match="ended at step 3 on 1 skipped optimiser step"):
+        run_steps(policy, steps=3, root=str(tmp_path))
+    assert not (tmp_path / "hf_model").exists()

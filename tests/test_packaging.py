@@ -36,6 +36,11 @@ def test_a_tasks_folder_in_the_working_directory_is_named_not_imported(tmp_path)
     assert result.returncode != 0
     assert f"'tasks' resolves to {(tmp_path / 'tasks' / '__init__.py').resolve()}" in result.stderr
     assert "Rename the other 'tasks'" in result.stderr
+    # the command users type: one line and exit 2 (it was a 6-line traceback)
+    command = subprocess.run([sys.executable, "-m", "sgrpo.fit", "--help"], cwd=tmp_path, capture_output=True,
+                             text=True)  # fmt: skip
+    assert command.returncode == 2 and command.stdout == ""
+    assert command.stderr.startswith("error: sgrpo's 'tasks' package is shadowed") and command.stderr.count("\n") == 1
 
 
 #: dependencies used through another package, not imported by sgrpo's own code

@@ -341,3 +341,54 @@ def test_a_scheduler_that_takes_bfloat16_steps_below_the_bound_is_warned():
         warnings.simplefilter("error")
         check_weight_precision("bf16-true", policy, max_steps=96)  # the run ends before the crossing
         check_weight_precision("bf16-mixed", SimpleNamespace(**{**vars(policy), "model_dtype": "float32"}), 100)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--trainer.val_check_interval=0"], "error: invalid configuration: trainer.val_check_interval must be >= 1"),
+        (["--model.rollout.init_args.temperature=0"], "error: invalid configuration: temperature must be > 0"),
+        (["--model.rollout.init_args.max_new_tokens=0"], "error: invalid configuration: max_new_tokens must be"),
+    ],
+    ids=["val_check_interval", "temperature", "max_new_tokens"],
+)
+def test_bad_values_fail_in_one_line_not_a_traceback_or_a_union_dump(extra, needle, model_dir, tmp_path, capsys):
+    """val_check_interval 0 raised ZeroDivisionError once the model had loaded; temperature or max_new_tokens 0
+    printed an eight-line union dump with the message in the middle."""
+    assert refusal(tmp_path, model_dir, capsys, *extra).startswith(needle)
+
+
+def test_parser_errors_are_one_line_with_the_nearest_name(tmp_path, capsys):
+    """A type error, an unknown key or class came after 85 lines of usage; now the error alone, with the nearest
+    key or class suggested. Several refusals of the parser in one test (in-process: no model loads)."""
+    from sgrpo.fit import parse
+
+    (tmp_path / "unknown.yaml").write_text("model:\n  grup_size: 8\n")
+    (tmp_path / "typed.yaml").write_text('model:\n  group_size: "eight"\n')
+    cases = {
+        ("--model.grup_size=8",): "unrecognized arguments: --model.grup_size=8 (did you mean model.group_size?)",
+        ("--config", str(tmp_path / "unknown.yaml")): "does not accept option 'grup_size' (did you mean "
+        "model.group_size?)",
+        ("--config", str(tmp_path / "typed.yaml")): 'Parser key "model.group_size": Expected a <class \'int\'>. '
+        "Got value: eight",
+        ("--model.estimator=estimators.GRPo",): "has no attribute 'GRPo' (did you mean estimators.GRPO?)",
+    }
+    for extra, needle in cases.items():
+        with pytest.raises(SystemExit) as refused:
+            parse(["--config", TINY, f"--trainer.default_root_dir={tmp_path / 'run'}", *extra])
+        assert refused.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: invalid configuration: "), lines
+        assert needle in lines[0], lines[0]
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_in_one_line(model_dir, tmp_path, capsys):
+    """It failed in a transformers traceback about sentencepiece, once the processes had started."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "special_tokens*"))
+    line = refusal(tmp_path, model_dir, capsys, f"--model.model={bare}")
+    assert line == (f"error: invalid configuration: model: {bare} has no tokenizer (tokenizer.json, "
+                    "tokenizer_config.json, tokenizer.model, vocab.json, spiece.model): copy the tokenizer files of "
+                    "the model it came from into it (tokenizer.save_pretrained)")  # fmt: skip

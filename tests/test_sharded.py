@@ -85,10 +85,10 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     """Jobs in one 2-process launch (one interpreter start per process instead of one per job; each job builds
     its own trainers and model): a sharded update in three scenarios, rollouts from the sharded model, the
     evaluation metrics synced over the processes and a validation of two evaluation sets
-    (tests/test_eval_metrics.py), a DDP update per loss aggregation, a 3-step fit, its resume to step 5 from the
-    sharded checkpoint, a resume of it as another experiment (refused), ``sgrpo.fit validate`` of that
-    checkpoint, a bf16 fit with a KL, and LoRA fits and resumes under FSDP2 and DDP. Each is checked below by
-    its own function."""
+    (tests/test_eval_metrics.py), a DDP update per loss aggregation, a DDP step non-finite on one process, a
+    3-step fit, its resume to step 5 from the sharded checkpoint, a resume of it as another experiment
+    (refused), ``sgrpo.fit validate`` of that checkpoint, a bf16 fit with a KL, and LoRA fits and resumes
+    under FSDP2 and DDP. Each is checked below by its own function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
@@ -100,6 +100,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["metrics", str(out / "metrics")],
             ["validate_sets", str(out / "sets")],
             ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
+            ["nonfinite", model_dir, str(out / "nonfinite")],
             # fused AdamW on DTensors, as the GPU recipes; at step 3 last.ckpt is a tree of hard links to step3.ckpt
             ["fit", str(root), model_dir, "3", "", FUSED, "--checkpoint_every=3"],
             ["fit", str(root), model_dir, "5", "last", FUSED],
@@ -120,12 +121,21 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_synced_metrics(out / "metrics")
     check_two_sets_validate_as_one_process(out / "sets", tmp_path)
     check_two_ddp_processes_give_the_single_process_gradient(model_dir, out / "ddp")
+    check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out / "nonfinite")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
     check_processes_that_see_another_checkpoint_refuse_the_resume(tmp_path / "disagree")
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
     check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
+
+
+def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path) -> None:
+    """A NaN gradient on process 1 only: without the skip flag OR-ed over processes, process 0 applied the step
+    and process 1 skipped it, and their weights parted (measured: checksums 304.99 and 304.48)."""
+    (weights_0, skipped_0), (weights_1, skipped_1) = json.loads((out / "nonfinite.json").read_text())
+    assert skipped_0 == skipped_1 == 1.0
+    assert weights_0 == weights_1
 
 
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each

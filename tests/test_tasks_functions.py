@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +44,14 @@ def hangs(completions, **columns):
 
 def wrong_length(completions, **columns):
     return [1.0]
+
+
+def exits(completions, **columns):
+    sys.exit(3)
+
+
+def dies(completions, **columns):
+    os._exit(7)  # a crash, the OOM killer: the worker ends without a word
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "21?"}]
@@ -98,6 +108,28 @@ def test_a_function_that_hangs_in_a_worker_scores_zero_and_is_counted():
     assert FunctionReward(brevity, workers=1).score(EXAMPLES[:1], ["12"]).total.tolist() == [1.0]  # pool recovered
     with pytest.raises(ValueError, match="cannot go to a worker process"):
         FunctionReward(lambda completions, **kw: [0.0] * len(completions), workers=1)
+
+
+def test_sys_exit_in_a_reward_is_a_failed_scoring_not_the_end_of_the_run(caplog):
+    """sys.exit(3) in a function (workers 0) ended the run with exit 3, blamed on the update; in a worker
+    (workers 1) it killed the worker and the call waited out its whole timeout."""
+    for workers in (0, 1):
+        caplog.clear()
+        start = time.perf_counter()
+        result = FunctionReward(exits, workers=workers, timeout=30.0).score(EXAMPLES, ["12", "21"])
+        assert time.perf_counter() - start < 5
+        assert result.total.tolist() == [0.0, 0.0] and result.failures == 2 and result.counts == {"error": 2}
+        assert "sys.exit(3)" in caplog.text and "'exits'" in caplog.text  # named, with the reward
+
+
+def test_a_worker_that_dies_is_named_dead_at_once_and_replaced(caplog):
+    """A worker ended by os._exit (a crash, the OOM killer) was reported as a 60 s timeout after 60 s."""
+    start = time.perf_counter()
+    result = FunctionReward(dies, workers=1, timeout=30.0).score(EXAMPLES, ["12", "21"])
+    assert time.perf_counter() - start < 5
+    assert result.total.tolist() == [0.0, 0.0] and result.failures == 2 and result.counts == {"error": 2}
+    assert "worker process died (exit code 7)" in caplog.text
+    assert FunctionReward(brevity, workers=1).score(EXAMPLES[:1], ["12"]).total.tolist() == [1.0]  # replaced
 
 
 def _parser() -> ArgumentParser:

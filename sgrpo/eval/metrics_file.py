@@ -6,13 +6,15 @@ appends one JSON object per logged step, ``{"step": N, "train/reward": ..., ...}
 file: a resumed run extends it. A fit resumed from a checkpoint first appends ``{"resumed_at": S}``, S the
 first training step it logs, which supersedes what the earlier starts
 logged at steps S and later: a resume from an older checkpoint (after a kill) logs those steps again, and
-the curves show each step once, from the start that continued. A line cut short by a kill is skipped when
-the file is read.
+the curves show each step once, from the start that continued. A line cut short by a kill, or damaged (not
+UTF-8, not a JSON object of numbers), is skipped when the file is read, and counted in a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -26,6 +28,8 @@ METRICS_FILE = "metrics.jsonl"
 RESUMED_AT = "resumed_at"
 
 Series = dict[str, list[tuple[int, float]]]
+
+log = logging.getLogger(__name__)
 
 
 class MetricsFile(Logger):
@@ -91,14 +95,40 @@ class MarkResume(Callback):
 
 
 def read_metrics_file(path: Path) -> Series:
-    """``metrics.jsonl`` as ``{key: [(step, value), ...]}``, each step once (see the module docstring)."""
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # cut short by a kill
-            continue
+    """``metrics.jsonl`` as ``{key: [(step, value), ...]}``, each step once (see the module docstring).
+
+    A line that is not a record (cut short by a kill, or damaged: not UTF-8, not a JSON object, a value that
+    is not a number) is skipped; a warning counts the skipped lines and names the first.
+    """
+    records, bad = [], []
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        record = parse_record(line)
+        if record is None:
+            bad.append(number)
+        else:
+            records.append(record)
+    if bad:
+        log.warning("%s: skipped %d damaged line%s (line %d first)", path, len(bad), "s"[: len(bad) > 1], bad[0])
     return merge_records(records)
+
+
+def parse_record(line: bytes) -> dict[str, float] | None:
+    """One line of the file as a record, or None if it is not one: a JSON object whose values are numbers (NaN
+    and infinity included: a diverged metric is a point, not damage), its ``step`` or ``resumed_at`` a whole
+    number >= 0."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or not record:
+        return None
+    if not all(isinstance(v, (int, float)) or (k == "step" and v is None) for k, v in record.items()):
+        return None
+    for key in ("step", RESUMED_AT):
+        value = record.get(key)
+        if value is not None and not (math.isfinite(value) and value == int(value) and value >= 0):
+            return None
+    return record
 
 
 def merge_records(records: Iterable[Mapping[str, Any]]) -> Series:

@@ -103,26 +103,35 @@ def plot_curves(series: Series, path: Path, title: str = "") -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def run_header(policy, root: Path) -> str:
+    """What a report belongs to, in one line: the run folder, its steps, the estimator and its settings, the task,
+    the model, the sampling temperature and LoRA (or full weights)."""
+    peft = policy.peft
+    weights = "full weights" if peft is None else f"LoRA rank {peft.rank}, alpha {peft.alpha:g}"
+    return (
+        f"run {root} ({policy.rollout_step} steps): {policy.estimator!r} on {type(policy.task).__name__}, model "
+        f"{policy.model_path}, sampling temperature {policy.rollout.temperature:g}, {weights}"
+    )
+
+
 def write_report(policy, trainer) -> None:
-    """Print the accuracy table and save ``curves.png`` in the run folder."""
+    """Print the accuracy table and save ``report.md`` and ``curves.png`` in the run folder, each headed by the
+    run it belongs to (``run_header``)."""
     root = Path(trainer.default_root_dir)
+    header = run_header(policy, root)
     table = accuracy_table(policy.val_history)
-    (root / "report.md").write_text(table + "\n")
-    print("\nValidation accuracy by difficulty\n" + table)
+    (root / "report.md").write_text(f"{header}\n\n{table}\n")
+    print(f"\n{header}\nValidation accuracy by difficulty\n{table}")
     series = read_run_metrics(root)
     if series:
-        png = plot_curves(
-            series,
-            root / "curves.png",
-            title=f"{type(policy.estimator).__name__} on {type(policy.task).__name__}",
-        )
+        png = plot_curves(series, root / "curves.png", title=header)
         print(f"curves: {png}")
     what = "trained adapter (PEFT)" if policy.peft is not None else "trained model"
     print(f"{what}: {policy.export_path}\nrun folder: {root}")

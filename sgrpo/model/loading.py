@@ -81,3 +81,12 @@ def disable_dropout(model: torch.nn.Module) -> int:
                 setattr(module, name, 0.0)
                 changed += 1
     return changed
+
+
+def largest_magnitude(tensors) -> torch.Tensor:
+    """max |x| over all ``tensors`` (over all shards under FSDP2): finite iff every entry is (no sum to overflow)."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(tensors, norm_type=float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -5,11 +5,11 @@ prompt streams a run trains on."""
 from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches
 from sgrpo.run.folders import RunRefused
-from sgrpo.run.guards import RewardFailureError, RewardFailureWatch
+from sgrpo.run.guards import DivergenceError, DivergenceWatch, GuardError, RewardFailureError, RewardFailureWatch
 from sgrpo.run.resume import ResumeError
 from sgrpo.run.saving import RunCheckpoint
 
 __all__ = [
-    "AtomicCheckpointIO", "EpochStepBatches", "PromptBatch", "ResumeError", "RewardFailureError",
-    "RewardFailureWatch", "RunCheckpoint", "RunRefused", "StepBatches",
+    "AtomicCheckpointIO", "DivergenceError", "DivergenceWatch", "EpochStepBatches", "GuardError", "PromptBatch",
+    "ResumeError", "RewardFailureError", "RewardFailureWatch", "RunCheckpoint", "RunRefused", "StepBatches",
 ]

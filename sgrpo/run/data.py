@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import IterableDataset
 
+from sgrpo.checks import ConfigError
 from sgrpo.types import Example
 
 
@@ -73,7 +74,10 @@ class StepBatches(IterableDataset):
         world_size: int = 1,
     ) -> None:
         if not examples:
-            raise ValueError("the task's train split is empty")
+            raise ConfigError(
+                "the task's train split is empty: give it rows (its num_train, train_size or data file), or evaluate "
+                "without training (python -m sgrpo.fit validate)"
+            )
         self.examples = examples
         self.prompts_per_step, self.seed, self.start_step = prompts_per_step, seed, start_step
         self.rank, self.world_size = rank, world_size

@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
-from sgrpo.run.guards import RewardFailureError
+from sgrpo.run.guards import GuardError
 from sgrpo.run.resume import ResumeError
 
 ABORT_KEY, FAILURES_KEY = "sgrpo/abort", "sgrpo/failures"  # in the process group's store
@@ -53,7 +53,7 @@ class Stopped(SystemExit):
 
 
 #: errors that every process raises at the same point of the run (agreed through collectives or by construction)
-EVERY_PROCESS = (Stopped, ConfigError, ResumeError, RewardFailureError)
+EVERY_PROCESS = (Stopped, ConfigError, ResumeError, GuardError)
 
 
 #: errors of the disk the run writes to: full, over quota, read-only

@@ -92,6 +92,11 @@ def check_trainer_keys(trainer: Any) -> None:
         if value is not None and not (key == "accumulate_grad_batches" and value == 1):
             raise ConfigError(f"trainer.{key} is not for sgrpo, which steps the optimiser itself: use {ours}")
     interval = trainer.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # a ZeroDivisionError, later
+        raise ConfigError(
+            f"trainer.val_check_interval must be >= 1 training steps, got {interval} (to validate only at the end, "
+            f"set it to trainer.max_steps)"
+        )
     if isinstance(interval, float):  # Lightning reads a float as a fraction of an epoch
         raise ConfigError(
             f"trainer.val_check_interval must count training steps (an integer, counted across epochs; not a fraction "
@@ -166,12 +171,19 @@ def _count(devices: Any) -> int:
     return int(text) if text.isdigit() and int(text) > 0 else 1  # "auto" and -1: at least one
 
 
+#: the files of a tokenizer, one of which a model folder must hold
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def check_model(model: str) -> None:
     """``model``: a local folder with a config.json, or a hub id that is cached or reachable."""
     path = Path(resolve_model_path(model))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"model: {path} has no config.json; give a folder written by save_pretrained")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):  # else a transformers traceback
+            raise ConfigError(f"model: {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+                              "files of the model it came from into it (tokenizer.save_pretrained)")  # fmt: skip
         return
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ConfigError(f"model: {model} does not exist; give a local model folder or a hub id such as 'owner/name'")

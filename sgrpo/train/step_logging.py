@@ -17,6 +17,12 @@ from sgrpo.eval.completions import completion_rows, write_rows
 class StepLogging:
     """The logging half of ``GRPOPolicy.training_step``."""
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self.reward_watch.raise_pending()  # a reward that kept failing stops the run once its last step is logged
+
+    def on_train_end(self) -> None:
+        self.reward_watch.raise_pending()
+
     def log_completions(self, rollout, rewards, success, parts, advantages) -> None:
         """A few groups of this step (this process's first ones), to ``completions.jsonl`` and the logger."""
         if not self.trainer.is_global_zero:

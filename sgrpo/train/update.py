@@ -13,7 +13,12 @@ Lightning's strategy and precision plugin. Everything that must line up across p
   all-reduces (``no_sync`` on the others), and so under FSDP2 only it reduce-scatters where the policy's
   ``gradient_sync`` defers (``sgrpo.distributed.defers_gradient_sync``);
 * the gradient norm is taken and clipped in ``on_before_optimizer_step``, after mixed precision's
-  GradScaler removed its scale, and the LR scheduler steps once per training step.
+  GradScaler removed its scale, and the LR scheduler steps once per training step;
+* an optimiser step whose loss or gradient norm is not finite on any process is skipped on every process
+  (the flag is OR-ed over processes, else their weights would part): its gradients are dropped before the
+  optimiser runs, so no weight, moment or step count changes; ``train/skipped_steps`` counts them, and
+  ``max_nonfinite_steps`` in a row stop the run (``sgrpo.run.guards.DivergenceWatch``). A step that leaves a
+  weight non-finite (finite gradients, an overflowing update) stops the run at once.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import time
 import torch
 from torch import Tensor, nn
 
-from sgrpo.distributed import data_parallel_size, gradient_sync, max_over_processes
+from sgrpo.distributed import any_process, data_parallel_size, gradient_sync, max_over_processes
+from sgrpo.model.loading import largest_magnitude
 from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
+from sgrpo.run.guards import DivergenceError
 from sgrpo.train.batching import micro_batches, trim
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
@@ -72,7 +79,8 @@ class PolicyUpdate:
                 gap_now = sampler_logp if old_logp is None else None  # measured on this pass's own log-probs
                 stats, pass_gap = self.accumulate_gradients(rollout, minibatch, token_mask, advantages, inputs, gap_now)
                 gap = merge_gaps(gap, pass_gap)
-                stats["grad_norm"] = self._optimizer_step(optimizer, last=(epoch, i) == self._last_step())
+                last = (epoch, i) == self._last_step()
+                stats["grad_norm"], stats["skipped_steps"] = self._optimizer_step(optimizer, last, stats["loss"])
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
         if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
@@ -85,6 +93,7 @@ class PolicyUpdate:
             "train/grad_norm": sums["grad_norm"] / steps,
             "train/throughput/update_tok_s": tokens / max(time.perf_counter() - started, 1e-9),
             "train/update/rows_skipped": sums["rows_skipped"] / steps,
+            "train/skipped_steps": sums["skipped_steps"],
         }
         if sampler_logp is not None:  # every process logs the same keys (sync_dist pairs them up)
             means = gap_means(self._reduce_gap(gap))
@@ -207,27 +216,56 @@ class PolicyUpdate:
     def _last_step(self) -> tuple[int, int]:
         return self.ppo_epochs - 1, self.num_minibatches - 1
 
-    def _optimizer_step(self, optimizer, last: bool) -> Tensor:
-        """One optimiser step through Lightning's precision plugin; returns the gradient norm before clipping.
+    def _optimizer_step(self, optimizer, last: bool, loss: Tensor) -> tuple[Tensor, Tensor]:
+        """One optimiser step through Lightning's precision plugin; returns the gradient norm before clipping and
+        1.0 if the step was skipped (a non-finite ``loss`` or gradient norm on any process), else 0.0.
 
         The plugin unscales fp16 gradients, then calls ``on_before_optimizer_step`` (where the norm is
-        taken and clipped), then steps (a GradScaler skips steps with non-finite gradients).
+        taken and clipped, and a non-finite step's gradients dropped), then steps (a GradScaler skips
+        steps with non-finite gradients).
         """
         self._grad_norm = torch.zeros((), device=self.device)
+        self._step_loss, self._step_skipped = loss, False
         if last:  # the step Lightning counts: trainer.global_step == training steps
             optimizer.step()
         else:
             self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
         optimizer.zero_grad(set_to_none=True)
-        bump_weights_version(self.model)  # an engine with its own copy of the weights (vLLM) syncs again
-        return self._grad_norm
+        self.divergence_watch.observe(self._step_skipped, self.rollout_step + 1, self._divergence_hint(optimizer))
+        if not self._step_skipped and not bool(torch.isfinite(largest_magnitude(self.model.parameters()))):
+            raise DivergenceError(
+                f"training diverged at step {self.rollout_step + 1}: an update with finite gradients made weights "
+                f"infinite or NaN, so the run stops before any checkpoint or export holds them; likely cause: "
+                f"{self._divergence_hint(optimizer)}; resume from a checkpoint with a lower lr"
+            )
+        if not self._step_skipped:
+            bump_weights_version(self.model)  # an engine with its own copy of the weights (vLLM) syncs again
+        return self._grad_norm, torch.tensor(float(self._step_skipped), device=self.device)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Norm and clip the (unscaled) gradients: Lightning calls this after the plugin's ``unscale_``."""
+        """Norm and clip the (unscaled) gradients: Lightning calls this after the plugin's ``unscale_``. A step
+        whose loss or norm is not finite on any process drops its gradients: the optimiser then skips every
+        weight (torch's optimisers pass over parameters without a gradient).
+
+        Under fp16 loss scaling an overflowing gradient with a finite loss is the GradScaler's to skip (and
+        to shrink its scale): such a step is not counted as divergence.
+        """
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
             scaler.unscale_(optimizer)  # fused optimisers unscale inside step(), after this hook: do it now
         self._grad_norm = clip_gradients(self.model, self.max_grad_norm)
+        loss = getattr(self, "_step_loss", None)
+        loss_finite = loss is None or bool(torch.isfinite(loss))
+        norm_finite = scaler is not None or bool(torch.isfinite(self._grad_norm))
+        self._step_skipped = any_process(not (loss_finite and norm_finite), self.device)
+        if self._step_skipped:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _divergence_hint(self, optimizer) -> str:
+        """The likely cause of a divergence, with the settings to change."""
+        lr = float(optimizer.param_groups[0].get("lr", float("nan")))
+        clip = "off (model.max_grad_norm: null)" if self.max_grad_norm is None else f"{self.max_grad_norm:g}"
+        return f"a learning rate too high (lr {lr:g}; gradient clipping {clip})"
 
     def _reduce_gap(self, gap: dict[str, Tensor] | None) -> dict[str, Tensor]:
         """``logprob_gap`` sums over all processes (a process whose rows all had advantage 0 has none)."""
