@@ -39,7 +39,8 @@ def test_a_fit_prints_its_parameters_in_one_line_and_no_lightning_tip(caplog):
 
     import torch
 
-    from sgrpo.fit import ParameterCount, quiet_dependency_warnings
+    from sgrpo.fit import quiet_dependency_warnings
+    from sgrpo.run.progress import ParameterCount
 
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))  # 220 + 105 parameters
     model[0].requires_grad_(False)

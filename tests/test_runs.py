@@ -24,7 +24,7 @@ def test_the_progress_bar_counts_the_runs_steps_after_a_resume(monkeypatch):
 
     from lightning.pytorch.callbacks import RichProgressBar
 
-    from sgrpo.fit import StepProgressBar
+    from sgrpo.run.progress import StepProgressBar
 
     bar, seen = StepProgressBar(), []
     bar._trainer = SimpleNamespace(max_steps=6, global_step=4)  # resumed at step 3, one step done since
