@@ -43,7 +43,7 @@ from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
-from sgrpo.run.faults import disk_fault
+from sgrpo.run.faults import FailFast, disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 from sgrpo.run.guards import RewardFailureError
 from sgrpo.run.preflight import (
@@ -127,6 +127,7 @@ class SgrpoCLI(LightningCLI):
         if config.get("enable_model_summary") is not False:  # one line in place of Lightning's 14 ("FLOPs: 0")
             callbacks.append(ParameterCount())
         config["enable_model_summary"] = False
+        callbacks.append(FailFast(errors=self.mode != "fit"))  # in a fit, RunCheckpoint decides about errors
         logger = config.get("logger")
         if logger in (None, True) and self.mode != "fit" and not writable(root):
             rank_zero_info(f"{root} cannot be written: this {self.mode} prints its table and logs no metrics "
@@ -288,6 +289,10 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         then = "; then resume with --ckpt_path last: its newest checkpoint was left as it was" if mode == "fit" else ""
         exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
                         f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
+    finally:
+        for callback in cli.trainer.callbacks:  # the processes leave together from here (release_process_group)
+            if isinstance(callback, FailFast):
+                callback.stop()
     return cli
 
 

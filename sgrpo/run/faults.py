@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import NoReturn
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
@@ -134,36 +135,52 @@ def _store():
 class AbortWatch:
     """A thread that ends this process once another one has failed (``fail_fast``), checking every ``period`` s."""
 
-    def __init__(self, rank: int, period: float = 0.5) -> None:
+    def __init__(self, rank: int, period: float = 0.5, on_abort: Callable[[], None] | None = None) -> None:
         self.rank, self.period = rank, period
+        self.on_abort = on_abort or (lambda: os._exit(1))  # called from the watcher thread; must not return
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Watch from now on (a no-op without a process group, or when already watching).
+
+        The watcher reads the store through its own connection (``Store.clone()``): c10d's TCPStore client holds
+        one lock for a whole blocking ``get``/``wait``, so a shared client stayed locked while the main thread
+        waited on the store for a peer that had died (building vLLM's or NCCL's groups, a rendezvous), and the
+        notice was never read."""
         store = _store()
         if store is None or self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._watch, args=(store,), name="sgrpo-abort-watch", daemon=True)
+        with contextlib.suppress(Exception):  # a store that cannot be cloned: the shared client, as before
+            store = store.clone()
+        self._stop = threading.Event()  # one per watcher thread: a stopped watch may start again
+        self._thread = threading.Thread(target=self._watch, args=(store, self._stop), name="sgrpo-abort-watch",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread = None
 
-    def _watch(self, store) -> None:
+    @property
+    def watching(self) -> bool:
+        return self._thread is not None
+
+    def _watch(self, store, stop: threading.Event) -> None:
         lost = 0
-        while not self._stop.wait(self.period):
+        while not stop.wait(self.period):
             try:
                 failed = store.check([ABORT_KEY])
                 notice = store.get(ABORT_KEY).decode() if failed else ""
                 lost = 0
             except Exception:  # the store lives in process 0: gone, unless the run is ending
                 lost += 1
-                if lost < 3 or self._stop.is_set() or not torch.distributed.is_initialized():
+                if lost < 3 or stop.is_set() or not torch.distributed.is_initialized():
                     continue
                 notice = "process 0 is gone (the process group's store does not answer)"
-            if notice and not self._stop.is_set():
+            if notice and not stop.is_set():
                 print(f"error: process {self.rank} stops: {notice}", file=sys.stderr, flush=True)
-                os._exit(1)
+                self.on_abort()
 
 
 def fail_fast(trainer, exception: BaseException, line: str | None = None, status: int | None = None) -> NoReturn:
@@ -185,7 +202,71 @@ def fail_fast(trainer, exception: BaseException, line: str | None = None, status
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     _kill_started_processes(trainer)
-    os._exit(exit_status(exception) if status is None else status)
+    hard_exit(trainer.loggers, exit_status(exception) if status is None else status)
+
+
+#: seconds the loggers get to finish before a process ends at once (SLURM kills 30 s after its SIGTERM)
+FINALIZE_DEADLINE = 10.0
+
+
+def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE) -> NoReturn:
+    """``os._exit(status)`` once the loggers are finalized (``finalize_loggers``) or ``deadline`` s have passed.
+
+    ``os._exit`` runs no teardown and no interpreter exit, which may wait on a collective; it also skipped the
+    loggers': a W&B run stayed "running" and TensorBoard lost the events still in its queue. They finalize in a
+    thread of their own, so that one stuck (a network, a lock the main thread holds) cannot keep the process."""
+    worker = threading.Thread(target=finalize_loggers, args=(loggers, status), name="sgrpo-finalize", daemon=True)
+    worker.start()
+    worker.join(deadline)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def finalize_loggers(loggers: list, status: int) -> None:
+    """Each logger's ``finalize("failed")``, and W&B's run finished with exit code ``status`` (Lightning's W&B
+    logger leaves that to wandb's exit hook, which ``os._exit`` skips). A logger that fails is skipped."""
+    for logger in loggers:
+        with contextlib.suppress(Exception):
+            logger.finalize("failed")
+        run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
+        if run is not None and hasattr(run, "finish"):
+            with contextlib.suppress(Exception):
+                run.finish(exit_code=status)
+
+
+class FailFast(Callback):
+    """Every process of a multi-process job watches the store for another one's failure (``AbortWatch``) from the
+    first trainer call's setup to the end of the command (``stop``), through ``validate_before`` and into the fit,
+    and in ``validate`` and ``test``; an error one process raises alone ends every process (``fail_fast``).
+
+    In a fit, ``RunCheckpoint`` decides about errors (it tells one that broke a checkpoint's load): ``errors``
+    False. An error every process raises (``EVERY_PROCESS``) ends the watch, as every process leaves on the
+    ordinary path and process 0, whose store the others watch, may end first.
+    """
+
+    def __init__(self, errors: bool = True) -> None:
+        self.errors = errors
+        self.watch: AbortWatch | None = None
+        self._loggers: list = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._loggers = list(trainer.loggers)
+        if trainer.world_size > 1 and self.watch is None:
+            self.watch = AbortWatch(trainer.global_rank, on_abort=lambda: hard_exit(self._loggers, 1))
+        if self.watch is not None:
+            self.watch.start()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.world_size > 1 and isinstance(exception, EVERY_PROCESS):
+            self.stop()
+        elif trainer.world_size > 1 and self.errors:
+            fail_fast(trainer, exception)
+
+    def stop(self) -> None:
+        """End the watch (at the end of the command, before the processes leave the process group)."""
+        if self.watch is not None:
+            self.watch.stop()
 
 
 def _announce(notice: str) -> tuple[bool, str]:

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sgrpo.run.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
-from sgrpo.run.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
+from sgrpo.run.faults import EVERY_PROCESS, Stopped, StopRequests, fail_fast, forward_signal
 from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,6 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.stops = StopRequests()
-        self._watch: AbortWatch | None = None
         self._step_end: int | None = None  # the step whose end the weights and optimiser hold (None: mid-update)
         self._validation_pending = False  # the validation due after that step has not run yet
         self._checked_step: int | None = None  # the last step _after_step handled
@@ -132,18 +131,6 @@ class RunCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super().setup(trainer, pl_module, stage)
-        if trainer.world_size > 1 and self._watch is None:
-            self._watch = AbortWatch(trainer.global_rank)
-            self._watch.start()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._end_watch()
-        super().teardown(trainer, pl_module, stage)
-
-    def _end_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -191,7 +178,6 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.world_size > 1 and not isinstance(exception, EVERY_PROCESS):
             line = None if not loading else f"error: {resume_failure(trainer.ckpt_path, exception)}"
             fail_fast(trainer, exception, line, status=2 if loading else None)
-        self._end_watch()
         if loading:
             self.failed_resume = exception
         elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step and not self._writing:
