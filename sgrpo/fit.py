@@ -20,7 +20,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import sys
+import threading
 import typing
 import warnings
 from collections.abc import Iterable
@@ -268,12 +270,15 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
     mode = given[0] if given[:1] and given[0] in MODES else "fit"
     if given[:1] == [mode]:  # the mode is no option of the parser; sys.argv keeps it, for Lightning's launcher
         args = given[1:]  # starts the other processes with sys.argv (they trained while this one validated: a hang)
+    interrupt = signal.getsignal(signal.SIGINT)  # the stop at a step's end replaces it for a while
     cli = parse(args, mode)
     try:
         if mode == "fit":
             train(cli)
         else:
             evaluate(cli, mode)
+    except KeyboardInterrupt:  # a Ctrl-C outside a fit's steps (parsing, loading, the report): no traceback
+        exit_with_error("interrupted (Ctrl-C)", 128 + signal.SIGINT)
     except (RunRefused, CheckpointError) as err:
         exit_with_error(str(err), 2)
     except ConfigError as err:  # one known only once the processes exist (before any model loads)
@@ -290,6 +295,8 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
                         f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
     finally:
+        if interrupt is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, interrupt)
         for callback in cli.trainer.callbacks:  # the processes leave together from here (release_process_group)
             if isinstance(callback, FailFast):
                 callback.stop()

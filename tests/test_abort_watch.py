@@ -17,7 +17,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from sgrpo.run import faults

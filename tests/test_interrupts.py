@@ -196,3 +196,24 @@ def test_a_failed_resume_writes_nothing_and_says_why_in_one_line(model_dir, tmp_
         assert f"--ckpt_path {last} does not load into this run" in lines[0] and "left as it was" in lines[0]
         assert last.read_bytes() == before
     assert sorted(p.name for p in last.parent.glob("[!.]*")) == ["last.ckpt", "step2.ckpt"]
+
+
+def test_ctrl_c_again_while_the_stop_saves_and_tears_down_exits_130_without_a_traceback(model_dir, tmp_path, monkeypatch,
+                                                                                       capsys):  # fmt: skip
+    """The first Ctrl-C mid-step 2 stops at its end; the second lands in the teardown (a logger's finalize), where
+    sgrpo's handler was gone: a KeyboardInterrupt raised there ended the process with a traceback, or by SIGINT
+    itself. It exits 130 with one line, step 2 saved."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    signal_at(monkeypatch, PolicyUpdate, "accumulate_gradients", signal.SIGINT, in_step(2))
+    signal_at(monkeypatch, CSVLogger, "finalize", signal.SIGINT, lambda logger: True)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(args(tmp_path, model_dir, "--checkpoint_every=100"))
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C escaped as a KeyboardInterrupt (a traceback, then death by SIGINT)")
+    assert stopped.value.code == 130
+    assert last_step(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Ctrl-C again: stopping now" in err, err[-2000:]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back for whatever runs next

@@ -99,8 +99,13 @@ class StopRequests:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
+        """Put the previous handlers back; after a Ctrl-C, one that ends the process at the next Ctrl-C with exit
+        130 and one line (``SystemExit``, no traceback): the stop's save and teardown run without our handler,
+        and a KeyboardInterrupt raised in them ended the process by a traceback, or by SIGINT itself."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._previous and self.signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, _leave_now)
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
@@ -123,6 +128,13 @@ class StopRequests:
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
             signum = int(value.item())
         return signum or None
+
+
+def _leave_now(signum: int, frame) -> NoReturn:
+    """A Ctrl-C once the stop is under way: exit 130 now, with one line and no traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one, while this one unwinds
+    print("\nCtrl-C again: stopping now", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.SIGINT)
 
 
 def _store():
