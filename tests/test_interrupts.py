@@ -198,8 +198,8 @@ def test_a_failed_resume_writes_nothing_and_says_why_in_one_line(model_dir, tmp_
     assert sorted(p.name for p in last.parent.glob("[!.]*")) == ["last.ckpt", "step2.ckpt"]
 
 
-def test_ctrl_c_again_while_the_stop_saves_and_tears_down_exits_130_without_a_traceback(model_dir, tmp_path, monkeypatch,
-                                                                                       capsys):  # fmt: skip
+def test_ctrl_c_again_during_the_stops_teardown_exits_130_without_a_traceback(model_dir, tmp_path, monkeypatch,
+                                                                             capsys):  # fmt: skip
     """The first Ctrl-C mid-step 2 stops at its end; the second lands in the teardown (a logger's finalize), where
     sgrpo's handler was gone: a KeyboardInterrupt raised there ended the process with a traceback, or by SIGINT
     itself. It exits 130 with one line, step 2 saved."""
