@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checks import ConfigError, exit_with_error
-from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
+from sgrpo.distributed import first_refusal, fsdp_as_fsdp2, join_started_processes, release_process_group
 from sgrpo.eval.evaluation import evaluation_table
 from sgrpo.eval.metrics_file import MarkResume, MetricsFile
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
@@ -328,7 +328,9 @@ def train(cli: SgrpoCLI) -> None:
     """Claim the run folder, fit (resuming from ``--ckpt_path``), then report if asked."""
     trainer, policy, config = cli.trainer, cli.model, cli.config
     root = Path(trainer.default_root_dir)
-    with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer)) as ckpt_path:
+    together = join_started_processes(trainer.strategy)  # srun, torchrun: the others wait for process 0's decision
+    agree = first_refusal if together else None
+    with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer), agree) as ckpt_path:
         if config.validate_before and ckpt_path is None:
             trainer.validate(policy, verbose=False)
         fit(trainer, policy, ckpt_path)

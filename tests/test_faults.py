@@ -349,3 +349,37 @@ def test_last_ckpt_is_the_final_step_and_only_the_newest_are_kept(model_dir, tmp
     assert last_step(tmp_path) == 7
     main(run + ["--trainer.max_steps=9", "--ckpt_path=last"])  # a finished run continues from its end
     assert sorted(rewards(tmp_path)) == list(range(9))
+
+
+@pytest.mark.slow
+def test_a_refused_folder_ends_every_process_the_launcher_started_in_seconds(model_dir, tmp_path):
+    """2 processes started separately (as srun and torchrun start them) into a folder that holds a run, then into
+    one in use: process 0 refuses and every process exits 2 with its line within seconds (process 1 used to wait
+    in the rendezvous for the process group's 30-minute timeout), no model loaded."""
+    from sgrpo.run.folders import lock_run, unlock_run
+
+    held, busy = tmp_path / "held", tmp_path / "busy"
+    held.mkdir()
+    (held / "metrics.jsonl").write_text("{}\n")  # an earlier run's output
+    lock = lock_run(busy)  # another fit holds it
+    try:
+        for root, reason in ((held, "already holds a run"), (busy, "is in use by")):
+            command = [sys.executable, "-m", "sgrpo.fit", *args(root, model_dir, "--trainer.max_steps=2",
+                                                                "--trainer.devices=2", "--trainer.strategy=ddp")]
+            env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                                "WORLD_SIZE": "2", "NODE_RANK": "0"}  # fmt: skip
+            processes = [subprocess.Popen(command, cwd=REPO, env=env | {"LOCAL_RANK": str(r), "RANK": str(r)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True) for r in (0, 1)]  # fmt: skip
+            try:
+                outputs = [process.communicate(timeout=90) for process in processes]
+            finally:
+                for process in processes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+            for process, (_, err) in zip(processes, outputs, strict=True):
+                lines = [line for line in err.splitlines() if line.startswith("error: ")]
+                assert process.returncode == 2 and len(lines) == 1 and reason in lines[0], err[-3000:]
+                assert "Traceback" not in err, err[-3000:]
+    finally:
+        unlock_run(lock)
