@@ -53,6 +53,11 @@ class Stopped(SystemExit):
         self.signum = signum
 
 
+class StoppedNow(Stopped):
+    """A fit stopped by a signal that arrived while the state was still the last step's end (during the rollout
+    that follows it, or a validation): ``last.ckpt`` is saved at once, without running the step to its end."""
+
+
 #: errors that every process raises at the same point of the run (agreed through collectives or by construction)
 EVERY_PROCESS = (Stopped, ConfigError, ResumeError, RewardFailureError)
 
@@ -89,12 +94,15 @@ class StopRequests:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._forward: Callable[[int], None] | None = None
+        self._now: Callable[[], bool] | None = None
 
-    def install(self, forward: Callable[[int], None] | None = None) -> None:
-        """Take over SIGTERM and SIGINT; ``forward(signum)`` passes a SIGTERM on (to the processes this one started)."""
+    def install(self, forward: Callable[[int], None] | None = None, now: Callable[[], bool] | None = None) -> None:
+        """Take over SIGTERM and SIGINT; ``forward(signum)`` passes a SIGTERM on (to the processes this one started);
+        where ``now()`` holds when a signal arrives (the state is a step's end and may be saved from here: one
+        process), the fit stops at once (``StoppedNow``) instead of at the end of the step under way."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self.signum, self._forward = None, forward
+        self.signum, self._forward, self._now = None, forward, now
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -115,10 +123,13 @@ class StopRequests:
             return
         self.signum = signum
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-        print(f"\n{name}: stopping at the end of this step, after saving last.ckpt{again}", file=sys.stderr)
         if signum == signal.SIGTERM and self._forward is not None:
             self._forward(signum)
+        if self._now is not None and self._now():  # a rollout or validation: nothing a resume needs is under way
+            print(f"\n{name}: saving last.ckpt (the last step's end) and stopping now", file=sys.stderr, flush=True)
+            raise StoppedNow(signum)
+        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+        print(f"\n{name}: stopping at the end of this step, after saving last.ckpt{again}", file=sys.stderr)
 
     def agreed(self, device: torch.device) -> int | None:
         """The signal any process received (a collective with more than one process), else None."""

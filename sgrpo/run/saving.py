@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from sgrpo.run.checkpoints import PARTIAL, checksum_path, hidden_name, numbered_checkpoints, replace_folder
-from sgrpo.run.faults import EVERY_PROCESS, Stopped, StopRequests, fail_fast, forward_signal
+from sgrpo.run.faults import EVERY_PROCESS, Stopped, StoppedNow, StopRequests, fail_fast, forward_signal
 from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class RunCheckpoint(ModelCheckpoint):
             log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
         self._checked_step, self._training = None, True
-        self.stops.install(forward_signal(trainer))
+        self.stops.install(forward_signal(trainer), now=lambda: self._may_save_now(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         """The last step's checkpoints, if no validation followed it; ``last.ckpt`` also where a fit ended before
@@ -178,13 +178,22 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.world_size > 1 and not isinstance(exception, EVERY_PROCESS):
             line = None if not loading else f"error: {resume_failure(trainer.ckpt_path, exception)}"
             fail_fast(trainer, exception, line, status=2 if loading else None)
+        saves = isinstance(exception, StoppedNow) or not isinstance(exception, Stopped)  # a stop saved its own
         if loading:
             self.failed_resume = exception
-        elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step and not self._writing:
+        elif saves and self._step_end == trainer.global_step and not self._writing:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         elif not isinstance(exception, Stopped) and trainer.is_global_zero and (self._writing or self._training):
             where = "a checkpoint write" if self._writing else "an update (after some of its optimiser steps)"
             log.warning("stopped inside %s: nothing saved; the newest checkpoint is as it was", where)
+
+    def _may_save_now(self, trainer) -> bool:
+        """A signal may stop the fit where it lands, saving ``last.ckpt`` then (``StoppedNow``): one process (more
+        would have to agree first: the save is a collective), the state a step's end, no checkpoint being written.
+        """
+        return trainer.world_size == 1 and self._training and self._step_end == trainer.global_step and not (
+            self._writing or trainer.sanity_checking
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         """A step has ended: its state is the one to save, once its metrics are logged (``_after_step``)."""
