@@ -5,16 +5,20 @@ the step under way runs to its end, ``RunCheckpoint`` saves ``last.ckpt`` there 
 continues exactly) and ``Stopped`` ends the fit with 143 or 130. A signal during a validation stops at
 the end of that validation's current batch; the checkpoint then holds the step before it and the
 validation runs again on resume. The processes agree on the stop (one all-reduce per step and per
-validation batch), so they all save at the same step: the save is a collective under FSDP2. A second
-Ctrl-C stops at once (``KeyboardInterrupt``), saving only where the state is a step's end. Under
-Lightning's own launcher the first process forwards SIGTERM to the others, as Lightning does.
+validation batch), so they all save at the same step: the save is a collective under FSDP2. A single
+process does not wait where the state is still the last step's end (the rollout after it, a validation):
+it saves and stops at once (``StoppedNow``), as a step can outlast the scheduler's grace period. A second
+Ctrl-C stops at once (``KeyboardInterrupt``), saving only where the state is a step's end; one after the
+stop began exits 130 with one line. Under Lightning's own launcher the first process forwards SIGTERM to
+the others, as Lightning does.
 
 **Errors.** An error that one process raises alone (an out-of-memory, a bug, a peer lost) leaves the
 others waiting in their next collective: on NCCL for the 30-minute collective timeout, holding every
 GPU. So with more than one process, ``fail_fast`` prints the error and its traceback, names the process,
-tells the others through the process group's store (each process watches it: ``AbortWatch``), kills the
-processes Lightning's launcher started from this one, and ends this process with ``os._exit`` at once:
-no checkpoint save, teardown or interpreter exit, which are collectives or may wait on one. Every other
+tells the others through the process group's store (each process watches it, on a client of its own:
+``AbortWatch``, started by ``FailFast``), kills the processes Lightning's launcher started from this one,
+finalizes the loggers (at most ``FINALIZE_DEADLINE`` s) and ends this process with ``os._exit``: no
+checkpoint save, teardown or interpreter exit, which are collectives or may wait on one. Every other
 process sees the notice within a second and ends likewise (or is ended by its launcher: torchrun and
 Lightning's launcher kill the others when one exits non-zero). Errors that every process raises at
 the same point (``EVERY_PROCESS``: a refused configuration, a refused resume, rewards failing step after
