@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
 import time
 import weakref
@@ -33,6 +34,11 @@ def world_size() -> int:
     return 1
 
 
+#: the process id of a process 0 that has claimed its run folder alone: the processes Lightning's launcher then
+#: starts from it (with this environment) must not wait for its decision
+STARTED_BY = "SGRPO_FOLDER_CLAIMED_BY"
+
+
 def join_started_processes(strategy) -> bool:
     """Join the default process group now if the launcher started every process (srun, torchrun), before the
     trainer would; whether there is a group of more than one process afterwards.
@@ -44,6 +50,8 @@ def join_started_processes(strategy) -> bool:
     """
     if world_size() > 1:
         return True
+    if os.environ.get(STARTED_BY) == str(os.getppid()):  # by Lightning's launcher, after process 0 decided alone
+        return False
     environment = getattr(strategy, "cluster_environment", None)
     processes = getattr(strategy, "num_nodes", 1) * getattr(strategy, "num_processes", 1)
     if environment is None or not environment.creates_processes_externally or processes < 2:
@@ -54,6 +62,17 @@ def join_started_processes(strategy) -> bool:
         return False
     setup()
     return world_size() > 1
+
+
+@contextlib.contextmanager
+def deciding_alone() -> Iterator[None]:
+    """Mark this process, in its environment, as a process 0 whose decisions the processes Lightning's launcher
+    starts from it (inside the block) do not wait for: they start only once it has decided."""
+    os.environ[STARTED_BY] = str(os.getpid())
+    try:
+        yield
+    finally:
+        os.environ.pop(STARTED_BY, None)
 
 
 _ROUNDS = itertools.count()  # every process calls first_refusal as often as the others: the same round names

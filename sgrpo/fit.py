@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import typing
 import warnings
 from collections.abc import Iterable
@@ -38,14 +37,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checks import ConfigError, exit_with_error
-from sgrpo.distributed import first_refusal, fsdp_as_fsdp2, join_started_processes, release_process_group
+from sgrpo.distributed import (
+    deciding_alone,
+    first_refusal,
+    fsdp_as_fsdp2,
+    join_started_processes,
+    release_process_group,
+)
 from sgrpo.eval.evaluation import evaluation_table
 from sgrpo.eval.metrics_file import MarkResume, MetricsFile
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
-from sgrpo.run.faults import FailFast, disk_fault
+from sgrpo.run.faults import FailFast, command_ended, disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run
 from sgrpo.run.guards import RewardFailureError
 from sgrpo.run.preflight import (
@@ -295,11 +300,7 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
                         f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
     finally:
-        if interrupt is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, interrupt)
-        for callback in cli.trainer.callbacks:  # the processes leave together from here (release_process_group)
-            if isinstance(callback, FailFast):
-                callback.stop()
+        command_ended(cli.trainer, interrupt)  # the processes leave together from here (release_process_group)
     return cli
 
 
@@ -328,9 +329,9 @@ def train(cli: SgrpoCLI) -> None:
     """Claim the run folder, fit (resuming from ``--ckpt_path``), then report if asked."""
     trainer, policy, config = cli.trainer, cli.model, cli.config
     root = Path(trainer.default_root_dir)
-    together = join_started_processes(trainer.strategy)  # srun, torchrun: the others wait for process 0's decision
-    agree = first_refusal if together else None
-    with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer), agree) as ckpt_path:
+    agree = first_refusal if join_started_processes(trainer.strategy) else None  # srun, torchrun: agree on it
+    leader = launches_run(trainer)
+    with deciding_alone(), claimed_run(root, config.ckpt_path, config.overwrite, leader, agree) as ckpt_path:
         if config.validate_before and ckpt_path is None:
             trainer.validate(policy, verbose=False)
         fit(trainer, policy, ckpt_path)

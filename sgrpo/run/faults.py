@@ -152,6 +152,15 @@ def _leave_now(signum: int, frame) -> NoReturn:
     raise SystemExit(128 + signal.SIGINT)
 
 
+def command_ended(trainer, interrupt) -> None:
+    """At the end of a command: SIGINT's handler put back to ``interrupt`` (a stop replaces it), the watch ended."""
+    if interrupt is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupt)
+    for callback in trainer.callbacks:
+        if isinstance(callback, FailFast):
+            callback.stop()
+
+
 def _store():
     try:
         return torch.distributed.distributed_c10d._get_default_store()

@@ -169,6 +169,10 @@ def claimed_run(
             resolved = prepare_run(root, ckpt_path, overwrite, leader)
         except RunRefused as err:
             refusal = str(err)
+        except Exception as err:  # raised here; the others, waiting for this process's answer, stop with its line
+            if agree is not None:
+                agree(f"a process could not prepare {root} ({type(err).__name__}: {err})")
+            raise
         refusal = refusal if agree is None else agree(refusal)
         if refusal is not None:
             raise RunRefused(refusal)
