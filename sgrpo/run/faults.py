@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -238,22 +239,27 @@ def fail_fast(trainer, exception: BaseException, line: str | None = None, status
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     _kill_started_processes(trainer)
-    hard_exit(trainer.loggers, exit_status(exception) if status is None else status)
+    linger = LINGER if rank == 0 else 0.0  # process 0 holds the store: the others' watches read the notice first
+    hard_exit(trainer.loggers, exit_status(exception) if status is None else status, linger=linger)
 
 
 #: seconds the loggers get to finish before a process ends at once (SLURM kills 30 s after its SIGTERM)
 FINALIZE_DEADLINE = 10.0
+#: seconds process 0 (the store's host) lives on after a failure, for the other processes' watches to read it
+LINGER = 1.5
 
 
-def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE) -> NoReturn:
+def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE, linger: float = 0.0) -> NoReturn:
     """``os._exit(status)`` once the loggers are finalized (``finalize_loggers``) or ``deadline`` s have passed.
 
     ``os._exit`` runs no teardown and no interpreter exit, which may wait on a collective; it also skipped the
     loggers': a W&B run stayed "running" and TensorBoard lost the events still in its queue. They finalize in a
     thread of their own, so that one stuck (a network, a lock the main thread holds) cannot keep the process."""
+    start = time.monotonic()
     worker = threading.Thread(target=finalize_loggers, args=(loggers, status), name="sgrpo-finalize", daemon=True)
     worker.start()
     worker.join(deadline)
+    time.sleep(max(0.0, start + linger - time.monotonic()))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -289,7 +295,8 @@ class FailFast(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._loggers = list(trainer.loggers)
         if trainer.world_size > 1 and self.watch is None:
-            self.watch = AbortWatch(trainer.global_rank, on_abort=lambda: hard_exit(self._loggers, 1))
+            linger = LINGER if trainer.global_rank == 0 else 0.0
+            self.watch = AbortWatch(trainer.global_rank, on_abort=lambda: hard_exit(self._loggers, 1, linger=linger))
         if self.watch is not None:
             self.watch.start()
 
@@ -316,8 +323,8 @@ def _announce(notice: str) -> tuple[bool, str]:
             return True, notice
         store.wait([ABORT_KEY], timedelta(seconds=2))
         return False, store.get(ABORT_KEY).decode()
-    except Exception:  # the store is gone with process 0: the launchers end the rest
-        return True, notice
+    except Exception:  # the store is gone: process 0, which holds it, has ended (after another's failure, likely)
+        return False, "process 0 has ended (the process group's store does not answer)"
 
 
 def _kill_started_processes(trainer) -> None:
