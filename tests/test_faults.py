@@ -354,17 +354,18 @@ def test_last_ckpt_is_the_final_step_and_only_the_newest_are_kept(model_dir, tmp
 
 @pytest.mark.slow
 def test_a_refused_folder_ends_every_process_the_launcher_started_in_seconds(model_dir, tmp_path):
-    """2 processes started separately (as srun and torchrun start them) into a folder that holds a run, then into
-    one in use: process 0 refuses and every process exits 2 with its line within seconds (process 1 used to wait
-    in the rendezvous for the process group's 30-minute timeout), no model loaded."""
+    """2 processes started separately (as srun and torchrun start them) into a folder that holds a run and is in
+    use: process 0 refuses ("in use", its first check; "holds a run" takes the same path) and every process exits
+    2 with its line within seconds (process 1 used to wait in the rendezvous for the process group's 30-minute
+    timeout), no model loaded."""
     from sgrpo.run.folders import lock_run, unlock_run
 
-    held, busy = tmp_path / "held", tmp_path / "busy"
-    held.mkdir()
-    (held / "metrics.jsonl").write_text("{}\n")  # an earlier run's output
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "metrics.jsonl").write_text("{}\n")  # an earlier run's output
     lock = lock_run(busy)  # another fit holds it
     try:
-        for root, reason in ((held, "already holds a run"), (busy, "is in use by")):
+        for root, reason in ((busy, "is in use by"),):
             command = [sys.executable, "-m", "sgrpo.fit", *args(root, model_dir, "--trainer.max_steps=2",
                                                                 "--trainer.devices=2", "--trainer.strategy=ddp")]
             env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),

@@ -89,7 +89,6 @@ LANDINGS = {  # (where, the signal, the step whose end last.ckpt must hold)
     # the state is still step 2's end (step 3's rollout, or its gradients before the first optimiser step):
     # saved at once, step 3 not run to its end (a DeepMath step outlasts SLURM's 30 s between SIGTERM and SIGKILL)
     "sigterm-during-rollout": ((GRPOPolicy, "sample", in_step(3)), signal.SIGTERM, 2),
-    "ctrl-c-before-the-update": ((PolicyUpdate, "accumulate_gradients", in_step(3)), signal.SIGINT, 2),
 }
 
 
