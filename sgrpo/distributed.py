@@ -8,7 +8,10 @@ forwards; under DDP every synchronised backward all-reduces the whole gradient.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +32,77 @@ def world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
+
+
+#: the process id of a process 0 that has claimed its run folder alone: the processes Lightning's launcher then
+#: starts from it (with this environment) must not wait for its decision
+STARTED_BY = "SGRPO_FOLDER_CLAIMED_BY"
+
+
+def join_started_processes(strategy) -> bool:
+    """Join the default process group now if the launcher started every process (srun, torchrun), before the
+    trainer would; whether there is a group of more than one process afterwards.
+
+    What only process 0 decides before a fit (the run folder: "in use", "holds a run") must reach the others
+    (``first_refusal``): a process 0 that exited alone left every other one waiting in the rendezvous for the
+    process group's timeout (30 minutes). The trainer then finds the group made. Processes that Lightning's
+    launcher starts do not exist yet at this point: process 0 decides alone, before starting them.
+    """
+    if world_size() > 1:
+        return True
+    if os.environ.get(STARTED_BY) == str(os.getppid()):  # by Lightning's launcher, after process 0 decided alone
+        return False
+    environment = getattr(strategy, "cluster_environment", None)
+    processes = getattr(strategy, "num_nodes", 1) * getattr(strategy, "num_processes", 1)
+    if environment is None or not environment.creates_processes_externally or processes < 2:
+        return False
+    # Lightning's own set-up (ranks, backend, timeout): DDPStrategy.setup_distributed, ModelParallelStrategy's
+    setup = getattr(strategy, "setup_distributed", None) or getattr(strategy, "_setup_distributed", None)
+    if setup is None:
+        return False
+    setup()
+    return world_size() > 1
+
+
+@contextlib.contextmanager
+def deciding_alone() -> Iterator[None]:
+    """Mark this process, in its environment, as a process 0 whose decisions the processes Lightning's launcher
+    starts from it (inside the block) do not wait for: they start only once it has decided."""
+    os.environ[STARTED_BY] = str(os.getpid())
+    try:
+        yield
+    finally:
+        os.environ.pop(STARTED_BY, None)
+
+
+_ROUNDS = itertools.count()  # every process calls first_refusal as often as the others: the same round names
+_NONE = "-"
+
+
+def first_refusal(refusal: str | None, read_wait: float = 30.0) -> str | None:
+    """The refusal of the lowest-ranked process that has one (else None), the same on every process: each calls
+    this with its own (a collective, through the default group's store, which needs no device). ``refusal``
+    as it is without a process group.
+
+    Process 0 collects every process's answer and posts the decision; after a refusal it waits (up to
+    ``read_wait`` s) until the others have read it, as its store ends with it.
+    """
+    if world_size() == 1:
+        return refusal
+    store = torch.distributed.distributed_c10d._get_default_store()
+    rank, world, name = torch.distributed.get_rank(), world_size(), f"sgrpo/refusal/{next(_ROUNDS)}"
+    store.set(f"{name}/{rank}", _NONE if refusal is None else f"!{refusal}")
+    if rank == 0:
+        answers = [store.get(f"{name}/{r}").decode() for r in range(world)]  # each waits for its process
+        decision = next((a for a in answers if a != _NONE), _NONE)
+        store.set(f"{name}/decision", decision)
+        deadline = time.monotonic() + read_wait
+        while decision != _NONE and store.add(f"{name}/read", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        decision = store.get(f"{name}/decision").decode()
+        store.add(f"{name}/read", 1)
+    return None if decision == _NONE else decision[1:]
 
 
 #: bound ``close`` methods (weakly held) to call before the process group goes: engines built on it (vLLM)

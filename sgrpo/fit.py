@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import sys
 import typing
 import warnings
@@ -34,7 +35,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from sgrpo.checks import ConfigError, exit_with_error
-from sgrpo.distributed import fsdp_as_fsdp2, release_process_group
+from sgrpo.distributed import (
+    deciding_alone,
+    first_refusal,
+    fsdp_as_fsdp2,
+    join_started_processes,
+    release_process_group,
+)
 from sgrpo.eval.evaluation import evaluation_table
 from sgrpo.eval.metrics_file import MarkResume, MetricsFile
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
@@ -42,7 +49,7 @@ from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.cli_errors import one_line_errors, union_error
-from sgrpo.run.faults import disk_fault
+from sgrpo.run.faults import FailFast, command_ended, disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
 from sgrpo.run.guards import GuardError
 from sgrpo.run.precision import check_weight_precision
@@ -102,6 +109,7 @@ class SgrpoCLI(LightningCLI):
         if config.get("enable_model_summary") is not False:  # one line in place of Lightning's 14 ("FLOPs: 0")
             callbacks.append(ParameterCount())
         config["enable_model_summary"] = False
+        callbacks.append(FailFast(errors=self.mode != "fit"))  # in a fit, RunCheckpoint decides about errors
         logger = config.get("logger")
         if logger in (None, True) and self.mode != "fit" and not writable(root):
             rank_zero_info(f"{root} cannot be written: this {self.mode} prints its table and logs no metrics "
@@ -248,12 +256,15 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
     mode = given[0] if given[:1] and given[0] in MODES else "fit"
     if given[:1] == [mode]:  # the mode is no option of the parser; sys.argv keeps it, for Lightning's launcher
         args = given[1:]  # starts the other processes with sys.argv (they trained while this one validated: a hang)
+    interrupt = signal.getsignal(signal.SIGINT)  # the stop at a step's end replaces it for a while
     cli = parse(args, mode)
     try:
         if mode == "fit":
             train(cli)
         else:
             evaluate(cli, mode)
+    except KeyboardInterrupt:  # a Ctrl-C outside a fit's steps (parsing, loading, the report): no traceback
+        exit_with_error("interrupted (Ctrl-C)", 128 + signal.SIGINT)
     except (RunRefused, CheckpointError) as err:
         exit_with_error(str(err), 2)
     except ConfigError as err:  # one known only once the processes exist (before any model loads)
@@ -269,6 +280,8 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         then = "; then resume with --ckpt_path last: its newest checkpoint was left as it was" if mode == "fit" else ""
         exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
                         f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
+    finally:
+        command_ended(cli.trainer, interrupt)  # the processes leave together from here (release_process_group)
     return cli
 
 
@@ -297,7 +310,9 @@ def train(cli: SgrpoCLI) -> None:
     """Claim the run folder, fit (resuming from ``--ckpt_path``), then report if asked."""
     trainer, policy, config = cli.trainer, cli.model, cli.config
     root = Path(trainer.default_root_dir)
-    with claimed_run(root, config.ckpt_path, config.overwrite, launches_run(trainer)) as ckpt_path:
+    agree = first_refusal if join_started_processes(trainer.strategy) else None  # srun, torchrun: agree on it
+    leader = launches_run(trainer)
+    with deciding_alone(), claimed_run(root, config.ckpt_path, config.overwrite, leader, agree) as ckpt_path:
         if config.validate_before and ckpt_path is None:
             trainer.validate(policy, verbose=False)
         fit(trainer, policy, ckpt_path)

@@ -7,8 +7,13 @@ fault_worker.py raise RANK STEP FIT_ARGS...     process RANK (of a multi-process
                                                 this same command for the others) raises inside the gradient
                                                 accumulation of training step STEP (1-based), as a CUDA
                                                 out-of-memory would (ROOT/raised.RANK marks the moment)
-fault_worker.py raise_hang RANK STEP FIT_ARGS... the same, while the other processes hang at that point, as in
-                                                an NCCL collective (which a peer's death does not end)
+fault_worker.py raise_hang RANK STEP FIT_ARGS... the same, while the other processes wait there on the process
+                                                group's store for a key no process posts (as when building NCCL's or
+                                                vLLM's groups for a peer that died): no notice reaches them through
+                                                a collective or the launcher
+fault_worker.py raise_validate RANK 0 ARGS...    ``sgrpo.fit validate`` (ARGS start with "validate") where process
+                                                RANK raises in its first validation batch while the others wait on
+                                                the store there
 fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
 """
 
@@ -46,21 +51,47 @@ def stall_at(step: int, marker: Path) -> None:
     torch.save = stalling_save
 
 
+def wait_on_the_store() -> None:
+    """Wait on the process group's store for a key no process posts (for the group's timeout: 30 minutes)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _get_default_store().get("sgrpo/test/never-posted")
+
+
+def this_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def raise_in_validation(rank: int) -> None:
+    from sgrpo.policy import GRPOPolicy
+
+    validation_step = GRPOPolicy.validation_step
+
+    def failing(self, *args, **kwargs):
+        if this_rank() == rank:
+            Path(self.trainer.default_root_dir, f"raised.{rank}").touch()
+            raise RuntimeError(f"{INJECTED} (process {rank}, validation)")
+        wait_on_the_store()
+        return validation_step(self, *args, **kwargs)
+
+    GRPOPolicy.validation_step = failing
+
+
 def raise_at(rank: int, step: int, others_hang: bool = False, sigterm: bool = False) -> None:
     from sgrpo.train.update import PolicyUpdate
 
     accumulate, sent = PolicyUpdate.accumulate_gradients, []
-    this_rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    me = this_rank()
 
     def failing(self, *args, **kwargs):
-        if this_rank == rank and self.rollout_step == step - 1 and sigterm and not sent:
+        if me == rank and self.rollout_step == step - 1 and sigterm and not sent:
             sent.append(os.getpid())
             os.kill(os.getpid(), signal.SIGTERM)
-        elif this_rank == rank and self.rollout_step == step - 1 and not sigterm:
+        elif me == rank and self.rollout_step == step - 1 and not sigterm:
             Path(self.trainer.default_root_dir, f"raised.{rank}").touch()
             raise RuntimeError(f"{INJECTED} (process {rank}, step {step})")
         if others_hang and self.rollout_step == step - 1:
-            time.sleep(600)
+            wait_on_the_store()
         return accumulate(self, *args, **kwargs)
 
     PolicyUpdate.accumulate_gradients = failing
@@ -70,6 +101,8 @@ if __name__ == "__main__":
     mode, first, second, *fit_args = sys.argv[1:]
     if mode == "stall":
         stall_at(int(first), Path(second))
+    elif mode == "raise_validate":
+        raise_in_validation(int(first))
     else:
         raise_at(int(first), int(second), others_hang=mode == "raise_hang", sigterm=mode == "sigterm")
     from sgrpo.fit import main

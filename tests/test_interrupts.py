@@ -79,12 +79,16 @@ def after_step(n: int):
 
 
 LANDINGS = {  # (where, the signal, the step whose end last.ckpt must hold)
-    "sigterm-mid-step": ((PolicyUpdate, "accumulate_gradients", in_step(2)), signal.SIGTERM, 2),
-    "ctrl-c-mid-step": ((PolicyUpdate, "accumulate_gradients", in_step(2)), signal.SIGINT, 2),
+    # inside step 2's update (its first optimiser step under way): step 2 runs to its end, saved there
+    "sigterm-mid-update": ((PolicyUpdate, "on_before_optimizer_step", in_step(2)), signal.SIGTERM, 2),
+    "ctrl-c-mid-update": ((PolicyUpdate, "on_before_optimizer_step", in_step(2)), signal.SIGINT, 2),
     "sigterm-during-validation": ((GRPOPolicy, "validation_step", after_step(2)), signal.SIGTERM, 2),
     "ctrl-c-during-validation": ((GRPOPolicy, "validation_step", after_step(2)), signal.SIGINT, 2),
-    "sigterm-just-after-validation": ((GRPOPolicy, "on_validation_end", after_step(2)), signal.SIGTERM, 3),
+    "sigterm-just-after-validation": ((GRPOPolicy, "on_validation_end", after_step(2)), signal.SIGTERM, 2),
     "sigterm-during-checkpoint-write": ((AtomicCheckpointIO, "save_checkpoint", lambda io: True), signal.SIGTERM, 2),
+    # the state is still step 2's end (step 3's rollout, or its gradients before the first optimiser step):
+    # saved at once, step 3 not run to its end (a DeepMath step outlasts SLURM's 30 s between SIGTERM and SIGKILL)
+    "sigterm-during-rollout": ((GRPOPolicy, "sample", in_step(3)), signal.SIGTERM, 2),
 }
 
 
@@ -129,21 +133,21 @@ def test_an_error_inside_an_update_saves_nothing(model_dir, tmp_path, monkeypatc
 
 
 def test_a_second_ctrl_c_stops_at_once_saving_only_a_steps_end(model_dir, tmp_path, monkeypatch):
-    """Ctrl-C twice before step 2's first optimiser step: the fit stops there (exit 130) and saves step 1's
-    end, which the state still is."""
-    original = PolicyUpdate.accumulate_gradients
+    """Ctrl-C twice inside step 3's update (its optimiser step under way): the fit stops there (exit 130) and saves
+    nothing, the state being half a step: last.ckpt stays step 2's."""
+    original = PolicyUpdate.on_before_optimizer_step
 
     def twice(self, *a, **k):
-        if self.rollout_step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
+        if self.rollout_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # recorded: the update is under way
             os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
         return original(self, *a, **k)
 
-    monkeypatch.setattr(PolicyUpdate, "accumulate_gradients", twice)
+    monkeypatch.setattr(PolicyUpdate, "on_before_optimizer_step", twice)
     with pytest.raises(SystemExit) as stopped:
-        main(args(tmp_path, model_dir, "--checkpoint_every=100"))
+        main(args(tmp_path, model_dir, "--checkpoint_every=2"))
     assert stopped.value.code == 130
-    assert last_step(tmp_path) == 1
+    assert last_step(tmp_path) == 2
 
 
 @pytest.mark.slow
@@ -196,3 +200,24 @@ def test_a_failed_resume_writes_nothing_and_says_why_in_one_line(model_dir, tmp_
         assert f"--ckpt_path {last} does not load into this run" in lines[0] and "left as it was" in lines[0]
         assert last.read_bytes() == before
     assert sorted(p.name for p in last.parent.glob("[!.]*")) == ["last.ckpt", "step2.ckpt"]
+
+
+def test_ctrl_c_again_during_the_stops_teardown_exits_130_without_a_traceback(model_dir, tmp_path, monkeypatch,
+                                                                             capsys):  # fmt: skip
+    """The first Ctrl-C inside step 2's update stops at its end; the second lands in the teardown (a logger's
+    finalize), where sgrpo's handler was gone: a KeyboardInterrupt raised there ended the process with a traceback,
+    or by SIGINT itself. It exits 130 with one line, step 2 saved."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    signal_at(monkeypatch, PolicyUpdate, "on_before_optimizer_step", signal.SIGINT, in_step(2))
+    signal_at(monkeypatch, CSVLogger, "finalize", signal.SIGINT, lambda logger: True)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(args(tmp_path, model_dir, "--checkpoint_every=100"))
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C escaped as a KeyboardInterrupt (a traceback, then death by SIGINT)")
+    assert stopped.value.code == 130
+    assert last_step(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Ctrl-C again: stopping now" in err, err[-2000:]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back for whatever runs next

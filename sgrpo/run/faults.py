@@ -5,16 +5,20 @@ the step under way runs to its end, ``RunCheckpoint`` saves ``last.ckpt`` there 
 continues exactly) and ``Stopped`` ends the fit with 143 or 130. A signal during a validation stops at
 the end of that validation's current batch; the checkpoint then holds the step before it and the
 validation runs again on resume. The processes agree on the stop (one all-reduce per step and per
-validation batch), so they all save at the same step: the save is a collective under FSDP2. A second
-Ctrl-C stops at once (``KeyboardInterrupt``), saving only where the state is a step's end. Under
-Lightning's own launcher the first process forwards SIGTERM to the others, as Lightning does.
+validation batch), so they all save at the same step: the save is a collective under FSDP2. A single
+process does not wait where the state is still the last step's end (the rollout after it, a validation):
+it saves and stops at once (``StoppedNow``), as a step can outlast the scheduler's grace period. A second
+Ctrl-C stops at once (``KeyboardInterrupt``), saving only where the state is a step's end; one after the
+stop began exits 130 with one line. Under Lightning's own launcher the first process forwards SIGTERM to
+the others, as Lightning does.
 
 **Errors.** An error that one process raises alone (an out-of-memory, a bug, a peer lost) leaves the
 others waiting in their next collective: on NCCL for the 30-minute collective timeout, holding every
 GPU. So with more than one process, ``fail_fast`` prints the error and its traceback, names the process,
-tells the others through the process group's store (each process watches it: ``AbortWatch``), kills the
-processes Lightning's launcher started from this one, and ends this process with ``os._exit`` at once:
-no checkpoint save, teardown or interpreter exit, which are collectives or may wait on one. Every other
+tells the others through the process group's store (each process watches it, on a client of its own:
+``AbortWatch``, started by ``FailFast``), kills the processes Lightning's launcher started from this one,
+finalizes the loggers (at most ``FINALIZE_DEADLINE`` s) and ends this process with ``os._exit``: no
+checkpoint save, teardown or interpreter exit, which are collectives or may wait on one. Every other
 process sees the notice within a second and ends likewise (or is ended by its launcher: torchrun and
 Lightning's launcher kill the others when one exits non-zero). Errors that every process raises at
 the same point (``EVERY_PROCESS``: a refused configuration, a refused resume, rewards failing step after
@@ -29,12 +33,14 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
@@ -50,6 +56,11 @@ class Stopped(SystemExit):
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
         self.signum = signum
+
+
+class StoppedNow(Stopped):
+    """A fit stopped by a signal that arrived while the state was still the last step's end (during the rollout
+    that follows it, or a validation): ``last.ckpt`` is saved at once, without running the step to its end."""
 
 
 #: errors that every process raises at the same point of the run (agreed through collectives or by construction)
@@ -88,18 +99,26 @@ class StopRequests:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._forward: Callable[[int], None] | None = None
+        self._now: Callable[[], bool] | None = None
 
-    def install(self, forward: Callable[[int], None] | None = None) -> None:
-        """Take over SIGTERM and SIGINT; ``forward(signum)`` passes a SIGTERM on (to the processes this one started)."""
+    def install(self, forward: Callable[[int], None] | None = None, now: Callable[[], bool] | None = None) -> None:
+        """Take over SIGTERM and SIGINT; ``forward(signum)`` passes a SIGTERM on (to the processes this one started);
+        where ``now()`` holds when a signal arrives (the state is a step's end and may be saved from here: one
+        process), the fit stops at once (``StoppedNow``) instead of at the end of the step under way."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self.signum, self._forward = None, forward
+        self.signum, self._forward, self._now = None, forward, now
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
+        """Put the previous handlers back; after a Ctrl-C, one that ends the process at the next Ctrl-C with exit
+        130 and one line (``SystemExit``, no traceback): the stop's save and teardown run without our handler,
+        and a KeyboardInterrupt raised in them ended the process by a traceback, or by SIGINT itself."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._previous and self.signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, _leave_now)
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
@@ -109,10 +128,13 @@ class StopRequests:
             return
         self.signum = signum
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-        print(f"\n{name}: stopping at the end of this step, after saving last.ckpt{again}", file=sys.stderr)
         if signum == signal.SIGTERM and self._forward is not None:
             self._forward(signum)
+        if self._now is not None and self._now():  # a rollout or validation: nothing a resume needs is under way
+            print(f"\n{name}: saving last.ckpt (the last step's end) and stopping now", file=sys.stderr, flush=True)
+            raise StoppedNow(signum)
+        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+        print(f"\n{name}: stopping at the end of this step, after saving last.ckpt{again}", file=sys.stderr)
 
     def agreed(self, device: torch.device) -> int | None:
         """The signal any process received (a collective with more than one process), else None."""
@@ -122,6 +144,22 @@ class StopRequests:
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
             signum = int(value.item())
         return signum or None
+
+
+def _leave_now(signum: int, frame) -> NoReturn:
+    """A Ctrl-C once the stop is under way: exit 130 now, with one line and no traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one, while this one unwinds
+    print("\nCtrl-C again: stopping now", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.SIGINT)
+
+
+def command_ended(trainer, interrupt) -> None:
+    """At the end of a command: SIGINT's handler put back to ``interrupt`` (a stop replaces it), the watch ended."""
+    if interrupt is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupt)
+    for callback in trainer.callbacks:
+        if isinstance(callback, FailFast):
+            callback.stop()
 
 
 def _store():
@@ -134,36 +172,52 @@ def _store():
 class AbortWatch:
     """A thread that ends this process once another one has failed (``fail_fast``), checking every ``period`` s."""
 
-    def __init__(self, rank: int, period: float = 0.5) -> None:
+    def __init__(self, rank: int, period: float = 0.5, on_abort: Callable[[], None] | None = None) -> None:
         self.rank, self.period = rank, period
+        self.on_abort = on_abort or (lambda: os._exit(1))  # called from the watcher thread; must not return
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Watch from now on (a no-op without a process group, or when already watching).
+
+        The watcher reads the store through its own connection (``Store.clone()``): c10d's TCPStore client holds
+        one lock for a whole blocking ``get``/``wait``, so a shared client stayed locked while the main thread
+        waited on the store for a peer that had died (building vLLM's or NCCL's groups, a rendezvous), and the
+        notice was never read."""
         store = _store()
         if store is None or self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._watch, args=(store,), name="sgrpo-abort-watch", daemon=True)
+        with contextlib.suppress(Exception):  # a store that cannot be cloned: the shared client, as before
+            store = store.clone()
+        self._stop = threading.Event()  # one per watcher thread: a stopped watch may start again
+        self._thread = threading.Thread(target=self._watch, args=(store, self._stop), name="sgrpo-abort-watch",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread = None
 
-    def _watch(self, store) -> None:
+    @property
+    def watching(self) -> bool:
+        return self._thread is not None
+
+    def _watch(self, store, stop: threading.Event) -> None:
         lost = 0
-        while not self._stop.wait(self.period):
+        while not stop.wait(self.period):
             try:
                 failed = store.check([ABORT_KEY])
                 notice = store.get(ABORT_KEY).decode() if failed else ""
                 lost = 0
             except Exception:  # the store lives in process 0: gone, unless the run is ending
                 lost += 1
-                if lost < 3 or self._stop.is_set() or not torch.distributed.is_initialized():
+                if lost < 3 or stop.is_set() or not torch.distributed.is_initialized():
                     continue
                 notice = "process 0 is gone (the process group's store does not answer)"
-            if notice and not self._stop.is_set():
+            if notice and not stop.is_set():
                 print(f"error: process {self.rank} stops: {notice}", file=sys.stderr, flush=True)
-                os._exit(1)
+                self.on_abort()
 
 
 def fail_fast(trainer, exception: BaseException, line: str | None = None, status: int | None = None) -> NoReturn:
@@ -185,7 +239,77 @@ def fail_fast(trainer, exception: BaseException, line: str | None = None, status
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     _kill_started_processes(trainer)
-    os._exit(exit_status(exception) if status is None else status)
+    linger = LINGER if rank == 0 else 0.0  # process 0 holds the store: the others' watches read the notice first
+    hard_exit(trainer.loggers, exit_status(exception) if status is None else status, linger=linger)
+
+
+#: seconds the loggers get to finish before a process ends at once (SLURM kills 30 s after its SIGTERM)
+FINALIZE_DEADLINE = 10.0
+#: seconds process 0 (the store's host) lives on after a failure, for the other processes' watches to read it
+LINGER = 1.5
+
+
+def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE, linger: float = 0.0) -> NoReturn:
+    """``os._exit(status)`` once the loggers are finalized (``finalize_loggers``) or ``deadline`` s have passed.
+
+    ``os._exit`` runs no teardown and no interpreter exit, which may wait on a collective; it also skipped the
+    loggers': a W&B run stayed "running" and TensorBoard lost the events still in its queue. They finalize in a
+    thread of their own, so that one stuck (a network, a lock the main thread holds) cannot keep the process."""
+    start = time.monotonic()
+    worker = threading.Thread(target=finalize_loggers, args=(loggers, status), name="sgrpo-finalize", daemon=True)
+    worker.start()
+    worker.join(deadline)
+    time.sleep(max(0.0, start + linger - time.monotonic()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def finalize_loggers(loggers: list, status: int) -> None:
+    """Each logger's ``finalize("failed")``, and W&B's run finished with exit code ``status`` (Lightning's W&B
+    logger leaves that to wandb's exit hook, which ``os._exit`` skips). A logger that fails is skipped."""
+    for logger in loggers:
+        with contextlib.suppress(Exception):
+            logger.finalize("failed")
+        run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
+        if run is not None and hasattr(run, "finish"):
+            with contextlib.suppress(Exception):
+                run.finish(exit_code=status)
+
+
+class FailFast(Callback):
+    """Every process of a multi-process job watches the store for another one's failure (``AbortWatch``) from the
+    first trainer call's setup to the end of the command (``stop``), through ``validate_before`` and into the fit,
+    and in ``validate`` and ``test``; an error one process raises alone ends every process (``fail_fast``).
+
+    In a fit, ``RunCheckpoint`` decides about errors (it tells one that broke a checkpoint's load): ``errors``
+    False. An error every process raises (``EVERY_PROCESS``) ends the watch, as every process leaves on the
+    ordinary path and process 0, whose store the others watch, may end first.
+    """
+
+    def __init__(self, errors: bool = True) -> None:
+        self.errors = errors
+        self.watch: AbortWatch | None = None
+        self._loggers: list = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._loggers = list(trainer.loggers)
+        if trainer.world_size > 1 and self.watch is None:
+            linger = LINGER if trainer.global_rank == 0 else 0.0
+            self.watch = AbortWatch(trainer.global_rank, on_abort=lambda: hard_exit(self._loggers, 1, linger=linger))
+        if self.watch is not None:
+            self.watch.start()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.world_size > 1 and isinstance(exception, EVERY_PROCESS):
+            self.stop()
+        elif trainer.world_size > 1 and self.errors:
+            fail_fast(trainer, exception)
+
+    def stop(self) -> None:
+        """End the watch (at the end of the command, before the processes leave the process group)."""
+        if self.watch is not None:
+            self.watch.stop()
 
 
 def _announce(notice: str) -> tuple[bool, str]:
@@ -199,8 +323,8 @@ def _announce(notice: str) -> tuple[bool, str]:
             return True, notice
         store.wait([ABORT_KEY], timedelta(seconds=2))
         return False, store.get(ABORT_KEY).decode()
-    except Exception:  # the store is gone with process 0: the launchers end the rest
-        return True, notice
+    except Exception:  # the store is gone: process 0, which holds it, has ended (after another's failure, likely)
+        return False, "process 0 has ended (the process group's store does not answer)"
 
 
 def _kill_started_processes(trainer) -> None:

@@ -4,8 +4,9 @@ A run folder (``trainer.default_root_dir``) belongs to one run. A fresh run into
 already holds one is refused (``--overwrite true`` deletes the old run's outputs first), so
 ``--ckpt_path last`` always means this run's latest checkpoint. While a fit runs, it holds an
 exclusive lock on ``<run>/.sgrpo.lock`` (``fcntl.flock``; the file says which process holds it); a
-second fit into the folder is refused. Under DDP / FSDP only global rank 0 does any of this, before
-the other processes start.
+second fit into the folder is refused. Under DDP / FSDP only global rank 0 does any of this: before
+Lightning's launcher starts the other processes, or, where srun or torchrun started them all, with every
+process waiting for its decision (a refusal ends them all in seconds).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -214,12 +215,32 @@ def latest_checkpoint(folder: Path, hint: str = FRESH) -> str:
 
 @contextmanager
 def claimed_run(
-    root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
+    root: Path,
+    ckpt_path: str | None,
+    overwrite: bool,
+    leader: bool,
+    agree: Callable[[str | None], str | None] | None = None,
 ) -> Iterator[str | AgreedCheckpoint | None]:
-    """``prepare_run`` under the folder's lock (taken by the leader), held until the block ends."""
-    lock = lock_run(root) if leader else None
+    """``prepare_run`` under the folder's lock (taken by the leader), held until the block ends.
+
+    ``agree(refusal)`` turns this process's refusal (``RunRefused``'s message, or None) into the one every process
+    acts on (``sgrpo.distributed.first_refusal``): where the launcher started every process, those the leader's
+    refusal leaves waiting must stop too."""
+    lock, refusal, resolved = None, None, None
     try:
-        yield prepare_run(root, ckpt_path, overwrite, leader)
+        try:
+            lock = lock_run(root) if leader else None
+            resolved = prepare_run(root, ckpt_path, overwrite, leader)
+        except RunRefused as err:
+            refusal = str(err)
+        except Exception as err:  # raised here; the others, waiting for this process's answer, stop with its line
+            if agree is not None:
+                agree(f"a process could not prepare {root} ({type(err).__name__}: {err})")
+            raise
+        refusal = refusal if agree is None else agree(refusal)
+        if refusal is not None:
+            raise RunRefused(refusal)
+        yield resolved
     finally:
         if lock is not None:
             unlock_run(lock)

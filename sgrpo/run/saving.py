@@ -28,7 +28,7 @@ from sgrpo.run.checkpoints import (
     numbered_checkpoints,
     replace_folder,
 )
-from sgrpo.run.faults import EVERY_PROCESS, AbortWatch, Stopped, StopRequests, fail_fast, forward_signal
+from sgrpo.run.faults import EVERY_PROCESS, Stopped, StoppedNow, StopRequests, fail_fast, forward_signal
 from sgrpo.run.folders import agree_checkpoint
 from sgrpo.run.resume import ProcessesDisagree, ResumeError, apply_optimizer_settings, experiment_changes
 
@@ -124,7 +124,6 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.stops = StopRequests()
-        self._watch: AbortWatch | None = None
         self._step_end: int | None = None  # the step whose end the weights and optimiser hold (None: mid-update)
         self._validation_pending = False  # the validation due after that step has not run yet
         self._checked_step: int | None = None  # the last step _after_step handled
@@ -147,18 +146,6 @@ class RunCheckpoint(ModelCheckpoint):
         if stage == "fit":
             agree_checkpoint(trainer, self.resume_from)  # before anything loads: one checkpoint, the same bytes
             self._written = None
-        if trainer.world_size > 1 and self._watch is None:
-            self._watch = AbortWatch(trainer.global_rank)
-            self._watch.start()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._end_watch()
-        super().teardown(trainer, pl_module, stage)
-
-    def _end_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
@@ -173,7 +160,7 @@ class RunCheckpoint(ModelCheckpoint):
             log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
         self._checked_step, self._training = None, True
-        self.stops.install(forward_signal(trainer))
+        self.stops.install(forward_signal(trainer), now=lambda: self._may_save_now(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         """The last step's checkpoints, if no validation followed it; ``last.ckpt`` also where a fit ended before
@@ -201,14 +188,22 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.world_size > 1 and not isinstance(exception, EVERY_PROCESS):
             line = None if not loading else f"error: {resume_failure(trainer.ckpt_path, exception)}"
             fail_fast(trainer, exception, line, status=2 if loading else None)
-        self._end_watch()
+        saves = isinstance(exception, StoppedNow) or not isinstance(exception, Stopped)  # a stop saved its own
         if loading:
             self.failed_resume = exception
-        elif not isinstance(exception, Stopped) and self._step_end == trainer.global_step and not self._writing:
+        elif saves and self._step_end == trainer.global_step and not self._writing:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         elif not isinstance(exception, Stopped) and trainer.is_global_zero and (self._writing or self._training):
             where = "a checkpoint write" if self._writing else "an update (after some of its optimiser steps)"
             log.warning("stopped inside %s: nothing saved; the newest checkpoint is as it was", where)
+
+    def _may_save_now(self, trainer) -> bool:
+        """A signal may stop the fit where it lands, saving ``last.ckpt`` then (``StoppedNow``): one process (more
+        would have to agree first: the save is a collective), the state a step's end, no checkpoint being written.
+        """
+        return trainer.world_size == 1 and self._training and self._step_end == trainer.global_step and not (
+            self._writing or trainer.sanity_checking
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         """A step has ended: its state is the one to save, once its metrics are logged (``_after_step``)."""
