@@ -263,3 +263,29 @@ def test_balanced_bins_by_hand():
     assert bins_needed([5, 9, 3, 7, 6, 4], None, 4) == 2
     assert bins_needed([30, 1, 1], 10, None) == 2  # 30 over budget goes alone, 1 + 1 in one bin
     assert bins_needed([6, 6, 6], 10, None) == 3  # 18 / 10 -> 2 bins, but LPT's 12 is over: 3
+
+
+def test_packing_with_lora_and_under_bf16_autocast():
+    """LoRA adapters (B initialised away from 0 so they act): packed log-probs and adapter gradients equal the
+    padded ones (1e-6); under CPU bf16 autocast the start-of-run check passes (its perturbation test is exact)."""
+    from sgrpo.model.lora import LoRA, apply_lora
+
+    ids, mask, completion = ragged_batch(n=6, seed=2)
+    results = []
+    for packing in (False, True):
+        model = tiny("sdpa")
+        apply_lora(model, LoRA(rank=4, dropout=0.0))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+        logp, _ = completion_logprobs(model, ids, mask, completion, packing=packing, share_prompts=False)
+        (logp * torch.linspace(-1, 1, 6)[:, None]).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+        results.append((logp.detach(), grads))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-6)
+    assert results[0][1].norm() > 0
+    assert float((results[1][1] - results[0][1]).norm() / results[0][1].norm()) < 1e-6
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packing_problem(tiny("sdpa")) is None
