@@ -224,8 +224,8 @@ class PolicyUpdate:
         """The update's layout metrics, from ``LAYOUT``'s sums (popped): padding share of what ran and of what the
         padded path runs, real tokens per micro-batch, and the largest process's tokens over the mean (1: balanced)."""
         real, padded, ran, chunks = (sums.pop(name) for name in LAYOUT)
-        most = self.trainer.strategy.reduce(ran, reduce_op="max")
-        mean = self.trainer.strategy.reduce(ran, reduce_op="mean")
+        most = self.trainer.strategy.reduce(ran.clone(), reduce_op="max")  # reduce all-reduces in place
+        mean = self.trainer.strategy.reduce(ran.clone(), reduce_op="mean")
         return {
             "train/padding_fraction": (ran - real) / ran.clamp_min(1.0),
             "train/padding_fraction_padded": (padded - real) / padded.clamp_min(1.0),
