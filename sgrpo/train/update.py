@@ -212,9 +212,10 @@ class PolicyUpdate:
             problem = packing_problem(model)
             verdicts[id(model)] = not any_process(problem is not None, self.device)
             if self.trainer.is_global_zero:
-                impl, layout = attention_implementation(model), "one varlen row" if one_row(model) else "padded width"
+                impl = attention_implementation(model)
+                layout = "one varlen row" if one_row(model) else "rows of the padded width or a multiple (cost model)"
                 if verdicts[id(model)]:
-                    log.info("model.packing: packed log-probs, %s attention, rows of the %s", impl, layout)
+                    log.info("model.packing: packed log-probs, %s attention, %s", impl, layout)
                 else:
                     reason = problem or "the check failed on another process"
                     log.warning("model.packing: falling back to padded log-probs: %s", reason)
