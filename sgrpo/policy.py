@@ -82,6 +82,7 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         val_prompts_per_batch: int = 32,
         logits_chunk_mib: float = 128.0,
         share_prompts: bool = True,
+        packing: bool = True,
         dtype: str = "float32",
         activation_checkpointing: bool = False,
         gradient_sync: Literal["auto", "step", "micro_batch"] = "auto",
@@ -124,7 +125,8 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
             val_reward: Also log the mean training reward of the validation completions (``val/reward``).
             val_prompts_per_batch: Validation prompts per rollout call.
             logits_chunk_mib: Memory bound of one chunk of float32 logits in the loss.
-            share_prompts: Run each distinct prompt once per micro-batch (off under FSDP2).
+            share_prompts: Run each distinct prompt once per micro-batch (off under FSDP2 and with packing).
+            packing: Log-probs of each micro-batch's real tokens packed in rows, no padding (checked at start).
             dtype: Weights' dtype at load ("float32" keeps float32 master weights under bf16-mixed).
             activation_checkpointing: Recompute activations in the backward (less memory, ~1/3 more compute).
             gradient_sync: FSDP2 reduces gradients per optimiser "step" or "micro_batch"; "auto": "step" where it fits.
@@ -188,7 +190,7 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
         self.val_reward = val_reward
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
-        self.share_prompts = share_prompts
+        self.share_prompts, self.packing = share_prompts, packing
         self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
         require(gradient_sync in ("auto", "step", "micro_batch"), "gradient_sync must be auto, step or micro_batch")
         self.gradient_sync, self.defer_gradient_sync = gradient_sync, False  # decided once sharded (configure_model)

@@ -95,20 +95,23 @@ def test_t17_seq_sum_const_gradient_is_the_reinforce_sum(model_dir, batch):
 def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation):
     grads, chunks = [], []
     width = batch.prompt_length + batch.completion_mask.shape[1]
-    # 16 rows in one piece; in 4-row micro-batches; in micro-batches of at most 3 full-width rows' tokens
-    # (micro_batch_token_mean's loss groups of 3 rows cross the memory micro-batches' bounds)
-    for rows, tokens in ((None, None), (4, None), (None, 3 * width)):
-        policy = make_policy(
-            model_dir, batch, GRPO(), loss=surrogate(aggregation, rows=3), micro_batch_size=rows,
-            micro_batch_tokens=tokens,
-        )
-        run_steps(policy)
-        grads.append(flat(policy.captured[0]))
-        mask = batch.completion_mask
-        chunks.append(policy._micro_batches(batch, torch.arange(len(mask)), mask))
+    # 16 rows in one piece; in 4-row micro-batches; in micro-batches of at most 3 full-width rows' tokens; padded,
+    # then packed (sgrpo.model.packing) with the same three splits (micro_batch_token_mean's loss groups of 3 rows
+    # cross the memory micro-batches' bounds)
+    splits = ((None, None), (4, None), (None, 3 * width))
+    for packing in (False, True):
+        for rows, tokens in splits:
+            policy = make_policy(
+                model_dir, batch, GRPO(), loss=surrogate(aggregation, rows=3), micro_batch_size=rows,
+                micro_batch_tokens=tokens, packing=packing,
+            )
+            run_steps(policy)
+            grads.append(flat(policy.captured[0]))
+            mask = batch.completion_mask
+            chunks.append(policy._micro_batches(batch, torch.arange(len(mask)), mask))
     assert grads[0].norm() > 0
-    assert rel_err(grads[1], grads[0]) < 1e-6
-    assert rel_err(grads[2], grads[0]) < 1e-6
+    for other in grads[1:]:
+        assert rel_err(other, grads[0]) < 1e-6
     assert [len(c) for c in chunks[0]] == [16] and [len(c) for c in chunks[1]] == [4, 4, 4, 4]
     lengths = batch.completion_mask.sum(-1)
     assert len(chunks[2]) > 1
@@ -116,6 +119,12 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
         assert len(chunk) * (batch.prompt_length + int(lengths[chunk].max())) <= 3 * width
     torch.testing.assert_close(torch.cat(chunks[2]).sort().values, torch.arange(16), rtol=0, atol=0)
     assert lengths[torch.cat(chunks[2])].tolist() == sorted(lengths.tolist(), reverse=True)
+    # packed: balanced bins of real tokens (prompt + completion up to the last), each within the budget
+    real = (batch.attention_mask[:, : batch.prompt_length].sum(-1) + lengths - 1).tolist()
+    assert [len(c) for c in chunks[3]] == [16] and [len(c) for c in chunks[4]] == [4, 4, 4, 4]
+    loads = [sum(real[i] for i in c.tolist()) for c in chunks[5]]  # a tiny model: cost ~ tokens (+ L^2 / 6H)
+    assert len(loads) > 1 and max(loads) <= 3 * width and max(loads) - min(loads) <= max(real)
+    torch.testing.assert_close(torch.cat(chunks[5]).sort().values, torch.arange(16), rtol=0, atol=0)
 
 
 def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch):
@@ -223,7 +232,7 @@ def test_auto_micro_batch_budget_on_cpu(model_dir, batch):
     from sgrpo.train.batching import AUTO_MICRO_BATCH_TOKENS
     from sgrpo.types import RolloutBatch
 
-    policy = make_policy(model_dir, batch, GRPO())
+    policy = make_policy(model_dir, batch, GRPO(), packing=False)  # packed bins: tests/test_packing.py
     assert policy.micro_batch_tokens == "auto" and AUTO_MICRO_BATCH_TOKENS["cpu"] == 1024
     lengths = torch.randint(1, 41, (48,), generator=torch.Generator().manual_seed(0))
     mask = torch.arange(40).unsqueeze(0) < lengths.unsqueeze(-1)  # [48, 40]
@@ -245,7 +254,9 @@ def test_rows_with_zero_advantage_are_counted_but_not_run(model_dir, batch):
     """The constant group's 4 rows are not forwarded; the denominators still count them (T17 checks the value)."""
     forwarded: dict[float, list[int]] = {}
     for kl_coef in (0.0, 0.1):
-        policy = make_policy(model_dir, batch, GRPO(), loss=ClippedSurrogate(kl_coef=kl_coef), micro_batch_tokens=None)
+        policy = make_policy(
+            model_dir, batch, GRPO(), loss=ClippedSurrogate(kl_coef=kl_coef), micro_batch_tokens=None, packing=False
+        )
         policy.configure_model()
         sizes = forwarded.setdefault(kl_coef, [])
         handle = policy.model.model.register_forward_pre_hook(

@@ -87,6 +87,6 @@ def largest_magnitude(tensors) -> torch.Tensor:
     """max |x| over all ``tensors`` (over all shards under FSDP2): finite iff every entry is (no sum to overflow)."""
     tensors = [t.detach() for t in tensors]
     if not tensors:
-        return torch.zeros(())
+        return torch.zeros((), device="cpu")  # nothing to check: finite
     norm = torch.nn.utils.get_total_norm(tensors, norm_type=float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,10 +1,11 @@
 """Log-probs of completion tokens under a model, and how far a sampler's log-probs are from the trainer's.
 
-``completion_logprobs`` runs the model's own forward for the hidden states (each distinct prompt once
-when prompts repeat) and the LM head through ``sgrpo.model.head`` (the compute dtype's operands, float32
-logits, the model's own logit transform, chunked with a hand-written backward). ``logprob_gap`` measures
-a sampler against the trainer on the sampled tokens. Pure functions of tensors and modules: nothing here
-knows about trainers or configs.
+``completion_logprobs`` runs the model's own forward for the hidden states (packed rows,
+``sgrpo.model.packing``; or each distinct prompt once when prompts repeat) and the LM head through
+``sgrpo.model.head`` (the compute dtype's operands, float32 logits, the model's own logit transform,
+chunked with a hand-written backward). ``packing_problem`` checks a model's packed forward once.
+``logprob_gap`` measures a sampler against the trainer on the sampled tokens. Pure functions of
+tensors and modules: nothing here knows about trainers or configs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded
 from sgrpo.model.head import LogitTransform, TokenLogprobs, head_dtype
+from sgrpo.model.packing import MASKED_ATTENTION, VARLEN_ATTENTION, attention_implementation, one_row, pack
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -31,6 +33,7 @@ def completion_logprobs(
     chunk_mib: float = 128.0,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    packing: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens under ``model``, ``[N, T]`` each.
 
@@ -40,23 +43,29 @@ def completion_logprobs(
     distribution the rollout samples from (truncated sampling is refused for training). The LM head runs
     only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
     logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
-    ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``share_prompts``, rows
-    with the same prompt run it once (``completion_hidden_states``).
+    ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``packing``, the rows' real tokens run
+    packed (``sgrpo.model.packing``; no padding computed, ``share_prompts`` unused); else with
+    ``share_prompts``, rows with the same prompt run it once (``completion_hidden_states``).
     """
     t = completion_mask.shape[1]
-    hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
     head = model.get_output_embeddings()
     mask = completion_mask.bool()
     if chunk_size is None:
         chunk_size = logit_chunk_tokens(chunk_mib, head.weight.shape[0], head.weight.device.type)
-    h = hidden[mask]  # [M, H]
+    if packing:
+        packed = pack(input_ids, attention_mask, mask, one_row(model), getattr(model.config, "hidden_size", None))
+        hidden = final_hidden_states(model, packed.input_ids, None, position_ids=packed.position_ids)
+        h = hidden.reshape(-1, hidden.shape[-1])[packed.hidden_index]  # [M, H], in the order of hidden[mask]
+    else:
+        hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
+        h = hidden[mask]  # [M, H]
     targets = input_ids[:, -t:][mask]  # [M]
     token_logp, token_entropy = TokenLogprobs.apply(
         h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model),
         head_dtype(head.weight),
     )
-    logp = hidden.new_zeros(mask.shape, dtype=torch.float32)
-    entropy = hidden.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
+    logp = h.new_zeros(mask.shape, dtype=torch.float32)
+    entropy = h.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
     if h.shape[0]:
         logp = logp.masked_scatter(mask, token_logp)
         if entropy is not None:
@@ -125,7 +134,7 @@ def completion_hidden_states(
 
 
 def final_hidden_states(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cache=None, position_ids: Tensor | None = None
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, cache=None, position_ids: Tensor | None = None
 ) -> Tensor:
     """The decoder's last hidden states ``[N, S, H]``, through the model's own forward.
 
@@ -133,7 +142,8 @@ def final_hidden_states(
     gathered until backward) with logits for no position (an empty ``logits_to_keep`` index: the
     head runs in ``sgrpo.model.head``); a hook on the decoder hands back its output. With ``cache`` (a
     ``DynamicCache``), the forward extends it: ``attention_mask`` then covers cached + new positions
-    and ``position_ids`` those of the new tokens.
+    and ``position_ids`` those of the new tokens. Without ``attention_mask`` (packed rows: ``position_ids``
+    restart at each sequence) there is no cache either, so transformers keeps the sequences apart.
     """
     captured: list[Tensor] = []
     handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
@@ -149,6 +159,48 @@ def final_hidden_states(
     finally:
         handle.remove()
     return captured[-1]
+
+
+def packing_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run packed log-probs, or None; a few small forwards (collectives under FSDP2).
+
+    Refused: an attention implementation outside ``MASKED_ATTENTION`` and ``VARLEN_ATTENTION`` (nothing
+    would keep packed sequences apart). Then a probe of three sequences (two share a packed row): changing
+    one sequence's tokens must leave the other's log-probs unchanged bit for bit (no cross-sequence
+    attention), and the packed log-probs must be finite and within ``tolerance`` of each sequence run alone,
+    unpadded (1e-4 in float32/float64, 0.125 in half precision: the positions are right). Run in eval mode
+    (dropout off), without gradients.
+    """
+    impl = attention_implementation(model)
+    if impl not in MASKED_ATTENTION + VARLEN_ATTENTION:
+        return f"attention implementation {impl!r} cannot keep packed sequences apart"
+    weight = model.get_output_embeddings().weight
+    half = head_dtype(weight).itemsize < 4
+    tolerance = 0.125 if half else 1e-4
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = weight.device
+    ids = torch.randint(0, vocab, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    attention = torch.tensor([[1] * 9, [0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1, 0, 0]], device=device)
+    completion = attention[:, 4:].bool()  # lengths 8, 4, 3 in rows of 8: the 4 and the 3 share one
+    changed = ids.clone()
+    changed[1] = (ids[1] + 1) % vocab
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = completion_logprobs(model, ids, attention, completion, packing=True)[0]
+            other = completion_logprobs(model, changed, attention, completion, packing=True)[0]
+            alone = [completion_logprobs(model, *(x[i : i + 1, attention[i] > 0] for x in (ids, attention)),
+                                         completion[i : i + 1, : int(completion[i].sum())], share_prompts=False)[0]
+                     for i in range(3)]
+    finally:
+        model.train(training)
+    if not torch.equal(packed[[0, 2]], other[[0, 2]]):
+        return f"with {impl} attention, one packed sequence's log-probs change with another's tokens"
+    gap = max(float((packed[i, : a.shape[1]] - a[0]).abs().max()) for i, a in enumerate(alone))
+    if not gap <= tolerance:  # NaN fails too
+        return f"with {impl} attention, packed log-probs differ from unpadded ones by {gap:.3g} (> {tolerance:g})"
+    return None
 
 
 def logprob_gap(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:

@@ -48,3 +48,40 @@ def trim(rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> dict[str, T
     first = int(attn[:, :p].any(0).long().argmax()) if p else 0
     t = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
     return {"input_ids": ids[:, first : p + t], "attention_mask": attn[:, first : p + t], "mask": mask[:, :t]}
+
+
+def sequence_cost(length: int, hidden_size: int | None) -> float:
+    """Modelled cost of one packed sequence of ``length`` tokens: ``L + L^2 / (6 H)`` (per token ~24 H^2
+    multiply-adds in the linear layers; per query-key pair ~4 H in attention; in units of a token's linear
+    cost). Without ``hidden_size``, ``L``."""
+    return length + (length * length / (6 * hidden_size) if hidden_size else 0.0)
+
+
+def balanced_bins(costs: list[float], bins: int, max_rows: int | None = None) -> list[list[int]]:
+    """Indices of ``costs`` in ``bins`` lists of near-equal total cost: longest processing time first (each
+    item, costliest first, to the cheapest bin with fewer than ``max_rows`` items; ties to the lower bin).
+    Needs ``bins * max_rows >= len(costs)``."""
+    loads, members = [0.0] * bins, [[] for _ in range(bins)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        open_bins = [b for b in range(bins) if max_rows is None or len(members[b]) < max_rows]
+        b = min(open_bins, key=lambda b: (loads[b], b))
+        loads[b] += costs[i]
+        members[b].append(i)
+    return members
+
+
+def bins_needed(costs: list[float], budget: float | None, max_rows: int | None) -> int:
+    """The fewest bins of ``balanced_bins`` whose every bin costs at most ``budget`` (one item over budget
+    goes alone) and holds at most ``max_rows`` items; 0 for no items."""
+    if not costs:
+        return 0
+    bins = max(1, -(-len(costs) // max_rows) if max_rows else 1)
+    if budget is not None:  # each item over budget alone, the rest at least their total over budget
+        over = sum(1 for c in costs if c > budget)
+        bins = max(bins, over + int(-(-sum(c for c in costs if c <= budget) // budget)))
+    while bins < len(costs) and budget is not None:
+        members = balanced_bins(costs, bins, max_rows)
+        if all(len(b) == 1 or sum(costs[i] for i in b) <= budget for b in members):
+            break
+        bins += 1
+    return min(bins, len(costs))

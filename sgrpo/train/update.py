@@ -31,17 +31,28 @@ from torch import Tensor, nn
 
 from sgrpo.distributed import any_process, data_parallel_size, gradient_sync, max_over_processes
 from sgrpo.model.loading import largest_magnitude
-from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps
+from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps, packing_problem
+from sgrpo.model.packing import attention_implementation, layout_tokens, one_row, sequence_lengths
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
-from sgrpo.train.batching import micro_batches, trim
+from sgrpo.train.batching import (
+    AUTO_MICRO_BATCH_TOKENS,
+    balanced_bins,
+    bins_needed,
+    micro_batches,
+    sequence_cost,
+    trim,
+)
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.reference import reference_model
 from sgrpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
+
+#: a micro-batch layout's token counts (``sgrpo.model.packing.layout_tokens``) summed over an update
+LAYOUT = ("layout_real", "layout_padded", "layout_ran", "layout_chunks")
 
 
 class PolicyUpdate:
@@ -52,6 +63,7 @@ class PolicyUpdate:
 
         ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others).
         """
+        self._packs(self.model)  # decided once per model, by every process at the same point (collectives)
         token_mask = rollout.completion_mask & keep_groups.repeat_interleave(rollout.group_size).unsqueeze(-1)
         if self.mask_truncated:
             token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
@@ -86,8 +98,9 @@ class PolicyUpdate:
         if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
             scheduler.step()
         steps = self.ppo_epochs * self.num_minibatches
+        logs = self._layout_logs(sums)
         tokens = sums.pop("tokens").clamp_min(1.0)
-        logs = {f"train/{name}": sums[name] / tokens for name in (*self.loss.stats, "entropy")}
+        logs |= {f"train/{name}": sums[name] / tokens for name in (*self.loss.stats, "entropy")}
         logs |= {
             "train/loss": sums["loss"] / steps,
             "train/grad_norm": sums["grad_norm"] / steps,
@@ -147,9 +160,10 @@ class PolicyUpdate:
         names = ("loss", "entropy", "tokens", *self.loss.stats)
         stats = {name: torch.zeros((), device=self.device) for name in names}
         stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
+        stats |= {name: torch.zeros((), device=self.device) for name in LAYOUT}
         gap = None
         for j, chunk in enumerate(chunks):
-            logp, entropy, mask = self._chunk_logprobs(self.model, rollout, chunk, token_mask, with_entropy=True)
+            logp, entropy, mask = self._chunk_logprobs(self.model, rollout, chunk, token_mask, stats)
             t = logp.shape[1]
             old = logp.detach() if inputs["old"] is None else inputs["old"][chunk][:, :t]
             if gap_sampler is not None:
@@ -171,8 +185,9 @@ class PolicyUpdate:
     @torch.no_grad()
     def _logprobs(self, model: nn.Module, rollout: RolloutBatch, token_mask: Tensor) -> Tensor:
         """Log-probs ``[N, T]`` of the completion tokens under ``model`` (0 off ``token_mask``), no gradient."""
+        self._packs(model)  # before any process's chunk loop: every process runs the check's forwards
         out = torch.zeros(token_mask.shape, dtype=torch.float32, device=token_mask.device)
-        chunks = self._micro_batches(rollout, token_mask.any(-1).nonzero().squeeze(-1), token_mask)
+        chunks = self._micro_batches(rollout, token_mask.any(-1).nonzero().squeeze(-1), token_mask, model)
         for _ in range(max_over_processes(self.trainer.strategy, len(chunks)) - len(chunks)):
             self._dummy_logits(model)  # processes' chunk counts differ: every process runs as many forwards
         for chunk in chunks:
@@ -181,10 +196,17 @@ class PolicyUpdate:
         return out
 
     def _chunk_logprobs(
-        self, model: nn.Module, rollout: RolloutBatch, chunk: Tensor, token_mask: Tensor, with_entropy: bool = False
+        self, model: nn.Module, rollout: RolloutBatch, chunk: Tensor, token_mask: Tensor, stats: dict | None = None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """One micro-batch, trimmed: log-probs and entropies ``[n, T]`` under ``model``, and its token mask."""
+        """One micro-batch, trimmed: log-probs ``[n, T]`` under ``model`` and its token mask; with ``stats`` (the
+        gradient pass), entropies too, and its layout's token counts added to ``stats`` (``LAYOUT``)."""
         batch = trim(rollout, chunk, token_mask)
+        packing = self._packs(model)
+        if stats is not None:
+            hidden = getattr(model.config, "hidden_size", None)
+            real, padded, ran = layout_tokens(batch["attention_mask"], batch["mask"], one_row(model), hidden)
+            for name, value in zip(LAYOUT, (real, padded, ran if packing else padded, 1)):
+                stats[name] += value
         logp, entropy = completion_logprobs(
             model,
             batch["input_ids"],
@@ -193,14 +215,61 @@ class PolicyUpdate:
             self.rollout.temperature,
             chunk_mib=self.logits_chunk_mib,
             share_prompts=self.share_prompts,
-            with_entropy=with_entropy,
+            with_entropy=stats is not None,
+            packing=packing,
         )
         return logp, entropy, batch["mask"]
 
-    def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> list[Tensor]:
-        """``rows`` in micro-batches of similar completion length (``sgrpo.train.batching.micro_batches``)."""
-        lengths = token_mask[rows].sum(-1)
-        return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
+    def _packs(self, model: nn.Module) -> bool:
+        """Whether ``model``'s log-probs run packed: ``packing`` is on and ``packing_problem`` found nothing on any
+        process (checked once per model; else the padded path, with a one-line warning saying why)."""
+        verdicts = self.__dict__.setdefault("_packing_verdicts", {})  # a plain dict: not state, not a submodule
+        if not self.packing:
+            return False
+        if id(model) not in verdicts:
+            problem = packing_problem(model)
+            verdicts[id(model)] = not any_process(problem is not None, self.device)
+            if self.trainer.is_global_zero:
+                impl = attention_implementation(model)
+                layout = "one varlen row" if one_row(model) else "rows of the padded width or a multiple (cost model)"
+                if verdicts[id(model)]:
+                    log.info("model.packing: packed log-probs, %s attention, %s", impl, layout)
+                else:
+                    reason = problem or "the check failed on another process"
+                    log.warning("model.packing: falling back to padded log-probs: %s", reason)
+        return verdicts[id(model)]
+
+    def _layout_logs(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The update's layout metrics, from ``LAYOUT``'s sums (popped): padding share of what ran and of what the
+        padded path runs, real tokens per micro-batch, and the largest process's tokens over the mean (1: balanced)."""
+        real, padded, ran, chunks = (sums.pop(name) for name in LAYOUT)
+        most = self.trainer.strategy.reduce(ran.clone(), reduce_op="max")  # reduce all-reduces in place
+        mean = self.trainer.strategy.reduce(ran.clone(), reduce_op="mean")
+        return {
+            "train/padding_fraction": (ran - real) / ran.clamp_min(1.0),
+            "train/padding_fraction_padded": (padded - real) / padded.clamp_min(1.0),
+            "train/tokens_per_micro_batch": real / chunks.clamp_min(1.0),
+            "train/update/token_imbalance": most / mean.clamp_min(1.0),
+        }
+
+    def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor, model=None) -> list[Tensor]:
+        """``rows`` in micro-batches. Packed: ``balanced_bins`` of each sequence's modelled cost (``sequence_cost``:
+        tokens plus attention's quadratic term), each under ``micro_batch_tokens`` (in those token units), as many
+        bins on every process (the most any needs: a collective), so that FSDP2's collectives pair up with even
+        work. Padded: rows of similar completion length (``sgrpo.train.batching.micro_batches``)."""
+        model = self.model if model is None else model
+        if not self._packs(model):
+            lengths = token_mask[rows].sum(-1)
+            return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
+        _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
+        hidden = getattr(model.config, "hidden_size", None)
+        costs = [sequence_cost(n, hidden) for n in lengths.tolist()]
+        budget = self.micro_batch_tokens
+        if budget == "auto":
+            budget = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
+        bins = max_over_processes(self.trainer.strategy, bins_needed(costs, budget, self.micro_batch_size))
+        chunks = balanced_bins(costs, bins, self.micro_batch_size)
+        return [rows[torch.tensor(chunk, dtype=torch.long, device=rows.device)] for chunk in chunks if chunk]
 
     def _backward(self, loss: Tensor, sync: bool) -> None:
         """``manual_backward``; under DDP (and FSDP2 with ``gradient_sync`` deferred) only the last backward of an
