@@ -41,7 +41,6 @@ def head_to_head(stamp: dict) -> str:
     by_near = sorted(order, key=lambda k: -near[k][0])
     assert all(not overlap(near[a], near[b]) for a in by_near[:2] for b in by_near[2:]), "the budget split is not clear"
     p4 = {k: est[k]["pass_at_k_vs_grpo"]["4"] for k in others}
-    assert all(abs(v[0]) > v[1] for v in p4.values()), "a pass@4 difference includes 0"
     seeds, pairs = len(est["GRPO"]["seeds"]), len(others) * (len(levels) + 2)
     intro = (
         f"`{stamp['command']}` (published {stamp['date']}): the quickstart recipe with only the estimator and seed "
@@ -58,9 +57,10 @@ def head_to_head(stamp: dict) -> str:
         f"{spread([100 * x for x in base['mean_over_levels_range']], 1)} % over the seeds (validation noise). With "
         f"{seeds} seeds the ranking is within seed noise. What does separate clearly is where the gradient budget "
         "goes: " + ", ".join(f"{label(k)} {pct(near[k][0])}" for k in by_near) + " of the advantage mass on "
-        "near-solved groups (L1 share); pass@4 follows it (paired against GRPO, "
+        "near-solved groups (L1 share). The paired pass@4 differences against GRPO ("
         + ", ".join(f"{label(k)} {pts_ci(p4[k])}" for k in sorted(others, key=lambda k: -p4[k][0]))
-        + f" points; {len(p4)} of the report's {pairs} paired differences, uncorrected)."
+        + f" points; {len(p4)} of the report's {pairs} paired differences, uncorrected) are not claimed: with "
+        f"{seeds} seeds they did not all hold when the benchmark was rerun on another machine of the same kind."
     )
     return wrap(intro) + "\n" + table(head, rows) + "\n\n" + wrap(prose)
 
