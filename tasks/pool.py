@@ -17,6 +17,7 @@ import multiprocessing.pool
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,25 @@ def _init_worker() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _terminate(pool: multiprocessing.pool.Pool, grace: float = 1.0, deadline: float = 10.0) -> None:
+    """``pool.terminate()``, which cannot hang. ``Pool.terminate`` signals its workers, then joins them; a worker
+    that the pool's handler thread forks in between (replacing a worker that died or retired after
+    ``maxtasksperchild`` tasks) never gets the signal, and the join waits for it forever (seen: a reward worker
+    that died, replaced while the pool was terminated). Here the terminate runs in a thread; a worker still alive
+    ``grace`` seconds later is killed, and after ``deadline`` seconds the pool is left to the daemon thread."""
+    ender = threading.Thread(target=pool.terminate, name="sgrpo-pool-terminate", daemon=True)
+    ender.start()
+    started = time.monotonic()
+    while ender.is_alive() and time.monotonic() - started < deadline:
+        ender.join(0.1)
+        if ender.is_alive() and time.monotonic() - started > grace:
+            for worker in list(getattr(pool, "_pool", ())):  # the pool's worker processes (CPython's attribute)
+                if worker.is_alive():
+                    worker.kill()
+    if ender.is_alive():
+        log.warning("the reward worker pool did not terminate within %.0f s; left to a background thread", deadline)
+
+
 class WorkerPool:
     """``workers`` processes that run ``fn(*args)`` calls with a per-call timeout.
 
@@ -96,8 +116,7 @@ class WorkerPool:
     def close(self) -> None:
         """Kill the workers now (pending calls are dropped); the next ``run`` starts a fresh pool."""
         if self._pool is not None and self._pid == os.getpid():
-            self._pool.terminate()
-            self._pool.join()
+            _terminate(self._pool)
         self._pool = None
         self._workers = set()
 
