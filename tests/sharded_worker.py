@@ -233,7 +233,9 @@ def disagreeing_resume(root: str, model_dir: str) -> None:
     rank, here = int(os.environ.get("RANK", "0")), os.getcwd()
     view = Path(root) if rank == 0 else Path(root) / "stale"
     if rank == 1:
-        shutil.copytree(Path(root) / "run", view / "run", ignore=shutil.ignore_patterns(".sgrpo.lock"))
+        # process 0 may still be writing the previous job's export (rank 0 alone, after the fit): not copied
+        ignore = shutil.ignore_patterns(".sgrpo.lock", "hf_model", ".hf_model.*")
+        shutil.copytree(Path(root) / "run", view / "run", ignore=ignore)
         for name in ("last.ckpt", "step2.ckpt"):
             (view / "run" / "checkpoints" / name).unlink()
     stderr, code = io.StringIO(), 0

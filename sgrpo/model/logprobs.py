@@ -179,7 +179,7 @@ def packing_problem(model: nn.Module) -> str | None:
     tolerance = 0.125 if half else 1e-4
     vocab = model.get_input_embeddings().weight.shape[0]
     device = weight.device
-    ids = torch.randint(0, vocab, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(0, vocab, (3, 9), generator=torch.Generator().manual_seed(0), device="cpu").to(device)
     attention = torch.tensor([[1] * 9, [0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1, 0, 0]], device=device)
     completion = attention[:, 4:].bool()  # lengths 8, 4, 3 in rows of 8: the 4 and the 3 share one
     changed = ids.clone()
