@@ -5,7 +5,8 @@
 What is timed is what the update runs for each micro-batch of its gradient pass: ``trim``, the layout's
 token counts (``layout_tokens``), sgrpo's ``completion_logprobs`` with entropies, and the backward of
 the log-probs' sum, over the micro-batches ``sgrpo.train.batching.update_micro_batches`` cuts (the
-update's own plan; ``micro_batch_tokens: auto``, no row limit). Three modes per workload:
+update's own plan; no row limit; ``micro_batch_tokens`` "auto", 1,024 on CPU, or 8,192, the accelerators').
+Three modes per workload:
 
 - ``padded+shared``: ``packing: false``, ``share_prompts: true`` (the trimmed update before packing);
 - ``padded``: ``packing: false``, ``share_prompts: false``;
@@ -15,11 +16,12 @@ The model is a randomly initialised Llama (``MODEL``: hidden 256, 2 layers, voca
 SDPA attention) on ``--threads`` CPU threads; 32 rows per workload (32 / G groups), completions capped
 at ``CAP`` tokens. The grid (``grid``): completion lengths uniform on [4, cap] or log-uniform on [4, cap]
 (most short, a few near the cap), prompts short (16-32 tokens) or long (200-400 tokens, one length per
-group), G 4 or 16. Each workload runs every mode once to warm up, then ``--repeats`` rounds of all three,
+group), G 4 or 16, micro-batch budget "auto" or 8,192 (16 workloads). Each workload runs every mode once to
+warm up, then ``--repeats`` rounds of all three,
 the modes' order rotating from round to round; a run's figure is its CPU time (``time.process_time``).
 Reports each mode's best and median, speed-ups (padded time over packed time, from the best runs), and
 each layout's padding fraction (1 - real tokens / tokens the forward computes). ``--quick`` is a smoke
-run (a tiny model, two workloads, one repeat), published like a full one (the tests publish into a
+run (a tiny model, four workloads, one round), published like a full one (the tests publish into a
 temporary folder). Prints, never asserts; what it prints is published to ``benchmarks/reports/packing/``
 (``benchmarks/artefact.py``).
 """
@@ -44,15 +46,19 @@ ROWS, CAP, QUICK_CAP = 32, 256, 32
 PROMPTS = {"short": (16, 32), "long": (200, 400)}
 SKEWS = ("uniform", "log-uniform")
 GROUPS = (4, 16)
+#: ``micro_batch_tokens``: the CPU default ("auto": 1,024) and the accelerators' default (8,192)
+BUDGETS = ("auto", 8192)
 #: the three modes: (packing, share_prompts)
 MODES = {"padded+shared": (False, True), "padded": (False, False), "packed": (True, False)}
 
 
 def grid(quick: bool) -> list[dict]:
-    """The workloads: every skew x prompt x G (``--quick``: two, short prompts, G 4, lengths scaled down)."""
+    """The workloads: every budget x skew x prompt x G (``--quick``: short prompts and G 4 only, lengths scaled
+    down)."""
     if quick:
-        return [{"skew": s, "prompt": "short", "G": 4} for s in SKEWS]
-    return [{"skew": s, "prompt": p, "G": g} for s in SKEWS for p in PROMPTS for g in GROUPS]
+        return [{"budget": b, "skew": s, "prompt": "short", "G": 4} for b in BUDGETS for s in SKEWS]
+    return [{"budget": b, "skew": s, "prompt": p, "G": g} for b in BUDGETS for s in SKEWS for p in PROMPTS
+            for g in GROUPS]  # fmt: skip
 
 
 def workload(spec: dict, cap: int, vocab: int, seed: int = 0, quick: bool = False):
@@ -100,7 +106,7 @@ def computed_tokens(batch: dict, packing: bool, share: bool, real: int, padded: 
     return padded
 
 
-def run(model, rollout, mode: str) -> tuple[float, dict]:
+def run(model, rollout, mode: str, budget: int | str) -> tuple[float, dict]:
     """One gradient pass's log-probs in ``mode``: CPU seconds and the layout's token counts."""
     import torch
 
@@ -114,7 +120,7 @@ def run(model, rollout, mode: str) -> tuple[float, dict]:
     counts = {"micro_batches": 0, "real": 0, "computed": 0}
     started = time.process_time()
     rows = torch.arange(rollout.input_ids.shape[0])
-    for chunk in update_micro_batches(rollout, rows, rollout.completion_mask, packing, hidden, None, "auto"):
+    for chunk in update_micro_batches(rollout, rows, rollout.completion_mask, packing, hidden, None, budget):
         batch = trim(rollout, chunk, rollout.completion_mask)
         real, padded, ran = layout_tokens(batch["attention_mask"], batch["mask"], False, hidden)
         logp, _ = completion_logprobs(
@@ -147,6 +153,8 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.quick:
+        args.repeats = 1
     sizes, cap = (QUICK_MODEL, QUICK_CAP) if args.quick else (MODEL, CAP)
     model = build_model(sizes, cap)
     print(
@@ -154,17 +162,18 @@ def measure(args: argparse.Namespace) -> dict:
         f"{sizes['vocab']:,}, fp32, SDPA, {args.threads} thread(s); {ROWS} rows per workload, completions capped at "
         f"{cap}; {args.repeats} measured round(s) after one warm-up round; CPU seconds per gradient pass.\n"
     )
-    print("| skew | prompt | G | mode | micro-batches | padding | best (s) | median (s) | speed-up of packed |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| micro_batch_tokens | skew | prompt | G | mode | micro-batches | padding | best (s) | median (s) | "
+          "speed-up of packed |")  # fmt: skip
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|")
     workloads = []
     for spec in grid(args.quick):
         rollout = workload(spec, cap, sizes["vocab"], quick=args.quick)
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        counts = {mode: run(model, rollout, mode)[1] for mode in MODES}  # warm-up round
+        counts = {mode: run(model, rollout, mode, spec["budget"])[1] for mode in MODES}  # warm-up round
         order = list(MODES)
         for r in range(args.repeats):
             for mode in order[r % 3 :] + order[: r % 3]:
-                times[mode].append(run(model, rollout, mode)[0])
+                times[mode].append(run(model, rollout, mode, spec["budget"])[0])
         modes = {}
         for mode in MODES:
             c = counts[mode]
@@ -175,7 +184,8 @@ def measure(args: argparse.Namespace) -> dict:
         mean_len = float(rollout.completion_mask.sum(-1).float().mean())
         workloads.append({**spec, "mean_completion": mean_len, "modes": modes})
         for mode, m in modes.items():
-            print(f"| {spec['skew']} | {spec['prompt']} | {spec['G']} | {mode} | {m['micro_batches']} | "
+            print(f"| {spec['budget']} | {spec['skew']} | {spec['prompt']} | {spec['G']} | {mode} | "
+                  f"{m['micro_batches']} | "
                   f"{m['padding_fraction']:.2f} | {m['best_s']:.2f} | {m['median_s']:.2f} | "
                   f"{m['packed_speedup']:.2f} |", flush=True)  # fmt: skip
     return {"model": sizes, "rows": ROWS, "cap": cap, "threads": args.threads, "repeats": args.repeats,
