@@ -35,6 +35,7 @@ RENDERS = {
     "logprob_memory": "perf:logprob_memory",
     "throughput": "perf:throughput",
     "throughput_forced": "perf:throughput",
+    "packing": "packing:packing",
 }
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor
 
+from sgrpo.model.packing import sequence_lengths
 from sgrpo.types import RolloutBatch
 
 #: padded tokens per micro-batch under ``micro_batch_tokens="auto"``: small matmuls are already efficient on
@@ -85,3 +89,27 @@ def bins_needed(costs: list[float], budget: float | None, max_rows: int | None) 
             break
         bins += 1
     return min(bins, len(costs))
+
+
+def update_micro_batches(
+    rollout: RolloutBatch,
+    rows: Tensor,
+    token_mask: Tensor,
+    packed: bool,
+    hidden_size: int | None,
+    max_rows: int | None,
+    max_tokens: int | str | None,
+    agree: Callable[[int], int] = lambda bins: bins,
+) -> list[Tensor]:
+    """The update's micro-batches of ``rows``. Packed: ``balanced_bins`` of each sequence's modelled cost
+    (``sequence_cost``), each under ``max_tokens`` (in those units; "auto": ``AUTO_MICRO_BATCH_TOKENS``), in
+    ``agree(bins_needed)`` bins (the most any process needs, so that FSDP2's collectives pair up with even work).
+    Padded: rows of similar completion length (``micro_batches``)."""
+    if not packed:
+        return micro_batches(rows, token_mask[rows].sum(-1), rollout.prompt_length, max_rows, max_tokens)
+    _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
+    costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
+    if max_tokens == "auto":
+        max_tokens = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
+    chunks = balanced_bins(costs, agree(bins_needed(costs, max_tokens, max_rows)), max_rows)
+    return [rows[torch.tensor(chunk, dtype=torch.long, device=rows.device)] for chunk in chunks if chunk]

@@ -32,18 +32,11 @@ from torch import Tensor, nn
 from sgrpo.distributed import any_process, data_parallel_size, gradient_sync, max_over_processes
 from sgrpo.model.loading import largest_magnitude
 from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps, packing_problem
-from sgrpo.model.packing import attention_implementation, layout_tokens, one_row, sequence_lengths
+from sgrpo.model.packing import attention_implementation, layout_tokens, one_row
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
-from sgrpo.train.batching import (
-    AUTO_MICRO_BATCH_TOKENS,
-    balanced_bins,
-    bins_needed,
-    micro_batches,
-    sequence_cost,
-    trim,
-)
+from sgrpo.train.batching import trim, update_micro_batches
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.reference import reference_model
@@ -253,23 +246,15 @@ class PolicyUpdate:
         }
 
     def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor, model=None) -> list[Tensor]:
-        """``rows`` in micro-batches. Packed: ``balanced_bins`` of each sequence's modelled cost (``sequence_cost``:
-        tokens plus attention's quadratic term), each under ``micro_batch_tokens`` (in those token units), as many
-        bins on every process (the most any needs: a collective), so that FSDP2's collectives pair up with even
-        work. Padded: rows of similar completion length (``sgrpo.train.batching.micro_batches``)."""
+        """``rows`` in micro-batches (``sgrpo.train.batching.update_micro_batches``): packed, cost-balanced bins,
+        as many on every process; padded, rows of similar completion length."""
         model = self.model if model is None else model
-        if not self._packs(model):
-            lengths = token_mask[rows].sum(-1)
-            return micro_batches(rows, lengths, rollout.prompt_length, self.micro_batch_size, self.micro_batch_tokens)
-        _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
-        hidden = getattr(model.config, "hidden_size", None)
-        costs = [sequence_cost(n, hidden) for n in lengths.tolist()]
-        budget = self.micro_batch_tokens
-        if budget == "auto":
-            budget = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
-        bins = max_over_processes(self.trainer.strategy, bins_needed(costs, budget, self.micro_batch_size))
-        chunks = balanced_bins(costs, bins, self.micro_batch_size)
-        return [rows[torch.tensor(chunk, dtype=torch.long, device=rows.device)] for chunk in chunks if chunk]
+        packed = self._packs(model)
+        hidden = getattr(model.config, "hidden_size", None) if packed else None
+        agree = lambda bins: max_over_processes(self.trainer.strategy, bins)  # noqa: E731
+        return update_micro_batches(
+            rollout, rows, token_mask, packed, hidden, self.micro_batch_size, self.micro_batch_tokens, agree
+        )
 
     def _backward(self, loss: Tensor, sync: bool) -> None:
         """``manual_backward``; under DDP (and FSDP2 with ``gradient_sync`` deferred) only the last backward of an

@@ -1,0 +1,48 @@
+"""benchmarks/packing.py end to end at its ``--quick`` size: every mode of every workload runs, the artefact is
+published (into the test's temporary REPORTS, tests/conftest.py) and its docs block renders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import artefact
+from benchmarks import packing as bench
+
+
+@pytest.mark.bench
+def test_quick_run_publishes_every_mode_and_its_render():
+    folder = bench.main(["--quick"])
+    assert folder == artefact.REPORTS / "packing"
+    stamp = json.loads((folder / "result.json").read_text())
+    assert stamp["command"] == ".venv/bin/python benchmarks/packing.py --quick"
+    work = stamp["result"]["workloads"]
+    assert [(w["budget"], w["skew"]) for w in work] == [(b, s) for b in bench.BUDGETS for s in bench.SKEWS]
+    for w in work:
+        modes = w["modes"]
+        assert set(modes) == set(bench.MODES)
+        assert len({m["real"] for m in modes.values()}) == 1  # every layout runs the same real tokens
+        assert modes["packed"]["packed_speedup"] == 1.0
+        for m in modes.values():
+            assert len(m["times_s"]) == 1 and m["best_s"] > 0 and m["micro_batches"] >= 1
+            assert m["padding_fraction"] < 1
+        assert modes["padded"]["padding_fraction"] > 0  # lengths vary: the padded layout computes padding
+    figures = (folder / "figures.md").read_text()
+    assert "`.venv/bin/python benchmarks/packing.py --quick`" in figures
+    assert figures.count("\n| ") == 1 + len(work)  # the header, one row per workload
+
+
+def test_workloads_follow_their_spec():
+    """Prompt lengths are one per group and shared by its rows; completions lie in [4, cap] with the skew's shape."""
+    for skew in bench.SKEWS:
+        rollout = bench.workload({"skew": skew, "prompt": "long", "G": 16}, 256, 2048)
+        prompts = rollout.attention_mask[:, : rollout.prompt_length].sum(-1)
+        assert int(prompts.min()) >= 200 and int(prompts.max()) <= 400
+        assert (prompts.view(2, 16) == prompts.view(2, 16)[:, :1]).all()
+        ids = rollout.input_ids[:, : rollout.prompt_length].view(2, 16, -1)
+        assert (ids == ids[:, :1]).all()  # one prompt per group
+        lengths = rollout.completion_mask.sum(-1)
+        assert int(lengths.min()) >= 4 and int(lengths.max()) <= 256
+        median = float(lengths.float().median())
+        assert median < 64 if skew == "log-uniform" else median > 64  # log-uniform: most completions short
