@@ -1,6 +1,6 @@
 """kill -9 during checkpoint and export writes, then ``--ckpt_path last``: does the run end as if never killed?
 
-    .venv/bin/python -m benchmarks.kill_trials --trials 20 [--seed 0] [--workdir DIR]
+    .venv/bin/python benchmarks/kill_trials.py --trials 20 [--seed 0] [--workdir DIR] [--no-publish]
 
 A 1-process fit of configs/tiny.yaml (``--checkpoint_every=2 --keep_last=2``: a ``stepN.ckpt`` write, a
 ``last.ckpt`` link and, at the end, the ``hf_model/`` export) runs once uninterrupted, counting the I/O events
@@ -14,6 +14,8 @@ refusal says), and compares with the uninterrupted run: every deterministic metr
 (``metrics.jsonl``, read as the report reads it; timings excluded) and every tensor of ``hf_model/`` and of
 ``last.ckpt``'s weights, bit for bit. The kill is drawn in the process itself, at an event, because a tiny
 model's write lasts milliseconds: a kill from outside at a random instant would almost never land in one.
+The trials and their summary are published to ``benchmarks/reports/kill_trials/`` (``--from-log FILE`` publishes
+the trials a run printed, one JSON line each, without running them again).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchmarks"]  # shadows `estimators`
+sys.path.insert(0, str(REPO))
 TINY = str(REPO / "configs" / "tiny.yaml")
 STEPS = 6
 
@@ -208,7 +212,8 @@ def trials(count: int, seed: int, workdir: Path, every_place: bool = False) -> l
         leftovers = sorted(str(p.relative_to(root)) for p in root.rglob(".*") if p.name.endswith((".partial", ".old")))
         started_again = False
         status = fit(root, None, workdir / f"trial{trial}.resume.json", "--ckpt_path=last")
-        if status == 2 and "nothing to resume" in (root.parent / f"{root.name}.log").read_text():
+        refusal = (root.parent / f"{root.name}.log").read_text().rsplit("error: ", 1)[-1]
+        if status == 2 and "start it again without --ckpt_path, with --overwrite true" in refusal:
             started_again = True  # killed before the first checkpoint was complete: as the refusal says
             status = fit(root, None, workdir / f"trial{trial}.again.json", "--overwrite=true")
         problems = [f"the resume exited {status}"] if status != 0 else differences(outcome(root), want)
@@ -238,18 +243,35 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--worker"]:
         worker(argv[1:])
         return
+    from benchmarks import artefact
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=None, help="kept when given (else a temporary folder)")
-    args = parser.parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sgrpo-kill-trials-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--from-log", type=Path, default=None, help="publish the trials a run printed into FILE")
+    args = artefact.publish_option(parser).parse_args(argv)
     started = time.monotonic()
-    results = trials(args.trials, args.seed, workdir)
-    print(summary(results), f"({time.monotonic() - started:.0f} s)")
-    if args.workdir is None:
-        shutil.rmtree(workdir)
+    if args.from_log is not None:
+        results = [json.loads(line) for line in args.from_log.read_text().splitlines() if line.startswith("{")]
+        argv = ["--trials", str(len(results)), "--seed", str(args.seed)]  # the command that ran them
+    else:
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sgrpo-kill-trials-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = trials(args.trials, args.seed, workdir)
+        if args.workdir is None:
+            shutil.rmtree(workdir)
+    line = summary(results)
+    print(line, f"({time.monotonic() - started:.0f} s)")
+    rows = [f"| {r['trial']} | {r['where']} | before {r['before']} | {r['event']} of {r['of']} | "
+            f"{', '.join(r['leftovers']) or '-'} | {'yes' if r['started_again'] else '-'} | "
+            f"{'yes' if r['exact'] else '; '.join(r['problems'])} |" for r in results]  # fmt: skip
+    report = "\n".join(["# kill -9 during checkpoint and export writes, then --ckpt_path last", "", line, "",
+                        "| trial | killed in | at | event | left unfinished | started again | exact |",
+                        "|---|---|---|---|---|---|---|", *rows])  # fmt: skip
+    result = {"trials": len(results), "killed": sum(r["killed"] for r in results),
+              "exact": sum(r["exact"] for r in results), "summary": line, "each": results}  # fmt: skip
+    artefact.publish_run(args, "kill_trials", result, report, __file__, argv, drop=())
     sys.exit(0 if all(r["exact"] for r in results) else 1)
 
 
