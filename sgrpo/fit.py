@@ -57,10 +57,12 @@ from sgrpo.run.preflight import (
     check_config_files,
     check_nodes,
     check_policy,
+    check_splits,
     check_strategy,
     check_tensor_parallel,
     check_values,
     check_writable,
+    needed_splits,
     writable,
 )
 from sgrpo.run.progress import ParameterCount, StepProgressBar
@@ -99,6 +101,7 @@ class SgrpoCLI(LightningCLI):
         check_values(self.config)
         check_policy(self.model)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        check_splits(self.model.task, needed_splits(self.mode, config))
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = run_folder(config.get("default_root_dir"))
         if self.mode == "fit":

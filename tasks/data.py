@@ -290,8 +290,9 @@ class SplitTable:
         """The rows of ``split``; raises if the source lacks it and no size is set to carve it."""
         if split not in self.splits():
             raise ValueError(
-                f"{self.path!r} has no {split!r} split (it has {sorted(self._rows)}); set {split}_size "
-                f"to hold out rows of train, or use a source with that split"
+                f"{self.path!r} has no {split!r} split (it has {sorted(self._rows)}) and {split}_size is "
+                f"{self.sizes.get(split, 0)!r}: set {split}_size to hold out rows of train, or use a source with "
+                f"that split"
             )
         return self._rows[split]
 

@@ -167,6 +167,31 @@ def test_kill_9_in_the_middle_of_writing_last_ckpt(model_dir, reference, other_t
     assert not (root / "checkpoints" / f".step5.ckpt{PARTIAL}").exists()
 
 
+@pytest.mark.slow
+def test_a_kill_during_the_first_checkpoint_write_says_to_start_again(model_dir, other_tmpdir, tmp_path, capsys):
+    """Killed while writing its first checkpoint, a run left metrics and logs but no checkpoint: a fresh run was
+    refused ("resume it with --ckpt_path last") and so was the resume ("has none; run without --ckpt_path"), each
+    sending the user to the other. Both now say there is nothing to resume and to start again with --overwrite true."""
+    root, marker = tmp_path / "run", tmp_path / "stalled"
+    process = launch(root, model_dir, other_tmpdir, str(WORKER), "stall", "1", str(marker))
+    wait_for(marker.exists, process)
+    process.kill()
+    process.wait()
+    assert (root / "checkpoints" / f".step1.ckpt{PARTIAL}").exists() and (root / "metrics.jsonl").exists()
+    start_again = "start it again without --ckpt_path, with --overwrite true (deletes checkpoints, "
+    lines = []
+    for extra in ([], ["--ckpt_path=last"]):  # a fresh run, then the resume
+        with pytest.raises(SystemExit) as refused:
+            main(args(root, model_dir, "--trainer.max_steps=2", *extra))
+        assert refused.value.code == 2
+        lines.append(error_line(capsys))
+        assert start_again in lines[-1] and f"in {root}), or start in another folder" in lines[-1], lines[-1]
+        assert "resume it with --ckpt_path last" not in lines[-1]
+    assert "but no checkpoint of it (it stopped before its first was complete): nothing to resume" in lines[0]
+    main(args(root, model_dir, "--trainer.max_steps=2", "--overwrite=true"))  # the advice works
+    assert last_step(root) == 2 and sorted(rewards(root)) == [0, 1]
+
+
 def test_a_broken_last_ckpt_falls_back_to_the_newest_that_loads(model_dir, reference, tmp_path, caplog):
     main(args(tmp_path, model_dir, "--trainer.max_steps=5"))
     last = tmp_path / "checkpoints" / "last.ckpt"

@@ -392,3 +392,24 @@ def test_a_model_folder_without_a_tokenizer_is_refused_in_one_line(model_dir, tm
     assert line == (f"error: invalid configuration: model: {bare} has no tokenizer (tokenizer.json, "
                     "tokenizer_config.json, tokenizer.model, vocab.json, spiece.model): copy the tokenizer files of "
                     "the model it came from into it (tokenizer.save_pretrained)")  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["tasks.DeepMath", "tasks.GSM8K"])
+def test_a_one_row_file_without_validation_is_refused_in_one_line_naming_the_fixes(task, model_dir, tmp_path, capsys):
+    """A one-row file with ``validation_size: 0`` has no validation split: a ValueError traceback from the validation
+    loader once the model had loaded. Now one line naming the key and both ways out; a fit without validation
+    (``trainer.limit_val_batches=0``) reads no validation split."""
+    fixture = "deepmath.jsonl" if task == "tasks.DeepMath" else "gsm8k.jsonl"
+    one = tmp_path / "one.jsonl"
+    one.write_text((REPO / "tests" / "fixtures" / fixture).read_text().splitlines()[0] + "\n")
+    line = refusal(tmp_path, model_dir, capsys, f"--model.task={task}", f"--model.task.init_args.path={one}",
+                   "--model.task.init_args.validation_size=0")  # fmt: skip
+    assert line == (
+        f"error: invalid configuration: model.task.init_args.validation_size: '{one}' has no 'validation' split (it "
+        "has ['train']) and validation_size is 0: set validation_size to hold out rows of train, or use a source "
+        "with that split, or fit without it: --trainer.limit_val_batches=0"
+    )
+    from sgrpo.run.preflight import needed_splits
+
+    assert needed_splits("fit", {"limit_val_batches": 0}) == {"train": ""}
+    assert needed_splits("validate", {}) == {"validation": ""} and needed_splits("test", {}) == {"test": ""}

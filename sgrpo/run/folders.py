@@ -26,7 +26,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
-from sgrpo.run.checkpoints import checkpoint_identity, remove_path, remove_unfinished, resumable
+from sgrpo.run.checkpoints import (
+    checkpoint_identity,
+    numbered_checkpoints,
+    remove_path,
+    remove_unfinished,
+    resumable,
+)
 from sgrpo.run.resume import ProcessesDisagree
 
 log = logging.getLogger(__name__)
@@ -161,16 +167,19 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
     if leader:
         for path in remove_unfinished(folder):
             log.info("removed %s, left by a write that did not finish", path)
+    held = [name for name in RUN_OUTPUTS if _holds_output(root / name)] if leader else []
     if ckpt_path == "last":
-        return AgreedCheckpoint(latest_checkpoint(folder) if leader else None)
-    held = [name for name in RUN_OUTPUTS if _holds_output(root / name)]
+        hint = _start_again(root, held) if held else FRESH
+        return AgreedCheckpoint(latest_checkpoint(folder, hint) if leader else None)
     resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
     if not leader or not held or resuming:
         return ckpt_path
+    if not overwrite and not _has_checkpoint(folder):  # killed during its first checkpoint write: nothing to resume
+        raise RunRefused(f"{root} already holds a run ({', '.join(held)}) but no checkpoint of it (it stopped "
+                         f"before its first was complete): nothing to resume; {_start_again(root, held)}")  # fmt: skip
     if not overwrite:
-        resume = "resume it with --ckpt_path last, " if "checkpoints" in held else ""  # none: nothing to resume
         raise RunRefused(
-            f"{root} already holds a run ({', '.join(held)}): {resume}start this one "
+            f"{root} already holds a run ({', '.join(held)}): resume it with --ckpt_path last, start this one "
             f"in another folder with --trainer.default_root_dir=..., or delete the old run with --overwrite true"
         )
     for name in held:
@@ -178,6 +187,18 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
         log.warning("--overwrite: deleting %s", path)
         remove_path(path)
     return ckpt_path
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    """``folder`` (a run's ``checkpoints/``) holds a finished checkpoint write (``last.ckpt`` or ``stepN.ckpt``),
+    loadable or not; unfinished writes are removed before this is asked."""
+    return (folder / "last.ckpt").exists() or bool(numbered_checkpoints(folder))
+
+
+def _start_again(root: Path, held: list[str]) -> str:
+    """The way out of a run folder with nothing to resume that holds the outputs ``held``: start it again."""
+    return (f"start it again without --ckpt_path, with --overwrite true (deletes {', '.join(held)} in {root}), or "
+            "start in another folder with --trainer.default_root_dir=...")  # fmt: skip
 
 
 def _holds_output(path: Path) -> bool:

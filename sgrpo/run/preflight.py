@@ -2,7 +2,8 @@
 
 ``check_config_files`` runs on the command line (a missing or empty ``--config``), ``check_values`` on
 the parsed values (steps, checkpoint path, GPUs, trainer keys sgrpo does its own way), ``check_policy`` on
-the policy built from them (the model, optimizer and scheduler arguments, hub datasets), and
+the policy built from them (the model, optimizer and scheduler arguments, hub datasets), ``check_splits`` on the
+task splits the command reads, and
 ``sgrpo.run.precision.check_weight_precision`` on the precision the trainer resolved; nothing has loaded
 yet. A hub id must be in the local cache or the hub reachable: without hub access the error names the model
 or dataset, instead of retries and an error about something else once loading starts.
@@ -258,6 +259,32 @@ def check_table(table: SplitTable) -> None:
         table.splits()
     except (ValueError, OSError) as err:  # the data layer's messages name the file, the line and the column
         raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
+
+
+def needed_splits(mode: str, trainer: Any) -> dict[str, str]:
+    """The task splits a command reads (``mode``: "fit", "validate" or "test"; ``trainer``: its settings), each
+    with the way to do without it ("" if there is none): a fit reads train, and validation unless
+    ``trainer.limit_val_batches`` is 0 (Lightning then runs no validation loop)."""
+    if mode != "fit":
+        return {} if trainer.get(f"limit_{'val' if mode == 'validate' else 'test'}_batches", 1.0) == 0 else {
+            "validation" if mode == "validate" else "test": ""}  # fmt: skip
+    without = {} if trainer.get("limit_val_batches", 1.0) == 0 else {"validation": "--trainer.limit_val_batches=0"}
+    return {"train": "", **without}
+
+
+def check_splits(task: Any, needed: dict[str, str]) -> None:
+    """Each split in ``needed`` (``needed_splits``) exists, for a task that reads only local files (already read by
+    ``check_table``; a hub dataset is not downloaded here): a one-row file with ``validation_size: 0`` fails now in
+    one line naming the key and the fixes, not in the validation loader after the model has loaded."""
+    tables = [t for t in vars(task).values() if isinstance(t, SplitTable)]
+    if not tables or any(t.kind == "hub" for t in tables):
+        return
+    for split, without in needed.items():
+        try:
+            task.examples(split)
+        except ValueError as err:
+            other = f", or fit without it: {without}" if without else ""
+            raise ConfigError(f"model.task.init_args.{split}_size: {str(err).splitlines()[0]}{other}") from None
 
 
 def check_prompt_room(policy: Any) -> None:
