@@ -10,7 +10,7 @@ import torch
 from benchmarks.kill_trials import differences, outcome, summary, trials
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # an end-to-end run of benchmarks/kill_trials.py (make test-bench, which CI runs)
 def test_kills_inside_the_export_and_a_checkpoint_write_resume_exactly(tmp_path):
     results = trials(2, seed=0, workdir=tmp_path, every_place=True)
     assert [r["where"] for r in results] == ["export", "checkpoint"] and all(r["killed"] for r in results), results
