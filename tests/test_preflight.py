@@ -405,7 +405,7 @@ def test_a_one_row_file_without_validation_is_refused_in_one_line_naming_the_fix
     line = refusal(tmp_path, model_dir, capsys, f"--model.task={task}", f"--model.task.init_args.path={one}",
                    "--model.task.init_args.validation_size=0")  # fmt: skip
     assert line == (
-        f"error: invalid configuration: model.task.init_args.validation_size: '{one}' has no 'validation' split (it "
+        f"error: invalid configuration: model.task (validation split): '{one}' has no 'validation' split (it "
         "has ['train']) and validation_size is 0: set validation_size to hold out rows of train, or use a source "
         "with that split, or fit without it: --trainer.limit_val_batches=0"
     )

@@ -284,7 +284,7 @@ def check_splits(task: Any, needed: dict[str, str]) -> None:
             task.examples(split)
         except ValueError as err:
             other = f", or fit without it: {without}" if without else ""
-            raise ConfigError(f"model.task.init_args.{split}_size: {str(err).splitlines()[0]}{other}") from None
+            raise ConfigError(f"model.task ({split} split): {str(err).splitlines()[0]}{other}") from None
 
 
 def check_prompt_room(policy: Any) -> None:
