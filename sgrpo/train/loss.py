@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from sgrpo.train.correction import (
+    OFFPOLICY_STATS,
+    ImportanceCorrection,
+    ImportanceWeights,
+    TokenTruncation,
+    importance_weights,
+)
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_const", "micro_batch_token_mean"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_sum_const", "micro_batch_token_mean")
@@ -121,11 +130,12 @@ class TokenBatch:
     """One micro-batch of completion tokens, ``[n, T]`` over its n rows (T trimmed to its longest row)."""
 
     logp: Tensor  # [n, T] the current policy's log-probs, with gradient
-    old_logp: Tensor  # [n, T] at the weights that sampled (logp detached on a single on-policy pass)
+    old_logp: Tensor  # [n, T] the PPO anchor: at the weights the update starts from (the proximal policy; logp
+    # detached on a single on-policy pass), or the sampler's own in ClippedSurrogate's bypass mode
     advantages: Tensor  # [n]
     mask: Tensor  # [n, T] bool: the tokens that carry loss
     ref_logp: Tensor | None = None  # [n, T] the frozen KL reference's, when the loss asks for one
-    sampler_logp: Tensor | None = None  # [n, T] an external sampler's (vLLM), for importance weights
+    sampler_logp: Tensor | None = None  # [n, T] the behaviour policy's (vLLM's, a stale producer's): importance weights
     group_tokens: Tensor | None = None  # [n] the tokens of each row's loss group (``PolicyLoss.rows_per_group``)
 
 
@@ -146,6 +156,8 @@ class PolicyLoss(ABC):
     for every denominator). ``stats`` names the statistics it returns, each a sum over the batch's
     masked tokens; the policy logs ``train/<name>`` as their mean per token. ``needs_reference`` loads
     a frozen copy of the initial policy whose log-probs arrive as ``TokenBatch.ref_logp``.
+    ``offpolicy_stats`` names more such sums, returned when ``TokenBatch.sampler_logp`` is given, that the update
+    adds over processes and turns into ``train/offpolicy/*`` (``sgrpo.train.correction.offpolicy_metrics``).
     ``zero_at_zero_advantage`` promises that a row with advantage exactly 0 adds exactly 0 to the loss
     and its gradient, so the update need not run it. ``rows_per_group`` (an int) asks the update to cut
     each process's rows of a mini-batch, in order, into groups of that many rows (``loss_groups``),
@@ -159,6 +171,9 @@ class PolicyLoss(ABC):
     rows_per_group: int | None = None
     weighs_sampler: bool = True  # reads TokenBatch.sampler_logp (importance weights): the update then runs a
     # forward at the sampling weights for old_logp; False: an external sampler's log-probs only feed metrics
+    # (a stale batch's behaviour log-probs always reach the loss: sgrpo.train.update)
+    bypass: bool = False  # a stale or external batch's sampler log-probs are the PPO anchor (old_logp): no forward
+    offpolicy_stats: tuple[str, ...] = ()  # token sums for train/offpolicy/* (sgrpo.train.correction.OFFPOLICY_STATS)
 
     @abstractmethod
     def __call__(self, batch: TokenBatch, counts: BatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
@@ -170,9 +185,14 @@ class ClippedSurrogate(PolicyLoss):
 
     Per token, with ratio rho = exp(logp - old_logp) and the row's advantage A:
       l = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) x w + kl_coef x k3(logp, ref_logp)
-    where w = min(exp(old_logp - sampler_logp), importance_sampling_cap) when an external sampler
-    (vLLM) supplied its log-probs (truncated importance sampling, a constant), else 1, and k3 is
-    clamped to [-kl_max, kl_max] when ``kl_max`` is set. The loss is sum l x weight over tokens, the
+    where w = 1 on an on-policy batch; when a behaviour policy mu sampled the tokens (an external sampler such
+    as vLLM, or a stale producer: ``TokenBatch.sampler_logp``), old_logp is the proximal policy's (the weights
+    the update starts from) and w = exp(old_logp - log mu), a constant, bounded by ``corrections`` (the
+    decoupled PPO objective: Hilton et al. 2021, arXiv 2110.00641; AReaL, arXiv 2505.24298;
+    ``sgrpo.train.correction``), by default ``TokenTruncation(importance_sampling_cap)``: min(w, C), truncated
+    importance sampling. With ``bypass`` the sampler's log-probs are old_logp itself (rho = exp(logp - log mu),
+    w = 1; no proximal forward). k3 is clamped to [-kl_max, kl_max] when ``kl_max`` is set.
+    The loss is sum l x weight over tokens, the
     weights given by ``aggregation`` (``token_weights``: token_mean as DAPO, seq_mean_token_mean as the
     original GRPO, seq_sum_const as Dr.GRPO, micro_batch_token_mean as verl 0.6.1's token-mean over
     micro-batches of ``micro_batch_rows`` rows). Statistics: tokens clipped below / above, the k3 KL and
@@ -183,14 +203,20 @@ class ClippedSurrogate(PolicyLoss):
         clip_high: Ratio clipped above at 1 + clip_high (DAPO's clip-higher: 0.28).
         aggregation: token_mean (DAPO), seq_mean_token_mean (original GRPO) or seq_sum_const (Dr.GRPO).
         kl_coef: Weight of the k3 KL to the initial policy (0 loads no reference model).
-        importance_sampling_cap: Cap of the truncated importance weight for an external sampler (null: none).
+        importance_sampling_cap: Cap of the truncated importance weight, ``TokenTruncation(cap)`` applied first
+            (null: none; an external sampler's log-probs then only feed metrics, a stale batch gets the raw weight).
         micro_batch_rows: Rows per loss micro-batch of micro_batch_token_mean (verl's
             ``ppo_micro_batch_size_per_gpu``), per process, independent of ``micro_batch_size`` and
             ``micro_batch_tokens`` (the memory micro-batches).
         kl_max: Clamp of the k3 value to [-kl_max, kl_max] (verl's low_var_kl: 10; null: none).
+        corrections: More ``sgrpo.train.correction.ImportanceCorrection`` classes (TokenMask, SequenceMask,
+            GeometricMeanMask, K3Rejection, TokenTruncation when the cap is null), applied in order after the cap.
+        bypass: Use the sampler's log-probs as the PPO anchor for stale or external batches (no proximal
+            forward, no importance weight): the comparison baseline of the decoupled objective.
     """
 
     stats = ("clip/low", "clip/high", "kl", "rollout/tis_weight_mean")
+    offpolicy_stats = OFFPOLICY_STATS
 
     def __init__(
         self,
@@ -201,6 +227,8 @@ class ClippedSurrogate(PolicyLoss):
         importance_sampling_cap: float | None = 2.0,
         micro_batch_rows: int | None = None,
         kl_max: float | None = None,
+        corrections: Sequence[ImportanceCorrection] = (),
+        bypass: bool = False,
     ) -> None:
         if not (0 <= clip_low < 1 and clip_high >= 0):
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
@@ -221,7 +249,16 @@ class ClippedSurrogate(PolicyLoss):
             raise ValueError(f"kl_max must be > 0 or null, got {kl_max}")
         self.kl_coef, self.importance_sampling_cap = kl_coef, importance_sampling_cap
         self.rows_per_group, self.kl_max = micro_batch_rows, kl_max
-        self.weighs_sampler = importance_sampling_cap is not None
+        corrections = tuple(corrections)
+        if importance_sampling_cap is not None and any(isinstance(c, TokenTruncation) for c in corrections):
+            raise ValueError("corrections has a TokenTruncation and importance_sampling_cap is set: give the cap once "
+                             "(importance_sampling_cap: null with the TokenTruncation, or drop it from corrections)")
+        if bypass and corrections:
+            raise ValueError("bypass uses the sampler's log-probs as the PPO anchor, so there is no importance weight "
+                             "to correct: drop corrections, or set bypass: false")
+        cap = () if importance_sampling_cap is None else (TokenTruncation(importance_sampling_cap),)
+        self.corrections, self.bypass = cap + corrections, bypass
+        self.weighs_sampler = bool(self.corrections)
         self.needs_reference = kl_coef > 0
         self.zero_at_zero_advantage = kl_coef == 0  # the KL term has a gradient whatever the advantage
 
@@ -231,11 +268,12 @@ class ClippedSurrogate(PolicyLoss):
         )
         m = batch.mask.float()
         stats = {"clip/low": (low.float() * m).sum(), "clip/high": (high.float() * m).sum(), "kl": m.new_zeros(())}
-        stats["rollout/tis_weight_mean"] = m.sum()  # w = 1 on every token unless an external sampler's below
-        if batch.sampler_logp is not None and self.importance_sampling_cap is not None:
-            weights = tis_weights(batch.old_logp, batch.sampler_logp, batch.mask, self.importance_sampling_cap)
-            per_token = per_token * weights
-            stats["rollout/tis_weight_mean"] = weights.sum()
+        stats["rollout/tis_weight_mean"] = m.sum()  # w = 1 on every token unless a behaviour policy's below
+        if batch.sampler_logp is not None:
+            weights = self.importance(batch)
+            per_token = per_token * weights.weight
+            stats["rollout/tis_weight_mean"] = weights.weight.sum()
+            stats |= weights.stats(batch.mask)
         if batch.ref_logp is not None:
             kl = k3_kl(batch.logp, batch.ref_logp, max_value=self.kl_max)
             per_token = per_token + self.kl_coef * kl
@@ -245,3 +283,8 @@ class ClippedSurrogate(PolicyLoss):
             batch.group_tokens, counts.groups,
         )  # fmt: skip
         return (per_token * weights).sum(), stats
+
+    def importance(self, batch: TokenBatch) -> ImportanceWeights:
+        """The importance weights of ``batch`` (``sgrpo.train.correction.importance_weights``: proximal =
+        ``old_logp``, behaviour = ``sampler_logp``, with ``corrections``)."""
+        return importance_weights(batch.old_logp, batch.sampler_logp, batch.mask, self.corrections)

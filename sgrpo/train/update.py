@@ -37,6 +37,7 @@ from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
 from sgrpo.train.batching import trim, update_micro_batches
+from sgrpo.train.correction import offpolicy_metrics
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.reference import reference_model
@@ -62,17 +63,20 @@ class PolicyUpdate:
             token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
         rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
         sampler_logp = rollout.logprobs  # [N, T] the sampler's log-probs of its tokens, if it reports them
+        stale = self._stale(rollout)  # rows sampled at older weights (async): the decoupled objective
         external = sampler_logp is not None and not self.rollout.samples_from_policy  # vLLM: other weights, kernels
-        external = external and self.loss.weighs_sampler  # importance weights need the trainer's own old log-probs
-        old_logp = None  # one on-policy pass: the current log-probs, detached, serve (no second forward)
-        if external or self.ppo_epochs > 1 or self.num_minibatches > 1:
-            old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the sampling weights
+        external = stale or (external and (self.loss.weighs_sampler or self.loss.bypass))  # the loss weighs mu
+        anchor = sampler_logp if external and self.loss.bypass else None  # bypass: mu is the PPO anchor
+        old_logp = anchor  # one on-policy pass: the current log-probs, detached, serve (no second forward)
+        if anchor is None and (external or self.ppo_epochs > 1 or self.num_minibatches > 1):
+            old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the update's start
         ref_logp = None
         if self.loss.needs_reference:  # the frozen reference, or the LoRA policy with its adapters off
             with reference_model(self.model, self._reference) as reference:
                 ref_logp = self._logprobs(reference, rollout, token_mask)
-        gap = None if sampler_logp is None or old_logp is None else logprob_gap(old_logp, sampler_logp, token_mask)
-        inputs = {"old": old_logp, "ref": ref_logp, "sampler": sampler_logp if external else None}
+        measured = sampler_logp is None or old_logp is None or anchor is not None
+        gap = None if measured else logprob_gap(old_logp, sampler_logp, token_mask)
+        inputs = {"old": old_logp, "ref": ref_logp, "sampler": sampler_logp if external and anchor is None else None}
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         generator = torch.Generator().manual_seed(mix_seed(self.seed, self.rollout_step, 1))
         sums: dict[str, Tensor] = {}
@@ -81,7 +85,8 @@ class PolicyUpdate:
             shuffle = torch.randperm(len(rows), generator=generator, device="cpu")  # the generator's device
             order = rows[shuffle.to(rows.device)] if epoch else rows
             for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
-                gap_now = sampler_logp if old_logp is None else None  # measured on this pass's own log-probs
+                first = old_logp is None or (anchor is not None and epoch == 0)
+                gap_now = sampler_logp if first else None  # measured on this pass's own log-probs
                 stats, pass_gap = self.accumulate_gradients(rollout, minibatch, token_mask, advantages, inputs, gap_now)
                 gap = merge_gaps(gap, pass_gap)
                 last = (epoch, i) == self._last_step()
@@ -104,8 +109,35 @@ class PolicyUpdate:
         if sampler_logp is not None:  # every process logs the same keys (sync_dist pairs them up)
             means = gap_means(self._reduce_gap(gap))
             logs |= {f"train/rollout/mismatch_{k}": v for k, v in means.items()}
-            self._watch_gap(float(means["abs_diff"]))
+            if not stale:  # a stale batch's gap is mostly staleness, not the sampler's numerics
+                self._watch_gap(float(means["abs_diff"]))
+        if inputs["sampler"] is not None:  # stale or external: the importance weights (same keys on every process)
+            logs |= self._offpolicy_logs(sums)
         return logs
+
+    def _stale(self, rollout: RolloutBatch) -> bool:
+        """Whether any process's rollout has a row sampled at other weights than the update starts from
+        (``RolloutBatch.versions`` != ``rollout_step``): then every process runs the proximal forward and the
+        decoupled objective, with the behaviour log-probs ``rollout.logprobs``. No versions: on-policy (no
+        collective)."""
+        if rollout.versions is None:
+            return False
+        stale = any_process(bool((rollout.versions != self.rollout_step).any()), self.device)
+        if stale and rollout.logprobs is None:
+            raise ValueError(
+                "a stale rollout (RolloutBatch.versions older than the trainer's step) needs the sampler's log-probs "
+                "(RolloutBatch.logprobs) for the importance weights: use an engine that reports them"
+            )
+        return stale
+
+    def _offpolicy_logs(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``train/offpolicy/*`` (``sgrpo.train.correction.offpolicy_metrics``) from the loss's ``offpolicy_stats``
+        sums, added over all processes first (one all-reduce); none when the loss reports none."""
+        names = self.loss.offpolicy_stats
+        if not names:
+            return {}
+        reduced = self.trainer.strategy.reduce(torch.stack([sums[n] for n in names]), reduce_op="sum")
+        return offpolicy_metrics(dict(zip(names, reduced)))
 
     def _watch_gap(self, abs_diff: float) -> None:
         """Warn (rank 0) when the all-reduced sampler-trainer gap jumps far above its running level (``GapWatch``)."""
@@ -150,7 +182,7 @@ class PolicyUpdate:
         # had advantage 0 gives the zero gradient running them would have (AdamW still decays)
         backwards = max(max_over_processes(self.trainer.strategy, len(chunks)), 1 if sequences > 0 else 0)
         scale = float(data_parallel_size(self.trainer.strategy))
-        names = ("loss", "entropy", "tokens", *self.loss.stats)
+        names = ("loss", "entropy", "tokens", *self.loss.stats, *self.loss.offpolicy_stats)
         stats = {name: torch.zeros((), device=self.device) for name in names}
         stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
         stats |= {name: torch.zeros((), device=self.device) for name in LAYOUT}
@@ -160,7 +192,7 @@ class PolicyUpdate:
             t = logp.shape[1]
             old = logp.detach() if inputs["old"] is None else inputs["old"][chunk][:, :t]
             if gap_sampler is not None:
-                gap = merge_gaps(gap, logprob_gap(old, gap_sampler[chunk][:, :t], mask))
+                gap = merge_gaps(gap, logprob_gap(logp.detach(), gap_sampler[chunk][:, :t], mask))
             ref, sampler = (None if x is None else x[chunk][:, :t] for x in (inputs["ref"], inputs["sampler"]))
             rows_groups = None if group_tokens is None else group_tokens[chunk]
             batch = TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler, rows_groups)
@@ -169,8 +201,8 @@ class PolicyUpdate:
             stats["loss"] += loss.detach() * scale  # the mini-batch loss once averaged over processes
             stats["entropy"] += (entropy * mask).sum()
             stats["tokens"] += mask.sum()
-            for name in self.loss.stats:
-                stats[name] += loss_stats[name].detach()
+            for name in (*self.loss.stats, *self.loss.offpolicy_stats):
+                stats[name] += loss_stats[name].detach() if name in loss_stats else 0.0  # offpolicy: with weights
         for j in range(len(chunks), backwards):
             self._backward(self._dummy_logits(self.model).sum() * 0.0, sync=j == backwards - 1)
         return stats, gap
