@@ -57,7 +57,12 @@ UNEVEN = {"ppo_epochs": 2, "dynamic_sampling": True, "max_sampling_rounds": 1, "
 #: a third: bf16-mixed (FSDP2 gathers the blocks in bf16 and reduces in fp32) with a KL to a (sharded) reference,
 #: two PPO epochs (the second one away from the reference), several micro-batches per optimiser step
 KL_BF16 = {"ppo_epochs": 2, "micro_batch_size": 2}
-SCENARIOS = {"plain": ({}, "32-true"), "uneven": (UNEVEN, "32-true"), "kl_bf16": (KL_BF16, "bf16-mixed")}
+#: a fourth: stale rows on some processes only (tests/test_offpolicy_update.py's HalfStaleRollout), corrected
+STALE = {"micro_batch_size": 2}
+SCENARIOS = {
+    "plain": ({}, "32-true"), "uneven": (UNEVEN, "32-true"), "kl_bf16": (KL_BF16, "bf16-mixed"),
+    "stale": (STALE, "32-true"),
+}  # fmt: skip
 
 
 def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = "plain") -> None:
@@ -67,7 +72,15 @@ def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = 
     extra, precision = SCENARIOS[scenario]
     if scenario == "kl_bf16":
         extra = extra | {"loss": ClippedSurrogate(kl_coef=0.001)}
+    if scenario == "stale":
+        from tests.test_offpolicy_update import half_stale_loss
+
+        extra = extra | {"loss": half_stale_loss()}
     policy = make_policy(model_dir, batch, GRPO(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5), **extra)
+    if scenario == "stale":
+        from tests.test_offpolicy_update import HalfStaleRollout
+
+        policy.rollout = HalfStaleRollout(batch)
     probes = record_sharding(policy) if strategy == "sharded" else {}
     if strategy == "sharded":
         trainer = run_steps(
@@ -93,6 +106,7 @@ def update(model_dir: str, out: str, strategy: str = "sharded", scenario: str = 
             "total_params": sum(v.numel() for k, v in state.items()),
             "optimizer_steps": len(policy.captured),
         }
+        info |= {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/offpolicy/")}
         info |= {name: probe() for name, probe in probes.items()}
         (Path(out) / "info.json").write_text(json.dumps(info))
 

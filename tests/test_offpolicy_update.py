@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from estimators import GRPO
 from sgrpo.model.logprobs import position_ids_from_mask
 from sgrpo.model.tiny import ensure_tiny_model
+from sgrpo.train.correction import TokenMask
 from sgrpo.train.loss import ClippedSurrogate
 from tests.engine_helpers import EXAMPLES, FixedRollout, GradCapture, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, PROMPTS, REWARDS, G, flat, make_policy  # noqa: F401
@@ -52,6 +53,28 @@ class VersionedRollout(FixedRollout):
         versions = None if self.version is None else torch.full((len(order),), self.version, dtype=torch.long)
         return dataclasses.replace(rows, logprobs=self.batch.logprobs[order] if self.logprobs else None,
                                    versions=versions)  # fmt: skip
+
+
+class HalfStaleRollout(VersionedRollout):
+    """Prompts 2 and 3 sampled a step ago (version -1, so a process may hold only current rows), prompts 0 and 1
+    now; behaviour log-probs shifted by ``0.2 cos(t + 3 row)`` so that the importance weights spread over
+    [0.82, 1.22]. The same rows and versions whichever process asks for them (tests/sharded_worker.py)."""
+
+    def __init__(self, batch):
+        super().__init__(batch, 0)
+        n, t = batch.logprobs.shape
+        phase = torch.arange(t).unsqueeze(0) + 3 * torch.arange(n).unsqueeze(-1)
+        self.shifted = batch.logprobs + 0.2 * torch.cos(phase.float()) * batch.completion_mask
+
+    def generate(self, model, tokenizer, examples, group_size, greedy=False):
+        rows = super().generate(model, tokenizer, examples, group_size, greedy)
+        order = torch.tensor([PROMPTS.index(ex.prompt) * G + j for ex in examples for j in range(G)])
+        return dataclasses.replace(rows, logprobs=self.shifted[order], versions=-(order >= 2 * G).long())
+
+
+def half_stale_loss() -> ClippedSurrogate:
+    """Truncation at 1.1 and a token mask below 0.85: both bite on ``HalfStaleRollout``'s weights."""
+    return ClippedSurrogate(importance_sampling_cap=1.1, corrections=[TokenMask(low=0.85, high=10.0)])
 
 
 class Recording(ClippedSurrogate):

@@ -77,8 +77,8 @@ def chain(*jobs: list[str]) -> list[str]:
 
 
 #: "uneven": two PPO epochs (old log-probs from a no-grad pass) with processes running different numbers of
-#: micro-batches
-SCENARIOS = ("plain", "uneven", "kl_bf16")
+#: micro-batches; "stale": rows sampled a step ago on some processes only, the decoupled objective's corrections
+SCENARIOS = ("plain", "uneven", "kl_bf16", "stale")
 
 
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
@@ -142,7 +142,7 @@ def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each
 #: micro-batch's weight gradients are rounded to bf16, and 1 and 2 processes cut different micro-batches
 #: (measured: loss 3.5e-5, gradient norm 8e-5, KL 7e-3)
-TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 2e-4}
+TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 2e-4, "stale": 1e-5}
 
 
 def check_sharded_update_equals_single_process_update(model_dir: str, out: Path, scenario: str) -> None:
@@ -156,6 +156,14 @@ def check_sharded_update_equals_single_process_update(model_dir: str, out: Path,
     assert two["loss"] == pytest.approx(one["loss"], rel=tolerance), scenario
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=tolerance), scenario
     assert two["optimizer_steps"] == one["optimizer_steps"]
+    offpolicy = {k: v for k, v in one.items() if k.startswith("train/offpolicy/")}
+    assert bool(offpolicy) == (scenario == "stale") and offpolicy.keys() == {
+        k for k in two if k.startswith("train/offpolicy/")}, scenario  # fmt: skip
+    for key, value in offpolicy.items():  # sums over both processes' tokens, then the ratio: as one process
+        assert two[key] == pytest.approx(value, rel=tolerance, abs=1e-7), (scenario, key)
+    if offpolicy:  # the corrections bit: some tokens masked, some truncated, unequal weights
+        assert 0 < offpolicy["train/offpolicy/masked_fraction"] < 0.5 and offpolicy["train/offpolicy/ess"] < 1
+        assert offpolicy["train/offpolicy/truncated_fraction"] > 0 and offpolicy["train/offpolicy/k3"] > 0
     assert two["reduce_scatters_per_group"] == two["optimizer_steps"] < two["backwards"] or scenario == "plain"
     bf16 = scenario == "kl_bf16"
     assert two["forward_dtypes"] == ["torch.bfloat16" if bf16 else "torch.float32"]  # a block's gathered weight
