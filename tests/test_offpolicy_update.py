@@ -204,3 +204,26 @@ def test_bypass_anchors_ppo_on_the_behaviour_logprobs(model_dir, batch, monkeypa
     assert not torch.equal(grads["bypass"], grads["sync"])  # the anchor is the sampler's log-probs, not logp
     assert (grads["bypass"] - grads["sync"]).norm() < 1e-4 * grads["sync"].norm()
     assert math.isfinite(float(grads["bypass"].norm()))
+
+
+def test_corrections_and_bypass_are_chosen_in_the_config(model_dir, tmp_path, monkeypatch):
+    """ClippedSurrogate's corrections are classes named in YAML, after the cap's TokenTruncation, in order."""
+    import yaml
+
+    from sgrpo.fit import parse
+    from sgrpo.train import GeometricMeanMask, K3Rejection, TokenTruncation
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    raw = yaml.safe_load((repo / "configs/tiny.yaml").read_text())
+    corrections = [{"class_path": "sgrpo.train.GeometricMeanMask", "init_args": {"low": 0.9, "high": 1.1}},
+                   {"class_path": "sgrpo.train.K3Rejection", "init_args": {"threshold": 0.05}}]  # fmt: skip
+    raw["model"]["loss"] = {"class_path": "sgrpo.train.ClippedSurrogate", "init_args": {"corrections": corrections}}
+    config = tmp_path / "offpolicy.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    args = ["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"]
+    loss = parse(args).model.loss
+    assert [type(c) for c in loss.corrections] == [TokenTruncation, GeometricMeanMask, K3Rejection]
+    assert (loss.corrections[1].low, loss.corrections[1].high, loss.corrections[2].threshold) == (0.9, 1.1, 0.05)
+    bypass = parse([*args, "--model.loss.init_args.corrections=[]", "--model.loss.init_args.bypass=true"]).model.loss
+    assert bypass.bypass and [type(c) for c in bypass.corrections] == [TokenTruncation]

@@ -12,6 +12,10 @@ Lightning's strategy and precision plugin. Everything that must line up across p
   FSDP2's gathers and reduce-scatters pair up; under DDP only an optimiser step's last backward
   all-reduces (``no_sync`` on the others), and so under FSDP2 only it reduce-scatters where the policy's
   ``gradient_sync`` defers (``sgrpo.distributed.defers_gradient_sync``);
+* a rollout with rows sampled at older weights (``RolloutBatch.versions`` != ``rollout_step`` on any process) is
+  stale: every process runs the proximal forward, and the loss weighs the sampler's log-probs (the decoupled
+  objective, ``sgrpo.train.correction``; ``train/offpolicy/*`` from sums added over processes); versions all
+  current or absent run exactly the synchronous path;
 * the gradient norm is taken and clipped in ``on_before_optimizer_step``, after mixed precision's
   GradScaler removed its scale, and the LR scheduler steps once per training step;
 * an optimiser step whose loss or gradient norm is not finite on any process is skipped on every process
