@@ -70,7 +70,7 @@ class RolloutBatch:
                 f"logprobs {None if self.logprobs is None else tuple(self.logprobs.shape)}"
             )
         if self.versions is not None and self.versions.shape != (n,):
-            raise ValueError(f"versions must have shape ({n},) (one per row), got {tuple(self.versions.shape)}")
+            raise ValueError(f"versions must be [{n}] (one per row), got {tuple(self.versions.shape)}")
         if len(self.completions) != n or self.truncated.shape != (n,):
             raise ValueError(f"need {n} completions and truncated flags, got {len(self.completions)}")
 
