@@ -12,7 +12,8 @@ therefore prices each experiment with a FLOPs model at a stated model-FLOP utili
 - generation: ``2 N`` FLOPs per token (prompts prefilled once per prompt, responses decoded per row);
 - training, per row token ``p + r``: ``6 N`` (forward and backward), ``+ 2 N`` recompute under activation
   checkpointing, ``+ 2 N`` the trainer's forward at the sampling weights when an external sampler (vLLM)
-  samples and the loss weighs it (truncated importance sampling, ``importance_sampling_cap`` not null), or
+  samples and the loss weighs it (``importance_sampling_cap`` not null or other ``corrections``, and no
+  ``bypass``), or
   when a step takes several optimiser steps (``ppo_epochs`` or ``num_minibatches`` > 1), ``+ 2 N`` the KL
   reference's forward when ``kl_coef > 0``;
 - attention's quadratic term, which ``2 N`` leaves out: ``2 n_layers d_attn t`` FLOPs per token forward at
@@ -93,7 +94,8 @@ def experiment(raw: dict, fill: float = 1.0) -> dict:
     p, r = PROMPT_TOKENS[task], fill * m["rollout"]["init_args"]["max_new_tokens"]
     loss = m.get("loss", {}).get("init_args", {})
     external = m["rollout"]["class_path"].endswith("VLLMRollout")
-    weighted = external and loss.get("importance_sampling_cap", 2.0) is not None  # ClippedSurrogate's default cap
+    capped = loss.get("importance_sampling_cap", 2.0) is not None or bool(loss.get("corrections"))  # default cap 2
+    weighted = external and capped and not loss.get("bypass", False)  # bypass: the sampler's log-probs, no forward
     old_pass = weighted or m.get("ppo_epochs", 1) > 1 or m.get("num_minibatches", 1) > 1
     passes = {"forward and backward": 6, "activation recompute": 2 if m.get("activation_checkpointing") else 0,
               "forward at the sampling weights": 2 if old_pass else 0,

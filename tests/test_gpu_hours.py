@@ -38,6 +38,11 @@ def test_flops_of_a_step_by_hand():
     assert gh.experiment(plain)["training_passes"]["forward at the sampling weights"] == 0
     assert gh.experiment(plain | {"model": plain["model"] | {"ppo_epochs": 2}})["training_flops_per_step"] == (
         pytest.approx(8 * 140 * (12 * n + 6 * attention)))
+    # the cap null with other importance corrections still weighs vLLM's rows (the forward runs); bypass never does
+    for init, passes in (({"importance_sampling_cap": None, "corrections": [{"class_path": "sgrpo.train.TokenMask"}]},
+                          2), ({"bypass": True}, 0)):  # fmt: skip
+        corrected = config(rollout=plain["model"]["rollout"], loss={"init_args": init})
+        assert gh.experiment(corrected)["training_passes"]["forward at the sampling weights"] == passes, init
     assert gh.experiment(config(), fill=0.5)["response_tokens"] == 5
     # validate_last: one more validation when the interval (2) does not fall on the last step (3)
     last = config() | {"validate_last": True}
