@@ -191,8 +191,6 @@ class VLLMServerRollout(RolloutEngine):
         version = weights_version(unwrap(model))
         changed = version is None or self._synced != (id(unwrap(model)), version)
         stale = _decided_by_rank0(lambda: self._stale_servers(changed), world)
-        if isinstance(stale, str):
-            raise ServerError(stale)
         if stale:
             self.sync_weights(model, only=None if changed else stale)
 
@@ -219,16 +217,18 @@ class VLLMServerRollout(RolloutEngine):
         def weights():
             return as_dtype(engine_weights(model, dtype, bucket_bytes=chunk), dtype)
 
-        def send() -> None:
+        def send() -> str:
             if not self._connected:
                 self.transport.connect(self.pool, weights, sender=rank == 0)
                 self._connected = True
             push(self.pool, self.transport, weights(), version, chunk, sender=rank == 0, only=only)
+            return version
 
-        error = _decided_by_rank0(send, world, everyone=True)
-        if isinstance(error, str):
+        try:
+            version = _decided_by_rank0(send, world, everyone=True)  # rank 0's version: the one the servers hold
+        except ServerError:
             self._pushed = None  # a server may hold part of a push: the next rollout pushes everything again
-            raise ServerError(error)
+            raise
         self._pushed, self.syncs = version, self.syncs + 1
         self.last_sync_seconds = time.perf_counter() - start
         v = weights_version(unwrap(model))
@@ -256,15 +256,18 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _decided_by_rank0(action, world: int, everyone: bool = False) -> Any:
-    """Run ``action`` on rank 0 (``everyone``: on every process) and give every process rank 0's result, or rank 0's
-    error as a string: a failure on rank 0 (a server that died) ends every process, not only rank 0."""
+    """Run ``action`` on rank 0 (``everyone``: on every process, for its collectives) and return rank 0's result on
+    every process; rank 0's ``ServerError`` (a server that died) raises on every process, not only on rank 0."""
     rank = _rank_world()[0]
+    result, error = None, None
     try:
         result = action() if (everyone or rank == 0) else None
     except ServerError as err:
-        result = str(err)
-    if world == 1:
-        return result
-    box = [result if rank == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+        error = str(err)
+    if world > 1:
+        box = [(result, error) if rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise ServerError(error)
+    return result
