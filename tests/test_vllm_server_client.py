@@ -6,15 +6,18 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sgrpo.checks import ConfigError
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.rollout.vllm_http import ServerError, ServerPool, call
 from sgrpo.rollout.vllm_launch import VLLMServers, server_command
 from sgrpo.rollout.vllm_server import VLLMServerRollout
+from sgrpo.run.preflight import check_rollout_servers
 from sgrpo.types import Example
 from tests.fake_vllm_server import FakeServer
 
@@ -105,6 +108,19 @@ def test_pool_and_engine_refuse_bad_configs_naming_the_field():
         VLLMServers(ports=[8000, 8000])
     with pytest.raises(ValueError, match="launch.devices: one entry per port"):
         VLLMServers(ports=[8000, 8001], devices=["6"])
+
+
+def test_preflight_names_the_key_of_a_server_that_is_not_up(servers, tmp_path):
+    url = closed_port_url()
+    down = VLLMServerRollout(urls=[servers().url, url])
+    policy = SimpleNamespace(rollout=down, val_rollout=VLLMServerRollout(urls=[servers().url]))
+    with pytest.raises(ConfigError, match=f"^model.rollout: urls: {url}/health: unreachable"):
+        check_rollout_servers(policy)
+    policy.rollout = policy.val_rollout
+    check_rollout_servers(policy)  # both up
+    missing = VLLMServerRollout(launch=VLLMServers(ports=[8000], python=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="model.val_rollout: launch.python: .*nope is not an executable"):
+        check_rollout_servers(SimpleNamespace(rollout=policy.rollout, val_rollout=missing))
 
 
 # ---------------------------------------------------------------------------------------------- the engine

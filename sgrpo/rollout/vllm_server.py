@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -123,6 +124,20 @@ class VLLMServerRollout(RolloutEngine):
     @property
     def max_total_tokens(self) -> int | None:
         return self.max_model_len
+
+    def preflight(self) -> str | None:
+        """Why this engine cannot run, checked before the model loads (``sgrpo.run.preflight``), or None: the
+        servers of ``urls`` answer ``/health``; ``launch``'s interpreter exists."""
+        if self.launch is not None:
+            python = self.launch.python
+            if python is not None and not os.access(python, os.X_OK):
+                return f"launch.python: {python} is not an executable interpreter"
+            return None
+        try:
+            self.pool.check_health(self.health_timeout)
+        except ServerError as err:
+            return f"urls: {err}"
+        return None
 
     # ------------------------------------------------------------------------------------------ generate
     def generate(
