@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.lora import LoRA, apply_lora
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout import HFRollout
 from sgrpo.rollout.engine import bump_weights_version
@@ -157,6 +159,45 @@ def test_a_two_process_fsdp2_trainer_pushes_through_rank_0(engine, model_dir, to
     assert rl <= {c.split("?")[0] for c in results[0]["rl_calls"]}
     assert results[1]["rl_calls"] == []  # only rank 0 talks to the server
     assert len(set(results[0]["versions"] + results[1]["versions"])) == 1  # both sampled the weights rank 0 pushed
+
+
+def test_lora_adapters_are_merged_into_the_push(engine, model_dir, tokenizer):
+    base = policy(model_dir, seed=3)
+    model = apply_lora(policy(model_dir, seed=3), LoRA(rank=4, alpha=8.0))
+    with torch.no_grad():  # a trained adapter: B is 0 at initialisation
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    bump_weights_version(model)
+    batch = engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)
+    assert_matches_hf(batch, model, tokenizer, EXAMPLES, 1)
+    plain = HFRollout(max_new_tokens=6).generate(base, tokenizer, EXAMPLES, 1, greedy=True)
+    assert batch.input_ids.tolist() != plain.input_ids.tolist()  # the adapter changed the completions
+
+
+def test_a_two_process_fsdp2_fit_samples_from_the_weights_it_trains(engine, model_dir, tmp_path):
+    """``python -m sgrpo.fit`` on 2 processes (ModelParallelStrategy, gloo) against the server: the sampler's
+    log-probs are the trainer's at every step, so each step's push reached the server."""
+    engine.ready(policy(model_dir, seed=3))  # the server runs
+    rollout = {"class_path": "sgrpo.rollout.VLLMServerRollout", "init_args": {
+        "urls": engine.pool.urls, "max_new_tokens": 8, "dtype": "float32", "max_model_len": 64}}  # fmt: skip
+    strategy = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}  # fmt: skip
+    override = tmp_path / "server.yaml"
+    override.write_text(yaml.safe_dump({"trainer": {"devices": 2, "strategy": strategy},
+                                        "model": {"rollout": rollout}}))  # fmt: skip
+    args = [sys.executable, "-m", "sgrpo.fit", "--config", str(REPO / "configs" / "tiny.yaml"), "--config",
+            str(override), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+            "--model.task.init_args.levels=[1, 2]", "--model.task.init_args.reward=tests.vllm_fakes.Parity",
+            "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", "--trainer.val_check_interval=100"]
+    done = subprocess.run(args, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/reward" in r]
+    assert [r["step"] for r in train] == [0, 1, 2]
+    assert all(r["train/rollout/mismatch_abs_diff"] < 1e-5 for r in train), train
+    assert any(r["train/grad_norm"] > 0.1 for r in train[:-1]), train  # the policy moved before a later rollout
 
 
 # ---------------------------------------------------------------------------------------------- failures

@@ -200,7 +200,7 @@ class VLLMServerRollout(RolloutEngine):
         rank, world = _rank_world()
         if self.launch is not None and not self.launch.processes and rank == 0:
             self._start_servers(model)
-        if self.launch is not None and rank != 0:
+        if self.launch is not None and rank != 0 and not self._connected:  # rank 0 may still be starting them
             wait_until_healthy(self.pool.urls, self.launch.startup_timeout)
         self.pool.check_health(self.health_timeout)
         version = weights_version(unwrap(model))
