@@ -16,6 +16,7 @@ from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.rollout.vllm_http import ServerError, ServerPool, call
 from sgrpo.rollout.vllm_launch import VLLMServers, server_command
+from sgrpo.rollout.vllm_push import CPUTransport
 from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.preflight import check_rollout_servers
 from sgrpo.types import Example
@@ -224,3 +225,18 @@ def test_servers_it_starts_run_the_documented_command_and_stop_by_pid(tmp_path):
     with pytest.raises(ServerError, match=f"127.0.0.1:{port}: not healthy within 1 s"):
         launch.start("MODEL", "float32", None, [])
     assert time.monotonic() - start < 15 and launch.processes == []  # stopped, by its PID
+
+
+def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_pushing(servers, tiny):
+    """NCCL's group spans every server: a push to a restarted one alone would wait for it in NCCL forever."""
+    model, tokenizer = tiny
+
+    class GroupTransport(CPUTransport):
+        rejoins = False
+
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, transport=GroupTransport())
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    server.version = "default"  # restarted
+    with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
+        engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)

@@ -41,6 +41,8 @@ class WeightTransport(ABC):
     backend: ClassVar[str]
     #: the transport calls ``/start_weight_update`` and ``/finish_weight_update`` itself (vLLM's trainer engines)
     drives_update: ClassVar[bool] = False
+    #: a restarted server can get a push of its own (no group to re-join); NCCL's group spans every server
+    rejoins: ClassVar[bool] = True
 
     def server_args(self) -> list[str]:
         """Arguments a server started by sgrpo gets for this transport."""
@@ -134,7 +136,9 @@ class NCCLTransport(WeightTransport):
 
     Written against vLLM 0.32's trainer engine (``NCCLTrainerWeightTransferEngine``), not yet run: sgrpo's tests
     have no GPU with vLLM. Rank 0 opens the rendezvous at ``master_address:master_port``; each server's workers join
-    at their rank offset (one server after another, in ``urls`` order).
+    at their rank offset (one server after another, in ``urls`` order). A restarted server cannot re-join the
+    group: ``VLLMServerRollout`` raises instead of pushing (an NCCL broadcast to a missing peer would hang). NCCL's
+    collectives have no timeout of sgrpo's: a server that dies mid-broadcast may hang rank 0.
 
     Args:
         master_address: Address of rank 0 as the servers reach it (null: ``MASTER_ADDR``, else 127.0.0.1).
@@ -144,6 +148,7 @@ class NCCLTransport(WeightTransport):
 
     backend = "nccl"
     drives_update = True
+    rejoins = False
 
     def __init__(self, master_address: str | None = None, master_port: int = 29551, packed: bool = True) -> None:
         self.master_address, self.master_port, self.packed = master_address, master_port, packed

@@ -225,6 +225,10 @@ class VLLMServerRollout(RolloutEngine):
         rank, world = _rank_world()
         dtype = dtype_of(self.dtype)
         chunk = int(self.weight_chunk_mib * 2**20)
+        if only is not None and self._pushed is not None and not self.transport.rejoins:
+            raise ServerError(f"{', '.join(only)}: restarted; {type(self.transport).__name__} cannot bring a server "
+                              "back into its transfer group: restart the servers and resume the run (--ckpt_path "
+                              "last)")  # fmt: skip
         # new weights get a new version; a restarted server gets the others' weights and version
         version = f"sgrpo-{self._tag}-{self.syncs + 1}" if only is None or self._pushed is None else self._pushed
         start = time.perf_counter()
@@ -272,17 +276,22 @@ def _rank_world() -> tuple[int, int]:
 
 def _decided_by_rank0(action, world: int, everyone: bool = False) -> Any:
     """Run ``action`` on rank 0 (``everyone``: on every process, for its collectives) and return rank 0's result on
-    every process; rank 0's ``ServerError`` (a server that died) raises on every process, not only on rank 0."""
+    every process. An error on rank 0 (a server that died, a chunk file that could not be written) raises there
+    and, as a ``ServerError`` with its message, on every other process: none waits for a rank 0 that gave up."""
     rank = _rank_world()[0]
     result, error = None, None
     try:
         result = action() if (everyone or rank == 0) else None
-    except ServerError as err:
-        error = str(err)
+    except Exception as err:
+        if world == 1 or rank != 0:
+            raise
+        error = err
     if world > 1:
-        box = [(result, error) if rank == 0 else None]
+        box = [(result, None if error is None else str(error)) if rank == 0 else None]
         torch.distributed.broadcast_object_list(box, src=0)
-        result, error = box[0]
-    if error is not None:
-        raise ServerError(error)
+        result, message = box[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise ServerError(f"rank 0: {message}")
     return result
