@@ -245,7 +245,7 @@ class VLLMServerRollout(RolloutEngine):
 
         try:
             version = _decided_by_rank0(send, world, everyone=True)  # rank 0's version: the one the servers hold
-        except ServerError:
+        except Exception:
             self._pushed = None  # a server may hold part of a push: the next rollout pushes everything again
             raise
         self._pushed, self.syncs = version, self.syncs + 1
