@@ -25,7 +25,7 @@ from torch import nn
 
 from sgrpo.distributed import close_before_release
 from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids, weights_version
-from sgrpo.rollout.vllm_requests import prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
+from sgrpo.rollout.vllm_requests import fitting_prompt_ids, rollout_batch_from_outputs, sampling_kwargs
 from sgrpo.rollout.weightsync import (
     as_dtype,
     begin_reload,
@@ -149,10 +149,7 @@ class VLLMRollout(RolloutEngine):
     ) -> RolloutBatch:
         vllm = import_vllm()
         eos, pad = stop_and_pad_ids(model, tokenizer)
-        prompts = prompt_token_ids(tokenizer, examples)
-        longest = max((len(p) for p in prompts), default=0)
-        if self.max_model_len is not None and longest >= self.max_model_len:
-            raise ValueError(f"a prompt has {longest} tokens, max_model_len is {self.max_model_len}: raise it")
+        prompts = fitting_prompt_ids(tokenizer, examples, self.max_model_len)
         draw = self.seed_per_request and not greedy
         seeds = torch.randint(2**31 - 1, (len(prompts),), device="cpu").tolist() if draw else [None] * len(prompts)
         step_seed = None if greedy or draw else int(torch.randint(2**31 - 1, (1,), device="cpu"))

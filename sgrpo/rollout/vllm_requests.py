@@ -21,6 +21,15 @@ def prompt_token_ids(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
+def fitting_prompt_ids(tokenizer, examples: Sequence[Example], max_model_len: int | None) -> list[list[int]]:
+    """``prompt_token_ids``, refused when a prompt leaves no room for a completion in ``max_model_len``."""
+    prompts = prompt_token_ids(tokenizer, examples)
+    longest = max((len(p) for p in prompts), default=0)
+    if max_model_len is not None and longest >= max_model_len:
+        raise ValueError(f"a prompt has {longest} tokens, max_model_len is {max_model_len}: raise it")
+    return prompts
+
+
 def sampling_kwargs(
     *,
     group_size: int,

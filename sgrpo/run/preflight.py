@@ -232,6 +232,7 @@ def check_policy(policy: Any) -> None:
     """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there."""
     check_model(policy.model_path)
     check_prompt_room(policy)
+    check_rollout_servers(policy)
     optimizer = stand_in_optimizer(policy)
     for group in optimizer.param_groups:
         lr = float(group.get("lr", 1.0))
@@ -296,6 +297,16 @@ def check_prompt_room(policy: Any) -> None:
     for key in ("rollout", "val_rollout"):
         engine = getattr(policy, key)
         prompt_room(positions, engine.max_total_tokens, policy.max_prompt_tokens, engine.max_new_tokens, key)
+
+
+def check_rollout_servers(policy: Any) -> None:
+    """Rollout engines on servers (``VLLMServerRollout``) reach them now: a server that is not up, or a launcher
+    without its interpreter, fails here in one line naming the key, before the model loads."""
+    for key in ("rollout", "val_rollout"):
+        preflight = getattr(getattr(policy, key), "preflight", None)
+        error = preflight() if callable(preflight) else None
+        if error:
+            raise ConfigError(f"model.{key}: {error}")
 
 
 def configured_positions(model: str) -> int | None:

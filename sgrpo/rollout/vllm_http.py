@@ -1,0 +1,163 @@
+"""HTTP to vLLM servers: one call with a timeout, a pool of servers with least-outstanding routing, health checks.
+
+Standard library only (``urllib``), so the client imports on any machine. Every call has a timeout and every
+failure raises ``ServerError`` naming the server's URL: a dead, hung or restarted server makes the trainer raise,
+never wait. ``ServerPool.map`` sends many requests at once (threads), each to the server with the fewest requests
+in flight when it leaves, and returns the answers in request order, each tagged with the URL that served it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+
+class ServerError(RuntimeError):
+    """A vLLM server did not answer, answered an error, or answered something else than expected; names its URL."""
+
+
+def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | None = None) -> Any:
+    """One HTTP call: POST ``payload`` as JSON (GET without one); the JSON answer (None for an empty body).
+
+    Raises ``ServerError`` naming ``url`` on a refused connection, a timeout (``timeout`` seconds per socket
+    operation), an HTTP error status (with the start of the server's message) or a body that is not JSON.
+    """
+    data = None if payload is None else json.dumps(payload).encode()
+    method = method or ("GET" if payload is None else "POST")
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read()[:300].decode(errors="replace").strip()
+        raise ServerError(f"{url}: HTTP {err.code} {err.reason}: {detail}") from None
+    except TimeoutError as err:
+        raise ServerError(f"{url}: no answer within {timeout:g} s ({err or 'timed out'})") from None
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, TimeoutError):
+            raise ServerError(f"{url}: no answer within {timeout:g} s") from None
+        raise ServerError(f"{url}: unreachable ({err.reason}); is the vLLM server running there?") from None
+    except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
+        raise ServerError(f"{url}: connection lost ({err}); did the vLLM server stop?") from None
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise ServerError(f"{url}: answered something that is not JSON: {body[:200]!r}") from None
+
+
+@dataclass
+class Answer:
+    """One request's JSON answer and the server (base URL) that gave it."""
+
+    url: str
+    body: Any
+
+
+class ServerPool:
+    """Base URLs of vLLM servers; requests go to the one with the fewest requests in flight (ties: the one given
+    fewest so far, then the first listed).
+
+    Args:
+        urls: Base URLs (``http://host:port``), without a trailing path.
+        request_timeout: Seconds a generation request may take (per socket operation and in all).
+        timeout: Seconds any other call (health, weight transfer steps) may take.
+    """
+
+    def __init__(self, urls: Sequence[str], request_timeout: float = 600.0, timeout: float = 60.0) -> None:
+        if not urls:
+            raise ValueError("urls: give at least one vLLM server URL (http://host:port)")
+        self.urls = [u.rstrip("/") for u in urls]
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"urls: a server is listed twice: {self.urls}")
+        self.request_timeout, self.timeout = request_timeout, timeout
+        self._lock = threading.Lock()
+        self._outstanding = dict.fromkeys(self.urls, 0)
+        self._given = dict.fromkeys(self.urls, 0)
+
+    def acquire(self) -> str:
+        """The least-outstanding server, its count raised by one (``release`` lowers it)."""
+        with self._lock:
+            url = min(self.urls, key=lambda u: (self._outstanding[u], self._given[u]))
+            self._outstanding[url] += 1
+            self._given[url] += 1
+            return url
+
+    def release(self, url: str) -> None:
+        with self._lock:
+            self._outstanding[url] -= 1
+
+    def outstanding(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._outstanding)
+
+    def post(self, url: str, path: str, payload: Any = None, timeout: float | None = None) -> Any:
+        """``call`` on one server's ``path`` with this pool's timeout (or ``timeout``)."""
+        return call(url + path, payload, self.timeout if timeout is None else timeout, method="POST")
+
+    def get(self, url: str, path: str, timeout: float | None = None) -> Any:
+        return call(url + path, None, self.timeout if timeout is None else timeout)
+
+    def check_health(self, timeout: float | None = None) -> None:
+        """GET ``/health`` of every server; a ``ServerError`` naming the first that does not answer 200."""
+        for url in self.urls:
+            self.get(url, "/health", timeout)
+
+    def map(self, path: str, payloads: Sequence[Any], workers: int = 64) -> list[Answer]:
+        """POST each payload to ``path`` of the least-outstanding server; the answers in payload order.
+
+        The first failure raises (its ``ServerError``) once the requests in flight end or time out; the
+        requests not yet sent are dropped. Nothing waits longer than ``request_timeout`` after the last send.
+        """
+        if not payloads:
+            return []
+
+        def send(payload: Any) -> Answer:
+            url = self.acquire()
+            try:
+                return Answer(url, call(url + path, payload, self.request_timeout, method="POST"))
+            finally:
+                self.release(url)
+
+        pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(payloads))), thread_name_prefix="vllm-http")
+        try:
+            futures = [pool.submit(send, p) for p in payloads]
+            done, pending = wait(futures, timeout=None, return_when=FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    raise future.exception()
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wait_until_healthy(
+    urls: Sequence[str], timeout: float, alive: Callable[[], str | None] | None = None, poll: float = 0.5
+) -> None:
+    """Poll ``/health`` of each URL until all answer, at most ``timeout`` seconds in all.
+
+    ``alive`` (optional) returns None while the servers' processes run, else why one stopped (checked at each
+    poll: a server that exits while starting raises at once). Raises ``ServerError`` naming the URL.
+    """
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            try:
+                call(url + "/health", None, timeout=min(5.0, timeout))
+                break
+            except ServerError as err:
+                last = str(err)
+            stopped = alive() if alive is not None else None
+            if stopped:
+                raise ServerError(f"{url}: the server stopped while starting: {stopped}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"{url}: not healthy within {timeout:g} s (last: {last})")
+            time.sleep(poll)

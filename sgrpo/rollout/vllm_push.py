@@ -1,0 +1,224 @@
+"""Pushing the policy's weights into vLLM servers with vLLM's own RL API (``vllm/entrypoints/rl/online``).
+
+One push, on every server: ``POST /pause?mode=wait`` (in-flight requests finish, caches cleared),
+``/start_weight_update``, the transport's ``/update_weights`` calls, ``/finish_weight_update`` with the new
+weight version, ``/resume``. Only the sending process (rank 0) talks to the servers; every process iterates the
+weights (``sgrpo.rollout.weightsync.engine_weights``: HF names, FSDP2 shards gathered in step, in buckets, in the
+server's dtype, LoRA merged), so the gathers stay collective. Each HTTP call has ``ServerPool.timeout``.
+
+Transports (``WeightTransport`` subclasses, the server's ``--weight-transfer-config`` backend):
+  - ``CPUTransport`` (``sgrpo_cpu``, sgrpo's own engine ``sgrpo.rollout.vllm_cpu_engine``): each chunk a safetensors
+    file in a folder trainer and servers share (``/dev/shm`` on one machine); has run, on CPU (``make test-vllm``).
+  - ``NCCLTransport`` (vLLM's ``nccl``): vLLM's trainer engine broadcasts from rank 0's GPU to every server's GPUs;
+    written against vLLM 0.32's API, not yet run (no GPU with vLLM at hand).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from sgrpo.rollout.vllm_http import ServerPool
+from sgrpo.rollout.vllm_plugin import CPU_BACKEND
+from sgrpo.rollout.weightsync import weight_chunks
+
+Weights = Iterable[tuple[str, Tensor]]
+
+
+class WeightTransport(ABC):
+    """How weight chunks travel from the trainer's rank 0 to the servers (a vLLM weight-transfer backend)."""
+
+    #: the backend name the servers are started with: ``--weight-transfer-config '{"backend": NAME}'``
+    backend: ClassVar[str]
+    #: the transport calls ``/start_weight_update`` and ``/finish_weight_update`` itself (vLLM's trainer engines)
+    drives_update: ClassVar[bool] = False
+    #: a restarted server can get a push of its own (no group to re-join); NCCL's group spans every server
+    rejoins: ClassVar[bool] = True
+
+    def server_args(self) -> list[str]:
+        """Arguments a server started by sgrpo gets for this transport."""
+        return ["--weight-transfer-config", json.dumps({"backend": self.backend})]
+
+    @abstractmethod
+    def connect(self, pool: ServerPool, weights: Callable[[], Weights], sender: bool) -> None:
+        """Set the transfer up (``/init_weight_transfer_engine``) on every server; called on every process."""
+
+    @abstractmethod
+    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+        """Send ``weights`` between ``/start_weight_update`` and ``/finish_weight_update`` (which ``push`` calls).
+        Non-senders only iterate ``weights`` (their gathers are collectives)."""
+
+
+def each_server(pool: ServerPool, action: Callable[[str], Any]) -> list[Any]:
+    """``action(url)`` on every server at once; the first ``ServerError`` (naming its URL) raises."""
+    with ThreadPoolExecutor(max_workers=len(pool.urls)) as executor:
+        return list(executor.map(action, pool.urls))
+
+
+def push(
+    pool: ServerPool,
+    transport: WeightTransport,
+    weights: Weights,
+    version: str,
+    chunk_bytes: int,
+    sender: bool,
+    only: list[str] | None = None,
+) -> None:
+    """Pause, transfer, finish with ``version``, resume: on every server (``only``: these), from the sender."""
+    servers = ServerPool(only, pool.request_timeout, pool.timeout) if only else pool
+    if not sender:
+        transport.send(servers, weights, chunk_bytes, sender=False)
+        return
+    each_server(servers, lambda url: servers.post(url, "/pause?mode=wait&clear_cache=true"))
+    if not transport.drives_update:
+        each_server(servers, lambda url: servers.post(url, "/start_weight_update"))
+    transport.send(servers, weights, chunk_bytes, sender=True)
+    if transport.drives_update:
+        each_server(servers, lambda url: servers.post(url, "/update_weight_version", {"new_version": version}))
+    else:
+        each_server(servers, lambda url: servers.post(url, "/finish_weight_update", {"weight_version": version}))
+    each_server(servers, lambda url: servers.post(url, "/resume"))
+
+
+def server_versions(pool: ServerPool) -> dict[str, str | None]:
+    """Each server's weight version (``GET /weight_info``)."""
+    versions = each_server(pool, lambda url: (pool.get(url, "/weight_info") or {}).get("weight_version"))
+    return dict(zip(pool.urls, versions))
+
+
+class CPUTransport(WeightTransport):
+    """Chunks as safetensors files in ``folder``, which the trainer's rank 0 and every server must see (sgrpo's own
+    ``sgrpo_cpu`` backend; install sgrpo in the servers' environment so vLLM loads its plugin).
+
+    Args:
+        folder: Where the chunk files go (null: ``/dev/shm`` where it exists, else the temp folder): the same
+            machine, or a shared filesystem. A file is deleted once every server has loaded it.
+    """
+
+    backend = CPU_BACKEND
+
+    def __init__(self, folder: str | None = None) -> None:
+        self.folder = folder
+
+    def connect(self, pool: ServerPool, weights: Callable[[], Weights], sender: bool) -> None:
+        if sender:
+            each_server(pool, lambda url: pool.post(url, "/init_weight_transfer_engine", {"init_info": {}}))
+
+    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+        if not sender:
+            for _ in weights:  # the gathers are collectives: iterate in step with the sender
+                pass
+            return
+        from safetensors.torch import save_file
+
+        folder = self.folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        os.makedirs(folder, exist_ok=True)
+        for i, chunk in enumerate(weight_chunks(weights, chunk_bytes)):
+            path = os.path.join(folder, f"sgrpo-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-{i}.safetensors")
+            save_file({name: value.detach().cpu().contiguous() for name, value in chunk}, path)
+            try:
+                each_server(pool, lambda url, p=path: pool.post(url, "/update_weights", {"update_info": {"path": p}}))
+            finally:
+                os.unlink(path)
+
+
+class NCCLTransport(WeightTransport):
+    """vLLM's NCCL backend: rank 0's GPU broadcasts every tensor to the servers' GPUs (separate GPUs, any node).
+
+    Written against vLLM 0.32's trainer engine (``NCCLTrainerWeightTransferEngine``), not yet run: sgrpo's tests
+    have no GPU with vLLM. Rank 0 opens the rendezvous at ``master_address:master_port``; each server's workers join
+    at their rank offset (one server after another, in ``urls`` order). A restarted server cannot re-join the
+    group: ``VLLMServerRollout`` raises instead of pushing (an NCCL broadcast to a missing peer would hang). NCCL's
+    collectives have no timeout of sgrpo's: a server that dies mid-broadcast may hang rank 0.
+
+    Args:
+        master_address: Address of rank 0 as the servers reach it (null: ``MASTER_ADDR``, else 127.0.0.1).
+        master_port: A free port on rank 0 for the NCCL rendezvous.
+        packed: Broadcast in packed buffers (vLLM's default) instead of one tensor at a time.
+    """
+
+    backend = "nccl"
+    drives_update = True
+    rejoins = False
+
+    def __init__(self, master_address: str | None = None, master_port: int = 29551, packed: bool = True) -> None:
+        self.master_address, self.master_port, self.packed = master_address, master_port, packed
+        self._engine = None
+        self._source: _Source | None = None
+
+    def connect(self, pool: ServerPool, weights: Callable[[], Weights], sender: bool) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        sizes = each_server(pool, lambda url: int(pool.get(url, "/get_world_size")["world_size"])) if sender else []
+        self._source = _Source(weights)
+        info = NCCLTrainerInitInfo(
+            master_address=self.master_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=self.master_port, world_size=1 + sum(sizes), packed=self.packed, rank=0 if sender else 1,
+        )  # fmt: skip
+        self._engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=_FanOutClient(pool, sizes), source=self._source
+        )
+
+    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+        if self._engine is None or self._source is None:
+            raise RuntimeError("NCCLTransport.send before connect")
+        self._source.next = weights
+        self._engine.send_weights()  # calls start/update/finish itself (drives_update)
+
+
+class _Source:
+    """vLLM's ``WeightSource`` over sgrpo's weight iterator: metadata from one first pass (a collective, once)."""
+
+    def __init__(self, weights: Callable[[], Weights]) -> None:
+        self.make, self.next, self._meta = weights, None, None
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        if self._meta is None:
+            self._meta = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.make()]
+        return self._meta
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        weights, self.next = (self.next if self.next is not None else self.make()), None
+        yield from weights
+
+
+class _FanOutClient:
+    """vLLM's weight-sync client protocol over several servers: each call on every server; the NCCL init gets each
+    server's rank offset (trainer rank 0, then the servers' workers in ``urls`` order)."""
+
+    def __init__(self, pool: ServerPool, world_sizes: list[int]) -> None:
+        self.pool, self.offsets = pool, [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offsets = dict(zip(self.pool.urls, self.offsets))
+        each_server(self.pool, lambda url: self.pool.post(
+            url, "/init_weight_transfer_engine", {"init_info": dict(init_info, rank_offset=offsets[url])}))  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        each_server(self.pool, lambda url: self.pool.post(url, "/start_weight_update"))
+
+    def update_weights(self, update_info: Any) -> None:
+        each_server(self.pool, lambda url: self.pool.post(url, "/update_weights", {"update_info": update_info}))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        each_server(self.pool, lambda url: self.pool.post(url, "/finish_weight_update", {}))
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype: {name!r} is not a torch dtype")
+    return value

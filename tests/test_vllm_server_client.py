@@ -1,0 +1,242 @@
+"""VLLMServerRollout's HTTP side on CPU without vLLM: routing, timeouts, error messages, the push's call sequence,
+against stand-in servers (``tests/fake_vllm_server.py``). The real server: ``tests/test_vllm_server.py``."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgrpo.checks import ConfigError
+from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.rollout.engine import bump_weights_version
+from sgrpo.rollout.vllm_http import ServerError, ServerPool, call
+from sgrpo.rollout.vllm_launch import VLLMServers, server_command
+from sgrpo.rollout.vllm_push import CPUTransport
+from sgrpo.rollout.vllm_server import VLLMServerRollout
+from sgrpo.run.preflight import check_rollout_servers
+from sgrpo.types import Example
+from tests.fake_vllm_server import FakeServer
+
+
+@pytest.fixture
+def servers():
+    made: list[FakeServer] = []
+
+    def make(**kwargs) -> FakeServer:
+        made.append(FakeServer(**kwargs))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.stop()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# ---------------------------------------------------------------------------------------------- routing
+def test_least_outstanding_routing_balances_and_avoids_the_busy_server(servers):
+    a, b = servers(), servers()
+    pool = ServerPool([a.url, b.url])
+    first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
+    assert {first, second} == {a.url, b.url} and third == first  # alternate while equally busy
+    pool.release(first)
+    pool.release(third)  # `second` still has one in flight: the next goes to the other
+    assert pool.acquire() == first and pool.outstanding() == {first: 1, second: 1}
+
+
+def test_a_slow_server_gets_fewer_requests_and_answers_keep_request_order(servers):
+    slow, fast = servers(delay=0.3), servers()
+    pool = ServerPool([slow.url, fast.url], request_timeout=5)
+    payloads = [{"token_ids": [i], "sampling_params": {"max_tokens": 2}} for i in range(12)]
+    answers = pool.map("/inference/v1/generate", payloads, workers=4)
+    assert len(answers) == 12 and all(a.body["choices"] for a in answers)
+    served_slow = sum(path == "/inference/v1/generate" for path, _ in slow.calls)
+    assert served_slow < 6 and served_slow + len(fast.calls) == 12  # the fast one took more than half
+    assert [a.url for a in answers].count(slow.url) == served_slow
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_a_dead_server_raises_at_once_naming_its_url():
+    url = closed_port_url()
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=f"{url}/health: unreachable .*is the vLLM server running"):
+        ServerPool([url]).check_health(timeout=5)
+    assert time.monotonic() - start < 2
+
+
+def test_a_hung_server_raises_within_the_timeout_naming_its_url(servers):
+    hung = servers(delay=5)
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=f"{hung.url}/health: no answer within 0.3 s"):
+        call(hung.url + "/health", timeout=0.3)
+    assert time.monotonic() - start < 2
+
+
+def test_an_error_status_raises_with_the_server_s_message(servers):
+    bad = servers(status=500)
+    with pytest.raises(ServerError, match=f"{bad.url}/start_weight_update: HTTP 500 .*fake failure"):
+        ServerPool([bad.url]).post(bad.url, "/start_weight_update")
+
+
+def test_one_failing_request_fails_the_batch_naming_the_server(servers):
+    good, bad = servers(), servers(status=500)
+    pool = ServerPool([good.url, bad.url], request_timeout=5)
+    with pytest.raises(ServerError, match=bad.url):
+        pool.map("/inference/v1/generate", [{"token_ids": [1], "sampling_params": {"max_tokens": 2}}] * 4)
+
+
+def test_pool_and_engine_refuse_bad_configs_naming_the_field():
+    with pytest.raises(ValueError, match="urls: give at least one"):
+        ServerPool([])
+    with pytest.raises(ValueError, match="urls: a server is listed twice"):
+        ServerPool(["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="exactly one of urls"):
+        VLLMServerRollout()
+    with pytest.raises(ValueError, match="urls: 'localhost:8000' is not a server base URL"):
+        VLLMServerRollout(urls=["localhost:8000"])
+    with pytest.raises(ValueError, match="urls: .* is not a server base URL"):
+        VLLMServerRollout(urls=["http://host:8000/v1"])
+    with pytest.raises(ValueError, match="launch.ports: give distinct ports"):
+        VLLMServers(ports=[8000, 8000])
+    with pytest.raises(ValueError, match="launch.devices: one entry per port"):
+        VLLMServers(ports=[8000, 8001], devices=["6"])
+
+
+def test_preflight_names_the_key_of_a_server_that_is_not_up(servers, tmp_path):
+    url = closed_port_url()
+    down = VLLMServerRollout(urls=[servers().url, url])
+    policy = SimpleNamespace(rollout=down, val_rollout=VLLMServerRollout(urls=[servers().url]))
+    with pytest.raises(ConfigError, match=f"^model.rollout: urls: {url}/health: unreachable"):
+        check_rollout_servers(policy)
+    policy.rollout = policy.val_rollout
+    check_rollout_servers(policy)  # both up
+    missing = VLLMServerRollout(launch=VLLMServers(ports=[8000], python=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="model.val_rollout: launch.python: .*nope is not an executable"):
+        check_rollout_servers(SimpleNamespace(rollout=policy.rollout, val_rollout=missing))
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    return build_tiny_llama(tokenizer), tokenizer
+
+
+def test_generate_builds_a_batch_and_pushes_only_changed_weights(servers, tiny):
+    model, tokenizer = tiny
+    a, b = servers(completion=[5, 6, 2]), servers(completion=[5, 6, 2])
+    engine = VLLMServerRollout(urls=[a.url, b.url], max_new_tokens=4, dtype="float32")
+    examples = [Example(prompt="s:31=", answer="13"), Example(prompt="s:4=", answer="4")]
+    torch.manual_seed(0)
+    batch = engine.generate(model, tokenizer, examples, group_size=2)
+    assert batch.input_ids.shape[0] == 4 and batch.completion_mask.sum().item() == 12
+    assert torch.allclose(batch.logprobs[batch.completion_mask], torch.tensor(-0.5))
+    pushed = engine._pushed
+    assert engine.syncs == 1 and engine.last_weight_versions == [pushed] * 4
+    for server in (a, b):  # the RL API's order, on every server
+        rl = [p.split("?")[0] for p, _ in server.calls if p.split("?")[0] not in ("/health", "/inference/v1/generate")]
+        assert rl[0] == "/init_weight_transfer_engine" and rl[1:3] == ["/pause", "/start_weight_update"]
+        assert set(rl[3:-2]) == {"/update_weights"} and rl[-2:] == ["/finish_weight_update", "/resume"]
+    requests = [body for p, body in a.calls + b.calls if p == "/inference/v1/generate"]
+    assert sorted(r["token_ids"] for r in requests) == [[16, 15, 6, 4, 14], [16, 15, 7, 14]]  # ids, not text
+    assert all(r["sampling_params"]["n"] == 2 and r["sampling_params"]["seed"] is not None for r in requests)
+    bump_weights_version(model)  # arbitrary version: unknown models always push
+    engine.generate(model, tokenizer, examples, group_size=2)
+    assert engine.syncs == 2
+    engine.generate(model, tokenizer, examples, group_size=2)  # unchanged weights: no push
+    assert engine.syncs == 2
+    a.version = "default"  # a restarted server: a full push to it alone, then it serves
+    calls_b = len(b.calls)
+    engine.generate(model, tokenizer, examples, group_size=2)
+    assert engine.syncs == 3 and a.version == engine._pushed
+    assert not any(p.startswith("/update_weights") for p, _ in b.calls[calls_b:])
+
+
+def test_seeds_come_from_torch_s_rng_and_greedy_asks_for_one_completion(servers, tiny):
+    model, tokenizer = tiny
+    engine = VLLMServerRollout(urls=[servers().url], max_new_tokens=4)
+    eos = [2]
+    torch.manual_seed(7)
+    seeds = torch.randint(2**31 - 1, (2,)).tolist()
+    payloads = engine.request_payloads([[1, 2], [3]], seeds, 4, eos, greedy=False)
+    assert [p["sampling_params"]["seed"] for p in payloads] == seeds
+    greedy = engine.request_payloads([[1, 2]], [None], 4, eos, greedy=True)[0]["sampling_params"]
+    assert greedy["n"] == 1 and greedy["temperature"] == 0.0 and "seed" not in greedy
+
+
+def test_a_server_that_dies_between_rollouts_raises_at_the_health_check(servers, tiny):
+    model, tokenizer = tiny
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, health_timeout=1)
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    server.stop()
+    with pytest.raises(ServerError, match=f"{server.url}/health"):
+        engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+
+
+def test_a_push_that_fails_midway_raises_and_the_next_rollout_pushes_again(servers, tiny):
+    model, tokenizer = tiny
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, sync_timeout=0.5)
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    bump_weights_version(model)
+    server.delay = 2  # hangs in the push
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=f"{server.url}/.*no answer within 0.5 s"):
+        engine.sync_weights(model)
+    assert time.monotonic() - start < 3 and engine._pushed is None
+
+
+def test_answers_from_other_weights_raise(servers, tiny):
+    model, tokenizer = tiny
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4)
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    engine._pushed = "sgrpo-other-9"  # as if the server had been given other weights since
+    engine._synced = None
+    with pytest.raises(ServerError, match="sampled with weight versions"):
+        answers = engine.pool.map("/inference/v1/generate", engine.request_payloads([[1]], [1], 1, [2], False))
+        engine.batch_from_answers(answers, [[1]], 1, 0, tokenizer, torch.device("cpu"))
+
+
+def test_servers_it_starts_run_the_documented_command_and_stop_by_pid(tmp_path):
+    command = server_command("python", "MODEL", 8011, "127.0.0.1", "bfloat16", 2048, ["--enforce-eager"])
+    assert command[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert {"--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--max-model-len"} <= set(command)
+    port = int(closed_port_url().rsplit(":", 1)[1])
+    exits = VLLMServers(ports=[port], python=sys.executable, startup_timeout=20, log_dir=str(tmp_path))
+    with pytest.raises(ServerError, match=f"stopped while starting: the server on port {port} exited with code"):
+        exits.start("MODEL", "float32", None, [])  # no vLLM in this venv: the server exits at once
+    hangs = tmp_path / "hangs"  # a "python" that never answers /health
+    hangs.write_text("#!/bin/sh\nexec sleep 600\n")
+    hangs.chmod(0o755)
+    launch = VLLMServers(ports=[port], python=str(hangs), startup_timeout=1, log_dir=str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=f"127.0.0.1:{port}: not healthy within 1 s"):
+        launch.start("MODEL", "float32", None, [])
+    assert time.monotonic() - start < 15 and launch.processes == []  # stopped, by its PID
+
+
+def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_pushing(servers, tiny):
+    """NCCL's group spans every server: a push to a restarted one alone would wait for it in NCCL forever."""
+    model, tokenizer = tiny
+
+    class GroupTransport(CPUTransport):
+        rejoins = False
+
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, transport=GroupTransport())
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    server.version = "default"  # restarted
+    with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
+        engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
