@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgrpo.checks import require
+from sgrpo.checks import ConfigError, require
 
 #: how a model calls a tool (Hermes / Qwen2.5 / Qwen3 chat templates)
 TOOL_CALL_FORMAT = '<tool_call>\n{"name": <tool name>, "arguments": {<argument>: <value>, ...}}\n</tool_call>'
@@ -70,7 +70,7 @@ def resolve_tool(tool: Callable[..., Any] | str, field_name: str = "tool") -> Ca
         try:
             tool = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as err:
-            raise ValueError(f"{field_name}: cannot import {tool!r} ({err})") from None
+            raise ConfigError(f"{field_name}: cannot import {tool!r} ({err})") from None
     require(callable(tool) and hasattr(tool, "__name__"), f"{field_name} must be a function, got {tool!r}")
     return tool
 

@@ -14,7 +14,8 @@ The next turn is sampled from the row's own ids, so the trainer's log-probs at m
 sampler's (docs/environments.md).
 
 Limits: ``environment.max_turns`` model turns; ``environment.max_episode_tokens`` tokens after the opening
-(generated and observation); the model's positions. A turn cut by a limit ends the episode (truncated).
+(generated and observation); the model's positions. A turn cut by a limit, or an observation that leaves no
+room for another turn (it is then not appended), ends the episode (truncated).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def run_episodes(
                 _take_turn(tokenizer, t, ids, logprobs, masses, eos, budget, max_positions)
         for t in running:
             if not t.done:
-                _answer(tokenizer, t, environment)
+                _answer(tokenizer, t, environment, budget, max_positions)
     return _batch(tokenizer, trajectories, group_size, pad, device)
 
 
@@ -184,7 +185,7 @@ def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos:
         t.done = t.truncated = True
 
 
-def _answer(tokenizer, t: _Trajectory, environment) -> None:
+def _answer(tokenizer, t: _Trajectory, environment, budget: int | None, max_positions: int | None) -> None:
     """The environment's answer to the last turn, appended to the row (or a new row where the template breaks)."""
     observation = _call(environment, "step", t.example, [dict(m) for m in t.messages])
     if not hasattr(observation, "messages") or not isinstance(observation.messages, list):
@@ -196,19 +197,27 @@ def _answer(tokenizer, t: _Trajectory, environment) -> None:
     if observation.done or not observation.messages or t.counts["turns"] >= environment.max_turns:
         t.done = True
         return
-    answered = t.messages
-    t.messages = [*t.messages, *observation.messages]
-    rendered = render(tokenizer, t.messages, t.kwargs)
-    if rendered.startswith(t.text):  # the template extends the row: tokenize only what is new
+    messages = [*t.messages, *observation.messages]
+    rendered = render(tokenizer, messages, t.kwargs)
+    extends = rendered.startswith(t.text)  # else the template re-rendered earlier turns (stripped thinking)
+    if extends:  # tokenize only what is new
         ids = tokenizer(rendered[len(t.text) :], add_special_tokens=False)["input_ids"]
+        added, context = len(ids), len(t.context()) + len(ids)
+    else:  # a new row of the same trajectory opening with the rendering: nothing sampled is re-tokenized
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        so_far = tokenizer(render(tokenizer, t.messages, t.kwargs, False), add_special_tokens=False)["input_ids"]
+        added, context = max(len(ids) - len(so_far), 0), len(ids)  # the observations' share of the new prompt
+    used = t.counts["generated_tokens"] + t.counts["observation_tokens"] + added
+    if (budget is not None and used >= budget) or (max_positions is not None and context >= max_positions):
+        t.done = t.truncated = True  # no room for the observation and a turn after it: the episode ends here
+        return
+    if extends:
         t.rows[-1].extend(ids, False)
-        t.counts["observation_tokens"] += len(ids)
-    else:  # the template re-rendered earlier turns: a new row of the same trajectory, nothing re-tokenized
-        t.rows.append(_Row(tokenizer(rendered, add_special_tokens=False)["input_ids"]))
+    else:
+        t.rows.append(_Row(ids))
         t.counts["forks"] += 1
-        so_far = tokenizer(render(tokenizer, answered, t.kwargs, False), add_special_tokens=False)["input_ids"]
-        t.counts["observation_tokens"] += max(len(t.rows[-1].prompt) - len(so_far), 0)  # the observations' share
-    t.text = rendered
+    t.counts["observation_tokens"] += added
+    t.messages, t.text = messages, rendered
 
 
 def _call(environment, method: str, *args):
