@@ -11,7 +11,7 @@ from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
 from tasks.environment import Environment, Observation
 
-CHARS = "0123456789+=: abcdefghijklmnopqrstuvwxyz"
+CHARS = "0123456789+=: abcdefghijklmnopqrstuvwxyz\n"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 #: every message as <|im_start|>role\ncontent<|im_end|>: each rendering extends the one before
 PREFIX = (
