@@ -162,3 +162,47 @@ def test_an_environment_that_raises_stops_the_step_naming_it(chat_dir):
                          prompts_per_step=2, environment=Broken())  # fmt: skip
     with pytest.raises(EnvironmentFailure, match=r"environment Broken failed in step\(\): KeyError"):
         run_steps(policy)
+
+
+class ChatSynthetic(Task):
+    """Chat prompts for a config test: the synthetic task's settings, messages instead of raw text."""
+
+    def __init__(self, **settings) -> None:
+        super().__init__(Length(), **settings)
+
+    def load(self, split):
+        return EXAMPLES * 2
+
+    def success(self, example, completion) -> bool:
+        return completion == example.answer
+
+
+def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, tmp_path):
+    """The config form of docs/environments.md, through sgrpo.fit: parsed, checked, one training step."""
+    import yaml
+
+    from sgrpo.fit import main, parse
+    from tasks.environment import ToolEnvironment
+    from tests.test_tools import multiply
+
+    config = {
+        "model": {
+            "model": str(chat_dir),
+            "task": {"class_path": "tests.test_episodes_training.ChatSynthetic"},
+            "estimator": {"class_path": "estimators.GRPO"},
+            "rollout": {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"max_new_tokens": 8}},
+            "environment": {"class_path": "tasks.environment.ToolEnvironment",
+                            "init_args": {"tools": ["tests.test_tools.multiply"], "max_turns": 2}},
+            "group_size": 2, "prompts_per_step": 2, "val_samples": 1,
+        },
+        "trainer": {"accelerator": "cpu", "max_steps": 1, "default_root_dir": str(tmp_path / "run"),
+                    "logger": False, "limit_val_batches": 0},
+        "seed_everything": 0,
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    environment = parse(["--config", str(path)]).model.environment
+    assert isinstance(environment, ToolEnvironment) and environment.tools == {"multiply": multiply}
+    assert environment.max_turns == 2
+    main(["fit", "--config", str(path)])
+    assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
