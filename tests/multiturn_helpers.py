@@ -57,6 +57,17 @@ class Reply(Environment):
         return Observation([{"role": "user", "content": f"go on {turns}"}], reward=0.25)
 
 
+#: a chat template in the characters of sgrpo.model.tiny's synthetic tokenizer (the tests' shared tiny model)
+DIGITS_TEMPLATE = "{% for m in messages %}{{ m['content'] }}:{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+class Digits(Environment):
+    """Answers every turn with "1+1" (characters the synthetic tokenizer has)."""
+
+    def step(self, example: Example, messages) -> Observation:
+        return Observation([{"role": "user", "content": "1+1"}])
+
+
 class Broken(Environment):
     def step(self, example: Example, messages) -> Observation:
         raise KeyError("no such state")
