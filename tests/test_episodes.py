@@ -99,8 +99,9 @@ def test_a_thinking_stripping_template_starts_a_new_row_instead_of_retokenizing(
 
 
 @pytest.mark.parametrize("template", [PREFIX, STRIP])
-@pytest.mark.parametrize("packing", [False, True])
-def test_the_trainers_logprobs_at_loss_tokens_are_the_samplers(template, packing):
+@pytest.mark.parametrize("layout", ["padded", "shared_prompts", "packed"])
+def test_the_trainers_logprobs_at_loss_tokens_are_the_samplers(template, layout):
+    """Observation tokens inside the completion region (attended, mask 0) in every log-prob layout."""
     tokenizer = chat_tokenizer(template)
     model = chat_model(tokenizer)
     torch.manual_seed(1)
@@ -108,7 +109,7 @@ def test_the_trainers_logprobs_at_loss_tokens_are_the_samplers(template, packing
     assert batch.logprobs is not None and int(batch.completion_mask.sum()) > 20
     with torch.no_grad():
         logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                      share_prompts=False, packing=packing)  # fmt: skip
+                                      share_prompts=layout == "shared_prompts", packing=layout == "packed")  # fmt: skip
     mask = batch.completion_mask
     assert float((logp - batch.logprobs)[mask].abs().max()) <= 1e-5
     assert torch.all(batch.logprobs[~mask] == 0)
