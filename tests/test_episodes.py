@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sgrpo.model.logprobs import completion_logprobs
-from sgrpo.rollout.episodes import EpisodeError, multi_turn_problem, render, run_episodes
+from sgrpo.rollout.episodes import EpisodeError, batched_turns, multi_turn_problem, render, run_episodes
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.train.loss import BatchCounts, ClippedSurrogate, TokenBatch
 from tests.multiturn_helpers import EXAMPLES, PREFIX, STRIP, Broken, Reply, chat_model, chat_tokenizer
@@ -37,7 +37,8 @@ def episodes(template: str, environment, seed: int = 0, max_new_tokens: int = 16
     recorder = Recorder(HFRollout(max_new_tokens=max_new_tokens), model, tokenizer)
     torch.manual_seed(seed)
     with torch.inference_mode():
-        batch = run_episodes(recorder, tokenizer, EXAMPLES, G, environment, recorder.eos, recorder.pad,
+        turns = batched_turns(recorder, recorder.pad, torch.device("cpu"))
+        batch = run_episodes(turns, tokenizer, EXAMPLES, G, environment, recorder.eos, recorder.pad,
                              torch.device("cpu"), max_positions=512)  # fmt: skip
     return batch, tokenizer, model, recorder
 
