@@ -57,8 +57,12 @@ class Reply(Environment):
         return Observation([{"role": "user", "content": f"go on {turns}"}], reward=0.25)
 
 
-#: a chat template in the characters of sgrpo.model.tiny's synthetic tokenizer (the tests' shared tiny model)
-DIGITS_TEMPLATE = "{% for m in messages %}{{ m['content'] }}:{% endfor %}{% if add_generation_prompt %}={% endif %}"
+#: a chat template in the characters of sgrpo.model.tiny's synthetic tokenizer (the tests' shared tiny model): an
+#: assistant turn is "=" (the generation prompt), its text and <eos>, so each rendering extends the one before
+DIGITS_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}={{ m['content'] }}<eos>{% else %}{{ m['content'] }}:"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
 
 
 class Digits(Environment):

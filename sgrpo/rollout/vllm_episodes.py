@@ -1,0 +1,58 @@
+"""Multi-turn episodes from the colocated vLLM engine: the episode loop of ``sgrpo.rollout.episodes``, each turn of
+every running episode one vLLM request of one sample whose prompt is the row's own token ids (tokens in), its
+sampled ids and log-probs kept as they are (tokens out). ``VLLMRollout.generate_episodes`` syncs and wakes the
+engine once for all of a rollout's turns and calls ``vllm_episodes``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sgrpo.rollout.engine import stop_and_pad_ids
+from sgrpo.rollout.episodes import Turn, run_episodes
+from sgrpo.rollout.vllm_requests import _sampled_logprobs, sampling_kwargs
+from sgrpo.types import Example, RolloutBatch
+
+#: (prompts [{"prompt_token_ids": ids}], sampling params, an engine seed for the step or None) -> RequestOutputs
+Requests = Callable[[list[dict[str, Any]], list[Any], int | None], Sequence[Any]]
+
+
+def vllm_episodes(
+    requests: Requests,
+    sampling_params: Callable[..., Any],
+    engine,
+    model: nn.Module,
+    tokenizer,
+    examples: Sequence[Example],
+    group_size: int,
+    environment,
+    greedy: bool = False,
+) -> RolloutBatch:
+    """``group_size`` episodes per example; ``engine`` (a ``VLLMRollout``) gives the sampling settings and seeds
+    as its ``generate`` does (per-request seeds from torch's RNG, or one engine seed per turn), ``sampling_params``
+    is ``vllm.SamplingParams``. Episodes end at ``max_model_len`` (else the model's positions)."""
+    eos, pad = stop_and_pad_ids(model, tokenizer)
+    settings = dict(max_new_tokens=engine.max_new_tokens, temperature=engine.temperature, top_p=engine.top_p,
+                    top_k=engine.top_k, stop_token_ids=eos, greedy=greedy)  # fmt: skip
+
+    def sample(contexts: list[list[int]]) -> list[Turn]:
+        draw = engine.seed_per_request and not greedy
+        seeds = torch.randint(2**31 - 1, (len(contexts),), device="cpu").tolist() if draw else [None] * len(contexts)
+        step_seed = None if greedy or draw else int(torch.randint(2**31 - 1, (1,), device="cpu"))
+        params = [sampling_params(**sampling_kwargs(group_size=1, seed=seed, **settings)) for seed in seeds]
+        outputs = requests([{"prompt_token_ids": list(c)} for c in contexts], params, step_seed)
+        turns = []
+        for output in outputs:
+            ids = list(output.outputs[0].token_ids)
+            turns.append((ids, _sampled_logprobs(output.outputs[0].logprobs, ids), None))
+        return turns
+
+    positions = engine.max_model_len
+    if positions is None:
+        positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    device = next(model.parameters()).device
+    return run_episodes(sample, tokenizer, examples, group_size, environment, eos, pad, device,
+                        max_positions=positions)  # fmt: skip
