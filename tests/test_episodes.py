@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from sgrpo.model.logprobs import completion_logprobs
 from sgrpo.rollout.episodes import EpisodeError, batched_turns, multi_turn_problem, render, run_episodes
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.train.loss import BatchCounts, ClippedSurrogate, TokenBatch
+from tasks.environment import Observation
 from tests.multiturn_helpers import EXAMPLES, PREFIX, STRIP, Broken, Reply, chat_model, chat_tokenizer
 
 G = 3
@@ -154,6 +157,20 @@ def test_episodes_stop_at_max_turns_and_at_the_token_budget():
 def test_an_environment_that_raises_fails_the_step_naming_it():
     with pytest.raises(EpisodeError, match=r"environment Broken failed in step\(\): KeyError: 'no such state'"):
         episodes(PREFIX, Broken())
+
+
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        ("go on", "returned str, not an Observation"),
+        (Observation([{"role": "user"}]), "returned the message {'role': 'user'}, not a dict with text role"),
+        (Observation([], reward=float("nan")), "returned the reward nan, not a finite number or None"),
+    ],
+)
+def test_an_environment_that_answers_wrongly_fails_the_step_naming_it(answer, problem):
+    wrong = type("Wrong", (Reply,), {"step": lambda self, example, messages: answer})()
+    with pytest.raises(EpisodeError, match=f"environment Wrong {re.escape(problem)}"):
+        episodes(PREFIX, wrong)
 
 
 def test_a_template_unusable_for_multi_turn_is_refused():

@@ -20,6 +20,7 @@ room for another turn (it is then not appended), ends the episode (truncated).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,9 +200,10 @@ def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos:
 def _answer(tokenizer, t: _Trajectory, environment, budget: int | None, max_positions: int | None) -> None:
     """The environment's answer to the last turn, appended to the row (or a new row where the template breaks)."""
     observation = _call(environment, "step", t.example, [dict(m) for m in t.messages])
-    if not hasattr(observation, "messages") or not isinstance(observation.messages, list):
-        raise EpisodeError(f"environment {environment.name} returned {type(observation).__name__} from step, not an "
-                           f"Observation: return tasks.environment.Observation(messages, reward, done)")  # fmt: skip
+    problem = observation_problem(observation)
+    if problem is not None:
+        raise EpisodeError(f"environment {getattr(environment, 'name', type(environment).__name__)} returned {problem} "
+                           f"from step(): return tasks.environment.Observation(messages, reward, done)")  # fmt: skip
     t.rewards.append(None if observation.reward is None else float(observation.reward))
     t.counts["tool_calls"] += int(getattr(observation, "tool_calls", 0))
     t.counts["tool_failures"] += int(getattr(observation, "tool_failures", 0))
@@ -229,6 +231,21 @@ def _answer(tokenizer, t: _Trajectory, environment, budget: int | None, max_posi
         t.counts["forks"] += 1
     t.counts["observation_tokens"] += added
     t.messages, t.text = messages, rendered
+
+
+def observation_problem(observation) -> str | None:
+    """What is wrong with what ``step`` returned, or None: messages must be a list of {"role": str, "content": str}
+    dicts, the reward None or a finite number."""
+    messages = getattr(observation, "messages", None)
+    if not isinstance(messages, list) or not hasattr(observation, "done"):
+        return f"{type(observation).__name__}, not an Observation"
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"the message {m!r}, not a dict with text role and content"
+    reward = getattr(observation, "reward", None)
+    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        return f"the reward {reward!r}, not a finite number or None"
+    return None
 
 
 def _call(environment, method: str, *args):
