@@ -193,22 +193,8 @@ class VLLMRollout(RolloutEngine):
         """Multi-turn episodes (``sgrpo.rollout.vllm_episodes``): synced and woken once, asleep after the last turn."""
         from sgrpo.rollout.vllm_episodes import vllm_episodes
 
-        if self.tensor_parallel_size > 1:  # pooled engines need every process at every turn: episodes differ
-            raise ValueError("multi-turn episodes need rollout.tensor_parallel_size 1 (each process its own engine)")
-        vllm, llm = import_vllm(), self._engine(model)
-        self._ready(llm, model)
-
-        def requests(prompts, params, step_seed):
-            with engine_rng(step_seed):
-                return llm.generate(prompts, params, use_tqdm=False)
-
-        try:
-            args = (model, tokenizer, examples, group_size, environment, greedy)
-            return vllm_episodes(requests, vllm.SamplingParams, self, *args)
-        finally:
-            if self.sleep and not self._held:
-                llm.sleep(level=1)
-                self._asleep = True
+        args = (model, tokenizer, examples, group_size, environment, greedy)
+        return vllm_episodes(self, import_vllm().SamplingParams, engine_rng, *args)
 
     def _ready(self, llm, model: nn.Module) -> None:
         """Wake the engine if it sleeps and copy the policy's weights into it if they changed since the last sync
