@@ -196,7 +196,7 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
             "group_size": 2, "prompts_per_step": 2, "val_samples": 1,
         },
         "trainer": {"accelerator": "cpu", "max_steps": 1, "default_root_dir": str(tmp_path / "run"),
-                    "logger": False, "limit_val_batches": 0},
+                    "logger": False, "val_check_interval": 1, "limit_val_batches": 1},
         "seed_everything": 0,
     }  # fmt: skip
     path = tmp_path / "config.yaml"
@@ -206,3 +206,6 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
     assert environment.max_turns == 2
     main(["fit", "--config", str(path)])
     assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/accuracy" in row for row in logged)  # validation ran episodes too
+    assert any("train/episode/tool_calls" in row for row in logged)
