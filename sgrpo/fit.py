@@ -51,7 +51,7 @@ from sgrpo.run.checkpoints import AtomicCheckpointIO
 from sgrpo.run.cli_errors import one_line_errors, union_error
 from sgrpo.run.faults import FailFast, command_ended, disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
-from sgrpo.run.guards import GuardError
+from sgrpo.run.guards import EnvironmentFailure, GuardError
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
     check_config_files,
@@ -272,7 +272,7 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(str(err), 2)
     except ConfigError as err:  # one known only once the processes exist (before any model loads)
         exit_with_error(f"invalid configuration: {err}", 2)
-    except GuardError as err:  # a reward that keeps failing, a diverged run: one line
+    except (GuardError, EnvironmentFailure) as err:  # a reward that keeps failing, a diverged run: one line
         exit_with_error(str(err), 1)
     except Exception as err:  # a full or read-only disk at run time: one line, the run's checkpoints kept
         disk = disk_fault(err)

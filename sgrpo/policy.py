@@ -19,6 +19,7 @@ from sgrpo.model.head import check_logit_head
 from sgrpo.model.loading import disable_dropout, resolve_model_path, shard_model
 from sgrpo.model.lora import LoRA, apply_lora, is_adapter
 from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_token
+from sgrpo.rollout.episodes import multi_turn_problem
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
@@ -30,6 +31,7 @@ from sgrpo.train.step_logging import StepLogging
 from sgrpo.train.update import PolicyUpdate
 from sgrpo.types import Example
 from tasks.base import Task
+from tasks.environment import Environment
 
 
 class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, LightningModule):
@@ -94,6 +96,7 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         reward_failure_share: float = 1.0,
         reward_failure_steps: int = 3,
         max_nonfinite_steps: int = 3,
+        environment: Environment | None = None,
     ) -> None:
         """The config's ``model:`` block.
 
@@ -139,6 +142,8 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
             reward_failure_steps: Failed steps in a row that stop the run.
             max_nonfinite_steps: Optimiser steps in a row with a non-finite loss or gradient (each skipped) that stop
                 the run (docs/training.md).
+            environment: Multi-turn episodes (``tasks.environment.Environment``, docs/environments.md); null: one
+                completion per sample.
         """
 
         super().__init__()
@@ -170,6 +175,11 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
             "and min_new_tokens 0 (top_p is allowed), and give truncated sampling to val_rollout for evaluation",
         )
         self.val_rollout = val_rollout if val_rollout is not None else self.rollout
+        self.environment = environment
+        for key in ("rollout", "val_rollout") if environment is not None else ():
+            engine = getattr(self, key)
+            require(engine.runs_episodes, f"model.{key}: {type(engine).__name__} does not run multi-turn episodes, "
+                    "which model.environment needs: use sgrpo.rollout.HFRollout, or environment: null")  # fmt: skip
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -228,6 +238,11 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         path = resolve_model_path(self.model_path)
         self.tokenizer = with_pad_token(AutoTokenizer.from_pretrained(path))  # none: EOS pads
         self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
+        if self.environment is not None:  # refused here, before the weights load, in one line
+            self.environment.adapt_to_tokenizer(self.tokenizer)
+            problem = multi_turn_problem(self.tokenizer, self.environment, self.task.chat_template_kwargs)
+            require(problem is None, f"model.environment: {self.environment.name} needs a multi-turn chat template, "
+                    f"but {path}: {problem}; use a model whose chat template renders tool and user turns")  # fmt: skip
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if self.peft is not None:
             apply_lora(self.model, self.peft)  # only the adapters train

@@ -34,20 +34,28 @@ class Example:
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """G sampled completions for each of B prompts; row ``b * G + g`` is completion g of prompt b.
+    """G sampled completions for each of B prompts; trajectory ``b * G + g`` is completion g of prompt b.
 
-    N = B * G rows; P = prompt length (left-padded), T = completion length (right-padded).
+    N = B * G trajectories; P = prompt length (left-padded), T = completion length (right-padded). Single-turn:
+    row i is trajectory i (``trajectory`` None). Multi-turn (``sgrpo.rollout.episodes``): a row's completion
+    region holds the model's turns (``completion_mask`` 1: the loss mask, generated tokens only) and the
+    observations between them (attended, mask 0, log-prob 0); an episode whose chat template stopped extending
+    its tokens continues in a new row, so N' >= N rows, ``trajectory`` ``[N']`` naming each row's trajectory
+    (rows of a trajectory are consecutive, in order). ``completions``, ``truncated`` and ``episodes`` are per
+    trajectory; every ``[N', ...]`` tensor per row (``per_row`` maps per-trajectory values to rows).
     """
 
-    input_ids: Tensor  # [N, P + T] long: prompt tokens then completion tokens
-    attention_mask: Tensor  # [N, P + T] long: 1 on real tokens (prompt and completion)
-    completion_mask: Tensor  # [N, T] bool: generated tokens, up to and including EOS
-    completions: list[str]  # N decoded completions, special tokens removed
-    truncated: Tensor  # [N] bool: stopped by max_new_tokens before EOS
+    input_ids: Tensor  # [N', P + T] long: prompt tokens then completion tokens
+    attention_mask: Tensor  # [N', P + T] long: 1 on real tokens (prompt, completion, observations)
+    completion_mask: Tensor  # [N', T] bool: generated tokens, up to and including EOS (the loss mask)
+    completions: list[str]  # N decoded completions (an episode's final assistant message), special tokens removed
+    truncated: Tensor  # [N] bool: stopped by max_new_tokens before EOS (an episode: by a token limit)
     group_size: int  # G
-    logprobs: Tensor | None = None  # [N, T] float32 sampling log-probs, 0 on padding (engines that have them)
-    nucleus_mass: Tensor | None = None  # [N, T] float32 the mass top-p kept for each token, 0 on padding (ditto)
-    versions: Tensor | None = None  # [N] long: the training step whose weights sampled each row (async rollouts)
+    logprobs: Tensor | None = None  # [N', T] float32 sampling log-probs, 0 on padding (engines that have them)
+    nucleus_mass: Tensor | None = None  # [N', T] float32 the mass top-p kept for each token, 0 on padding (ditto)
+    versions: Tensor | None = None  # [N'] long: the training step whose weights sampled each row (async rollouts)
+    trajectory: Tensor | None = None  # [N'] long: each row's trajectory; None: row i is trajectory i
+    episodes: list[Episode] | None = None  # N multi-turn episodes (None: single-turn)
 
     @property
     def prompt_length(self) -> int:
@@ -55,13 +63,28 @@ class RolloutBatch:
 
     @property
     def num_groups(self) -> int:
-        return self.input_ids.shape[0] // self.group_size
+        return len(self.completions) // self.group_size
+
+    def row_trajectory(self) -> Tensor:
+        """``[N']`` long: each row's trajectory."""
+        if self.trajectory is not None:
+            return self.trajectory
+        return torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
+
+    def per_row(self, values: Tensor) -> Tensor:
+        """Per-trajectory ``values`` ``[N, ...]`` as per-row ``[N', ...]`` (the same tensor when single-turn)."""
+        return values if self.trajectory is None else values[self.trajectory.to(values.device)]
 
     def __post_init__(self) -> None:
         n, total = self.input_ids.shape
         t = self.completion_mask.shape[1]
-        if self.group_size < 1 or n % self.group_size:
-            raise ValueError(f"rows ({n}) must be a multiple of group_size ({self.group_size})")
+        trajectories = len(self.completions)
+        if self.group_size < 1 or trajectories % self.group_size:
+            raise ValueError(f"trajectories ({trajectories}) must be a multiple of group_size ({self.group_size})")
+        if (n != trajectories) if self.trajectory is None else (self.trajectory.shape != (n,)):
+            raise ValueError(f"{n} rows for {trajectories} trajectories need a trajectory index [{n}]")
+        if self.episodes is not None and len(self.episodes) != trajectories:
+            raise ValueError(f"need {trajectories} episodes, got {len(self.episodes)}")
         bad_logprobs = any(x is not None and x.shape != (n, t) for x in (self.logprobs, self.nucleus_mass))
         if self.attention_mask.shape != (n, total) or bad_logprobs or t > total:
             raise ValueError(
@@ -71,23 +94,32 @@ class RolloutBatch:
             )
         if self.versions is not None and self.versions.shape != (n,):
             raise ValueError(f"versions must be [{n}] (one per row), got {tuple(self.versions.shape)}")
-        if len(self.completions) != n or self.truncated.shape != (n,):
-            raise ValueError(f"need {n} completions and truncated flags, got {len(self.completions)}")
+        if self.truncated.shape != (trajectories,):
+            raise ValueError(f"need {trajectories} truncated flags, got {tuple(self.truncated.shape)}")
 
     def select_groups(self, groups: Tensor) -> RolloutBatch:
         """The rows of groups ``groups`` ``[K]`` (indices), in that order."""
         g = self.group_size
-        rows = (groups.unsqueeze(-1) * g + torch.arange(g, device=groups.device)).reshape(-1)  # [K * G]
+        chosen = (groups.unsqueeze(-1) * g + torch.arange(g, device=groups.device)).reshape(-1)  # [K * G]
+        rows, trajectory = chosen, None
+        if self.trajectory is not None:  # each chosen trajectory's rows, renumbered in the new order
+            own = self.trajectory.to(chosen.device)
+            matches = (own.unsqueeze(0) == chosen.unsqueeze(-1)).long()  # [K * G, N']
+            rows = matches.nonzero()[:, 1]  # row-major: trajectories in the chosen order, their rows in order
+            trajectory = matches.nonzero()[:, 0].to(self.trajectory.device)
+        rows_on = rows.to(self.input_ids.device)
         return RolloutBatch(
-            input_ids=self.input_ids[rows],
-            attention_mask=self.attention_mask[rows],
-            completion_mask=self.completion_mask[rows],
-            completions=[self.completions[i] for i in rows.tolist()],
-            truncated=self.truncated[rows],
+            input_ids=self.input_ids[rows_on],
+            attention_mask=self.attention_mask[rows_on],
+            completion_mask=self.completion_mask[rows_on],
+            completions=[self.completions[i] for i in chosen.tolist()],
+            truncated=self.truncated[chosen.to(self.truncated.device)],
             group_size=g,
-            logprobs=None if self.logprobs is None else self.logprobs[rows],
-            nucleus_mass=None if self.nucleus_mass is None else self.nucleus_mass[rows],
-            versions=None if self.versions is None else self.versions[rows],
+            logprobs=None if self.logprobs is None else self.logprobs[rows_on],
+            nucleus_mass=None if self.nucleus_mass is None else self.nucleus_mass[rows_on],
+            versions=None if self.versions is None else self.versions[rows_on.to(self.versions.device)],
+            trajectory=trajectory,
+            episodes=None if self.episodes is None else [self.episodes[i] for i in chosen.tolist()],
         )
 
     @staticmethod
@@ -120,4 +152,41 @@ class RolloutBatch:
             logprobs=per_token("logprobs"),
             nucleus_mass=per_token("nucleus_mass"),
             versions=None if any(b.versions is None for b in batches) else torch.cat([b.versions for b in batches]),
+            trajectory=_joined_trajectories(batches),
+            episodes=None if any(b.episodes is None for b in batches) else [e for b in batches for e in b.episodes],
         )
+
+
+def _joined_trajectories(batches: Sequence[RolloutBatch]) -> Tensor | None:
+    """The row -> trajectory index of ``RolloutBatch.cat``'s result (None when no batch has one)."""
+    if all(b.trajectory is None for b in batches):
+        return None
+    offsets = [0]
+    for b in batches[:-1]:
+        offsets.append(offsets[-1] + len(b.completions))
+    return torch.cat([b.row_trajectory() + offset for b, offset in zip(batches, offsets)])
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One multi-turn episode (``tasks.environment``): its conversation and counts, for logs and rewards.
+
+    ``messages``: the whole conversation (opening, model turns, observations); ``rewards``: the environment's
+    per-turn rewards (None where a turn had none); ``turns``: model turns; ``tool_calls`` / ``tool_failures``;
+    ``generated_tokens`` / ``observation_tokens``: tokens after the opening by role; ``forks``: rows started
+    because the chat template did not extend the previous tokens (the trajectory has ``forks + 1`` rows).
+    """
+
+    messages: Messages
+    rewards: list[float | None] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    generated_tokens: int = 0
+    observation_tokens: int = 0
+    forks: int = 0
+
+    @property
+    def reward(self) -> float:
+        """The sum of the per-turn rewards (0 without any), added to the task's reward of the episode."""
+        return float(sum(r for r in self.rewards if r is not None))

@@ -4,6 +4,7 @@ from tasks.arithmetic import CountdownReward, grade_countdown
 from tasks.base import SPLITS, Task
 from tasks.countdown import Countdown, CountdownGold
 from tasks.deepmath import DeepMath
+from tasks.environment import Environment, Observation, ToolEnvironment
 from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
 from tasks.holdout import hash_holdout, paper_holdout
@@ -44,6 +45,7 @@ __all__ = [
     "CountdownReward",
     "DeepMath",
     "EditSimilarity",
+    "Environment",
     "FunctionReward",
     "ExactMatch",
     "GSM8K",
@@ -51,6 +53,7 @@ __all__ = [
     "MathVerifyReward",
     "MeetingBank",
     "NumericMatch",
+    "Observation",
     "OpenThoughts",
     "PaperMathVerify",
     "PoetryClassification",
@@ -66,6 +69,7 @@ __all__ = [
     "Task",
     "TextSimilarity",
     "ThinkFormat",
+    "ToolEnvironment",
     "WeightedSum",
     "WordSimilarity",
     "final_text",

@@ -1,8 +1,10 @@
 """Sample completions in the logs: a few groups every N steps, as ``completions.jsonl`` and in the logger.
 
 Each row: the step, the group, the prompt (decoded from its tokens), the completion, its reward and every
-reward component, whether it succeeded, and its advantage. The run folder's ``completions.jsonl`` gets
-one JSON object per row; TensorBoard gets a markdown table as text (``completions``), W&B a table.
+reward component, whether it succeeded, and its advantage; a multi-turn episode's row adds ``episode``: its
+messages, the environment's per-turn rewards and its counts (``episode_record``). The run folder's
+``completions.jsonl`` gets one JSON object per row; TensorBoard gets a markdown table as text (``completions``),
+W&B a table.
 """
 
 from __future__ import annotations
@@ -35,8 +37,17 @@ def completion_rows(
             row |= {"reward": float(rewards[b, g]), "success": bool(success[b, g])}
             row |= {"advantage": float(advantages[b, g])}
             row |= {f"reward/{name}": float(values[b, g]) for name, values in parts.items()}
+            if rollout.episodes is not None:
+                row["episode"] = episode_record(rollout.episodes[b * size + g])
             rows.append(row)
     return rows
+
+
+def episode_record(episode) -> dict[str, Any]:
+    """A multi-turn episode as JSON: its messages (opening, turns, observations), the environment's per-turn
+    rewards (null where a turn had none) and its counts."""
+    counts = ("turns", "tool_calls", "tool_failures", "generated_tokens", "observation_tokens", "forks")
+    return {"messages": episode.messages, "turn_rewards": episode.rewards} | {k: getattr(episode, k) for k in counts}
 
 
 def write_rows(rows: list[dict[str, Any]], run_dir: Path, loggers: list, step: int) -> None:
@@ -53,7 +64,7 @@ def write_rows(rows: list[dict[str, Any]], run_dir: Path, loggers: list, step: i
         if kind == "TensorBoardLogger":
             logger.experiment.add_text("completions", markdown_table(columns, rows), global_step=step)
         elif kind == "WandbLogger":
-            data = [[r[c] for c in columns] for r in rows]
+            data = [[json.dumps(r[c]) if isinstance(r[c], dict) else r[c] for c in columns] for r in rows]
             logger.log_table(key="completions", columns=columns, data=data, step=step)
 
 
@@ -61,6 +72,7 @@ def markdown_table(columns: list[str], rows: list[dict[str, Any]]) -> str:
     """Rows as a markdown table (cells escaped: pipes, newlines)."""
     def cell(value: Any) -> str:
         text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        text = json.dumps(value) if isinstance(value, dict) else text
         return text.replace("|", "\\|").replace("\n", "<br>")
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

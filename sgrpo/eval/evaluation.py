@@ -99,9 +99,7 @@ class PolicyEvaluation:
         examples = [example for _, example in batch]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, batch_idx, self.global_rank, SPLITS[split][1]))
-            rollout = self.val_rollout.generate(
-                self.model, self.tokenizer, examples, self.val_samples, greedy=self.val_greedy
-            )
+            rollout = self.generate_with(self.val_rollout, examples, self.val_samples, greedy=self.val_greedy)
         repeated = [ex for ex in examples for _ in range(self.val_samples)]
         with torch.device("cpu"):  # host tensors from the task, as in `score`
             correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)

@@ -42,11 +42,21 @@ class RolloutEngine(ABC):
     samples_from_policy: bool = True
     #: the longest prompt + completion the engine takes (vLLM: ``max_model_len``); None: the model's positions
     max_total_tokens: int | None = None
+    #: True when the engine runs multi-turn episodes (``generate_episodes``, ``model.environment``)
+    runs_episodes: bool = False
 
     @abstractmethod
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
     ) -> RolloutBatch: ...
+
+    def generate_episodes(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, environment,
+        greedy: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        """``group_size`` multi-turn episodes of ``environment`` (``tasks.environment.Environment``) per example
+        (``sgrpo.rollout.episodes``); engines with ``runs_episodes`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not run multi-turn episodes (model.environment)")
 
     def truncation(self) -> str | None:
         """Which setting that training refuses makes the sampled distribution differ from softmax(logits / T), or None.

@@ -15,6 +15,7 @@ from sgrpo.rollout.snapshot import RolloutWeights
 from sgrpo.types import Example, RolloutBatch
 
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "completion_mask", "truncated", "logprobs", "nucleus_mass")
+_TENSOR_FIELDS += ("trajectory",)
 
 
 class HFRollout(RolloutEngine):
@@ -45,7 +46,12 @@ class HFRollout(RolloutEngine):
         decoder: "lean" (sgrpo's decoder) or "generate" (transformers').
         weights_snapshot: Decode on weights gathered once per rollout (null: on for FSDP2-sharded models).
         cuda_graphs: Replay decode steps as CUDA graphs (GPU, lean decoder, Llama-family models).
+
+    With ``model.environment``, ``generate_episodes`` runs multi-turn episodes (``sgrpo.rollout.episodes``): the
+    turns of every running episode sampled together, each turn up to ``max_new_tokens``.
     """
+
+    runs_episodes = True
 
     def __init__(
         self,
@@ -82,18 +88,50 @@ class HFRollout(RolloutEngine):
         self._weights = RolloutWeights(weights_snapshot)
 
     def generate(
-        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
-    ) -> RolloutBatch:
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False,
+        environment=None,
+    ) -> RolloutBatch:  # fmt: skip
         # FSDP2 reuses its gathered-parameter buffers across modes: inference tensors would poison them
         with torch.no_grad() if is_sharded(model) else torch.inference_mode():
-            batch = self._sample(model, tokenizer, examples, group_size, greedy)
+            batch = self._sample(model, tokenizer, examples, group_size, greedy, environment)
         # inference tensors cannot enter autograd (the update embeds these ids): make normal copies
         copies = {k: getattr(batch, k).clone() for k in _TENSOR_FIELDS if getattr(batch, k) is not None}
         return dataclasses.replace(batch, **copies)
 
+    def generate_episodes(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, environment,
+        greedy: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        return self.generate(model, tokenizer, examples, group_size, greedy, environment)
+
+    def _episodes(self, model, sampler, tokenizer, examples, group_size: int, environment, greedy) -> RolloutBatch:
+        """Episodes decoded on ``sampler`` (the model, or its weights gathered once: no collective per turn, so
+        processes may run different numbers of turns)."""
+        from sgrpo.rollout.episodes import batched_turns, run_episodes
+
+        if is_sharded(model) and world_size() > 1 and sampler is model:
+            raise ValueError("multi-turn episodes under FSDP2 need rollout.weights_snapshot null or true (processes "
+                             "run different numbers of turns, so decoding must not gather per forward)")  # fmt: skip
+        eos, pad = stop_and_pad_ids(model, tokenizer)
+        positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        rows = lambda ids, mask, row_prompt: self._generate_rows(sampler, ids, mask, row_prompt, eos, pad, greedy)  # noqa: E731
+        device = next(model.parameters()).device
+        turns = batched_turns(rows, pad, device)
+        return run_episodes(turns, tokenizer, examples, group_size, environment, eos, pad, device, self.max_batch_rows,
+                            positions)  # fmt: skip
+
     def _sample(
-        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool
-    ) -> RolloutBatch:
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool,
+        environment=None,
+    ) -> RolloutBatch:  # fmt: skip
+        if environment is not None:
+            was_training = model.training
+            model.eval()
+            try:
+                with self._weights(model) as sampler:
+                    return self._episodes(model, sampler, tokenizer, examples, group_size, environment, greedy)
+            finally:
+                model.train(was_training)
         device = next(model.parameters()).device
         texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
         eos, pad = stop_and_pad_ids(model, tokenizer)

@@ -15,6 +15,13 @@ class RewardFailureError(GuardError):
     """A run stopped because its reward kept failing; the message says how often and what to change."""
 
 
+class EnvironmentFailure(RuntimeError):
+    """A step stopped because its multi-turn environment raised; the message names the environment and the error.
+
+    Raised by the one process whose episode failed (not a ``GuardError``: the others do not agree on it), so with
+    several processes ``sgrpo.run.faults`` ends them all; alone, ``sgrpo.fit`` prints it in one line."""
+
+
 class DivergenceError(GuardError):
     """A run stopped because its loss or gradient was not finite several optimiser steps in a row."""
 

@@ -45,6 +45,13 @@ def micro_batches(
     return chunks
 
 
+def completion_spans(token_mask: Tensor) -> Tensor:
+    """``[R]``: columns of each row's completion region up to its last trained token (0 without one): its loss
+    tokens when they are a prefix (single-turn), more where a multi-turn row's observations lie between them."""
+    t = token_mask.shape[-1]
+    return torch.where(token_mask.any(-1), t - token_mask.flip(-1).int().argmax(-1), 0)
+
+
 def trim(rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
     """The rows' tensors without all-padding columns: left prompt padding and trailing completion padding."""
     ids, attn, mask = rollout.input_ids[rows], rollout.attention_mask[rows], token_mask[rows]
@@ -106,7 +113,7 @@ def update_micro_batches(
     ``agree(bins_needed)`` bins (the most any process needs, so that FSDP2's collectives pair up with even work).
     Padded: rows of similar completion length (``micro_batches``)."""
     if not packed:
-        return micro_batches(rows, token_mask[rows].sum(-1), rollout.prompt_length, max_rows, max_tokens)
+        return micro_batches(rows, completion_spans(token_mask[rows]), rollout.prompt_length, max_rows, max_tokens)
     _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
     costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
     if max_tokens == "auto":

@@ -11,7 +11,9 @@ from torch import Tensor
 
 from estimators.base import constant_groups
 from sgrpo.distributed import any_process
+from sgrpo.rollout.episodes import EpisodeError
 from sgrpo.run.data import mix_seed
+from sgrpo.run.guards import EnvironmentFailure
 from sgrpo.types import Example, RolloutBatch
 
 
@@ -70,7 +72,16 @@ class GroupCollection:
         seed = mix_seed(self.seed, self.rollout_step, self.global_rank, *([sampling_round] if sampling_round else []))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return self.rollout.generate(self.model, self.tokenizer, examples, self.group_size)
+            return self.generate_with(self.rollout, examples, self.group_size)
+
+    def generate_with(self, engine, examples: list[Example], n: int, greedy: bool = False) -> RolloutBatch:
+        """``n`` samples per example from ``engine``: completions, or with ``environment`` multi-turn episodes."""
+        if getattr(self, "environment", None) is None:
+            return engine.generate(self.model, self.tokenizer, examples, n, greedy=greedy)
+        try:
+            return engine.generate_episodes(self.model, self.tokenizer, examples, n, self.environment, greedy=greedy)
+        except EpisodeError as err:  # the step fails, naming the environment (as a failing reward stops the run)
+            raise EnvironmentFailure(f"{err}; fix the environment (docs/environments.md)") from err
 
     def informative_groups(self, rewards: Tensor) -> Tensor:
         """``[B]`` bool: the groups the update trains on (with ``dynamic_sampling``, not the constant ones)."""
@@ -88,6 +99,9 @@ class GroupCollection:
             result = self.task.score(repeated, rollout.completions)  # reward and success, graded once if they can be
         self.reward_watch.observe(result.failures, len(repeated), self.trainer.strategy)
         rewards = result.total.to(self.device, torch.float32).view(len(examples), self.group_size)
+        if rollout.episodes is not None:  # the environment's per-turn rewards, added to the task's
+            turn_rewards = torch.tensor([e.reward for e in rollout.episodes], device=self.device).view_as(rewards)
+            rewards = rewards + turn_rewards
         success = result.success.to(self.device).view_as(rewards)
         log = {
             "train/reward": rewards.mean(),

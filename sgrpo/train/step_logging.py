@@ -28,14 +28,18 @@ class StepLogging:
         if not self.trainer.is_global_zero:
             return
         p, g = rollout.prompt_length, rollout.group_size
-        prompts = self.tokenizer.batch_decode(rollout.input_ids[::g, :p], skip_special_tokens=True)
+        trajectory = rollout.row_trajectory()  # each group's first row: its first trajectory's first row
+        firsts = torch.searchsorted(trajectory, torch.arange(rollout.num_groups, device=trajectory.device) * g)
+        prompts = self.tokenizer.batch_decode(rollout.input_ids[firsts, :p], skip_special_tokens=True)
         rows = completion_rows(
             self.rollout_step, rollout, prompts, rewards, success, parts, advantages, self.log_completions_groups
         )
         write_rows(rows, Path(self.trainer.default_root_dir), self.trainer.loggers, self.rollout_step)
 
     def _log_step(self, rollout, rewards, success, advantages, logs: dict[str, Tensor], timing: dict[str, float]):
-        lengths = rollout.completion_mask.sum(-1).float()  # [N]
+        lengths = rollout.completion_mask.sum(-1).float()  # [N'] generated tokens of each row
+        if rollout.trajectory is not None:  # ... of each trajectory
+            lengths = lengths.new_zeros(len(rollout.completions)).index_add_(0, rollout.trajectory, lengths)
         advantages = advantages.float()
         self._log_mean(
             logs
@@ -49,7 +53,8 @@ class StepLogging:
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             }
             | self._objective(rewards)
-            | nucleus_log(rollout),
+            | nucleus_log(rollout)
+            | episode_log(rollout),
             prog_bar=("train/reward", "train/success_rate"),
         )
         maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
@@ -83,3 +88,18 @@ def nucleus_log(rollout) -> dict[str, Tensor]:
         return {}
     mask = rollout.completion_mask.float()
     return {"train/rollout/nucleus_mass": (rollout.nucleus_mass * mask).sum() / mask.sum().clamp_min(1.0)}
+
+
+def episode_log(rollout) -> dict[str, Tensor]:
+    """Multi-turn episodes' means (``sgrpo.types.Episode``): ``train/episode/turns``, ``tool_calls``, ``tool_failures``,
+    ``tool_use_rate`` (the share of episodes with a tool call), ``tokens/generated`` and ``tokens/observation``
+    (tokens after the opening by role), ``forks`` (rows started where the chat template broke the prefix) and
+    ``env_reward`` (the environment's per-turn rewards, summed per episode); nothing without episodes."""
+    if rollout.episodes is None:
+        return {}
+    fields = {"turns": "turns", "tool_calls": "tool_calls", "tool_failures": "tool_failures", "forks": "forks",
+              "tokens/generated": "generated_tokens", "tokens/observation": "observation_tokens"}  # fmt: skip
+    values = {name: [float(getattr(e, key)) for e in rollout.episodes] for name, key in fields.items()}
+    values["tool_use_rate"] = [float(e.tool_calls > 0) for e in rollout.episodes]
+    values["env_reward"] = [e.reward for e in rollout.episodes]
+    return {f"train/episode/{name}": torch.tensor(v).mean() for name, v in values.items()}

@@ -62,9 +62,11 @@ class PolicyUpdate:
         ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others).
         """
         self._packs(self.model)  # decided once per model, by every process at the same point (collectives)
-        token_mask = rollout.completion_mask & keep_groups.repeat_interleave(rollout.group_size).unsqueeze(-1)
+        # per row: a multi-turn trajectory's rows share its group's advantage (RolloutBatch.per_row)
+        keep_rows = rollout.per_row(keep_groups.repeat_interleave(rollout.group_size))
+        token_mask = rollout.completion_mask & keep_rows.unsqueeze(-1)
         if self.mask_truncated:
-            token_mask = token_mask & ~rollout.truncated.unsqueeze(-1)
+            token_mask = token_mask & ~rollout.per_row(rollout.truncated).unsqueeze(-1)
         rows = token_mask.any(-1).nonzero().squeeze(-1)  # rows that carry loss
         sampler_logp = rollout.logprobs  # [N, T] the sampler's log-probs of its tokens, if it reports them
         stale = self._stale(rollout)  # rows sampled at older weights (async): the decoupled objective
@@ -176,7 +178,7 @@ class PolicyUpdate:
         counts = torch.cat([counts, counts.new_tensor([groups])])
         sequences, tokens, groups = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         counts = BatchCounts(sequences, tokens, self.rollout.max_new_tokens, groups)
-        adv_rows = advantages.reshape(-1)  # [N]
+        adv_rows = rollout.per_row(advantages.reshape(-1))  # [N'] each row its trajectory's advantage
         skipped = len(rows)
         if self.loss.zero_at_zero_advantage:
             rows = rows[adv_rows[rows] != 0]

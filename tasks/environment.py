@@ -1,0 +1,169 @@
+"""Multi-turn episodes: an ``Environment`` answers each model turn with an ``Observation``; ``ToolEnvironment``
+runs plain typed Python functions as tools.
+
+An episode opens with ``Environment.start(example)`` (by default the example's prompt as chat messages); the
+model writes a turn; ``Environment.step(example, messages)`` gets the conversation so far, ending with that
+turn, and returns the messages appended after it (role "tool" or "user"), an optional per-turn reward (added
+to the task's reward of the episode) and whether the episode is done. The episode also ends after
+``max_turns`` model turns, or when its tokens after the opening reach ``max_episode_tokens``. The task's
+reward scores the episode's final assistant message, so every existing reward works unchanged.
+
+The rollout engine (``sgrpo.rollout.episodes``) keeps the model's tokens verbatim and appends each observation
+as the chat template renders it (docs/environments.md). Plugged in by ``class_path`` under ``model.environment``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sgrpo.checks import require
+from sgrpo.types import Example, Messages
+from tasks.tools import TOOL_CALL_FORMAT, ToolRunner, parse_tool_calls, resolve_tool, tool_schema
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an environment answers to one model turn.
+
+    ``messages``: appended after the model's turn (role "tool" or "user"); [] when done. ``reward``: an optional
+    per-turn reward, added to the task's reward of the episode. ``done``: the episode ends here.
+    ``tool_calls`` / ``tool_failures``: the turn's tool calls and how many of them failed (logged as
+    ``train/episode/tool_calls`` and ``train/episode/tool_failures``).
+    """
+
+    messages: Messages
+    reward: float | None = None
+    done: bool = False
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+
+class Environment(ABC):
+    """Answers the model's turns of an episode (module docstring).
+
+    Subclasses implement ``step``; ``start`` defaults to the example's prompt (a raw-text prompt becomes one user
+    message). ``max_turns``: model turns per episode at most; ``max_episode_tokens``: tokens after the opening
+    (generated and observation) per episode at most (None: no limit but the model's positions).
+    ``observation_role``: the role of the messages ``step`` returns, used to check at start that the chat
+    template can render them after an assistant turn. ``template_kwargs`` go to every rendering of the
+    episode's conversation (``ToolEnvironment``: the tools' schemas). ``concurrent_steps``: how many episodes'
+    ``step`` may run at once in threads (1, the default: one after another).
+    """
+
+    max_turns: int = 4
+    max_episode_tokens: int | None = None
+    observation_role: str = "user"
+    #: episodes whose ``step`` runs at once, in threads (1: one after another); raise it for a thread-safe ``step``
+    #: that waits (on tools, a server)
+    concurrent_steps: int = 1
+
+    def __init__(self, max_turns: int = 4, max_episode_tokens: int | None = None) -> None:
+        require(max_turns >= 1, f"max_turns must be >= 1, got {max_turns}")
+        require(max_episode_tokens is None or max_episode_tokens >= 1, "max_episode_tokens must be >= 1 or null")
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+
+    def start(self, example: Example) -> Messages:
+        """The episode's opening messages: by default the example's prompt."""
+        prompt = example.prompt
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+    @abstractmethod
+    def step(self, example: Example, messages: Messages) -> Observation:
+        """The answer to the model's turn: ``messages`` is the conversation so far, ending with that turn."""
+
+    def template_kwargs(self, example: Example) -> Mapping[str, Any]:
+        """Extra keyword arguments of the chat template for this episode (besides the example's own)."""
+        return {}
+
+    def adapt_to_tokenizer(self, tokenizer) -> None:  # noqa: B027 (a hook; most environments need none)
+        """Called once with the tokenizer the policy samples with, before any episode."""
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+class ToolEnvironment(Environment):
+    """Tools as plain typed Python functions: the model calls them in the chat template's own format, Hermes /
+    Qwen style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, and reads their output.
+
+    Each ``tools`` entry is a function (or its "module.function" import path) with type-hinted parameters that
+    returns text; its docstring's first line describes it. The tools' JSON schemas reach the chat template as
+    ``tools=[...]`` when the template renders tools; otherwise a system message lists them with the call format.
+    A turn without a tool call ends the episode (the model has answered); each call gets one "tool" message:
+    the tool's output, or an error (an unknown tool, malformed JSON or arguments, a tool that raises, runs
+    past ``tool_timeout`` seconds, returns something other than text, or prints), counted in ``tool_failures``
+    and the episode goes on. At most ``max_calls_per_turn`` calls run per turn; outputs are cut to
+    ``max_output_chars`` characters. The last allowed turn (``max_turns``) runs no tools. ``concurrent_steps``
+    episodes run their calls at once (threads: for tools that wait, and that are thread-safe).
+    """
+
+    observation_role = "tool"
+
+    def __init__(
+        self,
+        tools: Sequence[Callable[..., str] | str],
+        max_turns: int = 4,
+        tool_timeout: float = 5.0,
+        max_episode_tokens: int | None = None,
+        max_calls_per_turn: int = 8,
+        max_output_chars: int = 2000,
+        system_prompt: str | None = None,
+        concurrent_steps: int = 1,
+    ) -> None:
+        super().__init__(max_turns, max_episode_tokens)
+        require(concurrent_steps >= 1, f"concurrent_steps must be >= 1, got {concurrent_steps}")
+        self.concurrent_steps = concurrent_steps
+        require(len(tools) >= 1, "tools must name at least one function")
+        require(tool_timeout > 0, f"tool_timeout must be > 0 seconds, got {tool_timeout}")
+        require(max_calls_per_turn >= 1, f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
+        require(max_output_chars >= 1, f"max_output_chars must be >= 1, got {max_output_chars}")
+        functions = [resolve_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
+        self.tools: dict[str, Callable[..., Any]] = {}
+        for f in functions:
+            require(f.__name__ not in self.tools, f"tools: two tools are named {f.__name__!r}")
+            self.tools[f.__name__] = f
+        self.schemas = [tool_schema(f) for f in functions]
+        self.runner = ToolRunner(tool_timeout, max_output_chars)
+        self.tool_timeout, self.max_calls_per_turn = tool_timeout, max_calls_per_turn
+        self.max_output_chars = max_output_chars
+        self.system_prompt = system_prompt
+        self.template_renders_tools = False  # set by adapt_to_tokenizer
+
+    def adapt_to_tokenizer(self, tokenizer) -> None:
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.template_renders_tools = isinstance(template, str) and "tools" in template
+
+    def template_kwargs(self, example: Example) -> Mapping[str, Any]:
+        return {"tools": self.schemas} if self.template_renders_tools else {}
+
+    def start(self, example: Example) -> Messages:
+        messages = super().start(example)
+        if self.template_renders_tools and self.system_prompt is None:
+            return messages
+        text = self.system_prompt if self.system_prompt is not None else self.tools_prompt()
+        if messages and messages[0]["role"] == "system":
+            return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+        return [{"role": "system", "content": text}, *messages]
+
+    def tools_prompt(self) -> str:
+        """The system message that lists the tools when the chat template does not render them."""
+        import json
+
+        listed = "\n".join(json.dumps(s["function"]) for s in self.schemas)
+        return f"You may call these tools:\n{listed}\nTo call one, write {TOOL_CALL_FORMAT}"
+
+    def step(self, example: Example, messages: Messages) -> Observation:
+        turns = sum(1 for m in messages if m["role"] == "assistant")
+        calls = parse_tool_calls(messages[-1]["content"])
+        if not calls or turns >= self.max_turns:
+            return Observation([], done=True)
+        replies, failures = [], 0
+        for call in calls[: self.max_calls_per_turn]:
+            text, failed = self.runner.run(call, self.tools)
+            failures += failed
+            replies.append({"role": "tool", "name": call.name or "", "content": text})
+        return Observation(replies, tool_calls=len(replies), tool_failures=failures)

@@ -1,0 +1,179 @@
+"""Tools for ``tasks.environment.ToolEnvironment``: parsing Hermes / Qwen ``<tool_call>`` JSON, JSON schemas from
+typed functions, and running a call with a timeout, its failures turned into error text.
+
+Every failure is an observation, never an exception: a malformed call, an unknown tool, arguments that do
+not fit the signature, a tool that raises, runs past its timeout (its thread is left behind: Python cannot
+stop a thread), returns something other than ``str``, or prints to stdout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import json
+import re
+import sys
+import threading
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgrpo.checks import ConfigError, require
+
+#: how a model calls a tool (Hermes / Qwen2.5 / Qwen3 chat templates)
+TOOL_CALL_FORMAT = '<tool_call>\n{"name": <tool name>, "arguments": {<argument>: <value>, ...}}\n</tool_call>'
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's ``name`` and ``arguments``, or ``error`` (what was malformed)."""
+
+    name: str | None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The ``<tool_call>`` blocks of ``text`` in order (an unclosed last block included); [] when there is none."""
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            data = json.loads(body.strip())
+        except json.JSONDecodeError as err:
+            calls.append(ToolCall(None, error=f"the tool call is not valid JSON ({err.msg}); write {TOOL_CALL_FORMAT}"))
+            continue
+        name = data.get("name") if isinstance(data, dict) else None
+        arguments = data.get("arguments", {}) if isinstance(data, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            calls.append(ToolCall(name if isinstance(name, str) else None,
+                                  error=f'a tool call needs "name" (text) and "arguments" (an object); write '
+                                        f"{TOOL_CALL_FORMAT}"))  # fmt: skip
+            continue
+        calls.append(ToolCall(name, arguments))
+    return calls
+
+
+def resolve_tool(tool: Callable[..., Any] | str, field_name: str = "tool") -> Callable[..., Any]:
+    """A tool function, or the function at import path "module.function"."""
+    if isinstance(tool, str):
+        module, _, attr = tool.rpartition(".")
+        require(bool(module), f"{field_name}: {tool!r} is not an import path (write module.function)")
+        try:
+            tool = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"{field_name}: cannot import {tool!r} ({err})") from None
+    require(callable(tool) and hasattr(tool, "__name__"), f"{field_name} must be a function, got {tool!r}")
+    return tool
+
+
+def tool_schema(function: Callable[..., Any]) -> dict[str, Any]:
+    """The OpenAI-style JSON schema of ``function`` that chat templates render: its name, its docstring's first
+    paragraph, and each parameter's JSON type (from its type hint; "string" when it has none), required unless
+    it has a default."""
+    hints = typing.get_type_hints(function)
+    properties, required = {}, []
+    for name, param in inspect.signature(function).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        hint = typing.get_origin(hints.get(name, str)) or hints.get(name, str)
+        properties[name] = {"type": _JSON_TYPES.get(hint, "string")}
+        if param.default is param.empty:
+            required.append(name)
+    doc = inspect.getdoc(function) or function.__name__
+    description = doc.split("\n\n")[0].replace("\n", " ")
+    parameters = {"type": "object", "properties": properties, "required": required}
+    return {"type": "function", "function": {"name": function.__name__, "description": description,
+                                             "parameters": parameters}}  # fmt: skip
+
+
+class _ThreadStdout(io.TextIOBase):
+    """``sys.stdout`` while tools run: writes from a tool's thread go to its buffer, the rest to the real stdout."""
+
+    def __init__(self, real) -> None:
+        self.real, self.buffers = real, {}
+
+    def write(self, text: str) -> int:
+        buffer = self.buffers.get(threading.get_ident())
+        return buffer.write(text) if buffer is not None else self.real.write(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+
+class _Capture:
+    """One ``_ThreadStdout`` in ``sys.stdout`` while any tool runs (calls may overlap in threads): installed by the
+    first, removed by the last."""
+
+    def __init__(self) -> None:
+        self.lock, self.users, self.proxy = threading.Lock(), 0, None
+
+    def __enter__(self) -> _ThreadStdout:
+        with self.lock:
+            if self.users == 0:
+                self.proxy = _ThreadStdout(sys.stdout)
+                sys.stdout = self.proxy
+            self.users += 1
+            return self.proxy
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                sys.stdout = self.proxy.real
+
+
+_CAPTURE = _Capture()
+
+
+class ToolRunner:
+    """Runs one ``ToolCall`` in a thread with a ``timeout`` (seconds); returns (text, failed)."""
+
+    def __init__(self, timeout: float = 5.0, max_output_chars: int = 2000) -> None:
+        self.timeout, self.max_output_chars = timeout, max_output_chars
+
+    def run(self, call: ToolCall, tools: dict[str, Callable[..., Any]]) -> tuple[str, bool]:
+        if call.error is not None:
+            return f"Error: {call.error}", True
+        function = tools.get(call.name)
+        if function is None:
+            return f"Error: there is no tool {call.name!r}; the tools are {', '.join(sorted(tools))}", True
+        try:
+            inspect.signature(function).bind(**call.arguments)
+        except TypeError as err:
+            return f"Error: wrong arguments for {call.name}: {err}", True
+        result: dict[str, Any] = {}
+        printed = io.StringIO()
+
+        def target() -> None:
+            capture.buffers[threading.get_ident()] = printed
+            try:
+                result["value"] = function(**call.arguments)
+            except BaseException as err:  # noqa: BLE001 (sys.exit in a tool is the tool's failure, not the run's end)
+                result["error"] = f"{type(err).__name__}: {err}"
+
+        with _CAPTURE as capture:
+            thread = threading.Thread(target=target, name=f"sgrpo-tool-{call.name}", daemon=True)
+            thread.start()
+            thread.join(self.timeout)
+        return self._reply(call.name, thread.is_alive(), result, printed.getvalue())
+
+    def _reply(self, name: str, hung: bool, result: dict[str, Any], printed: str) -> tuple[str, bool]:
+        if hung:
+            return f"Error: tool {name} did not return within {self.timeout:g} s", True
+        if "error" in result:
+            return f"Error: tool {name} raised {result['error']}"[: self.max_output_chars], True
+        if printed:
+            return f"Error: tool {name} printed to stdout instead of returning its output as text", True
+        value = result.get("value")
+        if not isinstance(value, str):
+            return f"Error: tool {name} returned {type(value).__name__}, not text (a tool returns a str)", True
+        return value[: self.max_output_chars], False

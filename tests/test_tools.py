@@ -1,0 +1,160 @@
+"""ToolEnvironment: Hermes / Qwen tool calls parsed, tools run with a timeout, every failure an observation."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sgrpo.checks import ConfigError
+from sgrpo.types import Example
+from tasks.environment import Observation, ToolEnvironment
+from tasks.tools import parse_tool_calls, tool_schema
+
+EXAMPLE = Example("what is 1234 * 5678", "7006652")
+
+
+def multiply(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+    """
+    return str(a * b)
+
+
+def raises(x: int) -> str:
+    return str(1 // (x - x))
+
+
+def hangs() -> str:
+    time.sleep(30)
+    return "late"
+
+
+def number() -> str:
+    return 42  # type: ignore[return-value]
+
+
+def prints() -> str:
+    print("the answer is 42")
+    return "42"
+
+
+def exits() -> str:
+    raise SystemExit(3)
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def step(env: ToolEnvironment, text: str, turns: int = 1) -> Observation:
+    messages = env.start(EXAMPLE)
+    messages += [{"role": "assistant", "content": "earlier"}] * (turns - 1) + [{"role": "assistant", "content": text}]
+    return env.step(EXAMPLE, messages)
+
+
+@pytest.fixture
+def env() -> ToolEnvironment:
+    return ToolEnvironment([multiply, raises, hangs, number, prints, exits], max_turns=3, tool_timeout=0.2)
+
+
+def test_a_tool_call_runs_and_its_output_is_the_observation(env):
+    obs = step(env, "I will compute. " + call("multiply", a=1234, b=5678) + call("multiply", a=2, b=3))
+    assert obs == Observation([{"role": "tool", "name": "multiply", "content": "7006652"},
+                               {"role": "tool", "name": "multiply", "content": "6"}], tool_calls=2)  # fmt: skip
+
+
+def test_a_turn_without_a_tool_call_ends_the_episode_and_the_last_turn_runs_no_tools(env):
+    assert step(env, "The answer is 7006652.") == Observation([], done=True)
+    assert step(env, call("multiply", a=1, b=2), turns=3) == Observation([], done=True)
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        (call("raises", x=1), "Error: tool raises raised ZeroDivisionError: integer division or modulo by zero"),
+        (call("hangs"), "Error: tool hangs did not return within 0.2 s"),
+        (call("number"), "Error: tool number returned int, not text (a tool returns a str)"),
+        (call("prints"), "Error: tool prints printed to stdout instead of returning its output as text"),
+        (call("exits"), "Error: tool exits raised SystemExit: 3"),
+        (call("divide", a=1), "Error: there is no tool 'divide'; the tools are exits, hangs, multiply, number, prin"),
+        (call("multiply", a=1), "Error: wrong arguments for multiply: missing a required argument: 'b'"),
+        ("<tool_call>{not json}</tool_call>", "Error: the tool call is not valid JSON"),
+        ('<tool_call>{"name": "multiply"}', "Error: wrong arguments for multiply"),  # unclosed, no arguments
+        ('<tool_call>["multiply"]</tool_call>', 'Error: a tool call needs "name" (text) and "arguments"'),
+    ],
+)
+def test_every_failure_is_an_error_observation_and_the_episode_goes_on(env, text, error, capsys):
+    started = time.perf_counter()
+    obs = step(env, text)
+    assert not obs.done and obs.tool_calls == 1 and obs.tool_failures == 1
+    assert obs.messages[0]["role"] == "tool" and obs.messages[0]["content"].startswith(error)
+    assert time.perf_counter() - started < 2.0
+    assert capsys.readouterr().out == ""  # what a tool prints does not reach the run's output
+
+
+def test_failures_are_counted_beside_successes(env):
+    obs = step(env, call("multiply", a=2, b=2) + call("number") + call("raises", x=0))
+    assert (obs.tool_calls, obs.tool_failures) == (3, 2)
+    assert [m["content"][:6] for m in obs.messages] == ["4", "Error:", "Error:"]
+
+
+def test_calls_past_the_limit_per_turn_are_not_run():
+    env = ToolEnvironment([multiply], max_calls_per_turn=2)
+    obs = step(env, call("multiply", a=1, b=1) * 5)
+    assert obs.tool_calls == 2
+
+
+def test_tools_by_import_path_and_their_schemas():
+    env = ToolEnvironment(["tests.test_tools.multiply"])
+    assert env.tools == {"multiply": multiply}
+    assert tool_schema(multiply) == {"type": "function", "function": {
+        "name": "multiply", "description": "Multiply two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"tools\[0\]: cannot import 'tests.test_tools.nothing'"):
+        ToolEnvironment(["tests.test_tools.nothing"])
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        ToolEnvironment([multiply, multiply])
+    with pytest.raises(ValueError, match="tool_timeout must be > 0"):
+        ToolEnvironment([multiply], tool_timeout=0)
+
+
+def test_the_tools_reach_the_template_that_renders_them_else_a_system_message():
+    plain = type("Tok", (), {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})()
+    hermes = type("Tok", (), {"chat_template": "{% if tools %}{{ tools | tojson }}{% endif %}..."})()
+    env = ToolEnvironment([multiply])
+    env.adapt_to_tokenizer(plain)
+    opening = env.start(EXAMPLE)
+    assert opening[0]["role"] == "system" and '"name": "multiply"' in opening[0]["content"]
+    assert "<tool_call>" in opening[0]["content"] and env.template_kwargs(EXAMPLE) == {}
+    env.adapt_to_tokenizer(hermes)
+    assert env.start(EXAMPLE) == [{"role": "user", "content": EXAMPLE.prompt}]
+    assert env.template_kwargs(EXAMPLE) == {"tools": [tool_schema(multiply)]}
+
+
+def test_parsing_keeps_the_order_and_reads_string_arguments():
+    text = call("a", x=1) + ' and <tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("a", {"x": 1}, None), ("b", {"y": 2}, None)]
+    assert parse_tool_calls("no call here") == []
+
+
+def test_tools_that_print_from_overlapping_calls_leave_stdout_as_it_was(capsys):
+    """Calls of several episodes at once (``concurrent_steps``): each print is caught as its call's error, none
+    reaches the run's output, and ``sys.stdout`` is the run's own again after the last call."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = ToolEnvironment([prints, multiply], concurrent_steps=8)
+    before = sys.stdout
+    texts = [call("prints"), call("multiply", a=3, b=4)] * 8
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda text: step(env, text).messages[0]["content"], texts))
+    assert answers == ["Error: tool prints printed to stdout instead of returning its output as text", "12"] * 8
+    assert sys.stdout is before and capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="concurrent_steps must be >= 1"):
+        ToolEnvironment([multiply], concurrent_steps=0)
