@@ -47,6 +47,7 @@ class RolloutBatch:
     group_size: int  # G
     logprobs: Tensor | None = None  # [N, T] float32 sampling log-probs, 0 on padding (engines that have them)
     nucleus_mass: Tensor | None = None  # [N, T] float32 the mass top-p kept for each token, 0 on padding (ditto)
+    versions: Tensor | None = None  # [N] long: the training step whose weights sampled each row (async rollouts)
 
     @property
     def prompt_length(self) -> int:
@@ -68,6 +69,8 @@ class RolloutBatch:
                 f"{tuple(self.attention_mask.shape)}, completion_mask {tuple(self.completion_mask.shape)}, "
                 f"logprobs {None if self.logprobs is None else tuple(self.logprobs.shape)}"
             )
+        if self.versions is not None and self.versions.shape != (n,):
+            raise ValueError(f"versions must be [{n}] (one per row), got {tuple(self.versions.shape)}")
         if len(self.completions) != n or self.truncated.shape != (n,):
             raise ValueError(f"need {n} completions and truncated flags, got {len(self.completions)}")
 
@@ -84,6 +87,7 @@ class RolloutBatch:
             group_size=g,
             logprobs=None if self.logprobs is None else self.logprobs[rows],
             nucleus_mass=None if self.nucleus_mass is None else self.nucleus_mass[rows],
+            versions=None if self.versions is None else self.versions[rows],
         )
 
     @staticmethod
@@ -115,4 +119,5 @@ class RolloutBatch:
             group_size=batches[0].group_size,
             logprobs=per_token("logprobs"),
             nucleus_mass=per_token("nucleus_mass"),
+            versions=None if any(b.versions is None for b in batches) else torch.cat([b.versions for b in batches]),
         )
