@@ -356,4 +356,6 @@ class GRPOPolicy(
             logs |= self.async_logs(rollout, self.rollout_step - 1)
             lag = self.rollout_step - 1 - rollout.versions.min().float()
             self.log("train/async/staleness_max", lag, sync_dist=True, reduce_fx="max")
+            groups = torch.tensor(float(rollout.num_groups), device=self.device)  # trained, over all processes
+            self.log("train/async/groups", groups, sync_dist=True, reduce_fx="sum")
         self._log_step(rollout, rewards, success, advantages, logs, timing)

@@ -38,8 +38,8 @@ from torch import Tensor
 from sgrpo.rollout.engine import RolloutEngine
 from sgrpo.types import Example, RolloutBatch
 
-#: test hooks read by the producer process: seconds it sleeps after each block it samples, and a fault
-#: ("die@STEP": SIGKILL itself before sampling STEP; "hang@STEP": sleep forever there)
+#: test hooks, read when a producer starts (``ProducerSpec.delay_s`` and ``fault``): seconds it sleeps after each
+#: block it samples, and a fault ("die@STEP": SIGKILL itself before sampling STEP; "hang@STEP": stall there)
 DELAY_ENV, FAULT_ENV = "SGRPO_TEST_PRODUCER_DELAY", "SGRPO_TEST_PRODUCER_FAULT"
 
 
@@ -71,6 +71,8 @@ class ProducerSpec:
     start_step: int
     end_step: int  # steps start_step .. end_step - 1 are sampled
     threads: int
+    delay_s: float = 0.0  # test hook: seconds slept after each block
+    fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
 
 
 @dataclass
@@ -106,6 +108,8 @@ class RolloutProducer:
     """
 
     def __init__(self, spec: ProducerSpec, weights: Iterable[tuple[str, Tensor]], timeout: float = 600.0) -> None:
+        hooks = {"delay_s": float(os.environ.get(DELAY_ENV) or 0.0), "fault": os.environ.get(FAULT_ENV, "")}
+        spec = dataclasses.replace(spec, **{k: v for k, v in hooks.items() if v})
         self.spec, self.timeout = spec, timeout
         context = producer_context()
         self._shared = {name: value.detach().to("cpu", copy=True).share_memory_() for name, value in weights}
@@ -149,7 +153,7 @@ class RolloutProducer:
                 if self.process.exitcode is not None:
                     raise ProducerError(
                         f"{self.describe()} ended with exit code {self.process.exitcode} before it sent the groups "
-                        f"of step {step}; see its error above"
+                        f"of step {step} (a traceback above if it raised; -9: killed, e.g. out of memory)"
                     ) from None
                 if waited > self.timeout:
                     raise ProducerError(
@@ -157,10 +161,11 @@ class RolloutProducer:
                         f"{self.timeout:g}) while the trainer waited for step {step}: it hangs; raise "
                         f"model.producer_timeout if sampling one step takes longer"
                     ) from None
-        if block.step != step or block.prompts != prompts:
+        versions = block.rollout.versions.view(-1, block.rollout.group_size)
+        if block.step != step or block.prompts != prompts or bool((versions != block.version).any()):
             raise ProducerError(
                 f"{self.describe()} sent the groups of step {block.step}, but the trainer is at step {step} "
-                f"(or its prompts differ): the producer's data stream is out of step with the trainer's"
+                f"(or its prompts or versions differ): the producer is out of step with the trainer"
             )
         return block
 
@@ -212,8 +217,7 @@ def _produce(spec: ProducerSpec, shared, version, cond, blocks, stop, parent) ->
     missing = set(targets) - set(shared) - {"lm_head.weight"}
     if missing:
         raise ProducerError(f"the trainer's weights lack {sorted(missing)[:3]}: the producer cannot copy them")
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-    fault = os.environ.get(FAULT_ENV, "")
+    delay, fault = spec.delay_s, spec.fault
     held, idle = None, 0.0
     for step in range(spec.start_step, spec.end_step):
         waiting = time.perf_counter()
