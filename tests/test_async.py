@@ -30,6 +30,7 @@ from sgrpo.train.update import PolicyUpdate
 from sgrpo.types import RolloutBatch
 from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import FixedRollout, run_steps
+from tests.test_faults import live_processes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -242,21 +243,27 @@ def test_a_resume_with_groups_in_flight_trains_every_prompt_once_and_at_stalenes
 @pytest.mark.slow
 def test_kill_9_mid_run_resumes_to_the_uninterrupted_run(tmp_path):
     """An async fit (S = 0) killed with SIGKILL once it has a checkpoint, resumed to step 8: the rewards and final
-    weights of the synchronous run; the orphaned producer ends on its own."""
+    weights of the synchronous run; the orphaned producer and its fork server end on their own (before the producer
+    cancelled its queue's flush at exit it hung there for good, and its fork server with it)."""
     reference = fit(tmp_path / "sync", steps=8)
     root = tmp_path / "run"
     command = [sys.executable, "-m", "sgrpo.fit", "--config", TINY, f"--trainer.default_root_dir={root}",
                "--trainer.max_steps=1000", "--trainer.val_check_interval=1000", "--checkpoint_every=1",
                "--trainer.enable_progress_bar=false", *asynchronous(0)]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"},
+    process = subprocess.Popen(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 180
     while not (root / "checkpoints" / "last.ckpt").exists():
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(0.5)
+    assert len(live_processes(process.pid)) >= 3  # the trainer, its fork server and its producer
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
+    left = time.monotonic() + 30  # the fork server's interpreter shutdown took up to 9 s at load average 20
+    while live_processes(process.pid) and time.monotonic() < left:
+        time.sleep(0.1)
+    assert live_processes(process.pid) == []  # the producer saw its trainer gone, and the fork server followed
     resumed = fit(root, *asynchronous(0), "--ckpt_path=last", steps=8)
     got, want = dict(resumed["train/reward"]), dict(reference["train/reward"])
     assert len(set(range(8)) - set(got)) <= 1  # a kill between a checkpoint and its step's metrics loses those

@@ -17,7 +17,7 @@ newest replacing any the producer has not read yet.
 
 **Faults**: the trainer raises ``ProducerError`` naming the producer when its process has ended, or when the
 block it waits for has not come within ``timeout`` seconds (a hung producer); the producer ends itself when
-its trainer process is gone (checked at least once a second between draws). Nothing of the producer is
+its trainer process is gone (checked every 0.25 s between draws). Nothing of the producer is
 checkpointed: its blocks are a function of (step, weights), so a resumed run restarts it at its step.
 """
 
@@ -114,13 +114,14 @@ class RolloutProducer:
         context = producer_context()
         self._shared = {name: value.detach().to("cpu", copy=True).share_memory_() for name, value in weights}
         self._version = context.Value("q", spec.start_step, lock=False)
-        self._cond = context.Condition()
+        self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
         self._blocks = context.Queue(maxsize=spec.max_staleness + 1)
         self._stop = context.Event()
         self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
         self.process = context.Process(
             target=_produce,
-            args=(spec, self._shared, self._version, self._cond, self._blocks, self._stop, self._lifeline),
+            args=(spec, self._shared, self._version, self._lock, self._pushed, self._blocks, self._stop,
+                  self._lifeline),
             name="sgrpo-rollout-producer",
             daemon=True,
         )
@@ -133,11 +134,11 @@ class RolloutProducer:
         """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken."""
         started = time.perf_counter()
         values = [(name, value) for name, value in weights]  # gathered first (FSDP2: collectives, in step)
-        with self._cond:
+        with self._lock:
             for name, value in values:
                 self._shared[name].copy_(value.detach())
             self._version.value = version
-            self._cond.notify_all()
+        self._pushed.set()
         return time.perf_counter() - started
 
     def take(self, step: int, prompts: list[Any]) -> Block:
@@ -172,8 +173,7 @@ class RolloutProducer:
     def close(self) -> None:
         """Stop the producer process (at most a few seconds), then end it."""
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        self._pushed.set()
         with_blocks = True
         while with_blocks:  # a producer blocked on a full queue needs room to see the stop
             try:
@@ -204,12 +204,13 @@ def _alive(lifeline) -> bool:
     return not lifeline.poll()
 
 
-def _produce(spec: ProducerSpec, shared, version, cond, blocks, stop, parent) -> None:
+def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent) -> None:
     """The producer process: sample each admitted step's groups under the newest weights and queue them."""
     from transformers import AutoModelForCausalLM
 
     from sgrpo.model.loading import disable_dropout, resolve_model_path
 
+    blocks.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
     torch.set_num_threads(spec.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec.model_path), dtype=getattr(torch, spec.dtype))
     disable_dropout(model)
@@ -221,25 +222,31 @@ def _produce(spec: ProducerSpec, shared, version, cond, blocks, stop, parent) ->
     held, idle = None, 0.0
     for step in range(spec.start_step, spec.end_step):
         waiting = time.perf_counter()
-        with cond:
-            while not admitted(step, version.value, spec.max_staleness):
-                if stop.is_set() or not _alive(parent):
-                    return
-                cond.wait(timeout=1.0)
-            if stop.is_set():
+        while True:  # never blocks for good on a lock or event a dead trainer may hold: its end is checked
+            pushed.clear()  # cleared before the check: a push after it sets it again, and the wait returns
+            if stop.is_set() or not _alive(parent):
                 return
-            if version.value != held:
+            if admitted(step, version.value, spec.max_staleness):
+                break
+            pushed.wait(timeout=0.25)
+        if version.value != held:
+            while not lock.acquire(timeout=0.25):
+                if not _alive(parent):
+                    return
+            try:
                 with torch.no_grad():
                     for name, param in targets.items():
                         if name in shared:
                             param.copy_(shared[name])
                 held = version.value
+            finally:
+                lock.release()
         idle += time.perf_counter() - waiting
         if fault == f"die@{step}":
             os.kill(os.getpid(), 9)
         if fault == f"hang@{step}":
             while _alive(parent) and not stop.is_set():
-                time.sleep(0.5)
+                time.sleep(0.25)
             return
         started = time.perf_counter()
         examples = spec.prompts(step)
@@ -254,7 +261,7 @@ def _produce(spec: ProducerSpec, shared, version, cond, blocks, stop, parent) ->
         waiting, idle = time.perf_counter(), 0.0
         while True:
             try:
-                blocks.put(data, timeout=1.0)
+                blocks.put(data, timeout=0.25)
                 break
             except queue.Full:
                 if stop.is_set() or not _alive(parent):
