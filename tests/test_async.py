@@ -240,7 +240,7 @@ def test_a_resume_with_groups_in_flight_trains_every_prompt_once_and_at_stalenes
             assert same_weights(root, tmp_path / "sync")
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # 48 s (a fresh interpreter and fork server): with the kill trials, in `make test-bench`
 def test_kill_9_mid_run_resumes_to_the_uninterrupted_run(tmp_path):
     """An async fit (S = 0) killed with SIGKILL once it has a checkpoint, resumed to step 8: the rewards and final
     weights of the synchronous run; the orphaned producer and its fork server end on their own (before the producer

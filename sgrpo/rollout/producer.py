@@ -267,3 +267,5 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, pa
                 if stop.is_set() or not _alive(parent):
                     return
         idle += time.perf_counter() - waiting
+    while not stop.is_set() and _alive(parent):  # every step sampled: stay until the trainer took them (close)
+        stop.wait(timeout=0.25)
