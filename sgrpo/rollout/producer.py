@@ -4,8 +4,8 @@
 copy of the weights (loaded from the model folder, then overwritten by every push), and samples the groups of
 training step s, s + 1, ... with the synchronous path's seed of each step (``ProducerSpec.seed_of(step)``,
 one ``generate`` call per step's share of prompts: at staleness 0 it draws the synchronous run's tokens). Each
-step's share travels as one block through a bounded queue, its rows tagged with the version they were sampled
-under (``RolloutBatch.versions``) and carrying the sampler's log-probs.
+step's share travels as one block (a file whose path goes through a bounded queue), its rows tagged with the
+version they were sampled under (``RolloutBatch.versions``) and carrying the sampler's log-probs.
 
 **Admission** (``admitted``): with S = ``max_staleness``, ``g`` groups per step and the trainer at version v
 (its training step count; every push after a step announces it), a group is admitted for sampling only while
@@ -24,9 +24,10 @@ checkpointed: its blocks are a function of (step, weights), so a resumed run res
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import queue
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -87,14 +88,20 @@ class Block:
     sample_s: float
 
 
-def _pack(block: Block) -> bytes:  # plain bytes through the queue: no shared-memory handles to outlive a process
-    buffer = io.BytesIO()
-    torch.save(block, buffer)
-    return buffer.getvalue()
+def _pack(block: Block, folder: str) -> str:
+    """Write ``block`` to a file of ``folder`` (whole, then renamed) and return its path: only the short path goes
+    through the queue, in one atomic pipe write, so a producer killed mid-send leaves no partial message that
+    would block the trainer's read for good."""
+    path = os.path.join(folder, f"step{block.step}.pt")
+    torch.save(block, path + ".part")
+    os.replace(path + ".part", path)
+    return path
 
 
-def _unpack(data: bytes) -> Block:
-    return torch.load(io.BytesIO(data), weights_only=False)  # our own producer's bytes
+def _unpack(path: str) -> Block:
+    block = torch.load(path, weights_only=False)  # our own producer's file
+    os.unlink(path)
+    return block
 
 
 class RolloutProducer:
@@ -115,13 +122,14 @@ class RolloutProducer:
         self._shared = {name: value.detach().to("cpu", copy=True).share_memory_() for name, value in weights}
         self._version = context.Value("q", spec.start_step, lock=False)
         self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
-        self._blocks = context.Queue(maxsize=spec.max_staleness + 1)
+        self._blocks = context.Queue(maxsize=spec.max_staleness + 1)  # paths of block files in self.folder
+        self.folder = tempfile.mkdtemp(prefix="sgrpo-producer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._stop = context.Event()
         self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
         self.process = context.Process(
             target=_produce,
             args=(spec, self._shared, self._version, self._lock, self._pushed, self._blocks, self._stop,
-                  self._lifeline),
+                  self._lifeline, self.folder),
             name="sgrpo-rollout-producer",
             daemon=True,
         )
@@ -172,19 +180,14 @@ class RolloutProducer:
 
     def close(self) -> None:
         """Stop the producer process (at most a few seconds), then end it."""
-        self._stop.set()
+        self._stop.set()  # the producer sees it within 0.25 s wherever it waits, and ends without flushing its queue
         self._pushed.set()
-        with_blocks = True
-        while with_blocks:  # a producer blocked on a full queue needs room to see the stop
-            try:
-                self._blocks.get_nowait()
-            except (queue.Empty, OSError, ValueError):
-                with_blocks = False
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
         self._blocks.cancel_join_thread()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def producer_context():
@@ -204,7 +207,7 @@ def _alive(lifeline) -> bool:
     return not lifeline.poll()
 
 
-def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent) -> None:
+def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent, folder: str) -> None:
     """The producer process: sample each admitted step's groups under the newest weights and queue them."""
     from transformers import AutoModelForCausalLM
 
@@ -257,7 +260,7 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, pa
         sample_s = time.perf_counter() - started
         if delay:
             time.sleep(delay)
-        data = _pack(Block(step, held, [ex.prompt for ex in examples], rollout, idle, sample_s))
+        data = _pack(Block(step, held, [ex.prompt for ex in examples], rollout, idle, sample_s), folder)
         waiting, idle = time.perf_counter(), 0.0
         while True:
             try:
