@@ -58,4 +58,4 @@ def async_rollouts(stamp: dict) -> str:
     )
     header = ["run", "final accuracy", "reached sync's final", "speed-up to it", "step speed-up", "step s",
               "staleness mean / max"]  # fmt: skip
-    return wrap(prose) + "\n\n" + table(header, rows) + "\n"
+    return wrap(prose).rstrip("\n") + "\n\n" + table(header, rows).rstrip("\n") + "\n"
