@@ -354,7 +354,7 @@ class GRPOPolicy(
         logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
         if self._producer is not None:
             logs |= self.async_logs(rollout, self.rollout_step - 1)
-            lag = self.rollout_step - 1 - rollout.versions.min().float()
+            lag = (self.rollout_step - 1 - rollout.versions.min()).float()
             self.log("train/async/staleness_max", lag, sync_dist=True, reduce_fx="max")
             groups = torch.tensor(float(rollout.num_groups), device=self.device)  # trained, over all processes
             self.log("train/async/groups", groups, sync_dist=True, reduce_fx="sum")

@@ -72,6 +72,7 @@ class ProducerSpec:
     start_step: int
     end_step: int  # steps start_step .. end_step - 1 are sampled
     threads: int
+    device: str = "cpu"  # where the producer's copy samples (the trainer's device: colocated on one GPU)
     delay_s: float = 0.0  # test hook: seconds slept after each block
     fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
 
@@ -217,6 +218,7 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, pa
     torch.set_num_threads(spec.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec.model_path), dtype=getattr(torch, spec.dtype))
     disable_dropout(model)
+    model.to(spec.device)
     targets = dict(model.named_parameters(remove_duplicate=False))
     missing = set(targets) - set(shared) - {"lm_head.weight"}
     if missing:

@@ -4,6 +4,7 @@ behind it, instead of from ``self.rollout`` inside the step. Off, nothing here r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -60,6 +61,7 @@ class AsyncRollouts:
             start_step=first_step,
             end_step=last_step,
             threads=torch.get_num_threads(),
+            device=str(self.device),
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
         self._async = {"wait_s": 0.0, "weight_sync_s": 0.0}
@@ -77,7 +79,10 @@ class AsyncRollouts:
         started = time.perf_counter()
         block = self._producer.take(self.rollout_step, [ex.prompt for ex in examples])
         self._async |= {"wait_s": time.perf_counter() - started, "idle_s": block.idle_s, "sample_s": block.sample_s}
-        return block.rollout
+        rollout = block.rollout  # tensors come to this process on the CPU; the update's are on its device
+        moved = {f.name: getattr(rollout, f.name).to(self.device) for f in dataclasses.fields(rollout)
+                 if isinstance(getattr(rollout, f.name), Tensor)}  # fmt: skip
+        return dataclasses.replace(rollout, **moved)
 
     def push_weights(self) -> None:
         """After a training step: the weights, version ``rollout_step``, to the producer."""
