@@ -24,6 +24,7 @@ from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
 from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch
+from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error
 from sgrpo.train.collect import GroupCollection
 from sgrpo.train.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.train.reference import build_reference
@@ -34,7 +35,9 @@ from tasks.base import Task
 from tasks.environment import Environment
 
 
-class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, LightningModule):
+class GRPOPolicy(
+    AsyncRollouts, GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, LightningModule
+):
     """Group-relative policy optimisation with a pluggable advantage estimator (manual optimisation).
 
     One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
@@ -97,6 +100,9 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         reward_failure_steps: int = 3,
         max_nonfinite_steps: int = 3,
         environment: Environment | None = None,
+        async_rollout: bool = False,
+        max_staleness: int = 1,
+        producer_timeout: float = 600.0,
     ) -> None:
         """The config's ``model:`` block.
 
@@ -144,6 +150,9 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
                 the run (docs/training.md).
             environment: Multi-turn episodes (``tasks.environment.Environment``, docs/environments.md); null: one
                 completion per sample.
+            async_rollout: Sample in a producer process that runs ahead of the trainer (docs/async.md); HFRollout only.
+            max_staleness: With async_rollout, versions (training steps) a trained group may lag the trainer, >= 0.
+            producer_timeout: Seconds the trainer waits for the producer's next groups before it raises (a hang).
         """
 
         super().__init__()
@@ -159,6 +168,12 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
         require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
         require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
+        error = async_rollout_error(
+            async_rollout, max_staleness, rollout or HFRollout(), dynamic_sampling, environment
+        )
+        require(error is None, error)
+        require(producer_timeout > 0, f"model.producer_timeout must be > 0 seconds, got {producer_timeout}")
+        self.async_rollout, self.max_staleness, self.producer_timeout = async_rollout, max_staleness, producer_timeout
         self.reward_watch = RewardFailureWatch(reward_failure_share, reward_failure_steps)
         self.divergence_watch = DivergenceWatch(max_nonfinite_steps)
         self.max_prompt_tokens, self.prompts_dropped = max_prompt_tokens, 0
@@ -277,6 +292,16 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
                 f"data-parallel processes"
             )
 
+    def on_train_start(self) -> None:
+        if self.async_rollout:  # at the restored step and weights: its version is rollout_step
+            last = self.trainer.max_steps
+            if last in (None, -1):
+                last = self.trainer.max_epochs * len(self._stream)
+            self.start_producer(self._stream, self.rollout_step, last)
+
+    def teardown(self, stage: str) -> None:
+        self.stop_producer()
+
     def on_fit_start(self) -> None:
         if self._reference is not None and not is_sharded(self._reference):  # fully_shard placed a sharded one
             self._reference.to(self.device)
@@ -290,6 +315,7 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
         )
         refill_seed = mix_seed(self.seed, 1) % 2**31  # a stream of its own (StepBatches scales the seed)
         self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
+        self._stream = stream  # the async producer reads its steps' prompts from it
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
 
     def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
@@ -340,6 +366,13 @@ class GRPOPolicy(GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, 
             self.log_completions(rollout, rewards, success, parts, advantages)
         update_log = self.update(rollout, advantages, self.informative_groups(rewards))
         self.rollout_step += 1
+        self.push_weights()  # async_rollout: version rollout_step to the producer
         timing = {"rollout_s": reward_log.pop("rollout_s"), "step_s": time.perf_counter() - started}
         logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
+        if self._producer is not None:
+            logs |= self.async_logs(rollout, self.rollout_step - 1)
+            lag = (self.rollout_step - 1 - rollout.versions.min()).float()
+            self.log("train/async/staleness_max", lag, sync_dist=True, reduce_fx="max")
+            groups = torch.tensor(float(rollout.num_groups), device=self.device)  # trained, over all processes
+            self.log("train/async/groups", groups, sync_dist=True, reduce_fx="sum")
         self._log_step(rollout, rewards, success, advantages, logs, timing)

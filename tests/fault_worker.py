@@ -15,6 +15,9 @@ fault_worker.py raise_validate RANK 0 ARGS...    ``sgrpo.fit validate`` (ARGS st
                                                 RANK raises in its first validation batch while the others wait on
                                                 the store there
 fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
+fault_worker.py producer_dies RANK STEP FIT_ARGS... (with async rollouts) process RANK's rollout producer kills
+                                                itself before it samples step STEP (0-based); ROOT/raised.RANK marks
+                                                the trainer's ProducerError
 """
 
 from __future__ import annotations
@@ -97,9 +100,29 @@ def raise_at(rank: int, step: int, others_hang: bool = False, sigterm: bool = Fa
     PolicyUpdate.accumulate_gradients = failing
 
 
+def producer_dies(rank: int, step: int) -> None:
+    from sgrpo.rollout.producer import FAULT_ENV, RolloutProducer
+
+    if this_rank() != rank:
+        return
+    os.environ[FAULT_ENV] = f"die@{step}"
+    take = RolloutProducer.take
+
+    def marked(self, *args, **kwargs):
+        try:
+            return take(self, *args, **kwargs)
+        except Exception:
+            Path(os.environ["SGRPO_TEST_ROOT"], f"raised.{rank}").touch()
+            raise
+
+    RolloutProducer.take = marked
+
+
 if __name__ == "__main__":
     mode, first, second, *fit_args = sys.argv[1:]
-    if mode == "stall":
+    if mode == "producer_dies":
+        producer_dies(int(first), int(second))
+    elif mode == "stall":
         stall_at(int(first), Path(second))
     elif mode == "raise_validate":
         raise_in_validation(int(first))

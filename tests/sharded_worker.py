@@ -16,6 +16,8 @@ sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced ove
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
 sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
+sharded_worker.py async_fit ROOT MODEL_DIR STEPS SKEW [ARGS...]   fit with async rollouts; SKEW "slow": the producers
+                                                  sleep 0.5 s a step, "fast": the trainers 0.4 s an update, "": none
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -173,6 +176,22 @@ def fit(root: str, model_dir: str, steps: str, resume: str = "", *extra: str) ->
         logp, _ = completion_logprobs(cli.model.model, PROBE, torch.ones_like(PROBE), mask)
     if cli.trainer.is_global_zero:
         torch.save(logp, Path(root) / "probe_logprobs.pt")
+
+
+def async_fit(root: str, model_dir: str, steps: str, skew: str, *extra: str) -> None:
+    from sgrpo.rollout.producer import DELAY_ENV
+    from sgrpo.train.update import PolicyUpdate
+
+    update = PolicyUpdate.update
+    if skew == "slow":
+        os.environ[DELAY_ENV] = "0.5"
+    elif skew == "fast":
+        PolicyUpdate.update = lambda self, *args, **kwargs: (time.sleep(0.4), update(self, *args, **kwargs))[1]
+    try:
+        fit(root, model_dir, steps, "", "--model.async_rollout=true", *extra)
+    finally:
+        os.environ.pop(DELAY_ENV, None)
+        PolicyUpdate.update = update
 
 
 def validate(root: str, model_dir: str, checkpoint: str) -> None:
@@ -419,7 +438,7 @@ if __name__ == "__main__":
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
              "refused_resume": refused_resume, "ddp_grads": ddp_grads,
-             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite}  # fmt: skip
+             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

@@ -111,9 +111,10 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["disagreeing_resume", str(tmp_path / "disagree"), model_dir],
             ["fit", str(bf16), str(SHIPPED), "2", "", *BF16_KL_FSDP],  # rewards vary: the update moves it
             *lora_jobs(tmp_path),
+            *async_jobs(tmp_path / "async", FUSED),
         ),
         cwd=tmp_path,
-        timeout=480,  # 93 s measured with the machine at load average 10-12
+        timeout=600,  # 93 s measured with the machine at load average 10-12, before the async jobs (+1-3 min)
     )
     assert "model.packing: falling back" not in stderr  # packed log-probs (the default) pass their check sharded
     for scenario in SCENARIOS:
@@ -129,6 +130,39 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_sharded_checkpoint_validates_with_its_strategy_only(model_dir, root, checkpoint, capsys)
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
     check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
+    check_async_rollouts_over_two_processes(tmp_path / "async")
+
+
+def async_jobs(out: Path, fused: str) -> list[list[str]]:
+    """Async rollouts over 2 processes (the shipped model: its rewards vary, so the weights move): a synchronous DDP
+    fit and its staleness-0 async twin, the same under FSDP2 (fused AdamW), and S = 1 DDP fits
+    with the producers 5x slower and 5x faster than the trainers."""
+    ddp, shipped = "--trainer.strategy=ddp", str(SHIPPED)
+    return [
+        ["fit", str(out / "sync"), shipped, "3", "", ddp],
+        ["async_fit", str(out / "s0"), shipped, "3", "", ddp, "--model.max_staleness=0"],
+        ["fit", str(out / "fsdp_sync"), shipped, "3", "", fused],
+        ["async_fit", str(out / "fsdp_s0"), shipped, "3", "", fused, "--model.max_staleness=0"],
+        ["async_fit", str(out / "slow"), shipped, "4", "slow", ddp, "--model.max_staleness=1"],
+        ["async_fit", str(out / "fast"), shipped, "4", "fast", ddp, "--model.max_staleness=1"],
+    ]
+
+
+def check_async_rollouts_over_two_processes(out: Path) -> None:
+    """Staleness 0 through the producers is the synchronous run bit for bit under DDP and FSDP2 (every logged value
+    but timings, the final weights); with producers 5x slower or faster, every step trains its 4 groups (2 a
+    process), whole, none staler than S = 1."""
+    from tests.test_async import check_bounded, same_weights, untimed
+
+    for sync, twin in (("sync", "s0"), ("fsdp_sync", "fsdp_s0")):
+        synchronous, stale0 = read_run_metrics(out / sync), read_run_metrics(out / twin)
+        assert untimed(stale0) == untimed(synchronous) and len(synchronous["train/loss"]) == 3, twin
+        assert [v for _, v in stale0["train/async/staleness_max"]] == [0.0] * 3
+        probes = [torch.load(out / run / "probe_logprobs.pt") for run in (sync, twin)]
+        assert torch.equal(*probes), twin
+    assert same_weights(out / "sync", out / "s0")
+    assert check_bounded(read_run_metrics(out / "slow"), 1, 4, 4)[0] == 0.0
+    assert check_bounded(read_run_metrics(out / "fast"), 1, 4, 4)[-1] == 1.0
 
 
 def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path) -> None:

@@ -1,0 +1,276 @@
+"""Asynchronous rollouts: a producer process that samples whole groups while the trainer trains.
+
+``RolloutProducer`` (trainer side) spawns one process per data-parallel process. That process holds its own
+copy of the weights (loaded from the model folder, then overwritten by every push), and samples the groups of
+training step s, s + 1, ... with the synchronous path's seed of each step (``ProducerSpec.seed_of(step)``,
+one ``generate`` call per step's share of prompts: at staleness 0 it draws the synchronous run's tokens). Each
+step's share travels as one block (a file whose path goes through a bounded queue), its rows tagged with the
+version they were sampled under (``RolloutBatch.versions``) and carrying the sampler's log-probs.
+
+**Admission** (``admitted``): with S = ``max_staleness``, ``g`` groups per step and the trainer at version v
+(its training step count; every push after a step announces it), a group is admitted for sampling only while
+accepted + running < (S + v + 1) g. The groups of one step are admitted together (one seeded draw), so step
+s is sampled only once s <= v + S, and under the newest weights the producer has (version w >= s - S): every
+trained group has v_train - v_sampled = s - w <= S. Blocks are consumed oldest first; a group is never split
+(a block is sampled under one version). Weights reach the producer through shared memory (``push``), the
+newest replacing any the producer has not read yet.
+
+**Faults**: the trainer raises ``ProducerError`` naming the producer when its process has ended, or when the
+block it waits for has not come within ``timeout`` seconds (a hung producer); the producer ends itself when
+its trainer process is gone (checked every 0.25 s between draws). Nothing of the producer is
+checkpointed: its blocks are a function of (step, weights), so a resumed run restarts it at its step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sgrpo.rollout.engine import RolloutEngine
+from sgrpo.types import Example, RolloutBatch
+
+#: test hooks, read when a producer starts (``ProducerSpec.delay_s`` and ``fault``): seconds it sleeps after each
+#: block it samples, and a fault ("die@STEP": SIGKILL itself before sampling STEP; "hang@STEP": stall there)
+DELAY_ENV, FAULT_ENV = "SGRPO_TEST_PRODUCER_DELAY", "SGRPO_TEST_PRODUCER_FAULT"
+
+
+class ProducerError(RuntimeError):
+    """The rollout producer ended or hung: the trainer cannot get its next groups."""
+
+
+def admitted(step: int, trainer_version: int, max_staleness: int) -> bool:
+    """Whether step ``step``'s groups may be sampled with the trainer at ``trainer_version``.
+
+    With g groups per step, steps 0 .. step - 1 accepted and step's g groups running, the rule
+    accepted + running < (S + v + 1) g reads (step + 1) g <= (S + v + 1) g, i.e. step <= v + S.
+    """
+    return step <= trainer_version + max_staleness
+
+
+@dataclass
+class ProducerSpec:
+    """What the producer process needs (pickled to it at spawn)."""
+
+    model_path: str
+    dtype: str
+    tokenizer: Any
+    engine: RolloutEngine
+    prompts: Callable[[int], list[Example]]  # step -> this process's prompts of that step (the data stream)
+    seed_of: Callable[[int], int]  # step -> the synchronous path's sampling seed of that step on this process
+    group_size: int
+    max_staleness: int
+    start_step: int
+    end_step: int  # steps start_step .. end_step - 1 are sampled
+    threads: int
+    device: str = "cpu"  # where the producer's copy samples (the trainer's device: colocated on one GPU)
+    delay_s: float = 0.0  # test hook: seconds slept after each block
+    fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
+
+
+@dataclass
+class Block:
+    """One step's groups as the producer sends them."""
+
+    step: int
+    version: int
+    prompts: list[Any]
+    rollout: RolloutBatch
+    idle_s: float  # seconds the producer waited (admission, a full queue) since its previous block
+    sample_s: float
+
+
+def _pack(block: Block, folder: str) -> str:
+    """Write ``block`` to a file of ``folder`` (whole, then renamed) and return its path: only the short path goes
+    through the queue, in one atomic pipe write, so a producer killed mid-send leaves no partial message that
+    would block the trainer's read for good."""
+    path = os.path.join(folder, f"step{block.step}.pt")
+    torch.save(block, path + ".part")
+    os.replace(path + ".part", path)
+    return path
+
+
+def _unpack(path: str) -> Block:
+    block = torch.load(path, weights_only=False)  # our own producer's file
+    os.unlink(path)
+    return block
+
+
+class RolloutProducer:
+    """The trainer's end of one producer process: ``start``, ``push`` weights, ``take`` a step's groups, ``close``.
+
+    Args:
+        spec: The producer's settings (``ProducerSpec``).
+        weights: (name, tensor) of the model's plain weights (``sgrpo.model.lora.plain_weights``), version
+            ``spec.start_step``; later pushes must give the same names and shapes.
+        timeout: Seconds ``take`` waits for a block before it raises (a hung producer).
+    """
+
+    def __init__(self, spec: ProducerSpec, weights: Iterable[tuple[str, Tensor]], timeout: float = 600.0) -> None:
+        hooks = {"delay_s": float(os.environ.get(DELAY_ENV) or 0.0), "fault": os.environ.get(FAULT_ENV, "")}
+        spec = dataclasses.replace(spec, **{k: v for k, v in hooks.items() if v})
+        self.spec, self.timeout = spec, timeout
+        context = producer_context()
+        self._shared = {name: value.detach().to("cpu", copy=True).share_memory_() for name, value in weights}
+        self._version = context.Value("q", spec.start_step, lock=False)
+        self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
+        self._blocks = context.Queue(maxsize=spec.max_staleness + 1)  # paths of block files in self.folder
+        self.folder = tempfile.mkdtemp(prefix="sgrpo-producer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._stop = context.Event()
+        self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
+        self.process = context.Process(
+            target=_produce,
+            args=(spec, self._shared, self._version, self._lock, self._pushed, self._blocks, self._stop,
+                  self._lifeline, self.folder),
+            name="sgrpo-rollout-producer",
+            daemon=True,
+        )
+        self.process.start()
+
+    def describe(self) -> str:
+        return f"the rollout producer (process {self.process.pid})"
+
+    def push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> float:
+        """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken."""
+        started = time.perf_counter()
+        values = [(name, value) for name, value in weights]  # gathered first (FSDP2: collectives, in step)
+        with self._lock:
+            for name, value in values:
+                self._shared[name].copy_(value.detach())
+            self._version.value = version
+        self._pushed.set()
+        return time.perf_counter() - started
+
+    def take(self, step: int, prompts: list[Any]) -> Block:
+        """The oldest block, which must be step ``step``'s with ``prompts``; raises ``ProducerError`` when the
+        producer ended or sent nothing for ``timeout`` seconds."""
+        started = time.perf_counter()
+        while True:
+            try:
+                block = _unpack(self._blocks.get(timeout=0.2))
+                break
+            except queue.Empty:
+                waited = time.perf_counter() - started
+                if self.process.exitcode is not None:
+                    raise ProducerError(
+                        f"{self.describe()} ended with exit code {self.process.exitcode} before it sent the groups "
+                        f"of step {step} (a traceback above if it raised; -9: killed, e.g. out of memory)"
+                    ) from None
+                if waited > self.timeout:
+                    raise ProducerError(
+                        f"{self.describe()} sent no groups for {waited:.0f} s (model.producer_timeout = "
+                        f"{self.timeout:g}) while the trainer waited for step {step}: it hangs; raise "
+                        f"model.producer_timeout if sampling one step takes longer"
+                    ) from None
+        versions = block.rollout.versions.view(-1, block.rollout.group_size)
+        if block.step != step or block.prompts != prompts or bool((versions != block.version).any()):
+            raise ProducerError(
+                f"{self.describe()} sent the groups of step {block.step}, but the trainer is at step {step} "
+                f"(or its prompts or versions differ): the producer is out of step with the trainer"
+            )
+        return block
+
+    def close(self) -> None:
+        """Stop the producer process (at most a few seconds), then end it."""
+        self._stop.set()  # the producer sees it within 0.25 s wherever it waits, and ends without flushing its queue
+        self._pushed.set()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self._blocks.cancel_join_thread()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def producer_context():
+    """The multiprocessing context producers start in: a fork server (POSIX) that imported torch, transformers and the
+    HF engine once, so that each producer starts without importing them again (about 15 s of CPU on a loaded
+    2-core machine), from a process that never ran a torch thread pool; else ``spawn``."""
+    methods = torch.multiprocessing.get_all_start_methods()
+    if "forkserver" not in methods:
+        return torch.multiprocessing.get_context("spawn")
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["transformers", "sgrpo.rollout.hf", "sgrpo.rollout.producer"])
+    return context
+
+
+def _alive(lifeline) -> bool:
+    """Whether the trainer process lives: it never writes to the pipe, so a readable end means it closed (EOF)."""
+    return not lifeline.poll()
+
+
+def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent, folder: str) -> None:
+    """The producer process: sample each admitted step's groups under the newest weights and queue them."""
+    from transformers import AutoModelForCausalLM
+
+    from sgrpo.model.loading import disable_dropout, resolve_model_path
+
+    blocks.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
+    torch.set_num_threads(spec.threads)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec.model_path), dtype=getattr(torch, spec.dtype))
+    disable_dropout(model)
+    model.to(spec.device)
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    missing = set(targets) - set(shared) - {"lm_head.weight"}
+    if missing:
+        raise ProducerError(f"the trainer's weights lack {sorted(missing)[:3]}: the producer cannot copy them")
+    delay, fault = spec.delay_s, spec.fault
+    held, idle = None, 0.0
+    for step in range(spec.start_step, spec.end_step):
+        waiting = time.perf_counter()
+        while True:  # never blocks for good on a lock or event a dead trainer may hold: its end is checked
+            pushed.clear()  # cleared before the check: a push after it sets it again, and the wait returns
+            if stop.is_set() or not _alive(parent):
+                return
+            if admitted(step, version.value, spec.max_staleness):
+                break
+            pushed.wait(timeout=0.25)
+        if version.value != held:
+            while not lock.acquire(timeout=0.25):
+                if not _alive(parent):
+                    return
+            try:
+                with torch.no_grad():
+                    for name, param in targets.items():
+                        if name in shared:
+                            param.copy_(shared[name])
+                held = version.value
+            finally:
+                lock.release()
+        idle += time.perf_counter() - waiting
+        if fault == f"die@{step}":
+            os.kill(os.getpid(), 9)
+        if fault == f"hang@{step}":
+            while _alive(parent) and not stop.is_set():
+                time.sleep(0.25)
+            return
+        started = time.perf_counter()
+        examples = spec.prompts(step)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed_of(step))
+            rollout = spec.engine.generate(model, spec.tokenizer, examples, spec.group_size)
+        rollout = dataclasses.replace(rollout, versions=torch.full((rollout.input_ids.shape[0],), held))
+        sample_s = time.perf_counter() - started
+        if delay:
+            time.sleep(delay)
+        data = _pack(Block(step, held, [ex.prompt for ex in examples], rollout, idle, sample_s), folder)
+        waiting, idle = time.perf_counter(), 0.0
+        while True:
+            try:
+                blocks.put(data, timeout=0.25)
+                break
+            except queue.Full:
+                if stop.is_set() or not _alive(parent):
+                    return
+        idle += time.perf_counter() - waiting
+    while not stop.is_set() and _alive(parent):  # every step sampled: stay until the trainer took them (close)
+        stop.wait(timeout=0.25)
