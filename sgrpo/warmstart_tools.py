@@ -50,10 +50,10 @@ class Recipe:
 
     seed: int = 0
     operations: tuple[str, ...] = ("add", "mul")
-    levels: tuple[int, ...] = (1, 2, 4)  # digits per operand, balanced in every batch
+    levels: tuple[int, ...] = (1, 2, 3)  # digits per operand, balanced in every batch
     tool_rate: float = 0.5  # the share of conversations that call the tool (the rest answer at once)
-    steps: int = 300
-    batch_size: int = 64
+    steps: int = 900
+    batch_size: int = 32
     lr: float = 3e-3
     hidden_size: int = 64
     num_layers: int = 2
@@ -133,22 +133,31 @@ def environment(recipe: Recipe, tokenizer: PreTrainedTokenizerBase | None = None
 
 @torch.no_grad()
 def evaluate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: CalculatorTask, recipe: Recipe, seed: int = 0
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: CalculatorTask,
+    recipe: Recipe,
+    seed: int = 0,
+    samples: int = 1,
+    modes: Sequence[str] = ("sampled", "greedy"),
 ) -> dict[str, dict[str, dict[int, float]]]:
     """Success and tool-use rate (episodes with a tool call) per level on the task's validation split, in
-    episodes sampled at temperature 1 (seeded) and greedy: ``{mode: {"success" | "tool_use": {level: rate}}}``."""
+    ``samples`` episodes per prompt sampled at temperature 1 (seeded), and greedy (one):
+    ``{mode: {"success" | "tool_use": {level: rate}}}``."""
     torch.manual_seed(seed)
     model.eval()
     env, rollout = environment(recipe, tokenizer), HFRollout(max_new_tokens=64)
     result: dict[str, dict[str, dict[int, float]]] = {}
-    for mode in ("sampled", "greedy"):
+    for mode in modes:
         by_level: dict[str, dict[int, float]] = {"success": {}, "tool_use": {}}
+        g = 1 if mode == "greedy" else samples
         for n in task.levels:
             examples = [ex for ex in task.examples("validation") if ex.difficulty == n]
-            batch = rollout.generate(model, tokenizer, examples, 1, greedy=mode == "greedy", environment=env)
-            success = task.successes(examples, batch.completions).float().mean().item()
+            batch = rollout.generate(model, tokenizer, examples, g, greedy=mode == "greedy", environment=env)
+            repeated = [ex for ex in examples for _ in range(g)]
+            success = task.successes(repeated, batch.completions).float().mean().item()
             by_level["success"][n] = round(success, 4)
-            by_level["tool_use"][n] = round(sum(e.tool_calls > 0 for e in batch.episodes) / len(examples), 4)
+            by_level["tool_use"][n] = round(sum(e.tool_calls > 0 for e in batch.episodes) / len(repeated), 4)
         result[mode] = by_level
     return result
 

@@ -91,7 +91,7 @@ class CalculatorTask(Task):
         bad = [op for op in operations if op not in SYMBOLS]
         require(bool(operations) and not bad, f"operations must be a non-empty list of {sorted(SYMBOLS)}, got "
                 f"{operations}")  # fmt: skip
-        levels = list([1, 2, 4] if levels is None else levels)
+        levels = list([1, 2, 3] if levels is None else levels)
         ok = bool(levels) and all(isinstance(n, int) and 1 <= n <= MAX_LEVEL for n in levels)
         require(ok, f"levels must be a non-empty list of integers in [1, {MAX_LEVEL}] (digits per operand), got "
                 f"{levels}")  # fmt: skip
