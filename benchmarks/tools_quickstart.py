@@ -10,7 +10,7 @@ tool environment (``sgrpo.warmstart_tools.evaluate``): success and tool-use rate
 per level. From the run's ``metrics.jsonl``: the training reward and tool-use rate, means over its first and
 last ``--window`` steps. Runs go ``--jobs`` at a time, each in its own subprocess with one torch thread.
 
-    .venv/bin/python benchmarks/tools_quickstart.py [--seeds 0 1 2] [--steps 100] [--jobs 2]
+    .venv/bin/python benchmarks/tools_quickstart.py [--seeds 0 1 2] [--steps 80] [--jobs 2]
 
 Publishes ``benchmarks/reports/tools_quickstart/`` (``benchmarks/artefact.py``; ``--no-publish`` skips it);
 run folders go to ``--out`` (default ``benchmarks/results/tools_quickstart``).
@@ -54,7 +54,19 @@ def curve_ends(metrics: Path, window: int) -> dict[str, list[float]]:
 
 
 def measure(path: str, seed: int, args: argparse.Namespace) -> dict:
-    """Sampled success and tool-use per level of the model at ``path`` (``sgrpo.warmstart_tools.evaluate``)."""
+    """Sampled success and tool-use per level of the model at ``path`` (``sgrpo.warmstart_tools.evaluate``), in a
+    process of its own (sampling seeds are global: runs measured side by side must not share them)."""
+    command = [sys.executable, __file__, "--measure", path, str(seed), "--levels", *map(str, args.levels),
+               "--eval-prompts", str(args.eval_prompts), "--samples", str(args.samples)]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"measuring {path} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measured(path: str, seed: int, args: argparse.Namespace) -> dict:
+    """What ``measure`` prints: the model at ``path`` measured in this process."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,14 +142,18 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3], help="the config's levels")
-    parser.add_argument("--eval-prompts", type=int, default=50, help="validation prompts per level and operation")
-    parser.add_argument("--samples", type=int, default=4, help="sampled episodes per prompt")
+    parser.add_argument("--eval-prompts", type=int, default=20, help="validation prompts per level and operation")
+    parser.add_argument("--samples", type=int, default=2, help="sampled episodes per prompt")
     parser.add_argument("--window", type=int, default=10, help="steps averaged at each end of the training curves")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=_ROOT / "benchmarks" / "results" / "tools_quickstart")
+    parser.add_argument("--measure", nargs=2, metavar=("MODEL", "SEED"), help=argparse.SUPPRESS)
     args = artefact.publish_option(parser).parse_args(argv)
+    if args.measure:  # one model measured (a subprocess of ``measure``): its figures as one JSON line
+        print(json.dumps(measured(args.measure[0], int(args.measure[1]), args)))
+        return
     start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(lambda seed: run_one(seed, args), args.seeds))

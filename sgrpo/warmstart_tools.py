@@ -162,7 +162,7 @@ def evaluate(
     return result
 
 
-def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 100) -> dict:
+def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 20) -> dict:
     """Build, warm-start, evaluate and save the model at ``out``; returns what ``warmstart.json`` holds."""
     torch.set_num_threads(1)  # one thread: the same sums on any machine, and fastest on a shared one
     start = time.perf_counter()
@@ -203,7 +203,7 @@ def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 1
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--eval-prompts", type=int, default=100)
+    parser.add_argument("--eval-prompts", type=int, default=20)
     args = vars(recipe_arguments(parser, Recipe).parse_args(argv))
     out, eval_prompts = args.pop("out"), args.pop("eval_prompts")
     report = warm_start(out, recipe_from(Recipe, args), eval_prompts)
