@@ -36,6 +36,7 @@ RENDERS = {
     "throughput": "perf:throughput",
     "throughput_forced": "perf:throughput",
     "packing": "packing:packing",
+    "tools_quickstart": "tools:tools_quickstart",
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from benchmarks.figures._fmt import num, pct, signed, table, wrap
 
 
@@ -18,7 +20,7 @@ def tools_quickstart(stamp: dict) -> str:
                 assert abs(s[f"{stage}_{metric}"][n] - sum(x[stage][metric][n] for x in runs) / len(runs)) < 1e-3
     rows = []
     for n in [*levels, "mean"]:
-        label = f"{n} digits" if n != "mean" else "mean over levels"
+        label = "mean over levels" if n == "mean" else f"{n} digit{'s' if n != '1' else ''}"
         cells = []
         for metric in ("success", "tool_use"):
             base, trained = s[f"base_{metric}"][n], s[f"trained_{metric}"][n]
@@ -30,6 +32,7 @@ def tools_quickstart(stamp: dict) -> str:
     reward = s["train/reward"]
     tool_rate = s["train/episode/tool_use_rate"]
     fit = [x["fit_seconds"] for x in runs]
+    jobs = re.search(r"--jobs (\d+)", stamp["command"])  # the script's default: 2
     prose = (
         f"`{stamp['command']}` (published {stamp['date']} on {machine['cpus']} CPUs at load average "
         f"{machine['load_average'][0]}): {len(runs)} seeds ({', '.join(str(x['seed']) for x in runs)}) of "
@@ -39,6 +42,7 @@ def tools_quickstart(stamp: dict) -> str:
         f"seeds and tool use in {rose['tool_use']} of {len(runs)}. In training, the reward went from "
         f"{num(reward[0], 3)} (mean of the first {r['window']} steps) to {num(reward[1], 3)} (last {r['window']}) "
         f"and the share of episodes that call a tool from {num(tool_rate[0], 3)} to {num(tool_rate[1], 3)}. "
-        f"A run's training took {num(min(fit), 0)}-{num(max(fit), 0)} s of wall clock, runs two at a time."
+        f"A run's training took {num(min(fit), 0)}-{num(max(fit), 0)} s of wall clock, {jobs[1] if jobs else 2} runs at "
+        "a time."
     )
-    return wrap(prose) + "\n\n" + table(head, rows) + "\n"
+    return wrap(prose).rstrip("\n") + "\n\n" + table(head, rows) + "\n"
