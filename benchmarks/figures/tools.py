@@ -42,7 +42,7 @@ def tools_quickstart(stamp: dict) -> str:
         f"seeds and tool use in {rose['tool_use']} of {len(runs)}. In training, the reward went from "
         f"{num(reward[0], 3)} (mean of the first {r['window']} steps) to {num(reward[1], 3)} (last {r['window']}) "
         f"and the share of episodes that call a tool from {num(tool_rate[0], 3)} to {num(tool_rate[1], 3)}. "
-        f"A run's training took {num(min(fit), 0)}-{num(max(fit), 0)} s of wall clock, {jobs[1] if jobs else 2} runs at "
-        "a time."
+        f"A run's training took {num(min(fit), 0)}-{num(max(fit), 0)} s of wall clock, "
+        f"{jobs[1] if jobs else 2} runs at a time."
     )
     return wrap(prose).rstrip("\n") + "\n\n" + table(head, rows) + "\n"
