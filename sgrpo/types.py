@@ -33,31 +33,6 @@ class Example:
 
 
 @dataclass(frozen=True)
-class Episode:
-    """One multi-turn episode (``tasks.environment``): its conversation and counts, for logs and rewards.
-
-    ``messages``: the whole conversation (opening, model turns, observations); ``rewards``: the environment's
-    per-turn rewards (None where a turn had none); ``turns``: model turns; ``tool_calls`` / ``tool_failures``;
-    ``generated_tokens`` / ``observation_tokens``: tokens after the opening by role; ``forks``: rows started
-    because the chat template did not extend the previous tokens (the trajectory has ``forks + 1`` rows).
-    """
-
-    messages: Messages
-    rewards: list[float | None] = field(default_factory=list)
-    turns: int = 0
-    tool_calls: int = 0
-    tool_failures: int = 0
-    generated_tokens: int = 0
-    observation_tokens: int = 0
-    forks: int = 0
-
-    @property
-    def reward(self) -> float:
-        """The sum of the per-turn rewards (0 without any), added to the task's reward of the episode."""
-        return float(sum(r for r in self.rewards if r is not None))
-
-
-@dataclass(frozen=True)
 class RolloutBatch:
     """G sampled completions for each of B prompts; trajectory ``b * G + g`` is completion g of prompt b.
 
@@ -185,3 +160,28 @@ def _joined_trajectories(batches: Sequence[RolloutBatch]) -> Tensor | None:
     for b in batches[:-1]:
         offsets.append(offsets[-1] + len(b.completions))
     return torch.cat([b.row_trajectory() + offset for b, offset in zip(batches, offsets)])
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One multi-turn episode (``tasks.environment``): its conversation and counts, for logs and rewards.
+
+    ``messages``: the whole conversation (opening, model turns, observations); ``rewards``: the environment's
+    per-turn rewards (None where a turn had none); ``turns``: model turns; ``tool_calls`` / ``tool_failures``;
+    ``generated_tokens`` / ``observation_tokens``: tokens after the opening by role; ``forks``: rows started
+    because the chat template did not extend the previous tokens (the trajectory has ``forks + 1`` rows).
+    """
+
+    messages: Messages
+    rewards: list[float | None] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    generated_tokens: int = 0
+    observation_tokens: int = 0
+    forks: int = 0
+
+    @property
+    def reward(self) -> float:
+        """The sum of the per-turn rewards (0 without any), added to the task's reward of the episode."""
+        return float(sum(r for r in self.rewards if r is not None))

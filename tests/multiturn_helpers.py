@@ -11,7 +11,7 @@ from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.types import Example
 from tasks.environment import Environment, Observation
 
-CHARS = "0123456789+=: abcdefghijklmnopqrstuvwxyz"
+CHARS = "0123456789+=: abcdefghijklmnopqrstuvwxyz\n"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 #: every message as <|im_start|>role\ncontent<|im_end|>: each rendering extends the one before
 PREFIX = (
@@ -55,6 +55,21 @@ class Reply(Environment):
     def step(self, example: Example, messages) -> Observation:
         turns = sum(m["role"] == "assistant" for m in messages)
         return Observation([{"role": "user", "content": f"go on {turns}"}], reward=0.25)
+
+
+#: a chat template in the characters of sgrpo.model.tiny's synthetic tokenizer (the tests' shared tiny model): an
+#: assistant turn is "=" (the generation prompt), its text and <eos>, so each rendering extends the one before
+DIGITS_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}={{ m['content'] }}<eos>{% else %}{{ m['content'] }}:"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
+
+
+class Digits(Environment):
+    """Answers every turn with "1+1" (characters the synthetic tokenizer has)."""
+
+    def step(self, example: Example, messages) -> Observation:
+        return Observation([{"role": "user", "content": "1+1"}])
 
 
 class Broken(Environment):

@@ -310,8 +310,30 @@ def decode(model_dir: str, out: str) -> None:
         batch = HFRollout(max_new_tokens=6, weights_snapshot=snapshot).generate(model, tokenizer, examples, 3)
         results[name] = {"ids": batch.input_ids.tolist(), "logprobs": batch.logprobs.tolist()}
         results[name]["sharded_forwards"] = len(forwards)
+    results["episodes"] = sharded_episodes(plain, sharded, tokenizer, examples, rank)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
+
+
+def sharded_episodes(plain, sharded, tokenizer, examples, rank: int) -> dict:
+    """Multi-turn episodes (tests/multiturn_helpers.Reply) from the sharded model on weights gathered once: each
+    process runs its own number of turns, no collective per turn; through the sharded forwards, refused."""
+    from sgrpo.rollout import HFRollout
+    from tests.multiturn_helpers import DIGITS_TEMPLATE, Digits
+
+    tokenizer.chat_template = DIGITS_TEMPLATE
+    results = {}
+    for name, model in (("plain", plain), ("gathered", sharded)):
+        torch.manual_seed(10 + rank)
+        batch = HFRollout(max_new_tokens=12).generate_episodes(model, tokenizer, examples, 2, Digits(max_turns=4))
+        results[name] = {"ids": batch.input_ids.tolist(), "logprobs": batch.logprobs.tolist(),
+                         "turns": [e.turns for e in batch.episodes]}  # fmt: skip
+    try:
+        HFRollout(max_new_tokens=4, weights_snapshot=False).generate_episodes(sharded, tokenizer, examples, 2, Digits())
+        results["per_token"] = "ran"
+    except ValueError as err:
+        results["per_token"] = str(err)
+    return results
 
 
 def bucketed_gather(plain, sharded) -> dict:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from sgrpo.model.logprobs import completion_logprobs
-from sgrpo.rollout.episodes import EpisodeError, multi_turn_problem, render, run_episodes
+from sgrpo.rollout.episodes import EpisodeError, batched_turns, multi_turn_problem, render, run_episodes
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.train.loss import BatchCounts, ClippedSurrogate, TokenBatch
+from tasks.environment import Observation
 from tests.multiturn_helpers import EXAMPLES, PREFIX, STRIP, Broken, Reply, chat_model, chat_tokenizer
 
 G = 3
@@ -37,7 +40,8 @@ def episodes(template: str, environment, seed: int = 0, max_new_tokens: int = 16
     recorder = Recorder(HFRollout(max_new_tokens=max_new_tokens), model, tokenizer)
     torch.manual_seed(seed)
     with torch.inference_mode():
-        batch = run_episodes(recorder, tokenizer, EXAMPLES, G, environment, recorder.eos, recorder.pad,
+        turns = batched_turns(recorder, recorder.pad, torch.device("cpu"))
+        batch = run_episodes(turns, tokenizer, EXAMPLES, G, environment, recorder.eos, recorder.pad,
                              torch.device("cpu"), max_positions=512)  # fmt: skip
     return batch, tokenizer, model, recorder
 
@@ -99,8 +103,9 @@ def test_a_thinking_stripping_template_starts_a_new_row_instead_of_retokenizing(
 
 
 @pytest.mark.parametrize("template", [PREFIX, STRIP])
-@pytest.mark.parametrize("packing", [False, True])
-def test_the_trainers_logprobs_at_loss_tokens_are_the_samplers(template, packing):
+@pytest.mark.parametrize("layout", ["padded", "shared_prompts", "packed"])
+def test_the_trainers_logprobs_at_loss_tokens_are_the_samplers(template, layout):
+    """Observation tokens inside the completion region (attended, mask 0) in every log-prob layout."""
     tokenizer = chat_tokenizer(template)
     model = chat_model(tokenizer)
     torch.manual_seed(1)
@@ -108,7 +113,7 @@ def test_the_trainers_logprobs_at_loss_tokens_are_the_samplers(template, packing
     assert batch.logprobs is not None and int(batch.completion_mask.sum()) > 20
     with torch.no_grad():
         logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                      share_prompts=False, packing=packing)  # fmt: skip
+                                      share_prompts=layout == "shared_prompts", packing=layout == "packed")  # fmt: skip
     mask = batch.completion_mask
     assert float((logp - batch.logprobs)[mask].abs().max()) <= 1e-5
     assert torch.all(batch.logprobs[~mask] == 0)
@@ -152,6 +157,20 @@ def test_episodes_stop_at_max_turns_and_at_the_token_budget():
 def test_an_environment_that_raises_fails_the_step_naming_it():
     with pytest.raises(EpisodeError, match=r"environment Broken failed in step\(\): KeyError: 'no such state'"):
         episodes(PREFIX, Broken())
+
+
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        ("go on", "returned str, not an Observation"),
+        (Observation([{"role": "user"}]), "returned the message {'role': 'user'}, not a dict with text role"),
+        (Observation([], reward=float("nan")), "returned the reward nan, not a finite number or None"),
+    ],
+)
+def test_an_environment_that_answers_wrongly_fails_the_step_naming_it(answer, problem):
+    wrong = type("Wrong", (Reply,), {"step": lambda self, example, messages: answer})()
+    with pytest.raises(EpisodeError, match=f"environment Wrong {re.escape(problem)}"):
+        episodes(PREFIX, wrong)
 
 
 def test_a_template_unusable_for_multi_turn_is_refused():

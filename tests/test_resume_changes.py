@@ -29,6 +29,16 @@ def test_changes_name_each_key_and_a_new_class_in_one_line():
     assert experiment_changes(record(), experiment_record({"group_size": 4}, seed=1))[-1] == "seed_everything: 0 -> 1"
 
 
+def test_a_setting_added_since_the_checkpoint_is_a_change_only_when_set():
+    """A checkpoint from before ``model.environment`` existed resumes with it null (single-turn, as it trained)."""
+    tool = {"class_path": "tasks.environment.ToolEnvironment", "init_args": {"tools": ["m.f"]}}
+    assert experiment_changes(record(), record(environment=None)) == []
+    assert experiment_changes(record(), record(environment=tool)) == [
+        "model.environment.class_path: unset -> \"tasks.environment.ToolEnvironment\""
+    ]
+    assert experiment_changes(record(environment=tool), record(environment=None))[0].startswith("model.environment")
+
+
 @pytest.mark.parametrize("scheduled", [False, True])
 def test_allowed_changes_set_the_optimisers_settings_over_the_loaded_state(scheduled):
     weight = torch.nn.Parameter(torch.ones(2))

@@ -217,6 +217,14 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
         gather = runs["gather"]
         assert gather["equal"] and gather["dtypes"] == ["torch.bfloat16"] and gather["uneven"], gather
         assert gather["sizes"] == [gather["padded_bytes"]], gather
+        episodes = runs["episodes"]  # multi-turn: the processes' turn counts differ, and no collective per turn
+        assert episodes["gathered"]["ids"] == episodes["plain"]["ids"], rank
+        assert episodes["gathered"]["turns"] == episodes["plain"]["turns"] and max(episodes["plain"]["turns"]) > 1
+        got, want = torch.tensor(episodes["gathered"]["logprobs"]), torch.tensor(episodes["plain"]["logprobs"])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert episodes["per_token"].startswith("multi-turn episodes under FSDP2 need rollout.weights_snapshot")
+    turns = [json.loads((out / f"decode_rank{r}.json").read_text())["episodes"]["plain"]["turns"] for r in (0, 1)]
+    assert sum(turns[0]) != sum(turns[1])  # the processes ran different numbers of turns
 
 
 def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out: Path) -> None:

@@ -20,6 +20,7 @@ room for another turn (it is then not appended), ends the episode (truncated).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,11 @@ from sgrpo.types import Episode, Example, Messages, RolloutBatch
 
 #: (prompt ids [U, P], prompt mask [U, P], row -> prompt [R]) -> (tokens [R, T], log-probs or None, masses or None)
 GenerateRows = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None, Tensor | None]]
+#: one sampled turn: its token ids (a stop token ends it; padding after it is cut), their log-probs, their nucleus
+#: masses (each None where the sampler has none)
+Turn = tuple[list[int], list[float] | None, list[float] | None]
+#: the contexts (token ids) of the running episodes -> one turn for each: how an engine plugs into the episode loop
+SampleTurns = Callable[[list[list[int]]], list[Turn]]
 
 
 class EpisodeError(RuntimeError):
@@ -102,7 +108,7 @@ _COUNTS = ("turns", "tool_calls", "tool_failures", "generated_tokens", "observat
 
 
 def run_episodes(
-    generate_rows: GenerateRows,
+    sample_turns: SampleTurns,
     tokenizer,
     examples: Sequence[Example],
     group_size: int,
@@ -113,7 +119,8 @@ def run_episodes(
     max_batch_rows: int = 512,
     max_positions: int | None = None,
 ) -> RolloutBatch:
-    """``group_size`` episodes of ``environment`` per example as a ``RolloutBatch`` (module docstring)."""
+    """``group_size`` episodes of ``environment`` per example as a ``RolloutBatch`` (module docstring); each turn of
+    up to ``max_batch_rows`` running episodes at a time from ``sample_turns`` (``batched_turns`` for a decoder)."""
     trajectories = [_open(tokenizer, ex, environment) for ex in examples for _ in range(group_size)]
     budget = getattr(environment, "max_episode_tokens", None)
     while True:
@@ -126,7 +133,7 @@ def run_episodes(
             break
         for start in range(0, len(running), max_batch_rows):
             chunk = running[start : start + max_batch_rows]
-            turns = _sample_turns(generate_rows, [t.context() for t in chunk], pad, device)
+            turns = sample_turns([t.context() for t in chunk])
             for t, (ids, logprobs, masses) in zip(chunk, turns):
                 _take_turn(tokenizer, t, ids, logprobs, masses, eos, budget, max_positions)
         for t in running:
@@ -153,16 +160,21 @@ def _room(t: _Trajectory, budget: int | None, max_positions: int | None) -> int:
     return int(min(room, 2**62))
 
 
-def _sample_turns(generate_rows: GenerateRows, contexts: list[list[int]], pad: int, device: torch.device):
-    """One turn for each context; identical contexts (an example's G openings) are prefilled once."""
-    distinct: dict[tuple[int, ...], int] = {}
-    row_prompt = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
-    ids, mask = left_padded(list(distinct), pad, device)
-    tokens, logprobs, masses = generate_rows(ids, mask, torch.tensor(row_prompt, device=device))
-    rows = tokens.tolist()
-    lp = logprobs.float().tolist() if logprobs is not None else [None] * len(rows)
-    ms = masses.float().tolist() if masses is not None else [None] * len(rows)
-    return list(zip(rows, lp, ms))
+def batched_turns(generate_rows: GenerateRows, pad: int, device: torch.device) -> SampleTurns:
+    """``SampleTurns`` of a batch decoder (``HFRollout``): the contexts left-padded into one batch, identical ones
+    (an example's G openings) prefilled once."""
+
+    def sample(contexts: list[list[int]]) -> list[Turn]:
+        distinct: dict[tuple[int, ...], int] = {}
+        row_prompt = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
+        ids, mask = left_padded(list(distinct), pad, device)
+        tokens, logprobs, masses = generate_rows(ids, mask, torch.tensor(row_prompt, device=device))
+        rows = tokens.tolist()
+        lp = logprobs.float().tolist() if logprobs is not None else [None] * len(rows)
+        ms = masses.float().tolist() if masses is not None else [None] * len(rows)
+        return list(zip(rows, lp, ms))
+
+    return sample
 
 
 def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos: Sequence[int], budget,
@@ -188,9 +200,10 @@ def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos:
 def _answer(tokenizer, t: _Trajectory, environment, budget: int | None, max_positions: int | None) -> None:
     """The environment's answer to the last turn, appended to the row (or a new row where the template breaks)."""
     observation = _call(environment, "step", t.example, [dict(m) for m in t.messages])
-    if not hasattr(observation, "messages") or not isinstance(observation.messages, list):
-        raise EpisodeError(f"environment {environment.name} returned {type(observation).__name__} from step, not an "
-                           f"Observation: return tasks.environment.Observation(messages, reward, done)")  # fmt: skip
+    problem = observation_problem(observation)
+    if problem is not None:
+        raise EpisodeError(f"environment {getattr(environment, 'name', type(environment).__name__)} returned {problem} "
+                           f"from step(): return tasks.environment.Observation(messages, reward, done)")  # fmt: skip
     t.rewards.append(None if observation.reward is None else float(observation.reward))
     t.counts["tool_calls"] += int(getattr(observation, "tool_calls", 0))
     t.counts["tool_failures"] += int(getattr(observation, "tool_failures", 0))
@@ -218,6 +231,21 @@ def _answer(tokenizer, t: _Trajectory, environment, budget: int | None, max_posi
         t.counts["forks"] += 1
     t.counts["observation_tokens"] += added
     t.messages, t.text = messages, rendered
+
+
+def observation_problem(observation) -> str | None:
+    """What is wrong with what ``step`` returned, or None: messages must be a list of {"role": str, "content": str}
+    dicts, the reward None or a finite number."""
+    messages = getattr(observation, "messages", None)
+    if not isinstance(messages, list) or not hasattr(observation, "done"):
+        return f"{type(observation).__name__}, not an Observation"
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"the message {m!r}, not a dict with text role and content"
+    reward = getattr(observation, "reward", None)
+    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        return f"the reward {reward!r}, not a finite number or None"
+    return None
 
 
 def _call(environment, method: str, *args):

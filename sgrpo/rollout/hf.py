@@ -107,7 +107,7 @@ class HFRollout(RolloutEngine):
     def _episodes(self, model, sampler, tokenizer, examples, group_size: int, environment, greedy) -> RolloutBatch:
         """Episodes decoded on ``sampler`` (the model, or its weights gathered once: no collective per turn, so
         processes may run different numbers of turns)."""
-        from sgrpo.rollout.episodes import run_episodes
+        from sgrpo.rollout.episodes import batched_turns, run_episodes
 
         if is_sharded(model) and world_size() > 1 and sampler is model:
             raise ValueError("multi-turn episodes under FSDP2 need rollout.weights_snapshot null or true (processes "
@@ -116,7 +116,8 @@ class HFRollout(RolloutEngine):
         positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         rows = lambda ids, mask, row_prompt: self._generate_rows(sampler, ids, mask, row_prompt, eos, pad, greedy)  # noqa: E731
         device = next(model.parameters()).device
-        return run_episodes(rows, tokenizer, examples, group_size, environment, eos, pad, device, self.max_batch_rows,
+        turns = batched_turns(rows, pad, device)
+        return run_episodes(turns, tokenizer, examples, group_size, environment, eos, pad, device, self.max_batch_rows,
                             positions)  # fmt: skip
 
     def _sample(

@@ -182,6 +182,20 @@ class VLLMRollout(RolloutEngine):
         device = next(model.parameters()).device
         return rollout_batch_from_outputs(outputs, group_size, pad, tokenizer, device)
 
+    @property
+    def runs_episodes(self) -> bool:  # model.environment: sgrpo.rollout.vllm_episodes, one engine per process
+        return self.tensor_parallel_size == 1
+
+    def generate_episodes(
+        self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, environment,
+        greedy: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        """Multi-turn episodes (``sgrpo.rollout.vllm_episodes``): synced and woken once, asleep after the last turn."""
+        from sgrpo.rollout.vllm_episodes import vllm_episodes
+
+        args = (model, tokenizer, examples, group_size, environment, greedy)
+        return vllm_episodes(self, import_vllm().SamplingParams, engine_rng, *args)
+
     def _ready(self, llm, model: nn.Module) -> None:
         """Wake the engine if it sleeps and copy the policy's weights into it if they changed since the last sync
         (``weights_version``: bumped by each optimiser step; unknown: always copied). The cache allocator's free

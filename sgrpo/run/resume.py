@@ -117,9 +117,11 @@ def _recorded_since(key: str) -> bool:
 
 def experiment_changes(trained: dict[str, str], resumed: dict[str, str]) -> list[str]:
     """``key: old -> new`` for every key whose value differs (``unset`` where one side lacks it); a class that
-    changed is one line, without its arguments."""
+    changed is one line, without its arguments. A key the checkpoint lacks whose new value is null (a setting added
+    since, left off: ``model.environment``) is no change."""
     keys = [k for k in sorted(set(trained) | set(resumed))
-            if trained.get(k) != resumed.get(k) and (k in trained or not _recorded_since(k))]  # fmt: skip
+            if trained.get(k) != resumed.get(k) and (k in trained or not _recorded_since(k))
+            and (k in trained or resumed.get(k) != "null")]  # a setting added since, at its off default  # fmt: skip
     classes = tuple(k.removesuffix("class_path") + "init_args." for k in keys if k.endswith(".class_path"))
     return [f"{k}: {trained.get(k, 'unset')} -> {resumed.get(k, 'unset')}" for k in keys if not k.startswith(classes)]
 

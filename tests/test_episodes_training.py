@@ -1,0 +1,211 @@
+"""Training on multi-turn episodes: the policy's ``environment``, per-row advantages through the trajectory index,
+forked rows through dynamic sampling, and what a step logs (issue 37)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from estimators import GRPO
+from sgrpo.model.logprobs import position_ids_from_mask
+from sgrpo.model.tiny import build_tiny_llama, ensure_tiny_model
+from sgrpo.rollout import HFRollout, RolloutEngine
+from sgrpo.train.loss import ClippedSurrogate
+from sgrpo.types import Episode, RolloutBatch
+from tasks.base import Reward, RewardResult, Task
+from tests.engine_helpers import GradCapture, run_steps
+from tests.multiturn_helpers import EXAMPLES, STRIP, Broken, Reply, chat_tokenizer
+
+G, MAX_NEW = 3, 24
+
+
+class Length(Reward):
+    """The final answer's length over 10, at most 1."""
+
+    name = "length"
+
+    def score(self, examples, completions) -> RewardResult:
+        total = torch.tensor([min(len(c), 10) / 10 for c in completions])
+        return RewardResult(total, {self.name: total})
+
+
+class ChatTask(Task):
+    def __init__(self) -> None:
+        super().__init__(Length())
+
+    def load(self, split):
+        return EXAMPLES
+
+    def success(self, example, completion) -> bool:
+        return completion == example.answer
+
+
+class FixedEpisodes(RolloutEngine):
+    """Replays one multi-turn batch."""
+
+    runs_episodes = True
+
+    def __init__(self, batch: RolloutBatch) -> None:
+        self.batch, self.max_new_tokens, self.temperature = batch, MAX_NEW, 1.0
+
+    def generate(self, model, tokenizer, examples, group_size, greedy=False):
+        raise AssertionError("a policy with an environment samples episodes")
+
+    def generate_episodes(self, model, tokenizer, examples, group_size, environment, greedy=False):
+        assert isinstance(environment, Reply) and group_size == G
+        return self.batch
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat")
+    tokenizer = chat_tokenizer(STRIP)
+    build_tiny_llama(tokenizer, hidden_size=32, max_positions=512).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def forked(chat_dir) -> RolloutBatch:
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    model = AutoModelForCausalLM.from_pretrained(chat_dir)
+    torch.manual_seed(2)
+    batch = HFRollout(max_new_tokens=MAX_NEW).generate_episodes(model, tokenizer, EXAMPLES, G, Reply(max_turns=3))
+    assert batch.trajectory is not None and batch.input_ids.shape[0] > len(batch.completions)  # rows forked
+    return batch
+
+
+def test_the_update_gives_each_row_its_trajectorys_advantage(chat_dir, forked, tmp_path):
+    """seq_sum_const at ratio 1: grad = -sum_rows A_traj(row) grad log pi(row's turns) / (rows * L_max); the
+    environment's per-turn rewards add to the task's."""
+    policy = GradCapture(str(chat_dir), ChatTask(), GRPO(), FixedEpisodes(forked), group_size=G, prompts_per_step=2,
+                         loss=ClippedSurrogate(aggregation="seq_sum_const"), max_grad_norm=None,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.0), environment=Reply(max_turns=3),
+                         log_completions_every=1)  # fmt: skip
+    trainer = run_steps(policy, root=tmp_path)
+    got = torch.cat([g.flatten() for _, g in sorted(policy.captured[0].items())])
+
+    task = torch.tensor([min(len(c), 10) / 10 for c in forked.completions])
+    rewards = task + torch.tensor([e.reward for e in forked.episodes])  # 0.25 per answered turn
+    advantages = forked.per_row(GRPO()(rewards.view(-1, G)).reshape(-1))  # [N'] each row its trajectory's
+    model = AutoModelForCausalLM.from_pretrained(chat_dir)
+    p = forked.prompt_length
+    logits = model(input_ids=forked.input_ids, attention_mask=forked.attention_mask,
+                   position_ids=position_ids_from_mask(forked.attention_mask)).logits[:, p - 1 : -1]  # fmt: skip
+    token_logp = logits.log_softmax(-1).gather(-1, forked.input_ids[:, p:].unsqueeze(-1)).squeeze(-1)
+    row_logp = (token_logp * forked.completion_mask).sum(-1)  # observation tokens: attended, not in the loss
+    rows = int(forked.completion_mask.any(-1).sum())
+    (-(advantages * row_logp).sum() / (rows * MAX_NEW)).backward()
+    want = torch.cat([q.grad.flatten() for _, q in sorted(model.named_parameters())])
+    assert float((got - want).norm() / want.norm()) < 1e-6
+
+    metrics = trainer.callback_metrics
+    turns = sum(e.turns for e in forked.episodes) / len(forked.episodes)
+    assert float(metrics["train/episode/turns"]) == pytest.approx(turns)
+    assert float(metrics["train/episode/forks"]) == pytest.approx(turns - 1)
+    assert float(metrics["train/reward"]) == pytest.approx(float(rewards.mean()))
+    assert {"train/episode/tool_calls", "train/episode/tool_failures", "train/episode/tokens/generated",
+            "train/episode/tokens/observation", "train/episode/tool_use_rate"} <= set(metrics)  # fmt: skip
+    lines = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * G and lines[0]["prompt"].startswith("user\nadd 12 and 30")
+    episode = lines[0]["episode"]
+    assert episode["messages"] == forked.episodes[0].messages and episode["forks"] == forked.episodes[0].forks
+    assert episode["turn_rewards"] == [0.25] * len(episode["turn_rewards"])
+
+
+def test_select_groups_and_cat_carry_forked_rows(forked):
+    two = RolloutBatch.cat([forked, forked])
+    assert two.trajectory.tolist() == forked.trajectory.tolist() + (forked.trajectory + 2 * G).tolist()
+    picked = two.select_groups(torch.tensor([3, 0]))  # group 3 is group 1 of the second copy
+    mine = forked.select_groups(torch.tensor([1, 0]))
+    assert torch.equal(picked.input_ids, mine.input_ids) and torch.equal(picked.trajectory, mine.trajectory)
+    rows_of_group_1 = (forked.trajectory >= G).sum()
+    assert torch.equal(mine.input_ids[:rows_of_group_1], forked.input_ids[forked.trajectory >= G])
+    assert mine.completions == forked.completions[G:] + forked.completions[:G]
+    assert mine.episodes == forked.episodes[G:] + forked.episodes[:G]
+    assert mine.trajectory.tolist() == sorted(mine.trajectory.tolist())
+
+
+def test_a_batch_checks_its_trajectory_index():
+    ids = torch.zeros(3, 4, dtype=torch.long)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    fields = dict(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=mask, completions=["a", "b"],
+                  truncated=torch.zeros(2, dtype=torch.bool), group_size=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"3 rows for 2 trajectories need a trajectory index \[3\]"):
+        RolloutBatch(**fields)
+    batch = RolloutBatch(**fields, trajectory=torch.tensor([0, 0, 1]), episodes=[Episode([]), Episode([])])
+    assert batch.num_groups == 1 and batch.per_row(torch.tensor([5.0, 7.0])).tolist() == [5.0, 5.0, 7.0]
+
+
+def test_a_policy_refuses_an_environment_its_template_or_engine_cannot_run(tmp_path):
+    plain = ensure_tiny_model(tmp_path / "plain")  # a character model without a chat template
+    policy = GradCapture(str(plain), ChatTask(), GRPO(), group_size=G, environment=Reply())
+    with pytest.raises(ValueError) as err:
+        policy.configure_model()
+    assert str(err.value).count("\n") == 0 and policy.model is None  # refused before the weights load
+    assert str(err.value).startswith("model.environment: Reply needs a multi-turn chat template, but ")
+    assert "the tokenizer has no chat template" in str(err.value)
+    single = type("Single", (RolloutEngine,), {"generate": lambda *a, **k: None, "max_new_tokens": 4,
+                                               "temperature": 1.0})()  # fmt: skip
+    with pytest.raises(ValueError, match="model.rollout: Single does not run multi-turn episodes"):
+        GradCapture(str(plain), ChatTask(), GRPO(), rollout=single, group_size=G, environment=Reply())
+
+
+def test_an_environment_that_raises_stops_the_step_naming_it(chat_dir):
+    from sgrpo.run.guards import EnvironmentFailure
+
+    policy = GradCapture(str(chat_dir), ChatTask(), GRPO(), HFRollout(max_new_tokens=4), group_size=G,
+                         prompts_per_step=2, environment=Broken())  # fmt: skip
+    with pytest.raises(EnvironmentFailure, match=r"environment Broken failed in step\(\): KeyError"):
+        run_steps(policy)
+
+
+class ChatSynthetic(Task):
+    """Chat prompts for a config test: the synthetic task's settings, messages instead of raw text."""
+
+    def __init__(self, **settings) -> None:
+        super().__init__(Length(), **settings)
+
+    def load(self, split):
+        return EXAMPLES * 2
+
+    def success(self, example, completion) -> bool:
+        return completion == example.answer
+
+
+def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, tmp_path):
+    """The config form of docs/environments.md, through sgrpo.fit: parsed, checked, one training step."""
+    import yaml
+
+    from sgrpo.fit import main, parse
+    from tasks.environment import ToolEnvironment
+    from tests.test_tools import multiply
+
+    config = {
+        "model": {
+            "model": str(chat_dir),
+            "task": {"class_path": "tests.test_episodes_training.ChatSynthetic"},
+            "estimator": {"class_path": "estimators.GRPO"},
+            "rollout": {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"max_new_tokens": 8}},
+            "environment": {"class_path": "tasks.environment.ToolEnvironment",
+                            "init_args": {"tools": ["tests.test_tools.multiply"], "max_turns": 2}},
+            "group_size": 2, "prompts_per_step": 2, "val_samples": 1,
+        },
+        "trainer": {"accelerator": "cpu", "max_steps": 1, "default_root_dir": str(tmp_path / "run"),
+                    "logger": False, "val_check_interval": 1, "limit_val_batches": 1},
+        "seed_everything": 0,
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    environment = parse(["--config", str(path)]).model.environment
+    assert isinstance(environment, ToolEnvironment) and environment.tools == {"multiply": multiply}
+    assert environment.max_turns == 2
+    main(["fit", "--config", str(path)])
+    assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val/accuracy" in row for row in logged)  # validation ran episodes too
+    assert any("train/episode/tool_calls" in row for row in logged)
