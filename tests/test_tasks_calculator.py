@@ -118,19 +118,18 @@ def test_sft_row_labels_the_assistant_turns_only():
 
 
 def _scripted(tok, turns: dict[str, list[str]]):
-    """generate_rows that writes, for a context whose user message is a key, its next scripted turn."""
+    """A ``SampleTurns`` that writes, for a context whose user message is a key, its next scripted turn."""
 
-    def generate_rows(ids, mask, row_prompt):
+    def sample_turns(contexts: list[list[int]]):
         out = []
-        for r in row_prompt.tolist():
-            text = tok.decode(ids[r][mask[r].bool()].tolist(), skip_special_tokens=False)
+        for context in contexts:
+            text = tok.decode(context, skip_special_tokens=False)
             question = text.split("<|user|>")[1].split("<|assistant|>")[0]
             turn = turns[question][text.count("<|assistant|>") - 1]
-            out.append(tok(turn, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-        width = max(map(len, out))
-        return torch.tensor([row + [tok.pad_token_id] * (width - len(row)) for row in out]), None, None
+            out.append((tok(turn, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], None, None))
+        return out
 
-    return generate_rows
+    return sample_turns
 
 
 def test_episodes_of_the_task_run_through_the_engine_token_for_token():
