@@ -49,12 +49,16 @@ class Environment(ABC):
     (generated and observation) per episode at most (None: no limit but the model's positions).
     ``observation_role``: the role of the messages ``step`` returns, used to check at start that the chat
     template can render them after an assistant turn. ``template_kwargs`` go to every rendering of the
-    episode's conversation (``ToolEnvironment``: the tools' schemas).
+    episode's conversation (``ToolEnvironment``: the tools' schemas). ``concurrent_steps``: how many episodes'
+    ``step`` may run at once in threads (1, the default: one after another).
     """
 
     max_turns: int = 4
     max_episode_tokens: int | None = None
     observation_role: str = "user"
+    #: episodes whose ``step`` runs at once, in threads (1: one after another); raise it for a thread-safe ``step``
+    #: that waits (on tools, a server)
+    concurrent_steps: int = 1
 
     def __init__(self, max_turns: int = 4, max_episode_tokens: int | None = None) -> None:
         require(max_turns >= 1, f"max_turns must be >= 1, got {max_turns}")
@@ -93,7 +97,8 @@ class ToolEnvironment(Environment):
     the tool's output, or an error (an unknown tool, malformed JSON or arguments, a tool that raises, runs
     past ``tool_timeout`` seconds, returns something other than text, or prints), counted in ``tool_failures``
     and the episode goes on. At most ``max_calls_per_turn`` calls run per turn; outputs are cut to
-    ``max_output_chars`` characters. The last allowed turn (``max_turns``) runs no tools.
+    ``max_output_chars`` characters. The last allowed turn (``max_turns``) runs no tools. ``concurrent_steps``
+    episodes run their calls at once (threads: for tools that wait, and that are thread-safe).
     """
 
     observation_role = "tool"
@@ -107,8 +112,11 @@ class ToolEnvironment(Environment):
         max_calls_per_turn: int = 8,
         max_output_chars: int = 2000,
         system_prompt: str | None = None,
+        concurrent_steps: int = 1,
     ) -> None:
         super().__init__(max_turns, max_episode_tokens)
+        require(concurrent_steps >= 1, f"concurrent_steps must be >= 1, got {concurrent_steps}")
+        self.concurrent_steps = concurrent_steps
         require(len(tools) >= 1, "tools must name at least one function")
         require(tool_timeout > 0, f"tool_timeout must be > 0 seconds, got {tool_timeout}")
         require(max_calls_per_turn >= 1, f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")

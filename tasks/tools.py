@@ -109,6 +109,31 @@ class _ThreadStdout(io.TextIOBase):
         self.real.flush()
 
 
+class _Capture:
+    """One ``_ThreadStdout`` in ``sys.stdout`` while any tool runs (calls may overlap in threads): installed by the
+    first, removed by the last."""
+
+    def __init__(self) -> None:
+        self.lock, self.users, self.proxy = threading.Lock(), 0, None
+
+    def __enter__(self) -> _ThreadStdout:
+        with self.lock:
+            if self.users == 0:
+                self.proxy = _ThreadStdout(sys.stdout)
+                sys.stdout = self.proxy
+            self.users += 1
+            return self.proxy
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                sys.stdout = self.proxy.real
+
+
+_CAPTURE = _Capture()
+
+
 class ToolRunner:
     """Runs one ``ToolCall`` in a thread with a ``timeout`` (seconds); returns (text, failed)."""
 
@@ -135,15 +160,10 @@ class ToolRunner:
             except BaseException as err:  # noqa: BLE001 (sys.exit in a tool is the tool's failure, not the run's end)
                 result["error"] = f"{type(err).__name__}: {err}"
 
-        real = sys.stdout
-        capture = _ThreadStdout(real)
-        sys.stdout = capture
-        try:
+        with _CAPTURE as capture:
             thread = threading.Thread(target=target, name=f"sgrpo-tool-{call.name}", daemon=True)
             thread.start()
             thread.join(self.timeout)
-        finally:
-            sys.stdout = real
         return self._reply(call.name, thread.is_alive(), result, printed.getvalue())
 
     def _reply(self, name: str, hung: bool, result: dict[str, Any], printed: str) -> tuple[str, bool]:

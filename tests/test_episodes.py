@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -185,3 +187,28 @@ def test_a_template_unusable_for_multi_turn_is_refused():
     assert "no chat template" in multi_turn_problem(chat_tokenizer(None), Reply())
     drops = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
     assert "drops the assistant turn" in multi_turn_problem(chat_tokenizer(drops), Reply())
+
+
+class Waiting(Reply):
+    """A step that waits (a tool calling out) and counts how many run at once."""
+
+    def __init__(self, concurrent_steps: int) -> None:
+        super().__init__(max_turns=2)
+        self.concurrent_steps, self.running, self.most = concurrent_steps, 0, 0
+        self.lock = threading.Lock()
+
+    def step(self, example, messages):
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.05)
+        with self.lock:
+            self.running -= 1
+        return super().step(example, messages)
+
+
+def test_concurrent_steps_run_in_threads_and_give_the_same_episodes():
+    alone, _, _, _ = episodes(PREFIX, sequential := Waiting(1))
+    together, _, _, _ = episodes(PREFIX, concurrent := Waiting(4))
+    assert sequential.most == 1 and concurrent.most > 1
+    assert torch.equal(alone.input_ids, together.input_ids) and alone.episodes == together.episodes

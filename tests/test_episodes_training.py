@@ -209,3 +209,26 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("val/accuracy" in row for row in logged)  # validation ran episodes too
     assert any("train/episode/tool_calls" in row for row in logged)
+
+
+def test_padded_micro_batches_budget_the_observation_tokens_between_turns():
+    """A multi-turn row runs its observations too: the padded micro-batches' token budget counts the columns up to
+    each row's last loss token, not its loss tokens alone (which would overfill every micro-batch)."""
+    from sgrpo.train.batching import completion_spans, trim, update_micro_batches
+    from tests.multiturn_helpers import PREFIX, chat_model
+
+    tokenizer = chat_tokenizer(PREFIX)
+    torch.manual_seed(0)
+    forked = HFRollout(max_new_tokens=16).generate_episodes(chat_model(tokenizer), tokenizer, EXAMPLES, G,
+                                                            Reply(max_turns=3))  # fmt: skip
+    mask = forked.completion_mask
+    rows = torch.arange(mask.shape[0])
+    spans = completion_spans(mask)
+    assert torch.all(spans >= mask.sum(-1)) and torch.any(spans > mask.sum(-1))  # observations between turns
+    prefix = torch.arange(6).unsqueeze(0) < torch.tensor([[0], [3], [6]])
+    assert completion_spans(prefix).tolist() == prefix.sum(-1).tolist()  # single-turn: the loss tokens
+    budget = (forked.prompt_length + int(spans.max())) * 2  # two of the widest rows
+    chunks = update_micro_batches(forked, rows, mask, False, None, None, budget)
+    for chunk in chunks:
+        ran = trim(forked, chunk, mask)["input_ids"]
+        assert len(chunk) == 1 or ran.shape[0] * ran.shape[1] <= budget

@@ -141,3 +141,20 @@ def test_parsing_keeps_the_order_and_reads_string_arguments():
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments, c.error) for c in calls] == [("a", {"x": 1}, None), ("b", {"y": 2}, None)]
     assert parse_tool_calls("no call here") == []
+
+
+def test_tools_that_print_from_overlapping_calls_leave_stdout_as_it_was(capsys):
+    """Calls of several episodes at once (``concurrent_steps``): each print is caught as its call's error, none
+    reaches the run's output, and ``sys.stdout`` is the run's own again after the last call."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = ToolEnvironment([prints, multiply], concurrent_steps=8)
+    before = sys.stdout
+    texts = [call("prints"), call("multiply", a=3, b=4)] * 8
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda text: step(env, text).messages[0]["content"], texts))
+    assert answers == ["Error: tool prints printed to stdout instead of returning its output as text", "12"] * 8
+    assert sys.stdout is before and capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="concurrent_steps must be >= 1"):
+        ToolEnvironment([multiply], concurrent_steps=0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,9 +137,9 @@ def run_episodes(
             turns = sample_turns([t.context() for t in chunk])
             for t, (ids, logprobs, masses) in zip(chunk, turns):
                 _take_turn(tokenizer, t, ids, logprobs, masses, eos, budget, max_positions)
-        for t in running:
-            if not t.done:
-                _answer(tokenizer, t, environment, budget, max_positions)
+        answering = [t for t in running if not t.done]
+        for t, observation in zip(answering, _steps(environment, answering)):
+            _answer(tokenizer, t, environment, observation, budget, max_positions)
     return _batch(tokenizer, trajectories, group_size, pad, device)
 
 
@@ -197,9 +198,19 @@ def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos:
         t.done = t.truncated = True
 
 
-def _answer(tokenizer, t: _Trajectory, environment, budget: int | None, max_positions: int | None) -> None:
+def _steps(environment, trajectories: list[_Trajectory]) -> list:
+    """``environment.step`` of each trajectory's last turn, in order: ``concurrent_steps`` at once in threads where the
+    environment allows it (its steps wait on tools), else one after another."""
+    calls = [(t.example, [dict(m) for m in t.messages]) for t in trajectories]
+    workers = min(int(getattr(environment, "concurrent_steps", 1)), len(calls))
+    if workers <= 1:
+        return [_call(environment, "step", *call) for call in calls]
+    with ThreadPoolExecutor(workers, thread_name_prefix="sgrpo-env") as pool:
+        return list(pool.map(lambda call: _call(environment, "step", *call), calls))
+
+
+def _answer(tokenizer, t: _Trajectory, environment, observation, budget: int | None, max_positions: int | None) -> None:
     """The environment's answer to the last turn, appended to the row (or a new row where the template breaks)."""
-    observation = _call(environment, "step", t.example, [dict(m) for m in t.messages])
     problem = observation_problem(observation)
     if problem is not None:
         raise EpisodeError(f"environment {getattr(environment, 'name', type(environment).__name__)} returned {problem} "
