@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -58,8 +58,13 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -
         answer = tokenizer.encode(ex.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         targets.append([-100] * len(prompt) + answer)
+    return padded_batch(rows, targets, tokenizer.pad_token_id)
+
+
+def padded_batch(rows: Sequence[list[int]], targets: Sequence[list[int]], pad_id: int) -> dict[str, Tensor]:
+    """Rows of ids and their labels (-100: no loss), left-padded to the longest, as a model's keyword arguments."""
     width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, device="cpu")  # [B, L]
+    ids = torch.full((len(rows), width), pad_id, device="cpu")  # [B, L]
     labels = torch.full((len(rows), width), -100, device="cpu")  # [B, L]
     mask = torch.zeros((len(rows), width), dtype=torch.long, device="cpu")  # [B, L]
     for i, (row, target) in enumerate(zip(rows, targets, strict=True)):
@@ -85,11 +90,17 @@ def train(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], recipe: Recipe
 ) -> list[float]:
     """Run the SFT phase in place on consecutive batches of ``examples``; returns every step's loss."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    size = recipe.batch_size
+    batches = (sft_batch(tokenizer, examples[i * size : (i + 1) * size]) for i in range(recipe.steps))
+    return optimise(model, batches, recipe.lr)
+
+
+def optimise(model: PreTrainedModel, batches: Iterable[dict[str, Tensor]], lr: float) -> list[float]:
+    """One AdamW step (no weight decay) on each batch in turn, the model left in eval mode; every step's loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
-    for step in range(recipe.steps):
-        batch = sft_batch(tokenizer, examples[step * recipe.batch_size : (step + 1) * recipe.batch_size])
+    for batch in batches:
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -159,20 +170,30 @@ def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 2
     return report
 
 
+def recipe_arguments(parser: argparse.ArgumentParser, recipe: type) -> argparse.ArgumentParser:
+    """One ``--option`` per field of the dataclass ``recipe`` (its default; tuples take several values)."""
+    for f in fields(recipe):
+        default = getattr(recipe, f.name)
+        if isinstance(default, tuple):
+            kind = type(default[0]) if default else int
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, nargs="+", default=list(default))
+        else:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+    return parser
+
+
+def recipe_from(recipe: type, values: dict):
+    """``recipe(**values)`` with lists as tuples (parsed options, or a saved report's ``recipe``)."""
+    return recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--eval-prompts", type=int, default=200)
-    for f in fields(Recipe):
-        default = getattr(Recipe, f.name)
-        if isinstance(default, tuple):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, nargs="+", default=list(default))
-        else:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
-    args = vars(parser.parse_args(argv))
+    args = vars(recipe_arguments(parser, Recipe).parse_args(argv))
     out, eval_prompts = args.pop("out"), args.pop("eval_prompts")
-    recipe = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
-    report = warm_start(out, recipe, eval_prompts)
+    report = warm_start(out, recipe_from(Recipe, args), eval_prompts)
     losses = report["losses"]
     print(
         f"params {report['params']:,}  loss {losses[0]:.3f} -> {losses[-1]:.3f}  "

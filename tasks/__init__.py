@@ -2,6 +2,7 @@
 
 from tasks.arithmetic import CountdownReward, grade_countdown
 from tasks.base import SPLITS, Task
+from tasks.calculator import CalculatorTask
 from tasks.countdown import Countdown, CountdownGold
 from tasks.deepmath import DeepMath
 from tasks.environment import Environment, Observation, ToolEnvironment
@@ -39,6 +40,7 @@ from tasks.think_format import ThinkFormat, think_format
 __all__ = [
     "SPLITS",
     "Bleu",
+    "CalculatorTask",
     "ChrF",
     "Countdown",
     "CountdownGold",

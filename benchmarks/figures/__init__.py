@@ -37,6 +37,7 @@ RENDERS = {
     "throughput_forced": "perf:throughput",
     "packing": "packing:packing",
     "async_rollouts": "asynchronous:async_rollouts",
+    "tools_quickstart": "tools:tools_quickstart",
 }
 
 

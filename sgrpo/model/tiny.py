@@ -16,6 +16,23 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 #: characters of the synthetic tasks (digits, operators, the sort marker)
 SYNTHETIC_CHARS = "0123456789+=:s"
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+#: the chat model's characters: printable ASCII and the newline (tool calls' JSON, tools' errors)
+CHAT_CHARS = "".join(map(chr, range(32, 127))) + "\n"
+#: the chat model's multi-character tokens: role markers and the Hermes / Qwen tool-call tags
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>")
+#: a prefix-preserving chat template for ``build_chat_tokenizer``: ``<|role|>content`` per message, an assistant
+#: turn closed by ``<eos>`` (its end-of-turn token), the tools (``tools=[JSON schemas]``) as one system line
+#: ``<|system|>add(a,b) mul(a,b)``; each message renders the same whatever follows it
+CHAT_TEMPLATE = (
+    "{%- if tools -%}<|system|>{%- for t in tools -%}{{ t.function.name }}("
+    "{{ t.function.parameters.properties | list | join(',') }}){{ ' ' if not loop.last }}{%- endfor -%}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<|assistant|>{{ m.content }}<eos>"
+    "{%- elif m.role in ['system', 'user', 'tool'] -%}<|{{ m.role }}|>{{ m.content }}"
+    "{%- else -%}{{ raise_exception('unknown role ' ~ m.role ~ ': use system, user, assistant or tool') }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
 
 
 def build_char_tokenizer(chars: str = SYNTHETIC_CHARS) -> PreTrainedTokenizerFast:
@@ -29,6 +46,15 @@ def build_char_tokenizer(chars: str = SYNTHETIC_CHARS) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
     )
+
+
+def build_chat_tokenizer(chars: str = CHAT_CHARS, template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """``build_char_tokenizer(chars)`` with ``CHAT_TOKENS`` as single tokens (after the characters) and
+    ``template`` as its chat template: a tiny chat model's tokenizer, for multi-turn tool use."""
+    tokenizer = build_char_tokenizer(chars)
+    tokenizer.add_tokens(list(CHAT_TOKENS))
+    tokenizer.chat_template = template
+    return tokenizer
 
 
 def build_tiny_llama(
