@@ -10,15 +10,7 @@ import torch
 
 from estimators import ESTIMATORS, GRPO, RLOO, AdvantageEstimator, DrGRPO, MaxRL, SoftmaxGRPO
 from tests.test_estimators_theory import F64, P5, P_GRID
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.test_estimators_theory import _one_thread as _one_thread  # one intra-op thread (autouse)
 
 # ---------------------------------------------------------------------------------------------
 # T13: Monte Carlo on a single-token Bernoulli-logit policy

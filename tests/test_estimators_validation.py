@@ -11,16 +11,7 @@ import torch
 
 from estimators import GRPO, MaxRL, SoftmaxGRPO
 from tests.test_estimators_conformance import CASES, IDS, norm_scale, random_rewards
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are small: one intra-op thread is fastest, and robust on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.test_estimators_conformance import _one_thread as _one_thread  # one intra-op thread (autouse)
 
 # ---------------------------------------------------------------------------------------------
 # T10 validation, dtype, masks
