@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-#: seconds of the heaviest slow tests on one worker (measured 2026-12-02 with the machine shared, load average 5-9:
+#: seconds of the heaviest tests on one worker (measured 2026-12-02 with the machine shared, load average 5-9:
 #: relative weights, about 3 times their idle time); any other slow test counts DEFAULT_SLOW, a fast one 0
 WEIGHTS = {
     "tests/test_sharded.py::test_fsdp2_update_rollouts_fit_resume_export_and_validate": 180,
@@ -23,12 +23,23 @@ WEIGHTS = {
     "tests/test_configs_paper.py::test_two_step_fit_on_the_tiny_model": 8,
     "tests/test_abort_watch.py::test_a_wandb_run_is_finished_with_the_exit_code": 15,
     "tests/test_paper_reference.py::test_deepmath_configs_agree_with_the_reference": 12,
+    # not marked slow, but as long: counted so that they start early too, not at the end of a worker's queue
+    "tests/test_warmstart.py::test_warm_start_saves_a_loadable_reproducible_model": 110,
+    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger[WandbLogger]": 84,
+    "tests/test_warmstart.py::test_shipped_asset_matches_its_report": 53,
+    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger": 30,
+    "tests/test_tasks_deepmath.py::test_readme_snippet_runs_as_a_script": 33,
+    "tests/test_lora.py::test_exports_and_resume_reproduce_the_trained_policy": 25,
+    "tests/test_readme_figures.py::test_every_single_figure_mutation_is_caught": 24,
+    "tests/test_packaging.py::test_the_wheel_declares_its_three_top_level_packages": 22,
+    "tests/test_metrics_file.py::test_a_resume_from_an_older_checkpoint_counts_each_step_once": 16,
 }
 DEFAULT_SLOW = 6
 
 
 def weight(item) -> float:
-    """How long ``item`` is expected to run: WEIGHTS by node id prefix, else DEFAULT_SLOW if marked slow, else 0."""
+    """How long ``item`` is expected to run: WEIGHTS by node id prefix (the first that matches), else DEFAULT_SLOW if
+    marked slow, else 0."""
     for prefix, seconds in WEIGHTS.items():
         if item.nodeid.startswith(prefix):
             return seconds
@@ -47,8 +58,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     long test with the other worker idle. Now the slow tests are split over the parts by weight (the longest to the
     lightest part, in turn), each part leads with its share, longest first, and fast tests fill each part up to its
     count, in collection order."""
-    workers = config.getoption("numprocesses", default=None)
-    workers = workers if isinstance(workers, int) and workers > 1 else 1
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # on a pytest-xdist worker: how many there are
     weights = {id(item): weight(item) for item in items}
     slow = sorted((item for item in items if weights[id(item)] > 0), key=lambda i: -weights[id(i)])  # stable
     fast = [item for item in items if weights[id(item)] == 0]
@@ -66,6 +76,19 @@ def pytest_collection_modifyitems(config, items) -> None:
         fast = fast[fill:]
         left -= len(part) + fill
     items[:] = ordered + fast
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that sets torch's intra-op threads (``sgrpo.warmstart.warm_start`` sets 2) leaves them as they were:
+    else every later test of that pytest-xdist worker ran on 2 threads beside the other worker, 4 threads on the
+    2 cores of ``make test`` (``OMP_NUM_THREADS=1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

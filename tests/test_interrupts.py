@@ -227,6 +227,7 @@ class Killed(BaseException):
     """Ends the in-process fit where a kill -9 landed (its files were copied at that instant)."""
 
 
+@pytest.mark.slow  # a fit and its resume, as the landings above
 def test_a_kill_9_during_the_final_steps_last_ckpt_link_resumes_its_validation(model_dir, reference, tmp_path,
                                                                                 monkeypatch):  # fmt: skip
     """kill -9 as the final step's ``last.ckpt`` link begins (2 of 20 trials of benchmarks/kill_trials.py): the run
