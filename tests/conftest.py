@@ -24,7 +24,6 @@ WEIGHTS = {
     "tests/test_abort_watch.py::test_a_wandb_run_is_finished_with_the_exit_code": 15,
     "tests/test_paper_reference.py::test_deepmath_configs_agree_with_the_reference": 12,
     # not marked slow, but as long: counted so that they start early too, not at the end of a worker's queue
-    "tests/test_warmstart.py::test_warm_start_saves_a_loadable_reproducible_model": 110,
     "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger[WandbLogger]": 84,
     "tests/test_warmstart.py::test_shipped_asset_matches_its_report": 53,
     "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger": 30,
