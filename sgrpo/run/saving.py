@@ -94,12 +94,13 @@ class RunFitLoop(_FitLoop):
 
     @property
     def owes_validation(self) -> bool:
-        """Restarted from a checkpoint that owes a validation (its counters mark one begun, no batch of it done) that
-        has not run yet."""
+        """Restarted at ``max_steps`` from a checkpoint that owes a validation (its counters mark one begun, no batch
+        of it done) that has not run yet. (A fit bounded by epochs stops as Lightning's does.)"""
         val = self.epoch_loop.val_loop
         total = val.batch_progress.total
         begun = total.started == total.ready and total.processed == total.started - 1
-        return self.restarting and begun and not val._has_run
+        at_max_steps = 0 <= self.max_steps <= self.epoch_loop.global_step
+        return self.restarting and at_max_steps and begun and not val._has_run
 
 
 def resume_failure(ckpt_path, exception: BaseException) -> str:
