@@ -71,7 +71,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 from benchmarks import artefact  # noqa: E402
-from benchmarks._workload import PREFIX, Workload, profile_sgrpo, worker_main  # noqa: E402
+from benchmarks._workload import PREFIX, Workload, worker_main  # noqa: E402
+from benchmarks._workload_profile import profile_sgrpo  # noqa: E402
 
 FRAMEWORKS = ("sgrpo", "trl")
 

@@ -67,7 +67,7 @@ from sgrpo.run.preflight import (
 )
 from sgrpo.run.progress import ParameterCount, StepProgressBar
 from sgrpo.run.resume import experiment_record
-from sgrpo.run.saving import RunCheckpoint, resume_failure
+from sgrpo.run.saving import RunCheckpoint, RunFitLoop, resume_failure
 
 MODES = ("fit", "validate", "test")
 #: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir
@@ -136,6 +136,7 @@ class SgrpoCLI(LightningCLI):
         check_tensor_parallel(trainer.strategy)
         check_nodes(trainer)
         if self.mode == "fit":
+            RunFitLoop.install(trainer)  # a resume at max_steps runs the validation its checkpoint owes
             check_weight_precision(trainer.precision_plugin.precision, self.model, trainer.max_steps)
             model, seed = self._get(self.config, "model"), self.configured_seed
             checkpoints.experiment = experiment_record(model, seed, trainer.precision_plugin.precision)

@@ -4,11 +4,90 @@ from __future__ import annotations
 
 import pytest
 
+#: seconds of the heaviest tests on one worker (measured 2026-12-02 with the machine shared, load average 5-9:
+#: relative weights, about 3 times their idle time); any other slow test counts DEFAULT_SLOW, a fast one 0
+WEIGHTS = {
+    "tests/test_sharded.py::test_fsdp2_update_rollouts_fit_resume_export_and_validate": 180,
+    "tests/test_sharded.py::test_validate_launched_as_users_do": 100,
+    "tests/test_faults_processes.py::test_sigterm_to_the_first_of_2_sharded_processes": 95,
+    "tests/test_vllm_rollout.py::test_fit_with_the_engine_under_fsdp2": 80,
+    "tests/test_faults_input.py::test_a_step_that_does_not_split_over_the_processes": 75,
+    "tests/test_tasks_adversarial.py::test_a_thousand_adversarial_completions": 70,
+    "tests/test_faults.py::test_kill_9_then_ctrl_c_at_random_instants": 70,
+    "tests/test_faults_processes.py::test_an_error_on_one_of_3_processes": 40,
+    "tests/test_faults_processes.py::test_a_refused_folder_ends_every_process": 34,
+    "tests/test_faults_processes.py::test_an_error_on_one_process_ends_every_process": 30,
+    "tests/test_tasks_base.py::test_a_pool_started_from_a_forkserver_scores": 22,
+    "tests/test_faults.py::test_a_kill_during_the_first_checkpoint_write": 19,
+    "tests/test_faults.py::test_kill_9_in_the_middle_of_writing_last_ckpt": 17,
+    "tests/test_configs_paper.py::test_two_step_fit_on_the_tiny_model": 8,
+    "tests/test_abort_watch.py::test_a_wandb_run_is_finished_with_the_exit_code": 15,
+    "tests/test_paper_reference.py::test_deepmath_configs_agree_with_the_reference": 12,
+    # not marked slow, but as long: counted so that they start early too, not at the end of a worker's queue
+    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger[WandbLogger]": 84,
+    "tests/test_warmstart.py::test_shipped_asset_matches_its_report": 53,
+    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger": 30,
+    "tests/test_tasks_deepmath.py::test_readme_snippet_runs_as_a_script": 33,
+    "tests/test_lora.py::test_exports_and_resume_reproduce_the_trained_policy": 25,
+    "tests/test_readme_figures.py::test_every_single_figure_mutation_is_caught": 24,
+    "tests/test_packaging.py::test_the_wheel_declares_its_three_top_level_packages": 22,
+    "tests/test_metrics_file.py::test_a_resume_from_an_older_checkpoint_counts_each_step_once": 16,
+}
+DEFAULT_SLOW = 6
 
+
+def weight(item) -> float:
+    """How long ``item`` is expected to run: WEIGHTS by node id prefix (the first that matches), else DEFAULT_SLOW if
+    marked slow, else 0."""
+    for prefix, seconds in WEIGHTS.items():
+        if item.nodeid.startswith(prefix):
+            return seconds
+    return DEFAULT_SLOW if item.get_closest_marker("slow") is not None else 0
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselect: the parts are counted on what runs
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``slow`` (2-process runs, subprocess fits: 10-40 s each) run first, in collection order, so
-    that the fast tests fill the other worker while they run instead of one worker ending the suite alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: False (slow) sorts first
+    """Slow tests (2-process runs, subprocess fits: 10-60 s each) start first, longest first, shared out over the
+    pytest-xdist workers so that each starts on its own share at once.
+
+    ``--dist worksteal`` hands each of the n workers one contiguous part of the list (n parts as even in count as
+    can be) and then lets an idle worker take the tail of another's queue. Before, every slow test led the first
+    part: one worker ran them all, in collection order (the longest, test_sharded's and test_vllm_rollout's, came
+    last), while the other ran fast tests and then took slow ones one by one off the far end: the suite ended on one
+    long test with the other worker idle. Now the slow tests are split over the parts by weight (the longest to the
+    lightest part, in turn), each part leads with its share, longest first, and fast tests fill each part up to its
+    count, in collection order."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # on a pytest-xdist worker: how many there are
+    weights = {id(item): weight(item) for item in items}
+    slow = sorted((item for item in items if weights[id(item)] > 0), key=lambda i: -weights[id(i)])  # stable
+    fast = [item for item in items if weights[id(item)] == 0]
+    parts: list[list] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for item in slow:
+        lightest = loads.index(min(loads))
+        parts[lightest].append(item)
+        loads[lightest] += weights[id(item)]
+    ordered, left = [], len(items)
+    for i, part in enumerate(parts):
+        size = left // (workers - i)  # what worksteal's first hand-out gives worker i
+        fill = max(0, size - len(part))
+        ordered += part + fast[:fill]
+        fast = fast[fill:]
+        left -= len(part) + fill
+    items[:] = ordered + fast
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that sets torch's intra-op threads (``sgrpo.warmstart.warm_start`` sets 2) leaves them as they were:
+    else every later test of that pytest-xdist worker ran on 2 threads beside the other worker, 4 threads on the
+    2 cores of ``make test`` (``OMP_NUM_THREADS=1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ blocks, the commands they show, their links and their headings' anchors (tests/t
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,3 +89,25 @@ def fit_commands(text: str) -> set[str]:
     whitespace normalised."""
     found = re.findall(r"python -m sgrpo\.fit (--config.*?)(?:`|#|\n(?! ))", commands(text), flags=re.S)
     return {" ".join(command.split()) for command in found}
+
+
+def shell(page: Path) -> str:
+    """What ``page`` shows to run: its bash blocks, then its inline code spans, one per line."""
+    spans = re.findall(r"`([^`\n]+)`", prose(page))
+    return "\n".join([block.code for block in blocks(page, "bash")] + spans)
+
+
+#: ``python -m MODULE ARGS`` (any python: the venv's, the vLLM venv's, srun's), up to a comment, pipe or ``;``
+PYTHON_MODULE = re.compile(r"(?:^|[\s;&(])(?:\S*/)?python3? -m ([\w.]+)([^\n#|;&]*)", flags=re.M)
+
+
+def module_commands(text: str) -> list[tuple[str, list[str]]]:
+    """The ``python -m MODULE ARGS`` commands of ``text``: each module and its arguments, a usage line's optional
+    parts (``[--merged]``) given."""
+    return [(m.group(1), shlex.split(m.group(2).replace("[", "").replace("]", "")))
+            for m in PYTHON_MODULE.finditer(commands(text))]  # fmt: skip
+
+
+def make_targets(text: str) -> list[str]:
+    """The targets of the ``make [VAR=value ...] TARGET`` commands of ``text``."""
+    return re.findall(r"(?:^|[\s;&(])make(?: [A-Z_]+=\S+)* ([a-z][\w-]*)", commands(text), flags=re.M)

@@ -1,4 +1,5 @@
-"""Run by test_faults.py in a fresh interpreter: ``sgrpo.fit`` with a fault injected at one point.
+"""Run by test_faults.py and test_faults_processes.py in a fresh interpreter: ``sgrpo.fit`` with a fault injected
+at one point.
 
 fault_worker.py stall STEP MARKER FIT_ARGS...   the checkpoint write at global step STEP (stepSTEP.ckpt, of
                                                 which last.ckpt becomes a link) writes half of its bytes,

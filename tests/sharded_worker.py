@@ -305,12 +305,16 @@ def fit_recording_lengths(root: str, steps: str) -> None:
     # default reads every 8): the processes must agree on when their loops end either way
     import sgrpo.rollout.decode
 
+    interval = sgrpo.rollout.decode.check_interval
     sgrpo.rollout.decode.check_interval = lambda device: 3 if len(lengths) % 2 else 1
     # decode through the sharded model token by token (no weights snapshot): the path whose loop must end
     # at the same step on every process
     no_snapshot = "--model.rollout.init_args.weights_snapshot=false"
     # with dynamic sampling each process needs its own number of refill rounds: they must run as many
-    fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps, "", no_snapshot, "--model.dynamic_sampling=true")
+    try:
+        fit(root, str(REPO / "sgrpo/assets/quickstart_model"), steps, "", no_snapshot, "--model.dynamic_sampling=true")
+    finally:  # the launch's next jobs decode as usual
+        HFRollout.generate, sgrpo.rollout.decode.check_interval = generate, interval
     rank = torch.distributed.get_rank()
     (Path(root) / f"lengths_rank{rank}.json").write_text(json.dumps(lengths))
 

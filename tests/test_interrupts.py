@@ -221,3 +221,42 @@ def test_ctrl_c_again_during_the_stops_teardown_exits_130_without_a_traceback(mo
     err = capsys.readouterr().err
     assert "Traceback" not in err and "Ctrl-C again: stopping now" in err, err[-2000:]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back for whatever runs next
+
+
+class Killed(BaseException):
+    """Ends the in-process fit where a kill -9 landed (its files were copied at that instant)."""
+
+
+@pytest.mark.slow  # a fit and its resume, as the landings above
+def test_a_kill_9_during_the_final_steps_last_ckpt_link_resumes_its_validation(model_dir, reference, tmp_path,
+                                                                                monkeypatch):  # fmt: skip
+    """kill -9 as the final step's ``last.ckpt`` link begins (2 of 20 trials of benchmarks/kill_trials.py): the run
+    folder as the kill leaves it (copied at that instant: what a kill leaves on disk) holds ``step4.ckpt``, whose
+    validation is still due, and ``last.ckpt`` at step 2. ``--ckpt_path last`` took step 4, stopped at once at
+    ``max_steps`` and never ran that validation (its rows were lost), and ``last.ckpt`` stayed step 2's. Now the
+    resume runs the validation it owes and makes ``last.ckpt`` hold step 4 again."""
+    import shutil
+
+    import sgrpo.run.saving as saving
+
+    root, killed = tmp_path / "run", tmp_path / "killed"
+    link = saving.link_checkpoint
+
+    def kill_at_the_final_link(source: Path, target: Path) -> None:
+        if target.name == "last.ckpt" and source.name == f"step{STEPS}.ckpt":
+            shutil.copytree(root, killed, ignore=shutil.ignore_patterns(".sgrpo.lock"))  # the lock dies with it
+            raise Killed
+        link(source, target)
+
+    monkeypatch.setattr(saving, "link_checkpoint", kill_at_the_final_link)
+    with pytest.raises(Killed):
+        main(args(root, model_dir))
+    monkeypatch.setattr(saving, "link_checkpoint", link)
+    assert last_step(killed) == 2 and (killed / "checkpoints" / f"step{STEPS}.ckpt").exists()
+    main(args(killed, model_dir, "--ckpt_path=last"))
+    got = rows(killed)
+    assert sorted(got) == sorted(reference)
+    for key, points in reference.items():
+        assert got[key] == points, key  # the final validation's rows included
+    folder = killed / "checkpoints"
+    assert last_step(killed) == STEPS and (folder / "last.ckpt").stat().st_ino == (folder / "step4.ckpt").stat().st_ino

@@ -4,19 +4,35 @@ folder, and their links resolve (parsing: tests/docs_blocks.py)."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
+import importlib.util
 import re
 
 import pytest
 import torch
 import yaml
 
-from tests.docs_blocks import PAGES, REPO, all_blocks, anchors, blocks, commands, fit_commands, links
+from tests.docs_blocks import (
+    PAGES,
+    REPO,
+    all_blocks,
+    anchors,
+    blocks,
+    commands,
+    fit_commands,
+    links,
+    make_targets,
+    module_commands,
+    shell,
+)
 
 PYTHON = all_blocks("python")
 YAML = all_blocks("yaml")
 BASH = all_blocks("bash")
 TEXT = "\n".join(page.read_text() for page in PAGES)
+SHELL = "\n".join(shell(page) for page in PAGES)  # every command a page shows, in blocks or inline
 #: pages not (yet) held to "first lines say what the page covers and link back to the README", with why
 def test_the_docs_have_snippets_and_every_skipped_one_says_why():
     assert len(PYTHON) >= 8 and len(YAML) >= 3 and len(BASH) >= 8
@@ -142,3 +158,80 @@ def test_block_parsing():
     assert all(isinstance(b, Block) and b.page == page for b in found)
     assert [b.lang for b in found] == ["python", "bash", "python"] and "class HalfRLOO" in found[2].code
     assert "estimators" in anchors(page) and "add-an-estimator" in anchors(page)
+
+
+#: the argparse entry points the docs run: ``main(argv)`` parses its flags first
+ARGPARSE_MAINS = ("sgrpo.export", "sgrpo.warmstart", "sgrpo.prepare_data", "benchmarks.figures")
+
+
+class Parsed(Exception):
+    """Raised once a command's flags parsed: nothing of the command runs."""
+
+
+@pytest.mark.slow  # about 10 s: 40 commands parsed
+def test_every_python_m_command_names_a_module_whose_flags_parse(monkeypatch, capsys):
+    """Issue 38: every command of the README and the docs runs as written on a fresh clone. Each ``python -m``
+    command names a module that exists, and its flags parse, with nothing run: ``sgrpo.fit``'s (its mode, configs
+    and every ``--key=value``: keys, types, class paths) by the CLI's own parser, and those of the argparse entry
+    points (``sgrpo.export``, ``sgrpo.warmstart``, ``sgrpo.prepare_data``, ``benchmarks.figures``) by theirs. (A bare
+    ``python -m sgrpo.fit`` in prose names the entry point: its module is checked.) The long jobs themselves are not
+    run; the docs' Python blocks are (test_python_block_runs_and_prints_what_it_says)."""
+    import sgrpo.fit
+
+    monkeypatch.chdir(REPO)  # configs/... are relative to the repository, as on a fresh clone
+    found = list(dict.fromkeys((module, tuple(args)) for module, args in module_commands(SHELL)))
+    modules = {module for module, _ in found}
+    assert {"sgrpo.fit", "sgrpo.export", "sgrpo.warmstart", "sgrpo.prepare_data", "benchmarks.figures"} <= modules
+    assert not [m for m in modules if importlib.util.find_spec(m) is None], "modules the docs run that do not exist"
+
+    def parsed(parser, args=None, namespace=None):
+        raise Parsed(parse_args(parser, args, namespace))
+
+    parse_args = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parsed)
+    parsers = {}
+
+    def fit_parser(mode: str):  # sgrpo.fit's parser as its CLI builds it, captured before it parses anything
+        def capture(self, parser, args):
+            raise Parsed(parser)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(sgrpo.fit.SgrpoCLI, "parse_arguments", capture)
+            with pytest.raises(Parsed) as captured:
+                sgrpo.fit.parse([], mode)
+        return captured.value.args[0]
+
+    refused, checked = [], 0
+    for module, args in found:
+        try:
+            if module == "sgrpo.fit" and "--config" in args:  # a command to run (not the entry point named in prose)
+                mode = args[0] if args[:1] and args[0] in sgrpo.fit.MODES else "fit"
+                if mode not in parsers:
+                    parsers[mode] = fit_parser(mode)
+                parsers[mode].parse_args(list(args[1:] if args[:1] == (mode,) else args))  # jsonargparse's own
+            elif module in ARGPARSE_MAINS:
+                with pytest.raises(Parsed):
+                    importlib.import_module(module).main(list(args))
+            else:
+                continue
+        except SystemExit as exit:
+            if exit.code == 0:  # --print_config printed the parsed config
+                capsys.readouterr()
+                checked += 1
+                continue
+            refused.append(f"python -m {module} {' '.join(args)}: {capsys.readouterr().err.strip()[-300:]}")
+        checked += 1
+    assert checked >= 20 and not refused, refused
+
+
+def test_every_make_command_names_a_target_of_the_makefile():
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), flags=re.M))
+    named = make_targets(SHELL)
+    assert {"quickstart", "test", "test-bench", "test-vllm"} <= set(named)
+    assert not sorted(set(named) - targets), "make targets the docs name that the Makefile lacks"
+
+
+def test_the_command_checks_can_fail():
+    text = "```bash\nsrun .venv/bin/python -m sgrpo.export CKPT OUT [--merged]  # one\nmake TORCH_SPEC=x install\n```"
+    assert module_commands(text) == [("sgrpo.export", ["CKPT", "OUT", "--merged"])]
+    assert make_targets(text) == ["install"]

@@ -39,14 +39,12 @@ def model_dir(tmp_path_factory) -> str:
     return str(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
-def launch(*args: str, cwd: Path, timeout: float = 300, torchrun: bool = True) -> tuple[str, str]:
-    """Run the worker on 2 processes. torchrun starts both at once (they import in parallel: about 40 % less
-    wall time than Lightning's launcher, which starts the second only once the first has imported and built
-    its trainer); ``torchrun=False`` is the launch a user's ``python -m sgrpo.fit`` makes, which Lightning's
-    launcher turns into 2 processes."""
-    torchrun_args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]  # a free port
-    launcher = [sys.executable, *torchrun_args] if torchrun else [sys.executable]
-    return run_processes([*launcher, str(WORKER), *args], cwd=cwd, timeout=timeout)
+def launch(*args: str, cwd: Path, timeout: float = 300) -> tuple[str, str]:
+    """Run the worker on 2 processes under torchrun, which starts both at once (they import in parallel: about 40 %
+    less wall time than Lightning's launcher, which starts the second only once the first has imported and built
+    its trainer; the launch a user's ``python -m sgrpo.fit`` makes is test_validate_launched_as_users_do's)."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]  # a free port
+    return run_processes([sys.executable, *torchrun, str(WORKER), *args], cwd=cwd, timeout=timeout)
 
 
 def run_processes(command: list[str], cwd: Path, timeout: float = 300) -> tuple[str, str]:
@@ -87,8 +85,9 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     evaluation metrics synced over the processes and a validation of two evaluation sets
     (tests/test_eval_metrics.py), a DDP update per loss aggregation, a DDP step non-finite on one process, a
     3-step fit, its resume to step 5 from the sharded checkpoint, a resume of it as another experiment
-    (refused), ``sgrpo.fit validate`` of that checkpoint, a bf16 fit with a KL, and LoRA fits and resumes
-    under FSDP2 and DDP. Each is checked below by its own function."""
+    (refused), ``sgrpo.fit validate`` of that checkpoint, a bf16 fit with a KL, LoRA fits and resumes under FSDP2
+    and DDP, and a fit whose rows end at different lengths on each process. Each is checked below by its own
+    function."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
@@ -111,6 +110,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["disagreeing_resume", str(tmp_path / "disagree"), model_dir],
             ["fit", str(bf16), str(SHIPPED), "2", "", *BF16_KL_FSDP],  # rewards vary: the update moves it
             *lora_jobs(tmp_path),
+            ["fit_recording_lengths", str(tmp_path / "lengths"), "4"],
             *async_jobs(tmp_path / "async", FUSED),
         ),
         cwd=tmp_path,
@@ -131,6 +131,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_fsdp_fits_as_fsdp2_under_bf16_with_a_kl(bf16, stderr)
     check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
     check_async_rollouts_over_two_processes(tmp_path / "async")
+    check_rows_ending_at_different_lengths_per_process_decode_as_many_forwards(tmp_path / "lengths")
 
 
 def async_jobs(out: Path, fused: str) -> list[list[str]]:
@@ -345,14 +346,13 @@ def check_sharded_checkpoint_validates_with_its_strategy_only(model_dir: str, ro
     assert result["step"] == 5 and result["prompts"] == 16 and set(result["by_difficulty"]) == {"3", "5"}
 
 
-def test_sharded_fit_with_rows_ending_at_different_lengths_per_process(tmp_path):
+def check_rows_ending_at_different_lengths_per_process_decode_as_many_forwards(root: Path) -> None:
     """The default lean decoder under FSDP2 with the shipped (trained) model, whose rows end early and at
     different lengths on each process: every process must run as many forwards (each all-gathers), or the
     run hangs (it did: rank 1 left its decode loop after 7 forwards while rank 0 waited in its 8th), whether
     the loop reads its running rows at every token or every 3 (rollouts alternate). With dynamic sampling,
-    every process must also run as many refill rounds."""
-    root = tmp_path / "run"
-    launch("fit_recording_lengths", str(root), "4", cwd=tmp_path, timeout=240, torchrun=False)
+    every process must also run as many refill rounds. (A job of the joined launch: a hang there fails the
+    launch at its timeout.)"""
     lengths = [json.loads((root / f"lengths_rank{r}.json").read_text()) for r in (0, 1)]
     # the longest completion of each rollout, per process: as many rollouts on both (dynamic sampling's
     # refill rounds included), at least one per step

@@ -36,7 +36,10 @@ def test_sft_batch_masks_all_but_answer_and_eos() -> None:
     assert batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7]
 
 
-def test_warm_start_saves_a_loadable_reproducible_model(tmp_path: Path) -> None:
+def test_warm_start_saves_a_loadable_reproducible_model(tmp_path: Path, monkeypatch) -> None:
+    # warm_start takes 2 intra-op threads (the machine's 2 cores); beside make test's other worker that is 3 busy
+    # threads on 2 cores, whose spin-waits made this test the suite's longest: both runs keep the test's one
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
     report = warm_start(tmp_path / "a", FAST, eval_prompts=4)
     main(["--out", str(tmp_path / "b"), "--seed", "3", "--steps", "6", "--batch-size", "16", "--eval-prompts", "0"])
 

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from sgrpo.checks import ConfigError
 from sgrpo.run.checkpoints import (
     checkpoint_identity,
+    link_checkpoint,
     numbered_checkpoints,
     remove_path,
     remove_unfinished,
@@ -170,7 +171,7 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
     held = [name for name in RUN_OUTPUTS if _holds_output(root / name)] if leader else []
     if ckpt_path == "last":
         hint = _start_again(root, held) if held else FRESH
-        return AgreedCheckpoint(latest_checkpoint(folder, hint) if leader else None)
+        return AgreedCheckpoint(_relinked_last(folder, latest_checkpoint(folder, hint)) if leader else None)
     resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(folder.resolve())
     if not leader or not held or resuming:
         return ckpt_path
@@ -187,6 +188,17 @@ def prepare_run(root: Path, ckpt_path: str | None, overwrite: bool, leader: bool
         log.warning("--overwrite: deleting %s", path)
         remove_path(path)
     return ckpt_path
+
+
+def _relinked_last(folder: Path, path: str) -> str:
+    """``path``, the newest checkpoint that loads; ``last.ckpt`` made to hold it when it is another (a kill cut the
+    ``last.ckpt`` link or write short): else a fit resumed at ``max_steps`` saves nothing, and ``last.ckpt`` stayed
+    older than the run."""
+    last = folder / "last.ckpt"
+    if Path(path) != last:
+        link_checkpoint(Path(path), last)
+        log.warning("%s now holds %s again (a kill had cut its write or link short)", last, Path(path).name)
+    return path
 
 
 def _has_checkpoint(folder: Path) -> bool:

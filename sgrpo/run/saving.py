@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.fit_loop import _FitLoop
 
 from sgrpo.run.checkpoints import (
     PARTIAL,
@@ -72,6 +73,34 @@ def step_end_loops(
             is_last_batch=False,
         )
     return loops
+
+
+class RunFitLoop(_FitLoop):
+    """Lightning's fit loop, which also finishes a fit resumed at ``max_steps`` from a checkpoint whose validation is
+    still due (``step_end_loops``: a kill or a signal after the final step's checkpoint, before that validation ran).
+    Lightning's loop stopped at once at ``max_steps``, and the final validation was lost; now its epoch loop runs it,
+    as it does the validation a checkpoint owes before a later step."""
+
+    @classmethod
+    def install(cls, trainer) -> None:
+        """Put this loop in place of ``trainer``'s (a new trainer's: its data is attached later, by ``fit``)."""
+        loop = cls(trainer, min_epochs=trainer.fit_loop.min_epochs, max_epochs=trainer.fit_loop.max_epochs)
+        loop.epoch_loop = trainer.fit_loop.epoch_loop
+        trainer.fit_loop = loop
+
+    @property
+    def done(self) -> bool:
+        return super().done and not self.owes_validation
+
+    @property
+    def owes_validation(self) -> bool:
+        """Restarted at ``max_steps`` from a checkpoint that owes a validation (its counters mark one begun, no batch
+        of it done) that has not run yet. (A fit bounded by epochs stops as Lightning's does.)"""
+        val = self.epoch_loop.val_loop
+        total = val.batch_progress.total
+        begun = total.started == total.ready and total.processed == total.started - 1
+        at_max_steps = 0 <= self.max_steps <= self.epoch_loop.global_step
+        return self.restarting and at_max_steps and begun and not val._has_run
 
 
 def resume_failure(ckpt_path, exception: BaseException) -> str:

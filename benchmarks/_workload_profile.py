@@ -1,0 +1,125 @@
+"""Where sgrpo's step time goes, for ``benchmarks/throughput.py --case profile`` (split from
+``benchmarks/_workload.py``, whose workload and trainer it profiles): the step's phases as a tree, then the top
+torch ops."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks._workload import Workload, _cpu_s, quiet_trainer, sgrpo_policy
+
+# ------------------------------------------------------------------------------------------- profile
+PHASES = (  # (label, depth): the tree printed by profile_sgrpo, children indented under their parent
+    ("step (batch start to next batch start)", 0),
+    ("training_step", 1),
+    ("rollout: HFRollout.generate", 2),
+    ("decode: HFRollout._generate_rows", 3),
+    ("tokenize, decode, copies", 3),
+    ("score: reward + success", 2),
+    ("update", 2),
+    ("completion_logprobs forward", 3),
+    ("manual_backward", 3),
+    ("_optimizer_step (norm, clip, AdamW, zero_grad)", 3),
+    ("update: rest (masks, trim, counts, stats)", 3),
+    ("self.log / log_dict calls", 2),
+    ("training_step: rest (estimator, metrics)", 2),
+    ("Lightning loop between steps", 1),
+)
+
+
+def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
+    """Run sgrpo's steps in this process with timers on its phases; print medians and torch's top ops."""
+    import functools
+    import statistics
+
+    from lightning.pytorch import Callback
+
+    import sgrpo.policy as policy_module
+
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            w0, c0 = time.perf_counter(), _cpu_s()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall[name] = wall.get(name, 0.0) + time.perf_counter() - w0
+                cpu[name] = cpu.get(name, 0.0) + _cpu_s() - c0
+
+        return wrapper
+
+    policy = sgrpo_policy(work)
+    original_logprobs = policy_module.completion_logprobs
+    policy_module.completion_logprobs = timed("completion_logprobs forward", original_logprobs)
+    for attr, name in [
+        ("training_step", "training_step"),
+        ("score", "score: reward + success"),
+        ("update", "update"),
+        ("manual_backward", "manual_backward"),
+        ("_optimizer_step", "_optimizer_step (norm, clip, AdamW, zero_grad)"),
+        ("log", "self.log / log_dict calls"),  # log_dict calls self.log once per key
+    ]:
+        setattr(policy, attr, timed(name, getattr(policy, attr)))
+    policy.rollout.generate = timed("rollout: HFRollout.generate", policy.rollout.generate)
+    records: list[tuple[dict, dict]] = []
+    marks: dict[str, float] = {}
+
+    class Phases(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:
+            rollout = pl_module.rollout
+            rollout._generate_rows = timed("decode: HFRollout._generate_rows", rollout._generate_rows)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if marks:
+                wall[PHASES[0][0]] = time.perf_counter() - marks["wall"]
+                cpu[PHASES[0][0]] = _cpu_s() - marks["cpu"]
+                records.append((dict(wall), dict(cpu)))
+            wall.clear(), cpu.clear()
+            marks.update(wall=time.perf_counter(), cpu=_cpu_s())
+
+    trainer = quiet_trainer(work.steps + 1, Phases(), "sgrpo_profile_", work.device)
+    trainer.fit(policy)
+    policy_module.completion_logprobs = original_logprobs
+    measured = records[warmup:]
+    for times in (t for pair in measured for t in pair):
+        _derive_phases(times)
+    step_wall = statistics.median(w[PHASES[0][0]] for w, _ in measured)
+    print(f"\n### sgrpo step phases: median of {len(measured)} steps after {warmup} warm-up, {work.threads} threads\n")
+    print("| phase | wall (s) | share of step | process CPU (s) |\n|---|---:|---:|---:|")
+    for label, depth in PHASES:
+        w = statistics.median(r[0].get(label, 0.0) for r in measured)
+        c = statistics.median(r[1].get(label, 0.0) for r in measured)
+        print(f"| {'&nbsp;&nbsp;' * depth}{label} | {w:.3f} | {w / step_wall:.1%} | {c:.3f} |")
+    _top_ops(policy, top_ops)
+
+
+def _derive_phases(times: dict[str, float]) -> None:
+    """Add the untimed phases: a parent's time minus its timed children."""
+
+    def total(*keys: str) -> float:
+        return sum(times.get(k, 0.0) for k in keys)
+
+    times["tokenize, decode, copies"] = total("rollout: HFRollout.generate") - total("decode: HFRollout._generate_rows")
+    times["update: rest (masks, trim, counts, stats)"] = total("update") - total(*(k for k, _ in PHASES[7:10]))
+    times["training_step: rest (estimator, metrics)"] = total("training_step") - total(
+        "rollout: HFRollout.generate", "score: reward + success", "update", "self.log / log_dict calls"
+    )
+    times["Lightning loop between steps"] = total(PHASES[0][0]) - total("training_step")
+
+
+def _top_ops(policy, limit: int) -> None:
+    """torch.profiler's top operators (self CPU time) over one rollout + update outside Lightning's loop."""
+    from torch.profiler import ProfilerActivity, profile
+
+    examples = list(policy.task.examples("train"))[: policy.prompts_per_step]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rollout = policy.rollout.generate(policy.model, policy.tokenizer, examples, policy.group_size)
+        rewards, _, _ = policy.score(examples, rollout)
+        policy.update(rollout, policy.estimator(rewards), torch.ones(len(examples), dtype=torch.bool))
+    print(f"\n### torch.profiler, one more step (rollout + update), top {limit} operators by self CPU time\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit))

@@ -1,0 +1,187 @@
+"""Fault injection over several processes, on configs/tiny.yaml (split from tests/test_faults.py, which keeps the
+one-process kills and run folders): an error on one of 2 or 3 processes ends every process within seconds, SIGTERM to
+one of 2 sharded processes stops both at one step's end, and a refused folder ends every process the launcher started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_faults import REPO, TINY, WORKER, args, wait_for
+from tests.test_faults import model_dir as model_dir  # the module's tiny model (a fixture)
+
+FAILURES = {  # how the processes start, which one fails, what the others do meanwhile, the command's arguments
+    "fsdp2-process-1-fails": ("lightning", "raise", "1", ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml")]),
+    "ddp-process-0-fails": ("lightning", "raise", "0", ["--trainer.devices=2", "--trainer.strategy=ddp"]),
+    "separate-processes-the-other-waits-on-the-store": ("separate", "raise_hang", "1", ["--trainer.devices=2",
+                                                                                        "--trainer.strategy=ddp"]),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_an_error_on_one_process_ends_every_process_within_seconds(case, model_dir, tmp_path):
+    """One of 2 processes raises inside the gradient accumulation of step 2 (as an out-of-memory would): every
+    process ends within 60 s, non-zero, the error's traceback shown, nothing saved after it.
+
+    Lightning's launcher starts process 1 from process 0: process 0 failing must end it. Processes started
+    separately (as srun starts them) with the other one waiting on the process group's store for a key the failed
+    one never posts (no collective or launcher tells it) are ended by the notice in the store alone: the watch
+    reads it through its own client, as the waiting one holds the shared client's lock.
+    """
+    launch_kind, mode, rank, layout = FAILURES[case]
+    root = tmp_path / "run"
+    command = [sys.executable, str(WORKER), mode, rank, "2", *args(root, model_dir, "--trainer.max_steps=5", *layout)]
+    text, _ = run_failing(command, root, rank, 2 if launch_kind == "separate" else 0, tmp_path)
+    assert f"error: process {rank} of 2 failed after 1 training steps" in text, text[-3000:]
+    if launch_kind == "separate":
+        assert "error: process 0 stops: process 1 failed after 1 training steps" in text
+    last = root / "checkpoints" / "last.ckpt"
+    state = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=False, mmap=not last.is_dir())
+    assert state["global_step"] == 1  # the step before the error: nothing was saved after it
+
+
+@pytest.mark.slow
+def test_an_error_on_one_of_3_processes_in_validate_ends_them_all(model_dir, tmp_path):
+    """``sgrpo.fit validate`` on 3 processes started separately (as srun starts them): process 2 raises in its
+    first validation batch while processes 0 and 1 wait on the store there. All 3 end within 60 s, non-zero,
+    process 2's traceback shown (a validate had no watch: they waited for the process group's timeout)."""
+    root = tmp_path / "run"
+    command = [sys.executable, str(WORKER), "raise_validate", "2", "0", "validate", "--config", TINY,
+               f"--trainer.default_root_dir={root}", f"--model.model={model_dir}", "--trainer.devices=3",
+               "--trainer.strategy=ddp", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1"]
+    text, _ = run_failing(command, root, "2", 3, tmp_path)
+    assert "error: process 2 of 3 failed after 0 training steps" in text
+    assert all(f"error: process {r} stops: " in text for r in (0, 1)), text[-3000:]  # one line each, no traceback
+    assert "error: process 0 stops: process 2 failed" in text and " of 3 failed" not in text.replace("2 of 3", "")
+
+
+@pytest.mark.slow
+def test_a_rollout_producer_that_dies_on_one_of_2_processes_ends_every_process(model_dir, tmp_path):
+    """Async rollouts (docs/async.md) on 2 processes started separately: process 1's producer is killed before it
+    samples step 2; process 1's trainer raises naming it, and every process ends within 60 s, none left behind."""
+    root = tmp_path / "run"
+    command = [sys.executable, str(WORKER), "producer_dies", "1", "2",
+               *args(root, model_dir, "--trainer.max_steps=5", "--trainer.devices=2", "--trainer.strategy=ddp",
+                     "--model.async_rollout=true", "--model.max_staleness=0")]  # fmt: skip
+    text, _ = run_failing(command, root, "1", 2, tmp_path, injected=("ProducerError", "the rollout producer (process"),
+                          env={"SGRPO_TEST_ROOT": str(root)})  # fmt: skip
+    assert "ended with exit code -9 before it sent the groups of step 2" in text, text[-3000:]
+    assert "error: process 0 stops: process 1 failed" in text
+
+
+def run_failing(command: list[str], root: Path, rank: str, separate: int, tmp_path: Path,
+                injected: tuple[str, str] = ("RuntimeError", "injected fault: out of memory"),
+                env: dict | None = None) -> tuple[str, list[int]]:  # fmt: skip
+    """Start ``command`` (``separate`` processes with their ranks in the environment, as srun starts them, or one
+    that Lightning's launcher multiplies when 0); once process ``rank`` has raised, every process must end within
+    60 s, non-zero, leaving none behind, with the injected error's traceback in the output. Returns the output
+    of all and the exit codes."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(separate),
+             "NODE_RANK": "0"}  # fmt: skip
+    ranks = [world | {"LOCAL_RANK": str(r), "RANK": str(r)} for r in range(separate)] or [{}]
+    logs = [tmp_path / f"log{i}" for i in range(len(ranks))]
+    processes = [subprocess.Popen(command, cwd=REPO, env=env | extra, stdout=open(log, "w"),  # noqa: SIM115
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+                 for extra, log in zip(ranks, logs, strict=True)]  # fmt: skip
+    try:
+        wait_for((root / f"raised.{rank}").exists, processes[0], timeout=240)
+        raised = time.monotonic()
+        codes = [process.wait(timeout=60) for process in processes]
+        ended = time.monotonic() - raised
+        # an async run's producer ends itself, then its fork server, whose interpreter shutdown (torch and
+        # transformers imported) took 9 s at load average 20 (docs/async.md)
+        left = time.monotonic() + 30.0
+        while time.monotonic() < left and any(live_processes(p.pid) for p in processes):
+            time.sleep(0.1)
+        leftovers = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:120]) for p in processes
+                     for pid in live_processes(p.pid)]  # fmt: skip
+        assert not leftovers, leftovers  # none left (zombies aside)
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    text = "".join(log.read_text() for log in logs)
+    assert all(code != 0 for code in codes), text[-3000:]
+    assert f"error: process {rank} of " in text and "Traceback" in text, text[-3000:]
+    assert all(part in text for part in injected), text[-3000:]
+    print(f"every process ended {ended:.1f} s after the error, exit {codes}")
+    return text, codes
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_first_of_2_sharded_processes_stops_both_at_one_steps_end(model_dir, tmp_path):
+    """SIGTERM to process 0 (Lightning's launcher passes it on to process 1) in the middle of step 2: both finish
+    the step, save it together (a sharded checkpoint: a collective) and exit 143."""
+    root = tmp_path / "run"
+    layout = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"), "--checkpoint_every=100"]
+    command = [sys.executable, str(WORKER), "sigterm", "0", "2", *args(root, model_dir, "--trainer.max_steps=5",
+                                                                      *layout)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert torch.load(root / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == 2
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def live_processes(group: int) -> list[int]:
+    """The processes of process group ``group`` still running (a zombie has ended; no reaper may collect it)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state ppid pgrp ...
+            if int(fields[2]) == group and fields[0] != "Z":
+                alive.append(int(stat.parent.name))
+    return alive
+
+
+@pytest.mark.slow
+def test_a_refused_folder_ends_every_process_the_launcher_started_in_seconds(model_dir, tmp_path):
+    """2 processes started separately (as srun and torchrun start them) into a folder that holds a run and is in
+    use: process 0 refuses ("in use", its first check; "holds a run" takes the same path) and every process exits
+    2 with its line within seconds (process 1 used to wait in the rendezvous for the process group's 30-minute
+    timeout), no model loaded."""
+    from sgrpo.run.folders import lock_run, unlock_run
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "metrics.jsonl").write_text("{}\n")  # an earlier run's output
+    lock = lock_run(busy)  # another fit holds it
+    try:
+        for root, reason in ((busy, "is in use by"),):
+            command = [sys.executable, "-m", "sgrpo.fit", *args(root, model_dir, "--trainer.max_steps=2",
+                                                                "--trainer.devices=2", "--trainer.strategy=ddp")]
+            env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                                "WORLD_SIZE": "2", "NODE_RANK": "0"}  # fmt: skip
+            processes = [subprocess.Popen(command, cwd=REPO, env=env | {"LOCAL_RANK": str(r), "RANK": str(r)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True) for r in (0, 1)]  # fmt: skip
+            try:
+                outputs = [process.communicate(timeout=90) for process in processes]
+            finally:
+                for process in processes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+            for process, (_, err) in zip(processes, outputs, strict=True):
+                lines = [line for line in err.splitlines() if line.startswith("error: ")]
+                assert process.returncode == 2 and len(lines) == 1 and reason in lines[0], err[-3000:]
+                assert "Traceback" not in err, err[-3000:]
+    finally:
+        unlock_run(lock)
