@@ -104,7 +104,8 @@ PYTHON_MODULE = re.compile(r"(?:^|[\s;&(])(?:\S*/)?python3? -m ([\w.]+)([^\n#|;&
 def module_commands(text: str) -> list[tuple[str, list[str]]]:
     """The ``python -m MODULE ARGS`` commands of ``text``: each module and its arguments, a usage line's optional
     parts (``[--merged]``) given."""
-    return [(m.group(1), shlex.split(m.group(2).replace("[", "").replace("]", "")))
+    optional = re.compile(r"\[(-[^\[\]]*)\]")  # "[--merged]" in a usage line; a list value ("[1, 2]") stays
+    return [(m.group(1), shlex.split(optional.sub(r"\1", m.group(2))))
             for m in PYTHON_MODULE.finditer(commands(text))]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from sgrpo.train.update import PolicyUpdate
 from sgrpo.types import RolloutBatch
 from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import FixedRollout, run_steps
-from tests.test_faults import live_processes
+from tests.test_faults_processes import live_processes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")

@@ -168,6 +168,10 @@ class Parsed(Exception):
     """Raised once a command's flags parsed: nothing of the command runs."""
 
 
+#: top-level packages of optional extras: their modules are checked where they are installed
+OPTIONAL = ("vllm",)
+
+
 @pytest.mark.slow  # about 10 s: 40 commands parsed
 def test_every_python_m_command_names_a_module_whose_flags_parse(monkeypatch, capsys):
     """Issue 38: every command of the README and the docs runs as written on a fresh clone. Each ``python -m``
@@ -182,7 +186,9 @@ def test_every_python_m_command_names_a_module_whose_flags_parse(monkeypatch, ca
     found = list(dict.fromkeys((module, tuple(args)) for module, args in module_commands(SHELL)))
     modules = {module for module, _ in found}
     assert {"sgrpo.fit", "sgrpo.export", "sgrpo.warmstart", "sgrpo.prepare_data", "benchmarks.figures"} <= modules
-    assert not [m for m in modules if importlib.util.find_spec(m) is None], "modules the docs run that do not exist"
+    # an optional extra's modules (vLLM's server: docs/servers.md) exist where that extra is installed (make test-vllm)
+    checked = [m for m in modules if m.split(".")[0] not in OPTIONAL or importlib.util.find_spec(m.split(".")[0])]
+    assert not [m for m in checked if importlib.util.find_spec(m) is None], "modules the docs run that do not exist"
 
     def parsed(parser, args=None, namespace=None):
         raise Parsed(parse_args(parser, args, namespace))

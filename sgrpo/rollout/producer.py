@@ -258,7 +258,8 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, pa
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed_of(step))
             rollout = spec.engine.generate(model, spec.tokenizer, examples, spec.group_size)
-        rollout = dataclasses.replace(rollout, versions=torch.full((rollout.input_ids.shape[0],), held))
+        rows = rollout.input_ids.shape[0]
+        rollout = dataclasses.replace(rollout, versions=torch.full((rows,), held, device=rollout.input_ids.device))
         sample_s = time.perf_counter() - started
         if delay:
             time.sleep(delay)

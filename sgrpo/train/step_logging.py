@@ -102,4 +102,4 @@ def episode_log(rollout) -> dict[str, Tensor]:
     values = {name: [float(getattr(e, key)) for e in rollout.episodes] for name, key in fields.items()}
     values["tool_use_rate"] = [float(e.tool_calls > 0) for e in rollout.episodes]
     values["env_reward"] = [e.reward for e in rollout.episodes]
-    return {f"train/episode/{name}": torch.tensor(v).mean() for name, v in values.items()}
+    return {f"train/episode/{name}": torch.tensor(v, device="cpu").mean() for name, v in values.items()}
