@@ -147,7 +147,7 @@ def check_bounded(metrics: dict, staleness: int, steps: int, groups: int) -> lis
     return lags
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # 22 s; make test keeps its 2-process twin (tests/test_sharded.py's joined launch)
 def test_a_producer_5x_slower_or_5x_faster_than_the_trainer_stays_within_the_bound(tmp_path, monkeypatch):
     """S = 2. A slow producer (0.5 s a step; the tiny model trains a step in ~0.1 s): the trainer waits and groups
     come fresh. A fast one (the trainer made 0.4 s a step): the producer runs ahead until admission stops it,
@@ -226,11 +226,11 @@ def test_a_producer_that_dies_or_hangs_ends_the_fit_with_an_error_naming_it(faul
         fit(tmp_path / "run", *asynchronous(1), "--model.producer_timeout=4", steps=4)
     message = str(error.value)
     assert message.startswith("the rollout producer (process ")
-    assert ("exit code -9" in message) if fault.startswith("die") else ("sent no groups for 4 s" in message)
+    assert ("exit code -9" in message) if fault.startswith("die") else ("sent no groups for 4 s" in message), message
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # 30 s: with the kill -9 resume below and the kill trials, in `make test-bench`
 def test_a_resume_with_groups_in_flight_trains_every_prompt_once_and_at_staleness_0_is_the_uninterrupted_run(
     tmp_path,
 ):

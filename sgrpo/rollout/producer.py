@@ -42,6 +42,8 @@ from sgrpo.types import Example, RolloutBatch
 #: test hooks, read when a producer starts (``ProducerSpec.delay_s`` and ``fault``): seconds it sleeps after each
 #: block it samples, and a fault ("die@STEP": SIGKILL itself before sampling STEP; "hang@STEP": stall there)
 DELAY_ENV, FAULT_ENV = "SGRPO_TEST_PRODUCER_DELAY", "SGRPO_TEST_PRODUCER_FAULT"
+#: seconds a producer may take to start (fork, model load) before ``take`` calls it hung, at least
+STARTUP_S = 300.0
 
 
 class ProducerError(RuntimeError):
@@ -125,12 +127,12 @@ class RolloutProducer:
         self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
         self._blocks = context.Queue(maxsize=spec.max_staleness + 1)  # paths of block files in self.folder
         self.folder = tempfile.mkdtemp(prefix="sgrpo-producer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self._stop = context.Event()
+        self._stop, self._ready = context.Event(), context.Event()  # "stop"; "model loaded: the timeout counts"
         self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
         self.process = context.Process(
             target=_produce,
             args=(spec, self._shared, self._version, self._lock, self._pushed, self._blocks, self._stop,
-                  self._lifeline, self.folder),
+                  self._lifeline, self.folder, self._ready),
             name="sgrpo-rollout-producer",
             daemon=True,
         )
@@ -152,22 +154,29 @@ class RolloutProducer:
 
     def take(self, step: int, prompts: list[Any]) -> Block:
         """The oldest block, which must be step ``step``'s with ``prompts``; raises ``ProducerError`` when the
-        producer ended or sent nothing for ``timeout`` seconds."""
-        started = time.perf_counter()
+        producer ended or sent nothing for ``timeout`` seconds once it was ready (its start, a fork and a model
+        load that a loaded machine slows, has ``max(timeout, STARTUP_S)``)."""
+        begun = clock = time.perf_counter()  # clock: since when a ready producer owes a block
         while True:
             try:
                 block = _unpack(self._blocks.get(timeout=0.2))
                 break
             except queue.Empty:
-                waited = time.perf_counter() - started
+                now = time.perf_counter()
                 if self.process.exitcode is not None:
                     raise ProducerError(
                         f"{self.describe()} ended with exit code {self.process.exitcode} before it sent the groups "
                         f"of step {step} (a traceback above if it raised; -9: killed, e.g. out of memory)"
                     ) from None
-                if waited > self.timeout:
+                if not self._ready.is_set():  # still starting: the hang clock has not begun
+                    clock = now
+                    if now - begun > max(self.timeout, STARTUP_S):
+                        raise ProducerError(
+                            f"{self.describe()} did not load its model within {now - begun:.0f} s: it hangs"
+                        ) from None
+                elif now - clock > self.timeout:
                     raise ProducerError(
-                        f"{self.describe()} sent no groups for {waited:.0f} s (model.producer_timeout = "
+                        f"{self.describe()} sent no groups for {now - clock:.0f} s (model.producer_timeout = "
                         f"{self.timeout:g}) while the trainer waited for step {step}: it hangs; raise "
                         f"model.producer_timeout if sampling one step takes longer"
                     ) from None
@@ -208,7 +217,7 @@ def _alive(lifeline) -> bool:
     return not lifeline.poll()
 
 
-def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent, folder: str) -> None:
+def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent, folder: str, ready) -> None:
     """The producer process: sample each admitted step's groups under the newest weights and queue them."""
     from transformers import AutoModelForCausalLM
 
@@ -223,6 +232,7 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, pa
     missing = set(targets) - set(shared) - {"lm_head.weight"}
     if missing:
         raise ProducerError(f"the trainer's weights lack {sorted(missing)[:3]}: the producer cannot copy them")
+    ready.set()  # started: from now on the trainer's timeout counts
     delay, fault = spec.delay_s, spec.fault
     held, idle = None, 0.0
     for step in range(spec.start_step, spec.end_step):
