@@ -66,7 +66,7 @@ def test_an_error_on_one_of_3_processes_in_validate_ends_them_all(model_dir, tmp
     assert "error: process 0 stops: process 2 failed" in text and " of 3 failed" not in text.replace("2 of 3", "")
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # 23 s: with the kill trials, in `make test-bench` (make test keeps the 1-process case, test_async)
 def test_a_rollout_producer_that_dies_on_one_of_2_processes_ends_every_process(model_dir, tmp_path):
     """Async rollouts (docs/async.md) on 2 processes started separately: process 1's producer is killed before it
     samples step 2; process 1's trainer raises naming it, and every process ends within 60 s, none left behind."""
