@@ -53,8 +53,8 @@ def async_rollouts(stamp: dict) -> str:
         f"{', '.join(str(s) for s in r['seeds'])}, {r['threads']} thread per process. Step time is the trainer's "
         f"(steps 1 on: step 0 holds the producer's start); *time to sync's final* is the trainer's time to the first "
         f"validation at or above the same seed's synchronous final accuracy, its speed-up the synchronous run's time "
-        f"to it over the run's.{verdict} Until the decoupled objective lands, stale groups train without an "
-        f"importance correction."
+        f"to it over the run's.{verdict} Stale groups train with the loss's default correction (the decoupled "
+        f"objective with token truncation at 2, docs/theory.md §7.7), one more forward per stale step."
     )
     header = ["run", "final accuracy", "reached sync's final", "speed-up to it", "step speed-up", "step s",
               "staleness mean / max"]  # fmt: skip
