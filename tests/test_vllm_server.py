@@ -41,6 +41,17 @@ EXAMPLES = [Example(prompt="s:3142=", answer="1234"), Example(prompt="s:91=", an
 SERVER_ARGS = ["--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager"]
 
 
+#: a process group's variables: an in-process vLLM engine of an earlier test exports them (RANK=0, WORLD_SIZE=1,
+#: MASTER_PORT=...), and a 2-process fit that inherits them waits for a process group that is not its own
+DISTRIBUTED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+               "MASTER_PORT")  # fmt: skip
+
+
+def child_environment() -> dict[str, str]:
+    """The environment a test's subprocess starts with: this one's, less any process group's, one thread."""
+    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED} | {"OMP_NUM_THREADS": "1"}
+
+
 def perturbed(model, seed: int):
     """``model`` with every parameter moved by N(0, 0.3^2) noise drawn from ``seed``: the trainer's changed weights."""
     generator = torch.Generator().manual_seed(seed)
@@ -142,7 +153,7 @@ def test_a_two_process_fsdp2_trainer_pushes_through_rank_0(engine, model_dir, to
     worker = str(REPO / "tests" / "vllm_server_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker,
                engine.pool.urls[0], model_dir, str(tmp_path)]  # fmt: skip
-    done = subprocess.run(command, env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=REPO, capture_output=True,
+    done = subprocess.run(command, env=child_environment(), cwd=REPO, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     model = perturbed(AutoModelForCausalLM.from_pretrained(model_dir), seed=11)  # the worker's weights, unsharded
@@ -190,7 +201,7 @@ def test_a_two_process_fsdp2_fit_samples_from_the_weights_it_trains(engine, mode
             str(override), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path / 'run'}",
             "--model.task.init_args.levels=[1, 2]", "--model.task.init_args.reward=tests.vllm_fakes.Parity",
             "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", "--trainer.val_check_interval=100"]
-    done = subprocess.run(args, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+    done = subprocess.run(args, cwd=REPO, env=child_environment(), capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
