@@ -211,6 +211,7 @@ def test_ctrl_c_again_during_the_stops_teardown_exits_130_without_a_traceback(mo
 
     signal_at(monkeypatch, PolicyUpdate, "on_before_optimizer_step", signal.SIGINT, in_step(2))
     signal_at(monkeypatch, CSVLogger, "finalize", signal.SIGINT, lambda logger: True)
+    before = signal.getsignal(signal.SIGINT)  # the default, or SIG_IGN where a shell started the tests in background
     try:
         with pytest.raises(SystemExit) as stopped:
             main(args(tmp_path, model_dir, "--checkpoint_every=100"))
@@ -220,7 +221,7 @@ def test_ctrl_c_again_during_the_stops_teardown_exits_130_without_a_traceback(mo
     assert last_step(tmp_path) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "Ctrl-C again: stopping now" in err, err[-2000:]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back for whatever runs next
+    assert signal.getsignal(signal.SIGINT) is before  # put back for whatever runs next
 
 
 class Killed(BaseException):
