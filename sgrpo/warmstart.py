@@ -187,18 +187,29 @@ def recipe_from(recipe: type, values: dict):
     return recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--eval-prompts", type=int, default=200)
-    args = vars(recipe_arguments(parser, Recipe).parse_args(argv))
+def parse_options(doc: str, recipe: type, out: Path, eval_prompts: int, argv: Sequence[str] | None):
+    """A warm start's command line: (``--out``, the parsed ``recipe``, ``--eval-prompts``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--eval-prompts", type=int, default=eval_prompts)
+    args = vars(recipe_arguments(parser, recipe).parse_args(argv))
     out, eval_prompts = args.pop("out"), args.pop("eval_prompts")
-    report = warm_start(out, recipe_from(Recipe, args), eval_prompts)
+    return out, recipe_from(recipe, args), eval_prompts
+
+
+def print_training(report: dict) -> None:
+    """The parameter count, first and last loss and times of a warm start's report."""
     losses = report["losses"]
     print(
         f"params {report['params']:,}  loss {losses[0]:.3f} -> {losses[-1]:.3f}  "
         f"train {report['train_seconds']} s  total {report['total_seconds']} s"
     )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    out, recipe, eval_prompts = parse_options(__doc__, Recipe, DEFAULT_OUT, 200, argv)
+    report = warm_start(out, recipe, eval_prompts)
+    print_training(report)
     for mode, by_level in report["accuracy"].items():
         print(f"{mode:8s}" + "  ".join(f"n={n}: {a:.3f}" for n, a in by_level.items()))
     print(f"saved to {out}")

@@ -21,7 +21,6 @@ Regenerate the shipped asset (bitwise deterministic from the seed on a given mac
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -36,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from sgrpo.model.tiny import build_chat_tokenizer, build_tiny_llama
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.types import Example, Messages
-from sgrpo.warmstart import optimise, padded_batch, recipe_arguments, recipe_from
+from sgrpo.warmstart import optimise, padded_batch, parse_options, print_training
 from tasks.calculator import TOOLS, CalculatorTask
 from tasks.environment import ToolEnvironment
 from tasks.tools import tool_schema
@@ -201,17 +200,9 @@ def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 2
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--eval-prompts", type=int, default=20)
-    args = vars(recipe_arguments(parser, Recipe).parse_args(argv))
-    out, eval_prompts = args.pop("out"), args.pop("eval_prompts")
-    report = warm_start(out, recipe_from(Recipe, args), eval_prompts)
-    losses = report["losses"]
-    print(
-        f"params {report['params']:,}  loss {losses[0]:.3f} -> {losses[-1]:.3f}  "
-        f"train {report['train_seconds']} s  total {report['total_seconds']} s"
-    )
+    out, recipe, eval_prompts = parse_options(__doc__, Recipe, DEFAULT_OUT, 20, argv)
+    report = warm_start(out, recipe, eval_prompts)
+    print_training(report)
     for mode, by_level in report["episodes"].items():
         for name, rates in by_level.items():
             print(f"{mode:8s} {name:9s}" + "  ".join(f"n={n}: {a:.3f}" for n, a in rates.items()))
