@@ -261,6 +261,7 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
     if given[:1] == [mode]:  # the mode is no option of the parser; sys.argv keeps it, for Lightning's launcher
         args = given[1:]  # starts the other processes with sys.argv (they trained while this one validated: a hang)
     interrupt = signal.getsignal(signal.SIGINT)  # the stop at a step's end replaces it for a while
+    terminate = signal.getsignal(signal.SIGTERM)  # and SIGTERM's
     cli = parse(args, mode)
     try:
         if mode == "fit":
@@ -285,7 +286,7 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
                         f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
     finally:
-        command_ended(cli.trainer, interrupt)  # the processes leave together from here (release_process_group)
+        command_ended(cli.trainer, interrupt, terminate)  # the processes leave together (release_process_group)
     return cli
 
 

@@ -16,6 +16,10 @@ fault_worker.py raise_validate RANK 0 ARGS...    ``sgrpo.fit validate`` (ARGS st
                                                 RANK raises in its first validation batch while the others wait on
                                                 the store there
 fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
+fault_worker.py slow_rollout 0 STEP FIT_ARGS...  every process's rollout of training step STEP (1-based) sleeps
+                                                0.3 s before each decode step (ROOT/rollout.RANK marks its start),
+                                                the first until ROOT/signalled exists (at most 60 s): the test's
+                                                SIGTERM lands in the rollout
 fault_worker.py producer_dies RANK STEP FIT_ARGS... (with async rollouts) process RANK's rollout producer kills
                                                 itself before it samples step STEP (0-based); ROOT/raised.RANK marks
                                                 the trainer's ProducerError
@@ -101,6 +105,34 @@ def raise_at(rank: int, step: int, others_hang: bool = False, sigterm: bool = Fa
     PolicyUpdate.accumulate_gradients = failing
 
 
+def slow_rollout(step: int) -> None:
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout.decode import DecodeSteps
+
+    sample, decode_step, slowed, root = GRPOPolicy.sample, DecodeSteps.__call__, [], []
+
+    def marked(self, examples, sampling_round: int = 0):
+        if self.rollout_step == step - 1:
+            slowed.append(True)
+            root.append(self.trainer.default_root_dir)
+            Path(self.trainer.default_root_dir, f"rollout.{this_rank()}").touch()
+        try:
+            return sample(self, examples, sampling_round)
+        finally:
+            slowed.clear()
+
+    def slow(self, *args, **kwargs):
+        if slowed:
+            time.sleep(0.3)
+            waited = time.monotonic()
+            while len(slowed) == 1 and time.monotonic() < waited + 60 and not Path(root[-1], "signalled").exists():
+                time.sleep(0.05)
+            slowed.append(True)
+        return decode_step(self, *args, **kwargs)
+
+    GRPOPolicy.sample, DecodeSteps.__call__ = marked, slow
+
+
 def producer_dies(rank: int, step: int) -> None:
     from sgrpo.rollout.producer import FAULT_ENV, RolloutProducer
 
@@ -125,6 +157,8 @@ if __name__ == "__main__":
         producer_dies(int(first), int(second))
     elif mode == "stall":
         stall_at(int(first), Path(second))
+    elif mode == "slow_rollout":
+        slow_rollout(int(second))
     elif mode == "raise_validate":
         raise_in_validation(int(first))
     else:

@@ -11,7 +11,7 @@ sharded_worker.py refused_resume ROOT MODEL_DIR CHECKPOINT   resume CHECKPOINT a
 sharded_worker.py disagreeing_resume ROOT MODEL_DIR   resume the DDP run ROOT/run where process 1 sees another
                                                   folder; each process's exit status and stderr to
                                                   ROOT/disagree.RANK.json
-sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model
+sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model (tests/sharded_rollout_jobs.py)
 sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
@@ -171,11 +171,15 @@ def fit(root: str, model_dir: str, steps: str, resume: str = "", *extra: str) ->
         *extra,
     ]
     cli = main(args + (["--ckpt_path=last"] if resume else []))
-    mask = torch.ones(1, 4, dtype=torch.bool)
-    with torch.no_grad():
-        logp, _ = completion_logprobs(cli.model.model, PROBE, torch.ones_like(PROBE), mask)
+    logp = probe(cli.model.model)
     if cli.trainer.is_global_zero:
         torch.save(logp, Path(root) / "probe_logprobs.pt")
+
+
+def probe(model) -> torch.Tensor:
+    """The model's log-probs of ``PROBE``'s 4-token completion, ``[1, 4]`` (what the tests compare runs by)."""
+    with torch.no_grad():
+        return completion_logprobs(model, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))[0]
 
 
 def async_fit(root: str, model_dir: str, steps: str, skew: str, *extra: str) -> None:
@@ -319,87 +323,6 @@ def fit_recording_lengths(root: str, steps: str) -> None:
     (Path(root) / f"lengths_rank{rank}.json").write_text(json.dumps(lengths))
 
 
-def decode(model_dir: str, out: str) -> None:
-    """Each process rolls out its own prompts from the FSDP2-sharded model, with the weights gathered once
-    per rollout (the default) and through the sharded model itself (an all-gather per block per token);
-    both must give the unsharded model's tokens and log-probs. Results to ``OUT/decode_rank<r>.json``."""
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from sgrpo.model.loading import shard_model
-    from sgrpo.rollout import HFRollout
-
-    if not dist.is_initialized():  # run alone; after another job the group exists already
-        dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    plain = AutoModelForCausalLM.from_pretrained(model_dir)
-    sharded = AutoModelForCausalLM.from_pretrained(model_dir)
-    mesh = dist.device_mesh.init_device_mesh("cpu", (2,))
-    shard_model(sharded, mesh)
-    results = {"gather": bucketed_gather(plain, sharded)}  # before a forward leaves the root's weights unsharded
-    examples = EXAMPLES[4 * rank : 4 * rank + 4]  # different prompts per process
-    forwards: list[int] = []  # forwards of the sharded model (each all-gathers every block)
-    sharded.register_forward_pre_hook(lambda *_: forwards.append(1))
-    for name, model, snapshot in (("plain", plain, None), ("gathered", sharded, None), ("per_token", sharded, False)):
-        torch.manual_seed(rank)
-        forwards.clear()
-        batch = HFRollout(max_new_tokens=6, weights_snapshot=snapshot).generate(model, tokenizer, examples, 3)
-        results[name] = {"ids": batch.input_ids.tolist(), "logprobs": batch.logprobs.tolist()}
-        results[name]["sharded_forwards"] = len(forwards)
-    results["episodes"] = sharded_episodes(plain, sharded, tokenizer, examples, rank)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"decode_rank{rank}.json").write_text(json.dumps(results))
-
-
-def sharded_episodes(plain, sharded, tokenizer, examples, rank: int) -> dict:
-    """Multi-turn episodes (tests/multiturn_helpers.Reply) from the sharded model on weights gathered once: each
-    process runs its own number of turns, no collective per turn; through the sharded forwards, refused."""
-    from sgrpo.rollout import HFRollout
-    from tests.multiturn_helpers import DIGITS_TEMPLATE, Digits
-
-    tokenizer.chat_template = DIGITS_TEMPLATE
-    results = {}
-    for name, model in (("plain", plain), ("gathered", sharded)):
-        torch.manual_seed(10 + rank)
-        batch = HFRollout(max_new_tokens=12).generate_episodes(model, tokenizer, examples, 2, Digits(max_turns=4))
-        results[name] = {"ids": batch.input_ids.tolist(), "logprobs": batch.logprobs.tolist(),
-                         "turns": [e.turns for e in batch.episodes]}  # fmt: skip
-    try:
-        HFRollout(max_new_tokens=4, weights_snapshot=False).generate_episodes(sharded, tokenizer, examples, 2, Digits())
-        results["per_token"] = "ran"
-    except ValueError as err:
-        results["per_token"] = str(err)
-    return results
-
-
-def bucketed_gather(plain, sharded) -> dict:
-    """The vLLM sync's gather of the sharded model: bf16, every parameter in one bucket (one collective), against
-    the plain model's parameters in bf16; FSDP2 pads shards of uneven rows (the 17-token embedding over 2)."""
-    import math
-
-    import torch.distributed as dist
-
-    from sgrpo.rollout.weightsync import engine_weights
-
-    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    sizes, real = [], getattr(dist, name)
-    setattr(dist, name, lambda out, inp, group=None: sizes.append(out.nbytes) or real(out, inp, group=group))
-    try:
-        got = dict(engine_weights(sharded, torch.bfloat16, bucket_bytes=2**30))
-    finally:
-        setattr(dist, name, real)
-    want = {k: v.to(torch.bfloat16) for k, v in engine_weights(plain)}
-    padded = sum(2 * math.ceil(v.shape[0] / 2) * v[0].numel() * 2 for v in want.values())  # 2 ranks, 2 bytes
-    return {
-        "equal": got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items()),
-        "dtypes": sorted({str(v.dtype) for v in got.values()}),
-        "sizes": sizes,
-        "padded_bytes": padded,
-        "uneven": [k for k, v in want.items() if v.shape[0] % 2],
-    }
-
-
 def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:
     """One update of the fixed batch per aggregation with 2 DDP processes (tests/ddp_grad_worker.py), to OUT."""
     from tests.ddp_grad_worker import run
@@ -437,6 +360,7 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 
 if __name__ == "__main__":
+    from tests.sharded_rollout_jobs import decode
     from tests.test_eval_metrics import synced_job
 
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,

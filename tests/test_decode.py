@@ -22,7 +22,8 @@ from transformers import (
 from sgrpo.model.logprobs import completion_logprobs, position_ids_from_mask
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.rollout import HFRollout
-from sgrpo.rollout.decode import LlamaFamilyStep, decode, kv_cache, sample
+from sgrpo.rollout.decode import LlamaFamilyStep, decode, kv_cache
+from sgrpo.rollout.sampling import sample
 from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import EXAMPLES
 
@@ -301,7 +302,7 @@ def test_graph_capture_reports_only_this_threads_unsafe_calls(monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    from sgrpo.rollout.graphs import StaticSteps
+    from sgrpo.rollout.graphs import StaticSteps, capture_graph
 
     captured = {}
 
@@ -323,7 +324,7 @@ def test_graph_capture_reports_only_this_threads_unsafe_calls(monkeypatch):
     steps = StaticSteps.__new__(StaticSteps)
     steps._pool, runs = None, []
     steps._run = lambda b: runs.append(b) or torch.zeros(b, 3)
-    _, out = steps._capture(4)
+    _, out = capture_graph(steps, 4)
     assert captured == {"capture_error_mode": "thread_local", "pool": None} and steps._pool == "pool"
     assert runs == [4, 4, 4] and out.shape == (4, 3)  # two warm-up steps, then the recorded one
 
@@ -351,7 +352,7 @@ def test_a_sampled_token_and_its_logprob_share_one_pass_over_the_vocabulary():
     at the token, as before (to float32 rounding), with 7 operations over the vocabulary per token instead of 9
     (sampling, then scaling the logits again and taking their logsumexp)."""
     from sgrpo.model.head import log_softmax_at
-    from sgrpo.rollout.decode import sample_with_logprobs
+    from sgrpo.rollout.sampling import sample_with_logprobs
 
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(1)

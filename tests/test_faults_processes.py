@@ -87,14 +87,7 @@ def run_failing(command: list[str], root: Path, rank: str, separate: int, tmp_pa
     that Lightning's launcher multiplies when 0); once process ``rank`` has raised, every process must end within
     60 s, non-zero, leaving none behind, with the injected error's traceback in the output. Returns the output
     of all and the exit codes."""
-    env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
-    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(separate),
-             "NODE_RANK": "0"}  # fmt: skip
-    ranks = [world | {"LOCAL_RANK": str(r), "RANK": str(r)} for r in range(separate)] or [{}]
-    logs = [tmp_path / f"log{i}" for i in range(len(ranks))]
-    processes = [subprocess.Popen(command, cwd=REPO, env=env | extra, stdout=open(log, "w"),  # noqa: SIM115
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-                 for extra, log in zip(ranks, logs, strict=True)]  # fmt: skip
+    processes, logs = start(command, separate, tmp_path, env)
     try:
         wait_for((root / f"raised.{rank}").exists, processes[0], timeout=240)
         raised = time.monotonic()
@@ -118,6 +111,86 @@ def run_failing(command: list[str], root: Path, rank: str, separate: int, tmp_pa
     assert all(part in text for part in injected), text[-3000:]
     print(f"every process ended {ended:.1f} s after the error, exit {codes}")
     return text, codes
+
+
+def start(command: list[str], separate: int, tmp_path: Path, env: dict | None = None,
+          name: str = "log") -> tuple[list[subprocess.Popen], list[Path]]:  # fmt: skip
+    """``command`` started as ``separate`` processes with their ranks in the environment (as srun starts them), or
+    once (Lightning's launcher multiplies it) when 0; each writes its output to ``tmp_path/<name><rank>``."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(separate),
+             "NODE_RANK": "0"}  # fmt: skip
+    ranks = [world | {"LOCAL_RANK": str(r), "RANK": str(r)} for r in range(separate)] or [{}]
+    logs = [tmp_path / f"{name}{i}" for i in range(len(ranks))]
+    processes = [subprocess.Popen(command, cwd=REPO, env=env | extra, stdout=open(log, "w"),  # noqa: SIM115
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+                 for extra, log in zip(ranks, logs, strict=True)]  # fmt: skip
+    return processes, logs
+
+
+def finish(processes: list[subprocess.Popen], logs: list[Path], timeout: float = 240) -> tuple[list[int], str]:
+    """The exit codes of ``processes`` and their output; none left running."""
+    try:
+        codes = [process.wait(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    return codes, "".join(log.read_text() for log in logs)
+
+
+SIGTERM_IN_ROLLOUT = {  # the layout; which processes get SIGTERM, in that order, 0.3 s apart
+    # FSDP2 decoding on the sharded model: every forward is a collective (lockstep), so they leave together; the
+    # second SIGTERM reaches process 0 while it saves (it killed it there)
+    "fsdp2-lockstep-both": (["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"),
+                             "--model.rollout.init_args.weights_snapshot=false"], [1, 0]),
+    # DDP: no collective in the rollout; process 0 gets no signal and learns of it through the store (each case
+    # takes three 2-process launches: this one runs with the kill trials, in `make test-bench`)
+    "ddp-process-1-only": (["--trainer.devices=2", "--trainer.strategy=ddp"], [1]),
+}  # fmt: skip
+BENCH = pytest.mark.bench  # (make test's time: docs/development.md)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [case if "ddp" not in case else pytest.param(case, marks=BENCH)
+                                  for case in SIGTERM_IN_ROLLOUT])  # fmt: skip
+def test_sigterm_during_the_rollout_stops_every_process_at_once_and_resumes_exactly(case, model_dir, tmp_path):
+    """2 processes started separately (as srun starts them) are in step 2's rollout (slowed: 0.3 s a token, the
+    first until the signals are sent) when SIGTERM reaches one or both: every process leaves the rollout, saves
+    step 1's end and exits 143 within seconds (they used to run step 2 to its end, which a DeepMath step makes
+    longer than SLURM's 30 s); the resume logs what the uninterrupted run logged, value for value."""
+    from tests.test_interrupts import rows
+
+    layout, signalled = SIGTERM_IN_ROLLOUT[case]
+    fit = [sys.executable, "-m", "sgrpo.fit"]
+    reference, root = tmp_path / "reference", tmp_path / "run"
+    common = ["--trainer.max_steps=3", *layout]
+    codes, text = finish(*start([*fit, *args(reference, model_dir, *common)], 2, tmp_path, name="reference"))
+    assert codes == [0, 0], text[-3000:]
+    processes, logs = start([sys.executable, str(WORKER), "slow_rollout", "0", "2", *args(root, model_dir, *common)],
+                            2, tmp_path, name="run")  # fmt: skip
+    wait_for(lambda: all((root / f"rollout.{r}").exists() for r in (0, 1)), processes[0], timeout=240)
+    for rank in signalled:
+        os.kill(processes[rank].pid, signal.SIGTERM)
+        time.sleep(0.3)
+    sent = time.monotonic()
+    (root / "signalled").touch()  # the slowed rollouts go on (0.3 s a token)
+    codes, text = finish(processes, logs, timeout=60)
+    ended = time.monotonic() - sent
+    # 143; or ended by a SIGTERM that came after its save (Lightning's teardown puts the default handler back)
+    assert all(c == 143 or (c == -signal.SIGTERM and r in signalled) for r, c in enumerate(codes)), text[-3000:]
+    assert "every process stops at its rollout's next check" in text and "Traceback" not in text, text[-3000:]
+    last = root / "checkpoints" / "last.ckpt"
+    state = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=False, mmap=not last.is_dir())
+    assert state["global_step"] == 1, text[-3000:]  # step 1's end: step 2 was not run to its end
+    print(f"{case}: both exited 143 {ended:.1f} s after the last SIGTERM")
+    codes, text = finish(*start([*fit, *args(root, model_dir, *common, "--ckpt_path=last")], 2, tmp_path,
+                                name="resume"))  # fmt: skip
+    assert codes == [0, 0], text[-3000:]
+    expected, got = rows(reference), rows(root)
+    assert sorted(got) == sorted(expected)
+    for key, points in expected.items():
+        assert got[key] == points, key
 
 
 @pytest.mark.slow

@@ -18,11 +18,12 @@ from estimators import DrGRPO
 from sgrpo.eval.report import read_run_metrics
 from sgrpo.export import main as export
 from sgrpo.fit import main
-from sgrpo.model.logprobs import completion_logprobs
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.train.loss import AGGREGATIONS
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
-from tests.sharded_worker import PROBE, update
+from tests.sharded_async import async_jobs, check_async_rollouts_over_two_processes
+from tests.sharded_lora import check_lora_fits_over_two_processes_resumes_and_exports_the_adapter, lora_jobs
+from tests.sharded_worker import probe, update
 from tests.test_eval_metrics import check_synced_metrics, check_two_sets_validate_as_one_process
 from tests.test_policy_gradients import MAX_NEW, G, flat, make_policy, rel_err, surrogate
 
@@ -132,38 +133,6 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
     check_async_rollouts_over_two_processes(tmp_path / "async")
     check_rows_ending_at_different_lengths_per_process_decode_as_many_forwards(tmp_path / "lengths")
-
-
-def async_jobs(out: Path, fused: str) -> list[list[str]]:
-    """Async rollouts over 2 processes (the shipped model: its rewards vary, so the weights move): a synchronous DDP
-    fit and its staleness-0 async twin, the same under FSDP2 (fused AdamW), and S = 1 DDP fits
-    with the producers 5x slower and 5x faster than the trainers."""
-    ddp, shipped = "--trainer.strategy=ddp", str(SHIPPED)
-    return [
-        ["fit", str(out / "sync"), shipped, "3", "", ddp],
-        ["async_fit", str(out / "s0"), shipped, "3", "", ddp, "--model.max_staleness=0"],
-        ["fit", str(out / "fsdp_sync"), shipped, "3", "", fused],
-        ["async_fit", str(out / "fsdp_s0"), shipped, "3", "", fused, "--model.max_staleness=0"],
-        ["async_fit", str(out / "slow"), shipped, "4", "slow", ddp, "--model.max_staleness=1"],
-        ["async_fit", str(out / "fast"), shipped, "4", "fast", ddp, "--model.max_staleness=1"],
-    ]
-
-
-def check_async_rollouts_over_two_processes(out: Path) -> None:
-    """Staleness 0 through the producers is the synchronous run bit for bit under DDP and FSDP2 (every logged value
-    but timings, the final weights); with producers 5x slower or faster, every step trains its 4 groups (2 a
-    process), whole, none staler than S = 1."""
-    from tests.test_async import check_bounded, same_weights, untimed
-
-    for sync, twin in (("sync", "s0"), ("fsdp_sync", "fsdp_s0")):
-        synchronous, stale0 = read_run_metrics(out / sync), read_run_metrics(out / twin)
-        assert untimed(stale0) == untimed(synchronous) and len(synchronous["train/loss"]) == 3, twin
-        assert [v for _, v in stale0["train/async/staleness_max"]] == [0.0] * 3
-        probes = [torch.load(out / run / "probe_logprobs.pt") for run in (sync, twin)]
-        assert torch.equal(*probes), twin
-    assert same_weights(out / "sync", out / "s0")
-    assert check_bounded(read_run_metrics(out / "slow"), 1, 4, 4)[0] == 0.0
-    assert check_bounded(read_run_metrics(out / "fast"), 1, 4, 4)[-1] == 1.0
 
 
 def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path) -> None:
@@ -380,46 +349,3 @@ def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_do
     table = one[one.index("Validation accuracy by difficulty") :]
     assert "(15 prompts, 1 sample each)" in table
     assert two[two.index("Validation accuracy by difficulty") :] == table
-
-
-#: LoRA under FSDP2 and under DDP, each with a KL (its reference: the policy with its adapters off)
-LORA_RUNS = {"fsdp2": ["--model.loss.init_args.kl_coef=0.001"],
-             "ddp": ["--trainer.strategy=ddp", "--model.loss.init_args.kl_coef=0.001"]}  # fmt: skip
-
-
-def lora_jobs(tmp_path: Path) -> list[list[str]]:
-    """2 steps of each LoRA run, then its resume to 3 from the adapter-only checkpoint (the shipped model, whose
-    rewards vary: the random tiny model's are all 0, nothing would train)."""
-    fits = []
-    for strategy, extra in LORA_RUNS.items():
-        root = str(tmp_path / "lora" / strategy)
-        fits += [["fit", root, str(SHIPPED), "2", "", "--model.peft.rank=4", *extra],
-                 ["fit", root, str(SHIPPED), "3", "last", "--model.peft.rank=4", *extra]]  # fmt: skip
-    return fits
-
-
-def check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path: Path) -> None:
-    """LoRA under FSDP2 (adapters sharded with their blocks, gathered for the weight snapshot and the export)
-    and under DDP: 2 steps each, resumed to 3 from the adapter-only checkpoint, a PEFT adapter folder that
-    reproduces the trained policy. With a KL, whose reference is the policy with its adapters off (no second
-    model): the adapters must still train after each reference pass."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    for strategy in LORA_RUNS:
-        root = tmp_path / "lora" / strategy
-        # python -m sgrpo.export from the checkpoint, in one process: FSDP2's is a sharded folder of the whole
-        # model (the shards gathered), DDP's a file of the adapters
-        export([str(root / "checkpoints" / "last.ckpt"), str(root / "exported")])
-        assert (root / "checkpoints" / "last.ckpt").is_dir() == (strategy == "fsdp2")
-        for folder in (root / "hf_model", root / "exported"):
-            exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(SHIPPED), folder)
-            want = torch.load(root / "probe_logprobs.pt")
-            torch.testing.assert_close(probe(exported), want, atol=1e-6, rtol=1e-6, msg=f"{strategy}: {folder}")
-        trained = load_file(root / "hf_model" / "adapter_model.safetensors")  # lora_B starts at 0
-        assert all(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k), strategy
-
-
-def probe(model) -> torch.Tensor:
-    with torch.no_grad():
-        return completion_logprobs(model, PROBE, torch.ones_like(PROBE), torch.ones(1, 4, dtype=torch.bool))[0]

@@ -185,6 +185,14 @@ class LMHead:
             self._stacked[dim] = stacked_operand(self.weight, dim)
         return self._stacked[dim]
 
+    def refresh(self, other: LMHead) -> None:
+        """Take ``other``'s weight (the same head, cast again after an update) into this head's tensors, in place:
+        a CUDA graph captured with this head reads them at their addresses (``sgrpo.rollout.graphs``)."""
+        if other.weight is not self.weight:
+            self.weight.copy_(other.weight)
+        for dim, stacked in self._stacked.items():
+            stacked.copy_(stacked_operand(self.weight, dim))
+
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
         """``model``'s own LM head and output transform, in the compute dtype of the current autocast state."""

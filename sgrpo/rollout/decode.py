@@ -23,14 +23,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from sgrpo.distributed import any_process, is_sharded, world_size
+from sgrpo.distributed import ROLLOUT_STOP, RolloutStopped, is_sharded, world_size
 from sgrpo.model.head import LMHead
 from sgrpo.model.logprobs import final_hidden_states
+from sgrpo.rollout.sampling import sample_with_logprobs
+
+if TYPE_CHECKING:
+    from sgrpo.rollout.graphs import GraphCache
 
 
 class BlockLayer(DynamicLayer):
@@ -114,62 +119,6 @@ def kv_cache(model: nn.Module, capacity: int, block: int = 256) -> DynamicCache:
 def select_rows(cache: DynamicCache, indices: Tensor) -> None:
     for layer in cache.layers:
         layer.batch_select_indices(indices)
-
-
-def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
-    """One token per row from ``logits`` ``[R, V]`` and the kept mass ``[R]`` (``sample_with_logprobs``'s)."""
-    tokens, _, mass = sample_with_logprobs(logits, temperature, top_k, top_p, greedy)
-    return tokens, mass
-
-
-def sample_with_logprobs(
-    logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One token per row from ``logits`` ``[R, V]``, its log-prob under the full ``p = softmax(logits / T)`` and the
-    kept mass: ``p``'s mass on the tokens the sampler could draw (1: nothing cut), ``[R]`` each (mass float32).
-
-    Sampling is argmax, or the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which draws exactly
-    from p (cut to top-k then top-p where asked: the nucleus is the smallest set of most probable tokens whose mass
-    reaches ``top_p``, the top token always kept, drawn from renormalised), from the global torch generator.
-    Untruncated, the log-prob is read from the probabilities the race used, ``log p[token]``: seven operations over
-    ``[R, V]`` per token (the scaling, the softmax, the draws' allocation and draws, the race's division and argmax,
-    the gather), where sampling, then the log-prob from the logits again (scaling and logsumexp), took nine; greedy
-    and truncated sampling take ``z[token] - logsumexp(z)`` of the full softmax (what the loss computes).
-    """
-    z = logits.float() / temperature  # [R, V]: a new tensor, the caller's logits stay
-    ones = torch.ones(z.shape[0], dtype=torch.float32, device=z.device)
-    if greedy:
-        tokens = logits.argmax(-1)
-        return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1), ones
-    if 0 < top_k < z.shape[-1] or top_p < 1.0:
-        kept = _truncated(z, top_k, top_p)
-        mass = z.softmax(-1).masked_fill(kept == 0, 0.0).sum(-1)  # [R] the full softmax's mass on the drawable
-        tokens = _race(kept)
-        return tokens, z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1), mass
-    probs = z.softmax(-1)
-    tokens = _race(probs, keep=True)
-    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(), ones
-
-
-def _race(probs: Tensor, keep: bool = False) -> Tensor:
-    """argmax_i p_i / E_i, E_i ~ Exp(1) (a draw from p); ``keep``: ``probs`` is left as it was."""
-    draws = torch.empty_like(probs).exponential_(1.0)
-    return (torch.div(probs, draws, out=draws) if keep else probs.div_(draws)).argmax(-1)
-
-
-def _truncated(z: Tensor, top_k: int, top_p: float) -> Tensor:
-    """softmax(z) cut to its top-k, then to the smallest prefix whose mass reaches ``top_p`` (not renormalised:
-    the exponential race needs no normalisation)."""
-    if 0 < top_k < z.shape[-1]:
-        kth = z.topk(top_k, dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    probs = z.softmax(-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return probs
 
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -270,6 +219,7 @@ def decode(
     compact_below: float = 0.75,
     native_step: bool = True,
     cuda_graphs: bool = False,
+    graph_cache: GraphCache | None = None,
     check_every: int | None = None,
     cache_block: int = 256,
     nucleus_mass: Tensor | None = None,
@@ -285,7 +235,8 @@ def decode(
     ends only when no process has a running row, and a process whose rows are all done keeps
     running forwards on one finished row (its tokens are discarded), so the gathers pair up.
     ``cuda_graphs`` (with the native step) runs fixed-shape steps (``sgrpo.rollout.graphs.StaticSteps``),
-    replayed as CUDA graphs on a GPU and run eagerly elsewhere.
+    replayed as CUDA graphs on a GPU and run eagerly elsewhere; with ``graph_cache`` (``GraphCache``) the steps
+    and their graphs are kept from one call to the next.
 
     The KV cache grows ``cache_block`` positions at a time (``BlockLayer``). Which rows are still
     running is read on the host (a device sync) every ``check_every`` tokens (default
@@ -293,7 +244,9 @@ def decode(
     stay in the batch and emit ``pad`` with log-prob 0; tokens and log-probs do not depend on the
     interval, except through the drops, which happen at check steps only (a sampled row then draws
     other random numbers: the same distribution, not the same draws).
-    Under FSDP2 every process checks at the same steps (one all-reduce per check).
+    Under FSDP2 every process checks at the same steps (one all-reduce per check). At each check a stop asked for
+    during a training rollout of several processes (``sgrpo.distributed.RolloutStop``) ends the loop
+    (``RolloutStopped``): under FSDP2 on every process at once, read in that all-reduce.
     ``nucleus_mass`` ``[R, max_new_tokens]`` float32, if given, receives each token's kept mass (``sample``;
     0 after EOS); the log-probs stay the full softmax's, as the policy loss computes them.
     """
@@ -310,7 +263,7 @@ def decode(
     mask = torch.ones(rows, p + max_new_tokens, dtype=prompt_mask.dtype, device=device)
     mask[:, :p] = prompt_mask.index_select(0, row_prompt)
     head = LMHead.of(model)  # the loss's head, its weight cast to the compute dtype once for the whole loop
-    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs, head)
+    steps = DecodeSteps(model, cache, mask, p, native_step, cuda_graphs, head, graph_cache)
     logits = head(hidden).index_select(0, row_prompt)  # [R, V] float32
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
@@ -331,8 +284,10 @@ def decode(
             break
         if (t + 1) % every == 0:  # the host reads the running rows: a device sync, so not at every token
             n_running = int(running.sum())
-            if not (any_process(n_running > 0, device) if synced else n_running > 0):
+            if not (running_anywhere(n_running > 0, device) if synced else n_running > 0):
                 break
+            if not synced:  # (synced: a stop is learnt in the all-reduce, by every process at once)
+                ROLLOUT_STOP.check()  # a stop asked for: leave the rollout (sgrpo.distributed.RolloutStop)
             if n_running < compact_below * running.numel():  # drop finished rows from the batch and the cache
                 keep = running.nonzero().squeeze(-1)
                 if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards
@@ -342,6 +297,17 @@ def decode(
         logits = steps(next_tokens, position, t)
         position = position + 1
     return tokens, logprobs
+
+
+def running_anywhere(running: bool, device: torch.device) -> bool:
+    """Whether any process still has a running row (a collective: every process of a lockstep decode calls it at
+    the same steps); a stop requested on any process (``ROLLOUT_STOP``) is learnt in the same all-reduce, and
+    every process then leaves the rollout after the same forward (``RolloutStopped``)."""
+    flags = torch.tensor([float(running), float(ROLLOUT_STOP.requested)], device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    if flags[1].item():
+        raise RolloutStopped
+    return bool(flags[0].item())
 
 
 def check_interval(device: torch.device) -> int:
@@ -360,18 +326,21 @@ class DecodeSteps:
     """
 
     def __init__(self, model: nn.Module, cache: DynamicCache, mask: Tensor, prompt_length: int, native: bool,
-                 cuda_graphs: bool, head: LMHead) -> None:  # fmt: skip
+                 cuda_graphs: bool, head: LMHead, graph_cache: GraphCache | None = None) -> None:  # fmt: skip
         self.model, self.cache, self.mask, self.p, self.head = model, cache, mask, prompt_length, head
         self.native = self.static = None
         if native and LlamaFamilyStep.supported(model):
             if cuda_graphs:
                 from sgrpo.rollout.graphs import StaticSteps
 
-                for layer in cache.layers:  # fixed addresses for the graphs: every position allocated up front
-                    layer.reserve(mask.shape[1])
                 key_mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], 1)
-                step = functools.partial(LlamaFamilyStep, head=head)
-                self.static = StaticSteps(model, cache, key_mask, step, graphs=True)
+                if graph_cache is not None:  # kept across rollouts: the prompts are copied into its buffers
+                    self.static = graph_cache.steps(model, cache, key_mask, LlamaFamilyStep, head)
+                else:
+                    for layer in cache.layers:  # fixed addresses for the graphs: every position allocated up front
+                        layer.reserve(mask.shape[1])
+                    step = functools.partial(LlamaFamilyStep, head=head)
+                    self.static = StaticSteps(model, cache, key_mask, step, graphs=True)
             else:
                 self.native = LlamaFamilyStep(model, cache, mask.shape[1], head)
 

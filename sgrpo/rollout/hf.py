@@ -34,7 +34,8 @@ class HFRollout(RolloutEngine):
     weights gathered once per rollout (default: for FSDP2-sharded models, whose every forward would
     otherwise all-gather each block per token), its Linear weights cast once to autocast's dtype;
     the copy's memory is freed before the update. ``cuda_graphs`` (lean decoder, Llama-family models):
-    fixed-shape decode steps replayed as CUDA graphs on a GPU (``sgrpo.rollout.graphs``; off until measured).
+    fixed-shape decode steps replayed as CUDA graphs on a GPU, kept across rollouts (``sgrpo.rollout.graphs``; off
+    until measured).
 
     Args:
         max_new_tokens: Completion length cap in tokens.
@@ -86,6 +87,7 @@ class HFRollout(RolloutEngine):
         self.decoder = decoder
         self.weights_snapshot, self.cuda_graphs = weights_snapshot, cuda_graphs
         self._weights = RolloutWeights(weights_snapshot)
+        self._graphs = None  # cuda_graphs: the decode steps and graphs kept across rollouts (GraphCache)
 
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False,
@@ -169,6 +171,13 @@ class HFRollout(RolloutEngine):
             nucleus_mass=masses,
         )
 
+    def _graph_cache(self):
+        if self.cuda_graphs and self._graphs is None:
+            from sgrpo.rollout.graphs import GraphCache
+
+            self._graphs = GraphCache()
+        return self._graphs
+
     @staticmethod
     def _joined(parts: list[Tensor | None], width: int, length: int, mask: Tensor) -> Tensor | None:
         """Per-token values ``[R_i, T_i]`` of each piece as one ``[N, T]`` (0 off ``mask``); None if a piece has
@@ -194,7 +203,7 @@ class HFRollout(RolloutEngine):
             tokens, logprobs = decode(
                 model, ids, mask, row_prompt, self.max_new_tokens, eos, pad,
                 greedy=greedy, min_new_tokens=self.min_new_tokens, cuda_graphs=self.cuda_graphs,
-                nucleus_mass=masses, **sampling,
+                graph_cache=self._graph_cache(), nucleus_mass=masses, **sampling,
             )  # fmt: skip
             return tokens, logprobs, None if masses is None else masses[:, : tokens.shape[1]]
         out = model.generate(

@@ -7,7 +7,10 @@ the end of that validation's current batch; the checkpoint then holds the step b
 validation runs again on resume. The processes agree on the stop (one all-reduce per step and per
 validation batch), so they all save at the same step: the save is a collective under FSDP2. A single
 process does not wait where the state is still the last step's end (the rollout after it, a validation):
-it saves and stops at once (``StoppedNow``), as a step can outlast the scheduler's grace period. A second
+it saves and stops at once (``StoppedNow``), as a step can outlast the scheduler's grace period. Several
+processes do so during a rollout, once they agree (``sgrpo.distributed.RolloutStop``: the signal is posted in
+the store, ``STOP_KEY``, by the watch below, which reads the others'); a SIGTERM while a stop saves is
+ignored. A second
 Ctrl-C stops at once (``KeyboardInterrupt``), saving only where the state is a step's end; one after the
 stop began exits 130 with one line. Under Lightning's own launcher the first process forwards SIGTERM to
 the others, as Lightning does.
@@ -44,10 +47,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
+from sgrpo.distributed import ROLLOUT_STOP, RolloutStop
 from sgrpo.run.guards import GuardError
 from sgrpo.run.resume import ResumeError
 
 ABORT_KEY, FAILURES_KEY = "sgrpo/abort", "sgrpo/failures"  # in the process group's store
+STOP_KEY = "sgrpo/stop"  # a signal during a rollout (sgrpo.distributed.RolloutStop)
 
 
 class Stopped(SystemExit):
@@ -100,23 +105,32 @@ class StopRequests:
         self._previous: dict[int, object] = {}
         self._forward: Callable[[int], None] | None = None
         self._now: Callable[[], bool] | None = None
+        self._agree: Callable[[int], bool] | None = None
 
-    def install(self, forward: Callable[[int], None] | None = None, now: Callable[[], bool] | None = None) -> None:
+    def install(self, forward: Callable[[int], None] | None = None, now: Callable[[], bool] | None = None,
+                agree: Callable[[int], bool] | None = None) -> None:  # fmt: skip
         """Take over SIGTERM and SIGINT; ``forward(signum)`` passes a SIGTERM on (to the processes this one started);
         where ``now()`` holds when a signal arrives (the state is a step's end and may be saved from here: one
-        process), the fit stops at once (``StoppedNow``) instead of at the end of the step under way."""
+        process), the fit stops at once (``StoppedNow``) instead of at the end of the step under way; where
+        ``agree(signum)`` takes it (several processes, in a rollout: ``sgrpo.distributed.RolloutStop``), every
+        process stops at that rollout's end or one of its checks."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self.signum, self._forward, self._now = None, forward, now
+        self.signum, self._forward, self._now, self._agree = None, forward, now, agree
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
 
-    def uninstall(self) -> None:
+    def uninstall(self, stopping: bool = False) -> None:
         """Put the previous handlers back; after a Ctrl-C, one that ends the process at the next Ctrl-C with exit
         130 and one line (``SystemExit``, no traceback): the stop's save and teardown run without our handler,
-        and a KeyboardInterrupt raised in them ended the process by a traceback, or by SIGINT itself."""
+        and a KeyboardInterrupt raised in them ended the process by a traceback, or by SIGINT itself. While a stop
+        saves (``stopping``, or a signal received), a SIGTERM is noted and ignored: the processes of a job get it
+        at different times (SLURM signals every task), and one that arrived after another's stop had reached
+        this process killed it in the middle of the save. (``command_ended`` puts SIGTERM's handler back.)"""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._previous and (stopping or self.signum is not None):
+            signal.signal(signal.SIGTERM, _already_stopping)
         if self._previous and self.signum == signal.SIGINT:
             signal.signal(signal.SIGINT, _leave_now)
         self._previous = {}
@@ -133,6 +147,10 @@ class StopRequests:
         if self._now is not None and self._now():  # a rollout or validation: nothing a resume needs is under way
             print(f"\n{name}: saving last.ckpt (the last step's end) and stopping now", file=sys.stderr, flush=True)
             raise StoppedNow(signum)
+        if self._agree is not None and self._agree(signum):  # several processes, in a rollout: they agree first
+            print(f"\n{name}: every process stops at its rollout's next check, saving last.ckpt (the last step's end)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
         again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
         print(f"\n{name}: stopping at the end of this step, after saving last.ckpt{again}", file=sys.stderr)
 
@@ -146,6 +164,11 @@ class StopRequests:
         return signum or None
 
 
+def _already_stopping(signum: int, frame) -> None:
+    """A SIGTERM while the stop saves: it goes on (the scheduler's SIGKILL follows if it lasts too long)."""
+    print("\nSIGTERM: already stopping (saving last.ckpt)", file=sys.stderr, flush=True)
+
+
 def _leave_now(signum: int, frame) -> NoReturn:
     """A Ctrl-C once the stop is under way: exit 130 now, with one line and no traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third one, while this one unwinds
@@ -153,10 +176,13 @@ def _leave_now(signum: int, frame) -> NoReturn:
     raise SystemExit(128 + signal.SIGINT)
 
 
-def command_ended(trainer, interrupt) -> None:
-    """At the end of a command: SIGINT's handler put back to ``interrupt`` (a stop replaces it), the watch ended."""
-    if interrupt is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, interrupt)
+def command_ended(trainer, interrupt, terminate=None) -> None:
+    """At the end of a command: SIGINT's and SIGTERM's handlers put back to ``interrupt`` and ``terminate`` (a stop
+    replaces them), the watch ended."""
+    main = threading.current_thread() is threading.main_thread()
+    for signum, handler in ((signal.SIGINT, interrupt), (signal.SIGTERM, terminate)):
+        if handler is not None and main:
+            signal.signal(signum, handler)
     for callback in trainer.callbacks:
         if isinstance(callback, FailFast):
             callback.stop()
@@ -170,7 +196,8 @@ def _store():
 
 
 class AbortWatch:
-    """A thread that ends this process once another one has failed (``fail_fast``), checking every ``period`` s."""
+    """A thread that ends this process once another one has failed (``fail_fast``), checking every ``period`` s;
+    it also passes a stop asked for during a rollout between the processes (``share_stop``)."""
 
     def __init__(self, rank: int, period: float = 0.5, on_abort: Callable[[], None] | None = None) -> None:
         self.rank, self.period = rank, period
@@ -207,6 +234,7 @@ class AbortWatch:
         lost = 0
         while not stop.wait(self.period):
             try:
+                share_stop(store, ROLLOUT_STOP)
                 failed = store.check([ABORT_KEY])
                 notice = store.get(ABORT_KEY).decode() if failed else ""
                 lost = 0
@@ -218,6 +246,15 @@ class AbortWatch:
             if notice and not stop.is_set():
                 print(f"error: process {self.rank} stops: {notice}", file=sys.stderr, flush=True)
                 self.on_abort()
+
+
+def share_stop(store, stop: RolloutStop) -> None:
+    """Post this process's rollout stop in the store (``STOP_KEY``: the signal's number), or read another's."""
+    if stop.requested and not stop.posted:
+        store.set(STOP_KEY, str(stop.signum))
+        stop.posted = True
+    elif stop.open and not stop.signum and store.check([STOP_KEY]):
+        stop.noticed(int(store.get(STOP_KEY).decode()))
 
 
 def fail_fast(trainer, exception: BaseException, line: str | None = None, status: int | None = None) -> NoReturn:

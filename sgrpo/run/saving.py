@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.fit_loop import _FitLoop
 
+from sgrpo.distributed import ROLLOUT_STOP
 from sgrpo.run.checkpoints import (
     PARTIAL,
     checksum_path,
@@ -189,7 +190,8 @@ class RunCheckpoint(ModelCheckpoint):
             log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
         self._checked_step, self._training = None, True
-        self.stops.install(forward_signal(trainer), now=lambda: self._may_save_now(trainer))
+        self.stops.install(forward_signal(trainer), now=lambda: self._may_save_now(trainer),
+                           agree=lambda signum: self._at_step_end(trainer) and ROLLOUT_STOP.request(signum))
 
     def on_train_end(self, trainer, pl_module) -> None:
         """The last step's checkpoints, if no validation followed it; ``last.ckpt`` also where a fit ended before
@@ -211,7 +213,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """Never save after an error in one of several processes (``fail_fast``), mid-update, or while loading."""
-        self.stops.uninstall()
+        self.stops.uninstall(stopping=isinstance(exception, Stopped))
         loading = bool(trainer._checkpoint_connector._loaded_checkpoint)  # set from resume_start to resume_end
         loading = loading or isinstance(exception, ResumeError)
         if trainer.world_size > 1 and not isinstance(exception, EVERY_PROCESS):
@@ -230,7 +232,12 @@ class RunCheckpoint(ModelCheckpoint):
         """A signal may stop the fit where it lands, saving ``last.ckpt`` then (``StoppedNow``): one process (more
         would have to agree first: the save is a collective), the state a step's end, no checkpoint being written.
         """
-        return trainer.world_size == 1 and self._training and self._step_end == trainer.global_step and not (
+        return trainer.world_size == 1 and self._at_step_end(trainer)
+
+    def _at_step_end(self, trainer) -> bool:
+        """The state is a step's end (the rollout after it, a validation), no checkpoint being written. Several
+        processes stop there only where they agree (``sgrpo.distributed.RolloutStop``: during a rollout)."""
+        return self._training and self._step_end == trainer.global_step and not (
             self._writing or trainer.sanity_checking
         )
 

@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from estimators.base import constant_groups
-from sgrpo.distributed import any_process
+from sgrpo.distributed import ROLLOUT_STOP, any_process
 from sgrpo.rollout.episodes import EpisodeError
 from sgrpo.run.data import mix_seed
+from sgrpo.run.faults import StoppedNow
 from sgrpo.run.guards import EnvironmentFailure
 from sgrpo.types import Example, RolloutBatch
 
@@ -68,13 +69,20 @@ class GroupCollection:
 
     def sample(self, examples: list[Example], sampling_round: int = 0) -> RolloutBatch:
         """``group_size`` completions per prompt, seeded from (seed, step, rank[, round]): a resumed run draws
-        the same. With ``async_rollout`` the producer's groups of this step (sampled with this seed)."""
+        the same. With ``async_rollout`` the producer's groups of this step (sampled with this seed).
+
+        Under several processes a signal during the rollout stops every process at its end or at one of its checks
+        (``sgrpo.distributed.RolloutStop``): ``StoppedNow``, which saves ``last.ckpt`` (the last step's end)."""
         if getattr(self, "_producer", None) is not None:
             return self.take_rollout(examples)
         seed = mix_seed(self.seed, self.rollout_step, self.global_rank, *([sampling_round] if sampling_round else []))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return self.generate_with(self.rollout, examples, self.group_size)
+            rollout, signum = ROLLOUT_STOP.run(lambda: self.generate_with(self.rollout, examples, self.group_size),
+                                               self.device)  # fmt: skip
+        if signum:  # a signal on some process during the rollout: every process stops here, the last step's end
+            raise StoppedNow(signum)
+        return rollout
 
     def generate_with(self, engine, examples: list[Example], n: int, greedy: bool = False) -> RolloutBatch:
         """``n`` samples per example from ``engine``: completions, or with ``environment`` multi-turn episodes."""
