@@ -19,10 +19,15 @@ PHASES = (  # (label, depth): the tree printed by profile_sgrpo, children indent
     ("tokenize, decode, copies", 3),
     ("score: reward + success", 2),
     ("update", 2),
-    ("completion_logprobs forward", 3),
+    ("micro-batch plan (_micro_batches)", 3),
+    ("log-probs with gradient (_chunk_logprobs)", 3),
+    ("pack (sgrpo.model.packing.pack)", 4),
+    ("model forward (final_hidden_states)", 4),
+    ("trim, layout, LM head, scatter", 4),
+    ("loss (PolicyLoss)", 3),
     ("manual_backward", 3),
     ("_optimizer_step (norm, clip, AdamW, zero_grad)", 3),
-    ("update: rest (masks, trim, counts, stats)", 3),
+    ("update: rest (old/reference log-probs, masks, counts, stats)", 3),
     ("self.log / log_dict calls", 2),
     ("training_step: rest (estimator, metrics)", 2),
     ("Lightning loop between steps", 1),
@@ -36,14 +41,20 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
 
     from lightning.pytorch import Callback
 
-    import sgrpo.policy as policy_module
+    import sgrpo.model.logprobs as logprobs_module
 
     wall: dict[str, float] = {}
     cpu: dict[str, float] = {}
 
-    def timed(name, fn):
+    gradient_pass: list[bool] = [False]  # inside a _chunk_logprobs of the gradient pass (its ``stats`` given)
+
+    def timed(name, fn, when=lambda *args, **kwargs: True):
+        """``fn`` with its time added to ``name``'s, on the calls where ``when(*args, **kwargs)``."""
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            if not when(*args, **kwargs):
+                return fn(*args, **kwargs)
             w0, c0 = time.perf_counter(), _cpu_s()
             try:
                 return fn(*args, **kwargs)
@@ -54,17 +65,36 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         return wrapper
 
     policy = sgrpo_policy(work)
-    original_logprobs = policy_module.completion_logprobs
-    policy_module.completion_logprobs = timed("completion_logprobs forward", original_logprobs)
+    patched = [  # module functions, restored after the run; timed in the gradient pass only (the rollout's
+        # prefill and the no-gradient passes call them too)
+        (logprobs_module, "pack", "pack (sgrpo.model.packing.pack)"),
+        (logprobs_module, "final_hidden_states", "model forward (final_hidden_states)"),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, label in patched:
+        setattr(module, name, timed(label, getattr(module, name), lambda *a, **k: gradient_pass[0]))
+    chunk_logprobs = policy._chunk_logprobs
+
+    def gradient_chunk(model, rollout, chunk, token_mask, stats=None):
+        gradient_pass[0] = stats is not None
+        try:
+            return chunk_logprobs(model, rollout, chunk, token_mask, stats)
+        finally:
+            gradient_pass[0] = False
+
+    policy._chunk_logprobs = timed("log-probs with gradient (_chunk_logprobs)", gradient_chunk,
+                                   lambda *a, **k: len(a) > 4 and a[4] is not None)
     for attr, name in [
         ("training_step", "training_step"),
         ("score", "score: reward + success"),
         ("update", "update"),
+        ("_micro_batches", "micro-batch plan (_micro_batches)"),
         ("manual_backward", "manual_backward"),
         ("_optimizer_step", "_optimizer_step (norm, clip, AdamW, zero_grad)"),
         ("log", "self.log / log_dict calls"),  # log_dict calls self.log once per key
     ]:
         setattr(policy, attr, timed(name, getattr(policy, attr)))
+    policy.loss = _TimedLoss(policy.loss, timed)
     policy.rollout.generate = timed("rollout: HFRollout.generate", policy.rollout.generate)
     records: list[tuple[dict, dict]] = []
     marks: dict[str, float] = {}
@@ -84,7 +114,8 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
 
     trainer = quiet_trainer(work.steps + 1, Phases(), "sgrpo_profile_", work.device)
     trainer.fit(policy)
-    policy_module.completion_logprobs = original_logprobs
+    for module, name, original in originals:
+        setattr(module, name, original)
     measured = records[warmup:]
     for times in (t for pair in measured for t in pair):
         _derive_phases(times)
@@ -105,11 +136,28 @@ def _derive_phases(times: dict[str, float]) -> None:
         return sum(times.get(k, 0.0) for k in keys)
 
     times["tokenize, decode, copies"] = total("rollout: HFRollout.generate") - total("decode: HFRollout._generate_rows")
-    times["update: rest (masks, trim, counts, stats)"] = total("update") - total(*(k for k, _ in PHASES[7:10]))
+    # _chunk_logprobs runs in the gradient pass and in the no-gradient passes (old, reference): only the former is
+    # timed, and the pack and forward within it
+    chunk, forward, pack = (total(PHASES[i][0]) for i in (8, 10, 9))
+    times[PHASES[11][0]] = chunk - forward - pack
+    times[PHASES[15][0]] = total("update") - total(*(PHASES[i][0] for i in (7, 8, 12, 13, 14)))
     times["training_step: rest (estimator, metrics)"] = total("training_step") - total(
         "rollout: HFRollout.generate", "score: reward + success", "update", "self.log / log_dict calls"
     )
     times["Lightning loop between steps"] = total(PHASES[0][0]) - total("training_step")
+
+
+class _TimedLoss:
+    """A ``PolicyLoss`` whose calls are timed (every other attribute is the loss's own)."""
+
+    def __init__(self, loss, timed) -> None:
+        self.__dict__["_loss"], self.__dict__["_call"] = loss, timed("loss (PolicyLoss)", loss.__call__)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._loss, name)
 
 
 def _top_ops(policy, limit: int) -> None:
@@ -119,7 +167,7 @@ def _top_ops(policy, limit: int) -> None:
     examples = list(policy.task.examples("train"))[: policy.prompts_per_step]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         rollout = policy.rollout.generate(policy.model, policy.tokenizer, examples, policy.group_size)
-        rewards, _, _ = policy.score(examples, rollout)
+        rewards, _, _, _ = policy.score(examples, rollout)
         policy.update(rollout, policy.estimator(rewards), torch.ones(len(examples), dtype=torch.bool))
     print(f"\n### torch.profiler, one more step (rollout + update), top {limit} operators by self CPU time\n")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit))
