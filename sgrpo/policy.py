@@ -103,6 +103,7 @@ class GRPOPolicy(
         async_rollout: bool = False,
         max_staleness: int = 1,
         producer_timeout: float = 600.0,
+        sync_every: int = 1,
     ) -> None:
         """The config's ``model:`` block.
 
@@ -153,6 +154,7 @@ class GRPOPolicy(
             async_rollout: Sample in a producer process that runs ahead of the trainer (docs/async.md); HFRollout only.
             max_staleness: With async_rollout, versions (training steps) a trained group may lag the trainer, >= 0.
             producer_timeout: Seconds the trainer waits for the producer's next groups before it raises (a hang).
+            sync_every: With async_rollout, training steps between weight pushes to the producer, <= max_staleness + 1.
         """
 
         super().__init__()
@@ -169,11 +171,12 @@ class GRPOPolicy(
         require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
         require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
         error = async_rollout_error(
-            async_rollout, max_staleness, rollout or HFRollout(), dynamic_sampling, environment
+            async_rollout, max_staleness, rollout or HFRollout(), sync_every=sync_every, environment=environment
         )
         require(error is None, error)
         require(producer_timeout > 0, f"model.producer_timeout must be > 0 seconds, got {producer_timeout}")
         self.async_rollout, self.max_staleness, self.producer_timeout = async_rollout, max_staleness, producer_timeout
+        self.sync_every = sync_every
         self.reward_watch = RewardFailureWatch(reward_failure_share, reward_failure_steps)
         self.divergence_watch = DivergenceWatch(max_nonfinite_steps)
         self.max_prompt_tokens, self.prompts_dropped = max_prompt_tokens, 0
@@ -371,8 +374,4 @@ class GRPOPolicy(
         logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
         if self._producer is not None:
             logs |= self.async_logs(rollout, self.rollout_step - 1)
-            lag = (self.rollout_step - 1 - rollout.versions.min()).float()
-            self.log("train/async/staleness_max", lag, sync_dist=True, reduce_fx="max")
-            groups = torch.tensor(float(rollout.num_groups), device=self.device)  # trained, over all processes
-            self.log("train/async/groups", groups, sync_dist=True, reduce_fx="sum")
         self._log_step(rollout, rewards, success, advantages, logs, timing)

@@ -24,13 +24,19 @@ def async_jobs(out: Path, fused: str) -> list[list[str]]:
         ["async_fit", str(out / "fsdp_s0"), shipped, "3", "", fused, "--model.max_staleness=0"],
         ["async_fit", str(out / "slow"), shipped, "4", "slow", ddp, "--model.max_staleness=1"],
         ["async_fit", str(out / "fast"), shipped, "4", "fast", ddp, "--model.max_staleness=1"],
+        ["async_estimators", str(out / "estimators"), shipped, "2", *ESTIMATOR_VARIANTS],
     ]
+
+
+#: the S = 0 twins beyond the default estimator's (SoftmaxGRPO, above); "+dynamic": with dynamic sampling's refills
+ESTIMATOR_VARIANTS = ("GRPO", "MaxRL", "DrGRPO", "RLOO", "SoftmaxGRPO+dynamic")
 
 
 def check_async_rollouts_over_two_processes(out: Path) -> None:
     """Staleness 0 through the producers is the synchronous run bit for bit under DDP and FSDP2 (every logged value
-    but timings, the final weights); with producers 5x slower or faster, every step trains its 4 groups (2 a
-    process), whole, none staler than S = 1."""
+    but timings, the final weights), and under DDP with every other estimator and with dynamic sampling's refills;
+    with producers 5x slower or faster, every step trains its 4 groups (2 a process), whole, none staler than
+    S = 1."""
     from tests.test_async import check_bounded, same_weights, untimed
 
     for sync, twin in (("sync", "s0"), ("fsdp_sync", "fsdp_s0")):
@@ -40,5 +46,13 @@ def check_async_rollouts_over_two_processes(out: Path) -> None:
         probes = [torch.load(out / run / "probe_logprobs.pt") for run in (sync, twin)]
         assert torch.equal(*probes), twin
     assert same_weights(out / "sync", out / "s0")
+    for variant in ESTIMATOR_VARIANTS:  # 2 steps each: step 1 is sampled under the pushed weights of version 1
+        runs = out / "estimators" / variant
+        synchronous, stale0 = read_run_metrics(runs / "sync"), read_run_metrics(runs / "s0")
+        assert untimed(stale0) == untimed(synchronous) and len(synchronous["train/loss"]) == 2, variant
+        assert same_weights(runs / "sync", runs / "s0"), variant
+        if variant.endswith("+dynamic"):  # refills ran (on both processes, as many rounds), from the producers
+            rounds = [v for _, v in stale0["train/sampling/rounds"]]
+            assert max(rounds) > 1 and [v for _, v in stale0["train/async/groups_sampled"]] == [4.0 * r for r in rounds]
     assert check_bounded(read_run_metrics(out / "slow"), 1, 4, 4)[0] == 0.0
     assert check_bounded(read_run_metrics(out / "fast"), 1, 4, 4)[-1] == 1.0

@@ -18,6 +18,8 @@ sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per ag
 sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
 sharded_worker.py async_fit ROOT MODEL_DIR STEPS SKEW [ARGS...]   fit with async rollouts; SKEW "slow": the producers
                                                   sleep 0.5 s a step, "fast": the trainers 0.4 s an update, "": none
+sharded_worker.py async_estimators OUT MODEL_DIR STEPS VARIANT...   per estimator (VARIANT "GRPO", "RLOO+dynamic":
+                                                  with dynamic sampling), a DDP fit and its staleness-0 async twin
 
 Several jobs run one after another in the same 2 processes when joined by ``+`` (``update A B + decode C D``):
 each job builds its own trainer, model and optimiser, and they share the process group. One launch instead of one
@@ -198,6 +200,17 @@ def async_fit(root: str, model_dir: str, steps: str, skew: str, *extra: str) -> 
         PolicyUpdate.update = update
 
 
+def async_estimators(out: str, model_dir: str, steps: str, *variants: str) -> None:
+    """For each variant ("GRPO", or "SoftmaxGRPO+dynamic": that estimator with dynamic sampling), a synchronous
+    DDP fit and its staleness-0 async twin, to OUT/VARIANT/sync and OUT/VARIANT/s0."""
+    for variant in variants:
+        estimator, *dynamic = variant.split("+")
+        extra = ["--trainer.strategy=ddp", f"--model.estimator=estimators.{estimator}"]
+        extra += ["--model.dynamic_sampling=true", "--model.max_sampling_rounds=3"] if dynamic else []
+        fit(str(Path(out) / variant / "sync"), model_dir, steps, "", *extra)
+        async_fit(str(Path(out) / variant / "s0"), model_dir, steps, "", *extra, "--model.max_staleness=0")
+
+
 def validate(root: str, model_dir: str, checkpoint: str) -> None:
     """``sgrpo.fit validate`` of a sharded checkpoint under the strategy that wrote it; the result to
     ``ROOT/validation.json``."""
@@ -366,7 +379,8 @@ if __name__ == "__main__":
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
              "refused_resume": refused_resume, "ddp_grads": ddp_grads,
-             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit}  # fmt: skip
+             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit,
+             "async_estimators": async_estimators}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

@@ -11,9 +11,10 @@ policy that samples is the policy that is trained:
 * the model's own output transform follows (``LogitTransform``: Gemma 2/3 final-logit soft-capping,
   Granite ``logits_scaling``, Cohere ``logit_scale``), then the sampling temperature.
 
-At 32-true nothing is rounded: a float32 matmul, as before. ``check_logit_head`` compares this against
-the model's own forward when the model loads, and refuses a model whose forward does something else to
-its logits.
+At 32-true nothing is rounded: a float32 matmul, as before. A float64 model (a CPU test instrument: the precision
+of a sampler's recorded log-probs) keeps float64 in the forward, logits included (``logits_dtype``; the backward
+accumulates in float32 as at 32-true). ``check_logit_head`` compares this against the model's own forward when
+the model loads, and refuses a model whose forward does something else to its logits.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class LogitTransform:
         return z
 
 
+def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the logits of a head computing in ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def head_dtype(weight: Tensor) -> torch.dtype:
     """The head's compute dtype: autocast's where autocast is on for ``weight``'s device (bf16-mixed,
     16-mixed: float32 master weights, half-precision matmuls), else ``weight``'s own."""
@@ -84,9 +90,9 @@ def _fp32_output(device_type: str, dtype: torch.dtype) -> bool:
 
 def head_operand(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The weight ``x`` rounded to ``dtype``, held as ``weight_mm`` takes it: in ``dtype`` where the device
-    multiplies it with a float32 result, else as float32 (the rounded values, exactly)."""
+    multiplies it with a float32 result, else as float32 (the rounded values, exactly); float64 as it is."""
     x = x.to(dtype)
-    if dtype == torch.float32 or _fp32_output(x.device.type, dtype):
+    if dtype in (torch.float32, torch.float64) or _fp32_output(x.device.type, dtype):
         return x
     return x.float()
 
@@ -140,8 +146,8 @@ def weight_mm(x: Tensor, weight: Tensor, dtype: torch.dtype, out: Tensor | None 
     difference ``d`` between two runs (1 and 2 processes) would come out of the head as about
     ``sqrt(d * 2^-8)`` instead of ``d``.
     """
-    if weight.dtype == torch.float32:
-        return torch.mm(x.to(torch.float32), weight, out=out)
+    if weight.dtype in (torch.float32, torch.float64):  # float64: a float64 product (``logits_dtype``)
+        return torch.mm(x.to(weight.dtype), weight, out=out)
     parts = _parts(x, dtype)
     if len(parts) == 1:
         return _mm_fp32(parts[0], weight, out=out)
@@ -179,7 +185,7 @@ class LMHead:
 
     def stacked(self, dim: int) -> Tensor | None:
         """``[W, W]`` along ``dim`` (``weight_mm``'s two-part operand), made once per head; None where unused."""
-        if self.weight.dtype == torch.float32:
+        if self.weight.dtype in (torch.float32, torch.float64):
             return None
         if dim not in self._stacked:
             self._stacked[dim] = stacked_operand(self.weight, dim)
@@ -268,9 +274,10 @@ class TokenLogprobs(torch.autograd.Function):
         transform = transform or LogitTransform()
         dtype = head_dtype(weight) if dtype is None else dtype
         m = h.shape[0]
-        logp = torch.empty(m, dtype=torch.float32, device=h.device)
-        entropy = torch.zeros(m, dtype=torch.float32, device=h.device)
-        lse = torch.empty(m, dtype=torch.float32, device=h.device)
+        out = logits_dtype(dtype)  # float32 (float64 for a float64 head)
+        logp = torch.empty(m, dtype=out, device=h.device)
+        entropy = torch.zeros(m, dtype=out, device=h.device)
+        lse = torch.empty(m, dtype=out, device=h.device)
         buffers = _LogitBuffers(min(chunk, m), LMHead(weight, bias, transform, dtype), temperature)
         for i in range(0, m, chunk):
             z = buffers.logits(h[i : i + chunk])
@@ -332,7 +339,8 @@ class _LogitBuffers:
 
     def __init__(self, chunk: int, head: LMHead, temperature: float) -> None:
         self.head, self.temperature = head, temperature
-        self.z = torch.empty(chunk, head.weight.shape[0], dtype=torch.float32, device=head.weight.device)
+        dtype = logits_dtype(head.dtype)
+        self.z = torch.empty(chunk, head.weight.shape[0], dtype=dtype, device=head.weight.device)
         self.p: Tensor | None = None  # allocated on first use
 
     def logits(self, h: Tensor) -> Tensor:

@@ -64,8 +64,8 @@ def completion_logprobs(
         h, head.weight, head.bias, targets, temperature, chunk_size, with_entropy, LogitTransform.of(model),
         head_dtype(head.weight),
     )
-    logp = h.new_zeros(mask.shape, dtype=torch.float32)
-    entropy = h.new_zeros(mask.shape, dtype=torch.float32) if with_entropy else None
+    logp = h.new_zeros(mask.shape, dtype=token_logp.dtype)  # float32 (float64 for a float64 model)
+    entropy = h.new_zeros(mask.shape, dtype=token_logp.dtype) if with_entropy else None
     if h.shape[0]:
         logp = logp.masked_scatter(mask, token_logp)
         if entropy is not None:

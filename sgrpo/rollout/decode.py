@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from sgrpo.distributed import ROLLOUT_STOP, RolloutStopped, is_sharded, world_size
-from sgrpo.model.head import LMHead
+from sgrpo.model.head import LMHead, logits_dtype
 from sgrpo.model.logprobs import final_hidden_states
 from sgrpo.rollout.sampling import sample_with_logprobs
 
@@ -190,7 +190,7 @@ class LlamaFamilyStep:
                 keys.reshape(r * kv_heads, -1, d).transpose(1, 2),
                 alpha=self.scaling,
             )  # [R * kv_heads, group, L+1]
-            probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+            probs = scores.softmax(-1, dtype=logits_dtype(values.dtype)).to(values.dtype)
             out = torch.bmm(probs, values.reshape(r * kv_heads, -1, d))
             x = x + attn.o_proj(out.reshape(r, 1, -1))
             x = x + mlp(layer.post_attention_layernorm(x))
@@ -267,7 +267,7 @@ def decode(
     logits = head(hidden).index_select(0, row_prompt)  # [R, V] float32
     position = prompt_mask.sum(-1).index_select(0, row_prompt)  # [R]: the next token's position
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
-    logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
+    logprobs = torch.zeros(rows, max_new_tokens, dtype=logits.dtype, device=device)  # float64 for a float64 model
     alive = torch.arange(rows, device=device)  # original index of each row still in the batch
     running = torch.ones(rows, dtype=torch.bool, device=device)  # per batch row: not yet finished
     for t in range(max_new_tokens):

@@ -7,13 +7,21 @@ one ``generate`` call per step's share of prompts: at staleness 0 it draws the s
 step's share travels as one block (a file whose path goes through a bounded queue), its rows tagged with the
 version they were sampled under (``RolloutBatch.versions``) and carrying the sampler's log-probs.
 
-**Admission** (``admitted``): with S = ``max_staleness``, ``g`` groups per step and the trainer at version v
-(its training step count; every push after a step announces it), a group is admitted for sampling only while
-accepted + running < (S + v + 1) g. The groups of one step are admitted together (one seeded draw), so step
-s is sampled only once s <= v + S, and under the newest weights the producer has (version w >= s - S): every
-trained group has v_train - v_sampled = s - w <= S. Blocks are consumed oldest first; a group is never split
-(a block is sampled under one version). Weights reach the producer through shared memory (``push``), the
-newest replacing any the producer has not read yet.
+**Admission** (``admitted``): with S = ``max_staleness``, ``g`` groups per step and v the version of the newest
+weights pushed (the trainer's training step count at its latest push: after every step, or every ``sync_every``
+steps), a group is admitted for sampling only while accepted + running < (S + v + 1) g. The groups of one step
+are admitted together (one seeded draw), so step s is sampled only once s <= v + S, under weights of version
+w >= v >= s - S: every trained group has v_train - v_sampled = s - w <= S. With pushes every k steps the trainer
+at version t holds back weights up to k - 1 versions newer than the producer's, so its own step t is admitted
+only if k - 1 <= S (``GRPOPolicy`` refuses a larger ``sync_every``). Blocks are consumed oldest first; a group
+is never split (a block is sampled under one version). Weights reach the producer through shared memory
+(``push``), the newest replacing any the producer has not read yet.
+
+**Dynamic sampling's refills** (``refill``): the trainer scores a step's groups, drops the zero-variance ones
+(which releases their slots: the step's count is what the trainer keeps, not what was drawn) and asks for refill
+round r of step s; the producer samples that round's prompts (``ProducerSpec.refill_prompts``) with the
+synchronous path's seed of (s, r) before any further step, under its newest weights (version >= that of step s's
+first draw, so still within S of step s), and sends them as one block of one version through a queue of their own.
 
 **Faults**: the trainer raises ``ProducerError`` naming the producer when its process has ended, or when the
 block it waits for has not come within ``timeout`` seconds (a hung producer); the producer ends itself when
@@ -68,7 +76,7 @@ class ProducerSpec:
     tokenizer: Any
     engine: RolloutEngine
     prompts: Callable[[int], list[Example]]  # step -> this process's prompts of that step (the data stream)
-    seed_of: Callable[[int], int]  # step -> the synchronous path's sampling seed of that step on this process
+    seed_of: Callable[..., int]  # (step[, round]) -> the synchronous path's sampling seed of it on this process
     group_size: int
     max_staleness: int
     start_step: int
@@ -77,6 +85,7 @@ class ProducerSpec:
     device: str = "cpu"  # where the producer's copy samples (the trainer's device: colocated on one GPU)
     delay_s: float = 0.0  # test hook: seconds slept after each block
     fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
+    refill_prompts: Callable[[int, int], list[Example]] | None = None  # (step, round >= 1) -> dynamic sampling's
 
 
 @dataclass
@@ -89,13 +98,14 @@ class Block:
     rollout: RolloutBatch
     idle_s: float  # seconds the producer waited (admission, a full queue) since its previous block
     sample_s: float
+    sampling_round: int = 0  # dynamic sampling's refill round (0: the step's first draw)
 
 
 def _pack(block: Block, folder: str) -> str:
     """Write ``block`` to a file of ``folder`` (whole, then renamed) and return its path: only the short path goes
     through the queue, in one atomic pipe write, so a producer killed mid-send leaves no partial message that
     would block the trainer's read for good."""
-    path = os.path.join(folder, f"step{block.step}.pt")
+    path = os.path.join(folder, f"step{block.step}.{block.sampling_round}.pt")
     torch.save(block, path + ".part")
     os.replace(path + ".part", path)
     return path
@@ -126,13 +136,15 @@ class RolloutProducer:
         self._version = context.Value("q", spec.start_step, lock=False)
         self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
         self._blocks = context.Queue(maxsize=spec.max_staleness + 1)  # paths of block files in self.folder
+        self._refills = context.Queue(maxsize=1)  # dynamic sampling: the path of the refill block asked for
+        self._asked, self._ask = context.Pipe(duplex=False)  # (step, round) of a refill, to the producer
         self.folder = tempfile.mkdtemp(prefix="sgrpo-producer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._stop, self._ready = context.Event(), context.Event()  # "stop"; "model loaded: the timeout counts"
         self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
         self.process = context.Process(
             target=_produce,
-            args=(spec, self._shared, self._version, self._lock, self._pushed, self._blocks, self._stop,
-                  self._lifeline, self.folder, self._ready),
+            args=(spec, self._shared, self._version, self._lock, self._pushed, (self._blocks, self._refills),
+                  self._asked, self._stop, self._lifeline, self.folder, self._ready),
             name="sgrpo-rollout-producer",
             daemon=True,
         )
@@ -156,10 +168,20 @@ class RolloutProducer:
         """The oldest block, which must be step ``step``'s with ``prompts``; raises ``ProducerError`` when the
         producer ended or sent nothing for ``timeout`` seconds once it was ready (its start, a fork and a model
         load that a loaded machine slows, has ``max(timeout, STARTUP_S)``)."""
+        return self._receive(self._blocks, step, 0, prompts)
+
+    def refill(self, step: int, sampling_round: int, prompts: list[Any]) -> Block:
+        """Dynamic sampling's refill round ``sampling_round`` (>= 1) of step ``step``, whose prompts must be
+        ``prompts``: asked for, sampled before the producer's next step, and waited for as ``take`` waits."""
+        self._ask.send((step, sampling_round))
+        self._pushed.set()  # wakes a producer waiting for admission
+        return self._receive(self._refills, step, sampling_round, prompts)
+
+    def _receive(self, blocks, step: int, sampling_round: int, prompts: list[Any]) -> Block:
         begun = clock = time.perf_counter()  # clock: since when a ready producer owes a block
         while True:
             try:
-                block = _unpack(self._blocks.get(timeout=0.2))
+                block = _unpack(blocks.get(timeout=0.2))
                 break
             except queue.Empty:
                 now = time.perf_counter()
@@ -181,10 +203,13 @@ class RolloutProducer:
                         f"model.producer_timeout if sampling one step takes longer"
                     ) from None
         versions = block.rollout.versions.view(-1, block.rollout.group_size)
-        if block.step != step or block.prompts != prompts or bool((versions != block.version).any()):
+        if (block.step, block.sampling_round, block.prompts) != (step, sampling_round, prompts) or bool(
+            (versions != block.version).any()
+        ):
             raise ProducerError(
-                f"{self.describe()} sent the groups of step {block.step}, but the trainer is at step {step} "
-                f"(or its prompts or versions differ): the producer is out of step with the trainer"
+                f"{self.describe()} sent the groups of step {block.step} (round {block.sampling_round}), but the "
+                f"trainer is at step {step} (round {sampling_round}) or its prompts or versions differ: the "
+                f"producer is out of step with the trainer"
             )
         return block
 
@@ -197,6 +222,7 @@ class RolloutProducer:
             self.process.kill()
             self.process.join(timeout=5)
         self._blocks.cancel_join_thread()
+        self._refills.cancel_join_thread()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -217,13 +243,17 @@ def _alive(lifeline) -> bool:
     return not lifeline.poll()
 
 
-def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, parent, folder: str, ready) -> None:
-    """The producer process: sample each admitted step's groups under the newest weights and queue them."""
+def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, stop, parent, folder: str,
+             ready) -> None:  # fmt: skip
+    """The producer process: sample each admitted step's groups under the newest weights and queue them; serve
+    dynamic sampling's refill requests first, whenever they come."""
     from transformers import AutoModelForCausalLM
 
     from sgrpo.model.loading import disable_dropout, resolve_model_path
 
-    blocks.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
+    blocks, refills = queues
+    for out in queues:
+        out.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
     torch.set_num_threads(spec.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec.model_path), dtype=getattr(torch, spec.dtype))
     disable_dropout(model)
@@ -233,55 +263,78 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, blocks, stop, pa
     if missing:
         raise ProducerError(f"the trainer's weights lack {sorted(missing)[:3]}: the producer cannot copy them")
     ready.set()  # started: from now on the trainer's timeout counts
-    delay, fault = spec.delay_s, spec.fault
-    held, idle = None, 0.0
-    for step in range(spec.start_step, spec.end_step):
-        waiting = time.perf_counter()
-        while True:  # never blocks for good on a lock or event a dead trainer may hold: its end is checked
-            pushed.clear()  # cleared before the check: a push after it sets it again, and the wait returns
-            if stop.is_set() or not _alive(parent):
-                return
-            if admitted(step, version.value, spec.max_staleness):
-                break
-            pushed.wait(timeout=0.25)
-        if version.value != held:
-            while not lock.acquire(timeout=0.25):
-                if not _alive(parent):
-                    return
-            try:
-                with torch.no_grad():
-                    for name, param in targets.items():
-                        if name in shared:
-                            param.copy_(shared[name])
-                held = version.value
-            finally:
-                lock.release()
-        idle += time.perf_counter() - waiting
-        if fault == f"die@{step}":
-            os.kill(os.getpid(), 9)
-        if fault == f"hang@{step}":
-            while _alive(parent) and not stop.is_set():
-                time.sleep(0.25)
-            return
+    held, idle, step = None, 0.0, spec.start_step
+
+    def newest_weights() -> bool:
+        """Copy the newest pushed weights into the model if it holds older ones; False once the trainer is gone."""
+        nonlocal held
+        if version.value == held:
+            return True
+        while not lock.acquire(timeout=0.25):
+            if not _alive(parent):
+                return False
+        try:
+            with torch.no_grad():
+                for name, param in targets.items():
+                    if name in shared:
+                        param.copy_(shared[name])
+            held = version.value
+        finally:
+            lock.release()
+        return True
+
+    def send(out, at: int, prompts: list[Example], seed: int, sampling_round: int = 0) -> bool:
+        """Sample ``prompts`` under the held weights with ``seed`` and queue them as a block; False once stopped."""
+        nonlocal idle
         started = time.perf_counter()
-        examples = spec.prompts(step)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed_of(step))
-            rollout = spec.engine.generate(model, spec.tokenizer, examples, spec.group_size)
+            torch.manual_seed(seed)
+            rollout = spec.engine.generate(model, spec.tokenizer, prompts, spec.group_size)
         rows = rollout.input_ids.shape[0]
         rollout = dataclasses.replace(rollout, versions=torch.full((rows,), held, device=rollout.input_ids.device))
         sample_s = time.perf_counter() - started
-        if delay:
-            time.sleep(delay)
-        data = _pack(Block(step, held, [ex.prompt for ex in examples], rollout, idle, sample_s), folder)
-        waiting, idle = time.perf_counter(), 0.0
-        while True:
+        if spec.delay_s:
+            time.sleep(spec.delay_s)
+        block = Block(at, held, [ex.prompt for ex in prompts], rollout, idle, sample_s, sampling_round)
+        data, waiting, idle = _pack(block, folder), time.perf_counter(), 0.0
+        while True:  # a full step queue never holds up a refill: the trainer asks for one only between its takes
             try:
-                blocks.put(data, timeout=0.25)
+                out.put(data, timeout=0.25)
                 break
             except queue.Full:
                 if stop.is_set() or not _alive(parent):
-                    return
+                    return False
         idle += time.perf_counter() - waiting
-    while not stop.is_set() and _alive(parent):  # every step sampled: stay until the trainer took them (close)
-        stop.wait(timeout=0.25)
+        return True
+
+    waiting = time.perf_counter()
+    while True:  # never blocks for good on a lock or event a dead trainer may hold: its end is checked
+        pushed.clear()  # cleared before the checks: a push or request after it sets it again, and the wait returns
+        if stop.is_set() or not _alive(parent):
+            return
+        if asked.poll():  # a refill round of the step the trainer is on: before any further step
+            try:
+                at, sampling_round = asked.recv()
+            except EOFError:  # the trainer is gone
+                return
+            idle += time.perf_counter() - waiting
+            if not newest_weights() or not send(refills, at, spec.refill_prompts(at, sampling_round),
+                                                spec.seed_of(at, sampling_round), sampling_round):  # fmt: skip
+                return
+            waiting = time.perf_counter()
+            continue
+        if step < spec.end_step and admitted(step, version.value, spec.max_staleness):
+            if not newest_weights():
+                return
+            idle += time.perf_counter() - waiting
+            if spec.fault == f"die@{step}":
+                os.kill(os.getpid(), 9)
+            if spec.fault == f"hang@{step}":
+                while _alive(parent) and not stop.is_set():
+                    time.sleep(0.25)
+                return
+            if not send(blocks, step, spec.prompts(step), spec.seed_of(step)):
+                return
+            step, waiting = step + 1, time.perf_counter()
+            continue
+        pushed.wait(timeout=0.25)  # every step sampled: stays until the trainer took them (close)

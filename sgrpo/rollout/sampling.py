@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sgrpo.model.head import logits_dtype
+
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> tuple[Tensor, Tensor]:
     """One token per row from ``logits`` ``[R, V]`` and the kept mass ``[R]`` (``sample_with_logprobs``'s)."""
@@ -27,7 +29,7 @@ def sample_with_logprobs(
     the gather), where sampling, then the log-prob from the logits again (scaling and logsumexp), took nine; greedy
     and truncated sampling take ``z[token] - logsumexp(z)`` of the full softmax (what the loss computes).
     """
-    z = logits.float() / temperature  # [R, V]: a new tensor, the caller's logits stay
+    z = logits.to(logits_dtype(logits.dtype)) / temperature  # [R, V]: a new tensor, the caller's logits stay
     ones = torch.ones(z.shape[0], dtype=torch.float32, device=z.device)
     if greedy:
         tokens = logits.argmax(-1)

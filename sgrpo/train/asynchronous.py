@@ -14,34 +14,43 @@ from torch import Tensor
 from sgrpo.model.lora import plain_weights
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
-from sgrpo.run.data import mix_seed
+from sgrpo.run.data import StepBatches, mix_seed
 from sgrpo.types import Example, RolloutBatch
 
 
 def async_rollout_error(
-    async_rollout: bool, max_staleness: int, rollout, dynamic_sampling: bool, environment=None
+    async_rollout: bool, max_staleness: int, rollout, sync_every: int = 1, environment=None
 ) -> str | None:
     """Why the async settings cannot run, in one line naming the field, or None."""
     if not isinstance(max_staleness, int) or max_staleness < 0:
         return f"model.max_staleness must be an integer >= 0 (versions a trained group may lag), got {max_staleness!r}"
+    if not isinstance(sync_every, int) or sync_every < 1:
+        return f"model.sync_every must be an integer >= 1 (training steps between weight pushes), got {sync_every!r}"
     if not async_rollout:
-        return None
+        return None if sync_every == 1 else "model.sync_every applies to model.async_rollout=true only: set it to 1"
+    if sync_every > max_staleness + 1:  # the trainer at version t needs step t, sampled at most S versions back
+        return (f"model.sync_every={sync_every} cannot keep model.max_staleness={max_staleness}: between pushes the "
+                f"producer's weights lag up to sync_every - 1 versions, so set sync_every <= max_staleness + 1 "
+                f"({max_staleness + 1}) or raise max_staleness to {sync_every - 1}")  # fmt: skip
     if not isinstance(rollout, HFRollout):
         return (f"model.async_rollout=true needs model.rollout to be sgrpo.rollout.HFRollout (it samples in a "
                 f"producer process holding its own weights), got {type(rollout).__name__}; set "
                 f"model.async_rollout=false")  # fmt: skip
-    if dynamic_sampling:
-        return ("model.async_rollout=true does not run with model.dynamic_sampling=true (its refill rounds would be "
-                "sampled inside the step): turn one of them off")  # fmt: skip
     if environment is not None:
         return ("model.async_rollout=true does not run with model.environment yet (the producer samples single-turn "
                 "completions): set model.async_rollout=false or model.environment=null")  # fmt: skip
     return None
 
 
-def sampling_seed(seed: int, rank: int, step: int) -> int:
-    """The seed of step ``step``'s rollout on process ``rank``: ``GroupCollection.sample``'s (a round-0 draw)."""
-    return mix_seed(seed, step, rank)
+def sampling_seed(seed: int, rank: int, step: int, sampling_round: int = 0) -> int:
+    """The seed of step ``step``'s rollout (dynamic sampling's round ``sampling_round``) on process ``rank``:
+    ``GroupCollection.sample``'s."""
+    return mix_seed(seed, step, rank, *([sampling_round] if sampling_round else []))
+
+
+def refill_prompts(refill: StepBatches, rounds: int, step: int, sampling_round: int) -> list[Example]:
+    """Dynamic sampling's prompts of round ``sampling_round`` of step ``step``: ``GroupCollection.collect``'s."""
+    return refill.batch(step * rounds + sampling_round)
 
 
 class AsyncRollouts:
@@ -67,9 +76,10 @@ class AsyncRollouts:
             end_step=last_step,
             threads=torch.get_num_threads(),
             device=str(self.device),
+            refill_prompts=functools.partial(refill_prompts, self._refill, self.max_sampling_rounds),
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
-        self._async = {"wait_s": 0.0, "weight_sync_s": 0.0}
+        self._async = {"wait_s": 0.0, "weight_sync_s": 0.0, "groups_sampled": 0}
 
     def stop_producer(self) -> None:
         if self._producer is not None:
@@ -79,25 +89,41 @@ class AsyncRollouts:
     def _plain_weights(self):
         return plain_weights(self.model, buffers=False)  # adapters merged, FSDP2 shards gathered (collectives)
 
-    def take_rollout(self, examples: list[Example]) -> RolloutBatch:
-        """This step's groups from the producer (waiting for them: ``train/async/trainer_wait_s``)."""
-        started = time.perf_counter()
-        block = self._producer.take(self.rollout_step, [ex.prompt for ex in examples])
-        self._async |= {"wait_s": time.perf_counter() - started, "idle_s": block.idle_s, "sample_s": block.sample_s}
+    def take_rollout(self, examples: list[Example], sampling_round: int = 0) -> RolloutBatch:
+        """This step's groups from the producer (waiting for them: ``train/async/trainer_wait_s``); with dynamic
+        sampling, round ``sampling_round``'s refill, asked for now."""
+        started, prompts = time.perf_counter(), [ex.prompt for ex in examples]
+        if sampling_round:
+            block = self._producer.refill(self.rollout_step, sampling_round, prompts)
+        else:
+            block = self._producer.take(self.rollout_step, prompts)
+            self._async |= {"wait_s": 0.0, "idle_s": 0.0, "sample_s": 0.0, "groups_sampled": 0}
+        self._async["wait_s"] += time.perf_counter() - started
+        self._async["idle_s"] += block.idle_s
+        self._async["sample_s"] += block.sample_s
+        self._async["groups_sampled"] += block.rollout.num_groups
         rollout = block.rollout  # tensors come to this process on the CPU; the update's are on its device
         moved = {f.name: getattr(rollout, f.name).to(self.device) for f in dataclasses.fields(rollout)
                  if isinstance(getattr(rollout, f.name), Tensor)}  # fmt: skip
         return dataclasses.replace(rollout, **moved)
 
     def push_weights(self) -> None:
-        """After a training step: the weights, version ``rollout_step``, to the producer."""
-        if self._producer is not None:
+        """After a training step: the weights, version ``rollout_step``, to the producer (every ``sync_every``
+        steps; between pushes the producer keeps sampling under the last ones, and admission waits for newer)."""
+        if self._producer is not None and self.rollout_step % self.sync_every == 0:
             self._async["weight_sync_s"] = self._producer.push(self._plain_weights(), self.rollout_step)
+        elif self._producer is not None:
+            self._async["weight_sync_s"] = 0.0
 
     def async_logs(self, rollout: RolloutBatch, trained_at: int) -> dict[str, Tensor | float]:
-        """``train/async/*``: staleness of the step's groups (mean, and per value 0..S their share: the histogram),
+        """``train/async/*``: staleness of the step's groups (mean, max over processes, and per value 0..S their
+        share: the histogram), groups trained and sampled (dynamic sampling's refills too; sums over processes),
         producer idle and sampling seconds, trainer wait seconds, weight-sync seconds."""
         staleness = (trained_at - rollout.versions.view(-1, rollout.group_size)[:, 0]).float()  # [B] per group
+        self.log("train/async/staleness_max", staleness.max(), sync_dist=True, reduce_fx="max")
+        for key, groups in (("groups", rollout.num_groups), ("groups_sampled", self._async["groups_sampled"])):
+            self.log(f"train/async/{key}", torch.tensor(float(groups), device=self.device), sync_dist=True,
+                     reduce_fx="sum")  # fmt: skip
         logs: dict[str, Tensor | float] = {"train/async/staleness_mean": staleness.mean()}
         for k in range(self.max_staleness + 1):
             logs[f"train/async/staleness_hist/{k}"] = (staleness == k).float().mean()

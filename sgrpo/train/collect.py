@@ -69,12 +69,12 @@ class GroupCollection:
 
     def sample(self, examples: list[Example], sampling_round: int = 0) -> RolloutBatch:
         """``group_size`` completions per prompt, seeded from (seed, step, rank[, round]): a resumed run draws
-        the same. With ``async_rollout`` the producer's groups of this step (sampled with this seed).
+        the same. With ``async_rollout`` the producer's groups of this step or round (sampled with this seed).
 
         Under several processes a signal during the rollout stops every process at its end or at one of its checks
         (``sgrpo.distributed.RolloutStop``): ``StoppedNow``, which saves ``last.ckpt`` (the last step's end)."""
         if getattr(self, "_producer", None) is not None:
-            return self.take_rollout(examples)
+            return self.take_rollout(examples, sampling_round)
         seed = mix_seed(self.seed, self.rollout_step, self.global_rank, *([sampling_round] if sampling_round else []))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
