@@ -14,6 +14,8 @@ from torch import Tensor
 from sgrpo.model.lora import plain_weights
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
+from sgrpo.rollout.server_producer import ServerProducer
+from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.data import mix_seed
 from sgrpo.types import Example, RolloutBatch
 
@@ -26,10 +28,10 @@ def async_rollout_error(
         return f"model.max_staleness must be an integer >= 0 (versions a trained group may lag), got {max_staleness!r}"
     if not async_rollout:
         return None
-    if not isinstance(rollout, HFRollout):
+    if not isinstance(rollout, (HFRollout, VLLMServerRollout)):
         return (f"model.async_rollout=true needs model.rollout to be sgrpo.rollout.HFRollout (it samples in a "
-                f"producer process holding its own weights), got {type(rollout).__name__}; set "
-                f"model.async_rollout=false")  # fmt: skip
+                f"producer process holding its own weights) or sgrpo.rollout.VLLMServerRollout (the servers are the "
+                f"producer), got {type(rollout).__name__}; set model.async_rollout=false")  # fmt: skip
     if dynamic_sampling:
         return ("model.async_rollout=true does not run with model.dynamic_sampling=true (its refill rounds would be "
                 "sampled inside the step): turn one of them off")  # fmt: skip
@@ -48,19 +50,26 @@ class AsyncRollouts:
     """The producer's lifetime (``start_producer``, ``stop_producer``) and its use in a step (``take_rollout``,
     ``push_weights``, ``async_logs``)."""
 
-    _producer: RolloutProducer | None = None
+    _producer: RolloutProducer | ServerProducer | None = None
 
     def start_producer(self, stream, first_step: int, last_step: int) -> None:
         """Spawn the producer for steps ``first_step`` .. ``last_step - 1`` of ``stream`` (``.batch(step)``), at the
         current weights (version ``first_step``)."""
         self.stop_producer()
+        self._async = {"wait_s": 0.0, "weight_sync_s": 0.0}
+        seed_of = functools.partial(sampling_seed, self.seed, self.global_rank)
+        if isinstance(self.rollout, VLLMServerRollout):  # the servers sample; threads here keep requests in flight
+            self._producer = ServerProducer(self.rollout, self.model, self.tokenizer, stream.batch, seed_of,
+                                            self.group_size, self.max_staleness, first_step, last_step,
+                                            self.producer_timeout)  # fmt: skip
+            return
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
             tokenizer=self.tokenizer,
             engine=self.rollout,
             prompts=stream.batch,
-            seed_of=functools.partial(sampling_seed, self.seed, self.global_rank),
+            seed_of=seed_of,
             group_size=self.group_size,
             max_staleness=self.max_staleness,
             start_step=first_step,
@@ -69,7 +78,6 @@ class AsyncRollouts:
             device=str(self.device),
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
-        self._async = {"wait_s": 0.0, "weight_sync_s": 0.0}
 
     def stop_producer(self) -> None:
         if self._producer is not None:
@@ -96,11 +104,15 @@ class AsyncRollouts:
 
     def async_logs(self, rollout: RolloutBatch, trained_at: int) -> dict[str, Tensor | float]:
         """``train/async/*``: staleness of the step's groups (mean, and per value 0..S their share: the histogram),
-        producer idle and sampling seconds, trainer wait seconds, weight-sync seconds."""
+        producer idle and sampling seconds, trainer wait seconds, weight-sync seconds; with vLLM servers that keep
+        requests across pushes, the versions a group's sampling spanned (newest - oldest, mean)."""
         staleness = (trained_at - rollout.versions.view(-1, rollout.group_size)[:, 0]).float()  # [B] per group
         logs: dict[str, Tensor | float] = {"train/async/staleness_mean": staleness.mean()}
         for k in range(self.max_staleness + 1):
             logs[f"train/async/staleness_hist/{k}"] = (staleness == k).float().mean()
+        if rollout.newest_versions is not None:  # vLLM servers with requests kept across pushes: versions spanned
+            newest, oldest = (v.view(-1, rollout.group_size)[:, 0] for v in (rollout.newest_versions, rollout.versions))
+            logs["train/async/version_span_mean"] = (newest - oldest).float().mean()
         logs |= {
             "train/async/producer_idle_s": self._async.get("idle_s", 0.0),
             "train/async/producer_sample_s": self._async.get("sample_s", 0.0),
