@@ -46,7 +46,7 @@ class FakeServer:
                     time.sleep(fake.delay)
                     body = fake.body(self.path.split("?")[0], payload)
                     data = json.dumps(body).encode()
-                    self.send_response(fake.status)
+                    self.send_response(500 if self.path.split("?")[0] in fake.fail_on else fake.status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -62,6 +62,7 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.version = "default"
         self.hold: threading.Event | None = None
+        self.fail_on: set[str] = set()  # paths answered with HTTP 500 (the others as usual)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def body(self, path: str, payload: Any) -> Any:

@@ -16,6 +16,8 @@ sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced ove
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
 sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
+sharded_worker.py server_ranks PYTHON URL OUT   VLLMServerRollout's rank-0 failures, learnt by rank 1
+                                                  (tests/server_ranks_job.py)
 sharded_worker.py async_fit ROOT MODEL_DIR STEPS SKEW [ARGS...]   fit with async rollouts; SKEW "slow": the producers
                                                   sleep 0.5 s a step, "fast": the trainers 0.4 s an update, "": none
 
@@ -437,12 +439,14 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 
 if __name__ == "__main__":
+    from tests.server_ranks_job import server_ranks
     from tests.test_eval_metrics import synced_job
 
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
              "refused_resume": refused_resume, "ddp_grads": ddp_grads,
-             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit}  # fmt: skip
+             "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit,
+             "server_ranks": server_ranks}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

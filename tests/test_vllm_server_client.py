@@ -3,6 +3,7 @@ against stand-in servers (``tests/fake_vllm_server.py``). The real server: ``tes
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import threading
@@ -340,3 +341,27 @@ def test_a_server_that_dies_hangs_or_restarts_under_the_producer_raises_naming_i
     take_raises_within(producer, f"{restarted.url}: sampled with weight versions \\['default'\\], which", 3)
     dying.hold.set()
     hung.hold.set()
+
+
+@pytest.mark.slow
+def test_a_fit_with_async_rollout_takes_its_groups_from_the_servers_within_the_bound(servers, tmp_path):
+    """``--model.async_rollout=true`` with ``VLLMServerRollout``: the server producer feeds every step its groups,
+    each push pauses with requests kept, the staleness stays within S = 1 and the version spans are logged."""
+    from sgrpo.eval.report import read_run_metrics
+    from sgrpo.fit import main
+
+    server = servers()
+    rollout = {"class_path": "sgrpo.rollout.VLLMServerRollout",
+               "init_args": {"urls": [server.url], "max_new_tokens": 8, "dtype": "float32"}}  # fmt: skip
+    main(["--config", "configs/tiny.yaml", f"--model.rollout={json.dumps(rollout)}", "--model.async_rollout=true",
+          "--model.max_staleness=1", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          "--trainer.val_check_interval=1000"])  # fmt: skip
+    metrics = read_run_metrics(tmp_path)
+    assert [v for _, v in metrics["train/async/staleness_max"]] == [0.0, 1.0, 1.0]  # step s sent at version s - 1
+    assert [v for _, v in metrics["train/async/groups"]] == [4.0] * 3
+    assert [v for _, v in metrics["train/async/version_span_mean"]] == [0.0] * 3  # nothing held across a push
+    pauses = [p for p, _ in server.calls if p.startswith("/pause")]
+    assert pauses[1:] == ["/pause?mode=keep&clear_cache=false"] * 3  # the first push (start) is the engine's own
+    assert len(sent(server)) == 3 * 4  # every prompt of every step, once
+

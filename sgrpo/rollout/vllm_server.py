@@ -29,7 +29,7 @@ from torch import nn
 
 from sgrpo.distributed import close_before_release
 from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids, weights_version
-from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool, wait_until_healthy
+from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool
 from sgrpo.rollout.vllm_launch import VLLMServers
 from sgrpo.rollout.vllm_push import CPUTransport, WeightTransport, dtype_of, push, server_versions
 from sgrpo.rollout.vllm_requests import fitting_prompt_ids, rollout_batch_from_outputs, sampling_kwargs
@@ -229,11 +229,9 @@ class VLLMServerRollout(RolloutEngine):
     def ready(self, model: nn.Module) -> None:
         """Servers started (``launch``, rank 0) and healthy; the policy's weights pushed if they changed or a server
         lost them. Every process calls this together (the push's gathers are collectives)."""
-        rank, world = _rank_world()
-        if self.launch is not None and not self.launch.processes and rank == 0:
-            self._start_servers(model)
-        if self.launch is not None and rank != 0 and not self._connected:  # rank 0 may still be starting them
-            wait_until_healthy(self.pool.urls, self.launch.startup_timeout)
+        world = _rank_world()[1]
+        if self.launch is not None and not self._connected:  # rank 0 starts them; the others learn how that went
+            _decided_by_rank0(lambda: None if self.launch.processes else self._start_servers(model), world)
         self.pool.check_health(self.health_timeout)
         version = weights_version(unwrap(model))
         changed = version is None or self._synced != (id(unwrap(model)), version)
