@@ -157,10 +157,12 @@ class ServerProducer:
             raise ProducerError(f"{self.describe()}: {err}") from err
         oldest, newest = self._group_versions(self.engine.last_weight_spans, step)
         rollout = dataclasses.replace(rollout, versions=oldest, newest_versions=newest)
-        with self._lock:
-            idle, self._idle = self._idle + (time.perf_counter() - self._idle_since if not self._in_flight else 0), 0.0
+        with self._lock:  # seconds since the previous block with no request of this process in flight
+            now = time.perf_counter()
+            idle = self._idle + (0.0 if self._in_flight else now - self._idle_since)
+            self._idle = 0.0
             if not self._in_flight:
-                self._idle_since = time.perf_counter()
+                self._idle_since = now
         return Block(step, int(oldest.min()), prompts, rollout, idle, job.finished - job.sent)
 
     def close(self) -> None:
