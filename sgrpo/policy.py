@@ -171,7 +171,7 @@ class GRPOPolicy(
         require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
         require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
         error = async_rollout_error(
-            async_rollout, max_staleness, rollout or HFRollout(), sync_every=sync_every, environment=environment
+            async_rollout, max_staleness, rollout or HFRollout(), sync_every, environment, dynamic_sampling
         )
         require(error is None, error)
         require(producer_timeout > 0, f"model.producer_timeout must be > 0 seconds, got {producer_timeout}")

@@ -56,6 +56,9 @@ class RolloutBatch:
     versions: Tensor | None = None  # [N'] long: the training step whose weights sampled each row (async rollouts)
     trajectory: Tensor | None = None  # [N'] long: each row's trajectory; None: row i is trajectory i
     episodes: list[Episode] | None = None  # N multi-turn episodes (None: single-turn)
+    #: [N'] long: the newest version that sampled a token of each row's group, where a group's sampling spanned
+    #: weight pushes (vLLM servers paused with requests kept); ``versions`` stays the oldest (staleness counts from it)
+    newest_versions: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -94,6 +97,8 @@ class RolloutBatch:
             )
         if self.versions is not None and self.versions.shape != (n,):
             raise ValueError(f"versions must be [{n}] (one per row), got {tuple(self.versions.shape)}")
+        if self.newest_versions is not None and (self.versions is None or self.newest_versions.shape != (n,)):
+            raise ValueError(f"newest_versions must be [{n}] (one per row) and come with versions")
         if self.truncated.shape != (trajectories,):
             raise ValueError(f"need {trajectories} truncated flags, got {tuple(self.truncated.shape)}")
 
@@ -120,6 +125,8 @@ class RolloutBatch:
             versions=None if self.versions is None else self.versions[rows_on.to(self.versions.device)],
             trajectory=trajectory,
             episodes=None if self.episodes is None else [self.episodes[i] for i in chosen.tolist()],
+            newest_versions=None if self.newest_versions is None else self.newest_versions[rows_on.to(
+                self.newest_versions.device)],
         )
 
     @staticmethod
@@ -154,6 +161,8 @@ class RolloutBatch:
             versions=None if any(b.versions is None for b in batches) else torch.cat([b.versions for b in batches]),
             trajectory=_joined_trajectories(batches),
             episodes=None if any(b.episodes is None for b in batches) else [e for b in batches for e in b.episodes],
+            newest_versions=None if any(b.newest_versions is None for b in batches) else torch.cat(
+                [b.newest_versions for b in batches]),
         )
 
 

@@ -2,7 +2,9 @@
 
 It answers ``/health``, the RL endpoints (recording each call) and ``/inference/v1/generate`` with canned token ids
 and log-probs in the shape of vLLM's answer; ``delay`` makes it slow, ``status`` makes it
-fail, and ``stop`` closes it (a dead server).
+fail, and ``stop`` closes it (a dead server). ``hold`` (an Event) keeps generation requests in flight until it is
+set: one whose weights changed meanwhile (a push with ``pause?mode=keep``) answers two weight-version spans, its
+first token under the version it arrived at, the rest under the new one, as vLLM does.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class FakeServer:
                     time.sleep(fake.delay)
                     body = fake.body(self.path.split("?")[0], payload)
                     data = json.dumps(body).encode()
-                    self.send_response(fake.status)
+                    self.send_response(500 if self.path.split("?")[0] in fake.fail_on else fake.status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -59,6 +61,8 @@ class FakeServer:
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.version = "default"
+        self.hold: threading.Event | None = None
+        self.fail_on: set[str] = set()  # paths answered with HTTP 500 (the others as usual)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def body(self, path: str, payload: Any) -> Any:
@@ -72,9 +76,16 @@ class FakeServer:
         if path == "/inference/v1/generate":
             params = payload["sampling_params"]
             ids = self.completion[: params["max_tokens"]]
+            arrived = self.version
+            if self.hold is not None:
+                self.hold.wait(timeout=30)
+            spans = [{"version": self.version, "start": 0, "end": len(ids)}]
+            if arrived != self.version:
+                spans = [{"version": arrived, "start": 0, "end": 1}, {"version": self.version, "start": 1,
+                                                                      "end": len(ids)}]  # fmt: skip
             choice = {"finish_reason": "stop" if len(ids) < params["max_tokens"] else "length", "token_ids": ids,
                       "logprobs": {"content": [{"token_id": i, "logprob": -0.5} for i in ids]},
-                      "weight_versions": [{"version": self.version, "start": 0, "end": len(ids)}]}  # fmt: skip
+                      "weight_versions": spans}  # fmt: skip
             return {"choices": [dict(choice, index=i) for i in range(params.get("n", 1))]}
         return {}
 

@@ -16,6 +16,8 @@ sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced ove
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
 sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
+sharded_worker.py server_ranks PYTHON URL OUT   VLLMServerRollout's rank-0 failures, learnt by rank 1
+                                                  (tests/server_ranks_job.py)
 sharded_worker.py async_fit ROOT MODEL_DIR STEPS SKEW [ARGS...]   fit with async rollouts; SKEW "slow": the producers
                                                   sleep 0.5 s a step, "fast": the trainers 0.4 s an update, "": none
 sharded_worker.py async_estimators OUT MODEL_DIR STEPS VARIANT...   per estimator (VARIANT "GRPO", "RLOO+dynamic":
@@ -373,6 +375,7 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 
 if __name__ == "__main__":
+    from tests.server_ranks_job import server_ranks
     from tests.sharded_rollout_jobs import decode
     from tests.test_eval_metrics import synced_job
 
@@ -380,7 +383,7 @@ if __name__ == "__main__":
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
              "refused_resume": refused_resume, "ddp_grads": ddp_grads,
              "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit,
-             "async_estimators": async_estimators}  # fmt: skip
+             "async_estimators": async_estimators, "server_ranks": server_ranks}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):
         modes[mode](*args)
     release_process_group()

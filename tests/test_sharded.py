@@ -21,6 +21,7 @@ from sgrpo.fit import main
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.train.loss import AGGREGATIONS
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
+from tests.server_ranks_job import check_server_ranks, prepare_server_ranks
 from tests.sharded_async import async_jobs, check_async_rollouts_over_two_processes
 from tests.sharded_lora import check_lora_fits_over_two_processes_resumes_and_exports_the_adapter, lora_jobs
 from tests.sharded_worker import probe, update
@@ -88,11 +89,12 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     3-step fit, its resume to step 5 from the sharded checkpoint, a resume of it as another experiment
     (refused), ``sgrpo.fit validate`` of that checkpoint, a bf16 fit with a KL, LoRA fits and resumes under FSDP2
     and DDP, and a fit whose rows end at different lengths on each process. Each is checked below by its own
-    function."""
+    function. Last, VLLMServerRollout's rank-0 failures raised at once on rank 1 (tests/server_ranks_job.py)."""
     root, out, bf16 = tmp_path / "run", tmp_path / "out", tmp_path / "bf16"
     checkpoint = root / "checkpoints" / "last.ckpt"
     for scenario in SCENARIOS:
         update(model_dir, str(out / f"single_{scenario}"), "single", scenario)
+    server_job, server = prepare_server_ranks(tmp_path / "server_ranks")
     _, stderr = launch(
         *chain(
             *(["update", model_dir, str(out / f"sharded_{s}"), "sharded", s] for s in SCENARIOS),
@@ -113,10 +115,12 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             *lora_jobs(tmp_path),
             ["fit_recording_lengths", str(tmp_path / "lengths"), "4"],
             *async_jobs(tmp_path / "async", FUSED),
+            server_job,
         ),
         cwd=tmp_path,
         timeout=600,  # 93 s measured with the machine at load average 10-12, before the async jobs (+1-3 min)
     )
+    server.stop()
     assert "model.packing: falling back" not in stderr  # packed log-probs (the default) pass their check sharded
     for scenario in SCENARIOS:
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
@@ -133,6 +137,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_lora_fits_over_two_processes_resumes_and_exports_the_adapter(tmp_path)
     check_async_rollouts_over_two_processes(tmp_path / "async")
     check_rows_ending_at_different_lengths_per_process_decode_as_many_forwards(tmp_path / "lengths")
+    check_server_ranks(tmp_path / "server_ranks")
 
 
 def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path) -> None:

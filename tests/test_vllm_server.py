@@ -211,11 +211,108 @@ def test_a_two_process_fsdp2_fit_samples_from_the_weights_it_trains(engine, mode
     assert any(r["train/grad_norm"] > 0.1 for r in train[:-1]), train  # the policy moved before a later rollout
 
 
+# ---------------------------------------------------------------------------------------------- async (issue 35)
+UNTIMED_SKIP = ("train/time/", "train/throughput/", "train/async/")
+
+
+def in_process_fit(root: Path, url: str, model_dir: str, *extra: str, steps: int = 3) -> dict:
+    """A 1-process ``sgrpo.fit`` of configs/tiny.yaml sampling from the server; its metrics by key."""
+    from sgrpo.eval.report import read_run_metrics
+    from sgrpo.fit import main
+
+    rollout = {"class_path": "sgrpo.rollout.VLLMServerRollout", "init_args": {
+        "urls": [url], "max_new_tokens": 8, "dtype": "float32", "max_model_len": 64}}  # fmt: skip
+    main(["--config", str(REPO / "configs" / "tiny.yaml"), f"--model.rollout={json.dumps(rollout)}",
+          f"--model.model={model_dir}", f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}",
+          "--model.task.init_args.levels=[1, 2]", "--model.task.init_args.reward=tests.vllm_fakes.Parity",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          "--trainer.val_check_interval=1000", *extra])  # fmt: skip
+    return read_run_metrics(root)
+
+
+def test_async_through_the_server_at_staleness_0_is_the_synchronous_server_run(engine, model_dir, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    """The server as the async producer (``ServerProducer``): at S = 0 every logged value but timings and the
+    final weights equal the synchronous run's (the same requests, seeded per request); at S = 1 every trained
+    group is within the bound and every step trains its 4 groups."""
+    from safetensors.torch import load_file
+
+    for name in DISTRIBUTED:  # an in-process vLLM engine of an earlier module may have exported them
+        monkeypatch.delenv(name, raising=False)
+    engine.ready(policy(model_dir, seed=3))  # the server runs
+    url = engine.pool.urls[0]
+    sync = in_process_fit(tmp_path / "sync", url, model_dir)
+    stale0 = in_process_fit(tmp_path / "async0", url, model_dir, "--model.async_rollout=true",
+                            "--model.max_staleness=0")  # fmt: skip
+    untimed = [{k: v for k, v in m.items() if not k.startswith(UNTIMED_SKIP)} for m in (sync, stale0)]
+    assert untimed[0] == untimed[1] and len(untimed[0]) > 20 and len(sync["train/loss"]) == 3
+    assert [v for _, v in stale0["train/async/staleness_max"]] == [0.0] * 3
+    weights = [load_file(str(tmp_path / run / "hf_model" / "model.safetensors")) for run in ("sync", "async0")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    stale1 = in_process_fit(tmp_path / "async1", url, model_dir, "--model.async_rollout=true",
+                            "--model.max_staleness=1", steps=4)  # fmt: skip
+    lags = [v for _, v in stale1["train/async/staleness_max"]]
+    assert lags[0] == 0.0 and max(lags) <= 1.0 and len(lags) == 4, lags
+    assert [v for _, v in stale1["train/async/groups"]] == [4.0] * 4  # groups in = groups out
+    assert "train/async/version_span_mean" in stale1
+    print(f"\n[figures] async S = 1 through the server: staleness per step {lags}, version spans "
+          f"{[v for _, v in stale1['train/async/version_span_mean']]}")
+
+
+def test_requests_stay_in_flight_across_a_push_and_groups_record_the_versions_they_span(engine, model_dir, tokenizer):
+    """vLLM's ``pause?mode=keep``: 16 prompts x 8 samples of 50 tokens per step, the server taking 16 sequences at
+    a time: at the push some requests are mid-generation (their groups span versions 0 and 1), later ones start
+    under version 1."""
+    from sgrpo.rollout.server_producer import ServerProducer
+
+    model = policy(model_dir, seed=3)
+    engine.ready(model)
+    long = VLLMServerRollout(urls=engine.pool.urls, max_new_tokens=50, dtype="float32", max_model_len=64,
+                             sync_timeout=30)  # fmt: skip
+    prompts = [Example(prompt=f"s:{i}=", answer=str(i)) for i in range(16)]
+    producer = ServerProducer(long, model, tokenizer, lambda step: prompts, lambda step: step, group_size=8,
+                              max_staleness=1, start_step=0, end_step=3, timeout=300)  # fmt: skip
+    time.sleep(1.0)  # the first requests are generating
+    perturbed(model, seed=4)
+    bump_weights_version(model)
+    producer.push(None, 1)
+    texts = [ex.prompt for ex in prompts]
+    blocks = [producer.take(step, texts) for step in (0, 1)]
+    producer.close()
+    spans = torch.cat([b.rollout.newest_versions - b.rollout.versions for b in blocks])
+    oldest = torch.cat([b.rollout.versions for b in blocks])
+    assert set(oldest.tolist()) <= {0, 1} and set(spans.tolist()) <= {0, 1}
+    assert spans.max() == 1, "no request was in flight across the push"
+    assert (oldest == 1).any()  # queued at the push: sampled under the new weights only
+    print(f"\n[figures] kept across the push: {int(spans.sum())} of {spans.numel()} rows span versions 0-1, "
+          f"{int((oldest == 1).sum())} sampled under version 1 only")
+
+
 # ---------------------------------------------------------------------------------------------- failures
 def test_a_restarted_server_gets_a_full_push_and_gives_the_same_completions(engine, launch, model_dir, tokenizer):
+    """First the async producer: the server killed (SIGKILL) with its requests in flight makes ``take`` raise naming
+    it, within the health check's seconds. Then the restart: a full push, the same completions."""
+    from sgrpo.rollout.producer import ProducerError
+    from sgrpo.rollout.server_producer import ServerProducer
+
     model = policy(model_dir, seed=5)
     before = engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)
     syncs = engine.syncs
+    prompts = [Example(prompt=f"s:{i}=", answer=str(i)) for i in range(16)]
+    long = VLLMServerRollout(urls=engine.pool.urls, max_new_tokens=50, dtype="float32", max_model_len=64,
+                             health_timeout=5)  # fmt: skip
+    producer = ServerProducer(long, model, tokenizer, lambda step: prompts, lambda step: step, group_size=8,
+                              max_staleness=1, start_step=0, end_step=2, timeout=300)  # fmt: skip
+    time.sleep(0.5)
+    for process in launch.processes:
+        os.killpg(process.pid, signal.SIGKILL)
+    start = time.perf_counter()
+    with pytest.raises(ProducerError, match=engine.pool.urls[0]) as error:
+        producer.take(0, [ex.prompt for ex in prompts])
+    took = time.perf_counter() - start
+    producer.close()
+    print(f"\n[figures] server killed under the async producer: raised after {took:.2f} s: {error.value}")
+    assert took < 10  # a refused connection or the next health check, far inside producer_timeout (300 s)
     launch.stop()  # by PID; then the same command again: the server loads the folder's weights
     launch.start(model_dir, "float32", 64, engine.transport.server_args())
     after = engine.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)  # unchanged weights

@@ -3,8 +3,10 @@ against stand-in servers (``tests/fake_vllm_server.py``). The real server: ``tes
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -14,6 +16,8 @@ import torch
 from sgrpo.checks import ConfigError
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.rollout.engine import bump_weights_version
+from sgrpo.rollout.producer import ProducerError
+from sgrpo.rollout.server_producer import ServerProducer
 from sgrpo.rollout.vllm_http import ServerError, ServerPool, call
 from sgrpo.rollout.vllm_launch import VLLMServers, server_command
 from sgrpo.rollout.vllm_push import CPUTransport
@@ -240,3 +244,124 @@ def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_
     server.version = "default"  # restarted
     with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
         engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+
+
+# ---------------------------------------------------------------------------------------------- the async producer
+def step_prompts(step: int) -> list[Example]:
+    return [Example(prompt=f"s:{step}1=", answer="1"), Example(prompt=f"s:{step}23=", answer="23")]
+
+
+def texts(step: int) -> list[str]:
+    return [ex.prompt for ex in step_prompts(step)]
+
+
+def sent(server: FakeServer, path: str = "/inference/v1/generate") -> list:
+    return [body for p, body in server.calls if p.split("?")[0] == path]
+
+
+def producer_of(engine, model, tokenizer, staleness: int, timeout: float = 10.0) -> ServerProducer:
+    return ServerProducer(engine, model, tokenizer, step_prompts, lambda step: 100 + step, group_size=2,
+                          max_staleness=staleness, start_step=0, end_step=4, timeout=timeout)  # fmt: skip
+
+
+def test_the_server_producer_sends_each_admitted_step_as_the_synchronous_engine_would(servers, tiny):
+    """Step s is sent once s <= v + S, with the synchronous path's token ids and seeds, salted with the version
+    the servers hold; each push pauses with requests kept."""
+    model, tokenizer = tiny
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, dtype="float32")
+    bump_weights_version(model)
+    torch.manual_seed(100)  # step 0's seed: the synchronous engine's requests of step 0
+    engine.generate(model, tokenizer, step_prompts(0), group_size=2)
+    synchronous = sent(server)
+    producer = producer_of(engine, model, tokenizer, staleness=1)
+    block = producer.take(0, texts(0))
+    assert sorted(producer._jobs) == [1]  # step 1 sent (1 <= 0 + 1), step 2 not
+    asynchronous = sent(server)[len(synchronous):]
+    step0 = [r for r in asynchronous if r["token_ids"] in [s["token_ids"] for s in synchronous]]
+    assert sorted((r["token_ids"], r["sampling_params"]["seed"]) for r in step0) == sorted(
+        (r["token_ids"], r["sampling_params"]["seed"]) for r in synchronous)
+    assert {r["cache_salt"] for r in asynchronous} == {engine._pushed} and len(asynchronous) == 4
+    assert block.rollout.versions.tolist() == [0] * 4 and block.rollout.newest_versions.tolist() == [0] * 4
+    bump_weights_version(model)
+    producer.push(None, 1)  # version 1: step 2 is admitted, under the new weights' salt
+    assert sorted(producer._jobs) == [1, 2]
+    assert [p for p, _ in server.calls if p.startswith("/pause")][-1] == "/pause?mode=keep&clear_cache=false"
+    producer.take(1, texts(1))
+    producer.take(2, texts(2))
+    assert sent(server)[-1]["cache_salt"] == engine._pushed != synchronous[0]["cache_salt"]
+    producer.close()
+
+
+def test_requests_kept_across_a_push_record_every_version_their_groups_span(servers, tiny):
+    model, tokenizer = tiny
+    server = servers()
+    server.hold = threading.Event()  # steps 0 and 1 stay in flight across the push
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, dtype="float32")
+    producer = producer_of(engine, model, tokenizer, staleness=1)
+    bump_weights_version(model)
+    producer.push(None, 1)
+    server.hold.set()
+    for step in (0, 1):  # the first token under version 0, the rest under 1: oldest 0 (staleness), newest 1
+        rollout = producer.take(step, texts(step)).rollout
+        assert rollout.versions.tolist() == [0] * 4 and rollout.newest_versions.tolist() == [1] * 4
+    assert producer.take(2, texts(2)).rollout.newest_versions.tolist() == [1] * 4  # sent after the push
+    producer.close()
+    waiting = VLLMServerRollout(urls=[server.url], max_new_tokens=4, dtype="float32", async_pause="wait")
+    producer = producer_of(waiting, model, tokenizer, staleness=0)
+    bump_weights_version(model)
+    producer.take(0, texts(0))
+    producer.push(None, 1)
+    assert [p for p, _ in server.calls if p.startswith("/pause")][-1] == "/pause?mode=wait&clear_cache=true"
+    producer.close()
+
+
+def take_raises_within(producer: ServerProducer, pattern: str, seconds: float) -> None:
+    start = time.monotonic()
+    with pytest.raises(ProducerError, match=pattern):
+        producer.take(0, texts(0))
+    assert time.monotonic() - start < seconds
+
+
+def test_a_server_that_dies_hangs_or_restarts_under_the_producer_raises_naming_it(servers, tiny):
+    model, tokenizer = tiny
+    dying, hung, restarted = servers(), servers(), servers()
+    for server in (dying, hung, restarted):
+        server.hold = threading.Event()  # requests stay in flight
+    engine = VLLMServerRollout(urls=[dying.url], max_new_tokens=4, health_timeout=1)
+    producer = producer_of(engine, model, tokenizer, staleness=1)
+    dying.stop()  # /health refused
+    take_raises_within(producer, f"{dying.url}/health: unreachable", 4)
+    engine = VLLMServerRollout(urls=[hung.url], max_new_tokens=4)
+    take_raises_within(producer_of(engine, model, tokenizer, staleness=1, timeout=1),
+                       f"no answers for step 0 within 1 s .*in flight to {hung.url}", 3)  # fmt: skip
+    producer = producer_of(VLLMServerRollout(urls=[restarted.url], max_new_tokens=4), model, tokenizer, staleness=1)
+    restarted.version = "default"  # it lost the weights while the requests waited
+    restarted.hold.set()
+    take_raises_within(producer, f"{restarted.url}: sampled with weight versions \\['default'\\], which", 3)
+    dying.hold.set()
+    hung.hold.set()
+
+
+@pytest.mark.slow
+def test_a_fit_with_async_rollout_takes_its_groups_from_the_servers_within_the_bound(servers, tmp_path):
+    """``--model.async_rollout=true`` with ``VLLMServerRollout``: the server producer feeds every step its groups,
+    each push pauses with requests kept, the staleness stays within S = 1 and the version spans are logged."""
+    from sgrpo.eval.report import read_run_metrics
+    from sgrpo.fit import main
+
+    server = servers()
+    rollout = {"class_path": "sgrpo.rollout.VLLMServerRollout",
+               "init_args": {"urls": [server.url], "max_new_tokens": 8, "dtype": "float32"}}  # fmt: skip
+    main(["--config", "configs/tiny.yaml", f"--model.rollout={json.dumps(rollout)}", "--model.async_rollout=true",
+          "--model.max_staleness=1", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          "--trainer.val_check_interval=1000"])  # fmt: skip
+    metrics = read_run_metrics(tmp_path)
+    assert [v for _, v in metrics["train/async/staleness_max"]] == [0.0, 1.0, 1.0]  # step s sent at version s - 1
+    assert [v for _, v in metrics["train/async/groups"]] == [4.0] * 3
+    assert [v for _, v in metrics["train/async/version_span_mean"]] == [0.0] * 3  # nothing held across a push
+    pauses = [p for p, _ in server.calls if p.startswith("/pause")]
+    assert pauses[1:] == ["/pause?mode=keep&clear_cache=false"] * 3  # the first push (start) is the engine's own
+    assert len(sent(server)) == 3 * 4  # every prompt of every step, once
+

@@ -1,6 +1,7 @@
 """Pushing the policy's weights into vLLM servers with vLLM's own RL API (``vllm/entrypoints/rl/online``).
 
-One push, on every server: ``POST /pause?mode=wait`` (in-flight requests finish, caches cleared),
+One push, on every server: ``POST /pause?mode=wait`` (in-flight requests finish, caches cleared; the asynchronous
+producer's ``mode=keep``: in-flight requests frozen, continued under the new weights),
 ``/start_weight_update``, the transport's ``/update_weights`` calls, ``/finish_weight_update`` with the new
 weight version, ``/resume``. Only the sending process (rank 0) talks to the servers; every process iterates the
 weights (``sgrpo.rollout.weightsync.engine_weights``: HF names, FSDP2 shards gathered in step, in buckets, in the
@@ -22,7 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -72,13 +73,20 @@ def push(
     chunk_bytes: int,
     sender: bool,
     only: list[str] | None = None,
+    pause: Literal["wait", "keep"] = "wait",
 ) -> None:
-    """Pause, transfer, finish with ``version``, resume: on every server (``only``: these), from the sender."""
+    """Pause, transfer, finish with ``version``, resume: on every server (``only``: these), from the sender.
+
+    ``pause``: vLLM's pause mode. ``"wait"``: requests in flight finish first, then the caches are cleared (the
+    synchronous engine). ``"keep"``: requests in flight are frozen where they are and continue under the new
+    weights after ``/resume`` (their tokens' weight-version spans record the switch; vLLM does not clear the
+    caches in this mode: the asynchronous producer salts its requests' prefix cache with the version instead)."""
     servers = ServerPool(only, pool.request_timeout, pool.timeout) if only else pool
     if not sender:
         transport.send(servers, weights, chunk_bytes, sender=False)
         return
-    each_server(servers, lambda url: servers.post(url, "/pause?mode=wait&clear_cache=true"))
+    query = "mode=keep&clear_cache=false" if pause == "keep" else "mode=wait&clear_cache=true"
+    each_server(servers, lambda url: servers.post(url, f"/pause?{query}"))
     if not transport.drives_update:
         each_server(servers, lambda url: servers.post(url, "/start_weight_update"))
     transport.send(servers, weights, chunk_bytes, sender=True)

@@ -20,7 +20,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -29,7 +29,7 @@ from torch import nn
 
 from sgrpo.distributed import close_before_release
 from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids, weights_version
-from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool, wait_until_healthy
+from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool
 from sgrpo.rollout.vllm_launch import VLLMServers
 from sgrpo.rollout.vllm_push import CPUTransport, WeightTransport, dtype_of, push, server_versions
 from sgrpo.rollout.vllm_requests import fitting_prompt_ids, rollout_batch_from_outputs, sampling_kwargs
@@ -65,6 +65,9 @@ class VLLMServerRollout(RolloutEngine):
         health_timeout: Seconds a server has to answer ``/health`` before each rollout.
         weight_chunk_mib: Size of a weight chunk (one gather bucket, one transfer).
         max_concurrency: Requests in flight from one process (over all servers).
+        async_pause: With ``model.async_rollout``, vLLM's pause mode for the push after each step: ``"keep"``
+            (requests in flight continue under the new weights; each group records the versions it spans) or
+            ``"wait"`` (the push waits for them; a group spans one version). ``sgrpo.rollout.server_producer``.
     """
 
     samples_from_policy = False  # other weights, other kernels
@@ -85,6 +88,7 @@ class VLLMServerRollout(RolloutEngine):
         health_timeout: float = 10.0,
         weight_chunk_mib: float = 512.0,
         max_concurrency: int = 256,
+        async_pause: Literal["keep", "wait"] = "keep",
     ) -> None:
         checks = [
             ((urls is None) != (launch is None), "give exactly one of urls (running servers) and launch (to start)"),
@@ -97,6 +101,7 @@ class VLLMServerRollout(RolloutEngine):
              f"health_timeout must be > 0, got {request_timeout}, {sync_timeout}, {health_timeout}"),  # fmt: skip
             (weight_chunk_mib > 0, f"weight_chunk_mib must be > 0, got {weight_chunk_mib}"),
             (max_concurrency >= 1, f"max_concurrency must be >= 1, got {max_concurrency}"),
+            (async_pause in ("keep", "wait"), f"async_pause must be 'keep' or 'wait', got {async_pause!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,13 +115,15 @@ class VLLMServerRollout(RolloutEngine):
         self.max_model_len, self.dtype = max_model_len, dtype
         self.transport = transport if transport is not None else CPUTransport()
         self.health_timeout, self.weight_chunk_mib = health_timeout, weight_chunk_mib
-        self.max_concurrency = max_concurrency
+        self.max_concurrency, self.async_pause = max_concurrency, async_pause
         self._tag = uuid.uuid4().hex[:8]  # this trainer's weight versions: a server that reports another lost them
         self._pushed: str | None = None  # the weight version every server holds
         self._synced: tuple[int, int] | None = None  # (model, weights version) pushed
         self._connected = False
         #: each row's weight version in the last ``generate`` (vLLM's spans of the sampled tokens)
         self.last_weight_versions: list[str] = []
+        #: each row's weight versions in the order its tokens were sampled (several: a push with pause="keep")
+        self.last_weight_spans: list[list[str]] = []
         #: seconds of the last push (None: none yet) and how many pushes there were
         self.last_sync_seconds: float | None = None
         self.syncs = 0
@@ -147,31 +154,51 @@ class VLLMServerRollout(RolloutEngine):
         prompts = fitting_prompt_ids(tokenizer, examples, self.max_model_len)
         seeds = [None] * len(prompts) if greedy else torch.randint(2**31 - 1, (len(prompts),), device="cpu").tolist()
         self.ready(model)
-        payloads = self.request_payloads(prompts, seeds, group_size, eos, greedy)
+        payloads = self.request_payloads(prompts, seeds, group_size, eos, greedy, cache_salt=self._pushed)
         answers = self.pool.map(GENERATE, payloads, workers=self.max_concurrency)
         device = next(model.parameters()).device
         return self.batch_from_answers(answers, prompts, group_size, pad, tokenizer, device)
 
     def request_payloads(
-        self, prompts: list[list[int]], seeds: list[int | None], group_size: int, eos: list[int], greedy: bool
+        self,
+        prompts: list[list[int]],
+        seeds: list[int | None],
+        group_size: int,
+        eos: list[int],
+        greedy: bool,
+        cache_salt: str | None = None,
     ) -> list[dict[str, Any]]:
-        """One ``/inference/v1/generate`` request per prompt (token ids in, token ids and log-probs out)."""
+        """One ``/inference/v1/generate`` request per prompt (token ids in, token ids and log-probs out).
+
+        ``cache_salt`` (the weight version the servers hold): vLLM reuses prefix-cache blocks only between requests
+        of one salt, so a request never reads a prompt's cache computed under other weights (a push with
+        ``pause="keep"`` does not clear the cache)."""
         payloads = []
         for ids, seed in zip(prompts, seeds):
             params = sampling_kwargs(group_size=group_size, max_new_tokens=self.max_new_tokens,
                                      temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                      stop_token_ids=eos, greedy=greedy, seed=seed)  # fmt: skip
             params = {k: v for k, v in params.items() if v is not None}
-            payloads.append({"token_ids": list(ids), "sampling_params": params | {"detokenize": False}})
+            payload = {"token_ids": list(ids), "sampling_params": params | {"detokenize": False}}
+            payloads.append(payload if cache_salt is None else payload | {"cache_salt": cache_salt})
         return payloads
 
     def batch_from_answers(
-        self, answers: list[Answer], prompts: list[list[int]], group_size: int, pad: int, tokenizer, device
+        self,
+        answers: list[Answer],
+        prompts: list[list[int]],
+        group_size: int,
+        pad: int,
+        tokenizer,
+        device,
+        accept: Collection[str] | None = None,
     ) -> RolloutBatch:
         """The servers' answers (in prompt order) as a ``RolloutBatch``; each row's weight version recorded in
-        ``last_weight_versions``. An answer from other weights than the last pushed raises (a server that
-        restarted or was updated by someone else while it served)."""
-        outputs, versions = [], []
+        ``last_weight_versions`` and its spans, in token order, in ``last_weight_spans``. An answer from other
+        weights than the last pushed (``accept``: than these, the asynchronous producer's pushes) raises (a server
+        that restarted or was updated by someone else while it served)."""
+        outputs, versions, spans_of_rows = [], [], []
+        allowed = None if accept is None else set(accept)
         for answer, ids in zip(answers, prompts):
             choices = (answer.body or {}).get("choices")
             if not choices:
@@ -184,24 +211,27 @@ class VLLMServerRollout(RolloutEngine):
                                                       for c in content]  # fmt: skip
                 samples.append(SimpleNamespace(index=choice["index"], token_ids=tokens, logprobs=steps,
                                                finish_reason=choice.get("finish_reason"), text=""))  # fmt: skip
-                spans = {s["version"] for s in choice.get("weight_versions") or []}
-                if self._pushed is not None and spans and spans != {self._pushed}:
+                ordered = [s["version"] for s in choice.get("weight_versions") or []]
+                spans = set(ordered)
+                if allowed is None and self._pushed is not None and spans and spans != {self._pushed}:
                     raise ServerError(f"{answer.url}: sampled with weight versions {sorted(spans)}, not the "
                                       f"{self._pushed} pushed: did the server restart, or another trainer push?")
+                if allowed is not None and not spans <= allowed:
+                    raise ServerError(f"{answer.url}: sampled with weight versions {sorted(spans - allowed)}, which "
+                                      "this trainer did not push: did the server restart, or another trainer push?")
                 versions += [",".join(sorted(spans))] * (group_size // len(choices))
+                spans_of_rows += [ordered] * (group_size // len(choices))
             outputs.append(SimpleNamespace(prompt_token_ids=ids, outputs=samples))
-        self.last_weight_versions = versions
+        self.last_weight_versions, self.last_weight_spans = versions, spans_of_rows
         return rollout_batch_from_outputs(outputs, group_size, pad, tokenizer, device)
 
     # ------------------------------------------------------------------------------------------ servers and sync
     def ready(self, model: nn.Module) -> None:
         """Servers started (``launch``, rank 0) and healthy; the policy's weights pushed if they changed or a server
         lost them. Every process calls this together (the push's gathers are collectives)."""
-        rank, world = _rank_world()
-        if self.launch is not None and not self.launch.processes and rank == 0:
-            self._start_servers(model)
-        if self.launch is not None and rank != 0 and not self._connected:  # rank 0 may still be starting them
-            wait_until_healthy(self.pool.urls, self.launch.startup_timeout)
+        world = _rank_world()[1]
+        if self.launch is not None and not self._connected:  # rank 0 starts them; the others learn how that went
+            _decided_by_rank0(lambda: None if self.launch.processes else self._start_servers(model), world)
         self.pool.check_health(self.health_timeout)
         version = weights_version(unwrap(model))
         changed = version is None or self._synced != (id(unwrap(model)), version)
@@ -220,8 +250,11 @@ class VLLMServerRollout(RolloutEngine):
         return list(lost)
 
     @torch.no_grad()
-    def sync_weights(self, model: nn.Module, only: list[str] | None = None) -> None:
-        """Push ``model``'s weights to every server (``only``: these); every process calls this together."""
+    def sync_weights(
+        self, model: nn.Module, only: list[str] | None = None, pause: Literal["wait", "keep"] = "wait"
+    ) -> None:
+        """Push ``model``'s weights to every server (``only``: these); every process calls this together.
+        ``pause``: vLLM's pause mode for the push (``sgrpo.rollout.vllm_push.push``)."""
         rank, world = _rank_world()
         dtype = dtype_of(self.dtype)
         chunk = int(self.weight_chunk_mib * 2**20)
@@ -240,7 +273,7 @@ class VLLMServerRollout(RolloutEngine):
             if not self._connected:
                 self.transport.connect(self.pool, weights, sender=rank == 0)
                 self._connected = True
-            push(self.pool, self.transport, weights(), version, chunk, sender=rank == 0, only=only)
+            push(self.pool, self.transport, weights(), version, chunk, sender=rank == 0, only=only, pause=pause)
             return version
 
         try:

@@ -14,12 +14,19 @@ from torch import Tensor
 from sgrpo.model.lora import plain_weights
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
+from sgrpo.rollout.server_producer import ServerProducer
+from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.data import StepBatches, mix_seed
 from sgrpo.types import Example, RolloutBatch
 
 
 def async_rollout_error(
-    async_rollout: bool, max_staleness: int, rollout, sync_every: int = 1, environment=None
+    async_rollout: bool,
+    max_staleness: int,
+    rollout,
+    sync_every: int = 1,
+    environment=None,
+    dynamic_sampling: bool = False,
 ) -> str | None:
     """Why the async settings cannot run, in one line naming the field, or None."""
     if not isinstance(max_staleness, int) or max_staleness < 0:
@@ -32,10 +39,14 @@ def async_rollout_error(
         return (f"model.sync_every={sync_every} cannot keep model.max_staleness={max_staleness}: between pushes the "
                 f"producer's weights lag up to sync_every - 1 versions, so set sync_every <= max_staleness + 1 "
                 f"({max_staleness + 1}) or raise max_staleness to {sync_every - 1}")  # fmt: skip
-    if not isinstance(rollout, HFRollout):
+    if not isinstance(rollout, (HFRollout, VLLMServerRollout)):
         return (f"model.async_rollout=true needs model.rollout to be sgrpo.rollout.HFRollout (it samples in a "
-                f"producer process holding its own weights), got {type(rollout).__name__}; set "
-                f"model.async_rollout=false")  # fmt: skip
+                f"producer process holding its own weights) or sgrpo.rollout.VLLMServerRollout (the servers are the "
+                f"producer), got {type(rollout).__name__}; set model.async_rollout=false")  # fmt: skip
+    if isinstance(rollout, VLLMServerRollout) and (dynamic_sampling or sync_every != 1):
+        return ("model.async_rollout=true with sgrpo.rollout.VLLMServerRollout runs with "
+                "model.dynamic_sampling=false and model.sync_every=1 only (its producer has no refill rounds and "
+                "pushes after every step yet)")  # fmt: skip
     if environment is not None:
         return ("model.async_rollout=true does not run with model.environment yet (the producer samples single-turn "
                 "completions): set model.async_rollout=false or model.environment=null")  # fmt: skip
@@ -57,19 +68,26 @@ class AsyncRollouts:
     """The producer's lifetime (``start_producer``, ``stop_producer``) and its use in a step (``take_rollout``,
     ``push_weights``, ``async_logs``)."""
 
-    _producer: RolloutProducer | None = None
+    _producer: RolloutProducer | ServerProducer | None = None
 
     def start_producer(self, stream, first_step: int, last_step: int) -> None:
         """Spawn the producer for steps ``first_step`` .. ``last_step - 1`` of ``stream`` (``.batch(step)``), at the
         current weights (version ``first_step``)."""
         self.stop_producer()
+        self._async = {"wait_s": 0.0, "weight_sync_s": 0.0, "groups_sampled": 0}
+        seed_of = functools.partial(sampling_seed, self.seed, self.global_rank)
+        if isinstance(self.rollout, VLLMServerRollout):  # the servers sample; threads here keep requests in flight
+            self._producer = ServerProducer(self.rollout, self.model, self.tokenizer, stream.batch, seed_of,
+                                            self.group_size, self.max_staleness, first_step, last_step,
+                                            self.producer_timeout)  # fmt: skip
+            return
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
             tokenizer=self.tokenizer,
             engine=self.rollout,
             prompts=stream.batch,
-            seed_of=functools.partial(sampling_seed, self.seed, self.global_rank),
+            seed_of=seed_of,
             group_size=self.group_size,
             max_staleness=self.max_staleness,
             start_step=first_step,
@@ -79,7 +97,6 @@ class AsyncRollouts:
             refill_prompts=functools.partial(refill_prompts, self._refill, self.max_sampling_rounds),
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
-        self._async = {"wait_s": 0.0, "weight_sync_s": 0.0, "groups_sampled": 0}
 
     def stop_producer(self) -> None:
         if self._producer is not None:
@@ -118,7 +135,8 @@ class AsyncRollouts:
     def async_logs(self, rollout: RolloutBatch, trained_at: int) -> dict[str, Tensor | float]:
         """``train/async/*``: staleness of the step's groups (mean, max over processes, and per value 0..S their
         share: the histogram), groups trained and sampled (dynamic sampling's refills too; sums over processes),
-        producer idle and sampling seconds, trainer wait seconds, weight-sync seconds."""
+        producer idle and sampling seconds, trainer wait seconds, weight-sync seconds; with vLLM servers that keep
+        requests across pushes, the versions a group's sampling spanned (newest - oldest, mean)."""
         staleness = (trained_at - rollout.versions.view(-1, rollout.group_size)[:, 0]).float()  # [B] per group
         self.log("train/async/staleness_max", staleness.max(), sync_dist=True, reduce_fx="max")
         for key, groups in (("groups", rollout.num_groups), ("groups_sampled", self._async["groups_sampled"])):
@@ -127,6 +145,9 @@ class AsyncRollouts:
         logs: dict[str, Tensor | float] = {"train/async/staleness_mean": staleness.mean()}
         for k in range(self.max_staleness + 1):
             logs[f"train/async/staleness_hist/{k}"] = (staleness == k).float().mean()
+        if rollout.newest_versions is not None:  # vLLM servers with requests kept across pushes: versions spanned
+            newest, oldest = (v.view(-1, rollout.group_size)[:, 0] for v in (rollout.newest_versions, rollout.versions))
+            logs["train/async/version_span_mean"] = (newest - oldest).float().mean()
         logs |= {
             "train/async/producer_idle_s": self._async.get("idle_s", 0.0),
             "train/async/producer_sample_s": self._async.get("sample_s", 0.0),
