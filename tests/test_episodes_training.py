@@ -79,11 +79,14 @@ def forked(chat_dir) -> RolloutBatch:
     return batch
 
 
-def test_the_update_gives_each_row_its_trajectorys_advantage(chat_dir, forked, tmp_path):
-    """seq_sum_const at ratio 1: grad = -sum_rows A_traj(row) grad log pi(row's turns) / (rows * L_max); the
-    environment's per-turn rewards add to the task's."""
+@pytest.mark.parametrize("aggregation", ["seq_sum_const", "seq_mean_token_mean"])
+def test_the_update_gives_each_row_its_trajectorys_advantage(chat_dir, forked, tmp_path, aggregation):
+    """At ratio 1 a trajectory is one sequence, its rows sharing its advantage A_j (sgrpo.train.sequences):
+    seq_sum_const: grad = -sum_rows A_j(row) grad log pi(row's turns) / (B L), B trajectories, L = max_turns x
+    max_new_tokens; seq_mean_token_mean: the same sum with each row over |o_j(row)| (its trajectory's loss tokens
+    over all its rows) instead of L. The environment's per-turn rewards add to the task's."""
     policy = GradCapture(str(chat_dir), ChatTask(), GRPO(), FixedEpisodes(forked), group_size=G, prompts_per_step=2,
-                         loss=ClippedSurrogate(aggregation="seq_sum_const"), max_grad_norm=None,
+                         loss=ClippedSurrogate(aggregation=aggregation), max_grad_norm=None,
                          optimizer=lambda p: torch.optim.SGD(p, lr=0.0), environment=Reply(max_turns=3),
                          log_completions_every=1)  # fmt: skip
     trainer = run_steps(policy, root=tmp_path)
@@ -98,8 +101,15 @@ def test_the_update_gives_each_row_its_trajectorys_advantage(chat_dir, forked, t
                    position_ids=position_ids_from_mask(forked.attention_mask)).logits[:, p - 1 : -1]  # fmt: skip
     token_logp = logits.log_softmax(-1).gather(-1, forked.input_ids[:, p:].unsqueeze(-1)).squeeze(-1)
     row_logp = (token_logp * forked.completion_mask).sum(-1)  # observation tokens: attended, not in the loss
-    rows = int(forked.completion_mask.any(-1).sum())
-    (-(advantages * row_logp).sum() / (rows * MAX_NEW)).backward()
+    lengths = forked.completion_mask.sum(-1).float()  # [N'] each row's loss tokens
+    carry = lengths > 0
+    trajectories = len(set(forked.trajectory[carry].tolist()))  # B: trajectories, not rows (forked: fewer)
+    assert trajectories < int(carry.sum())
+    per_trajectory = torch.zeros(len(forked.completions)).index_add_(0, forked.trajectory, lengths)
+    # seq_sum_const: L = max_turns (Reply(max_turns=3)) x max_new_tokens; else |o_j|, the trajectory's tokens
+    constant = aggregation == "seq_sum_const"
+    scale = torch.full_like(lengths, 3 * MAX_NEW) if constant else forked.per_row(per_trajectory)
+    (-(advantages * row_logp / scale.clamp_min(1)).sum() / trajectories).backward()
     want = torch.cat([q.grad.flatten() for _, q in sorted(model.named_parameters())])
     assert float((got - want).norm() / want.norm()) < 1e-6
 
@@ -115,6 +125,20 @@ def test_the_update_gives_each_row_its_trajectorys_advantage(chat_dir, forked, t
     episode = lines[0]["episode"]
     assert episode["messages"] == forked.episodes[0].messages and episode["forks"] == forked.episodes[0].forks
     assert episode["turn_rewards"] == [0.25] * len(episode["turn_rewards"])
+
+
+def test_validation_logs_the_means_of_its_episodes(chat_dir, forked, tmp_path):
+    """val/episode/*: each quantity's mean over the validation's episodes (tool use rate, turns, forks, ...)."""
+    from sgrpo.eval.metrics import EPISODE_METRICS, episode_values
+    from sgrpo.policy import GRPOPolicy
+
+    policy = GRPOPolicy(str(chat_dir), ChatTask(), GRPO(), FixedEpisodes(forked), group_size=G, prompts_per_step=2,
+                        val_samples=G, environment=Reply(max_turns=3), optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+    metrics = run_steps(policy, root=tmp_path, limit_val_batches=1, val_check_interval=1).callback_metrics
+    values = episode_values(forked.episodes)
+    assert set(values) == set(EPISODE_METRICS) and max(values["forks"]) > 0
+    for key, per_episode in values.items():
+        assert float(metrics[f"val/episode/{key}"]) == pytest.approx(sum(per_episode) / len(per_episode)), key
 
 
 def test_select_groups_and_cat_carry_forked_rows(forked):
@@ -209,6 +233,8 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("val/accuracy" in row for row in logged)  # validation ran episodes too
     assert any("train/episode/tool_calls" in row for row in logged)
+    rates = [row["val/episode/tool_use_rate"] for row in logged if "val/episode/tool_use_rate" in row]
+    assert rates and all(0 <= rate <= 1 for rate in rates)  # the fit's own validation logs the tool-use rate
 
 
 def test_padded_micro_batches_budget_the_observation_tokens_between_turns():

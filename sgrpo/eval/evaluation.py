@@ -8,6 +8,8 @@ processes at the epoch's end (each prompt counted once) and are logged under ``v
 of one set, ``val/<set>/`` for each of several: ``pass@k`` for k = 1..n (unbiased estimator), ``accuracy``,
 ``accuracy/<difficulty>``, ``pass@k/<difficulty>`` and ``successes/<c>`` (the share of prompts with c of n
 samples right); with ``val_reward`` also ``reward``, the mean training reward of the completions (``MeanReward``).
+With an environment (multi-turn episodes) also ``val/episode/<quantity>`` (``EPISODE_METRICS``: turns, tool calls,
+tool failures, forks, tokens by role, ``tool_use_rate``, ``env_reward``): each one's mean over the episodes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 
 from sgrpo.checks import require
-from sgrpo.eval.metrics import SET_METRICS, MeanReward, PromptOutcomes
+from sgrpo.eval.metrics import EPISODE_METRICS, SET_METRICS, MeanReward, PromptOutcomes, episode_values
 from sgrpo.eval.passk import rows_by_difficulty
 from sgrpo.run.data import mix_seed, prompt_collate
 from sgrpo.types import Example
@@ -70,6 +72,8 @@ class PolicyEvaluation:
                 key: metric(self.val_samples, list(levels)).to(device) for key, metric in SET_METRICS.items()
             }
         self._evaluation_rewards = {name: MeanReward(self.val_samples).to(device) for name in sets if self.val_reward}
+        episodes = getattr(self, "environment", None) is not None  # val/episode/*: each quantity's mean per episode
+        self._evaluation_episodes = {k: MeanReward(self.val_samples).to(device) for k in EPISODE_METRICS if episodes}
         indexed = list(enumerate(examples))
         return torch.utils.data.DataLoader(indexed, batch_size=self.val_prompts_per_batch, collate_fn=prompt_collate)
 
@@ -107,6 +111,10 @@ class PolicyEvaluation:
             if self.val_reward:  # the training reward of every completion, its mean logged beside success
                 rewards = self.task.score(repeated, rollout.completions).total.view(len(examples), -1)
         index = torch.tensor([i for i, _ in batch], dtype=torch.long, device="cpu")
+        if rollout.episodes is not None:
+            for key, values in episode_values(rollout.episodes).items():
+                per_prompt = torch.tensor(values, dtype=torch.float64, device="cpu").view(len(examples), -1)
+                self._evaluation_episodes[key].update(index, per_prompt)
         placed = [self._evaluation_rows[i] for i, _ in batch]
         for name, metrics in self._evaluation_metrics.items():
             rows = [row for row, (set_name, _) in enumerate(placed) if set_name == name]
@@ -156,6 +164,10 @@ class PolicyEvaluation:
                 metrics |= {f"{prefix}pass@{k}/{levels[i]}": value for k, value in enumerate(by_k, start=1)}
             shares = (values["successes"] / prompts).tolist()
             metrics |= {f"{prefix}successes/{c}": share for c, share in enumerate(shares)}
+        for key, metric in getattr(self, "_evaluation_episodes", {}).items():  # every process: the sync's collective
+            if sets:
+                metrics[f"{SPLITS[split][0]}/episode/{key}"] = metric.compute().item()
+            metric.reset()
         if not sets:
             return None
         self.log_dict(metrics, prog_bar=False, rank_zero_only=True)

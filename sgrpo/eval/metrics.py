@@ -166,3 +166,20 @@ class MeanReward(Metric):
         first = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
         first[1:] = rows[1:, 0] != rows[:-1, 0]
         return rows[first, 1].sum() / (int(first.sum()) * self.samples)
+
+
+#: the per-episode quantities logged as ``train/episode/*`` and ``val/episode/*`` (``episode_values``)
+EPISODE_METRICS = ("turns", "tool_calls", "tool_failures", "forks", "tokens/generated", "tokens/observation",
+                   "tool_use_rate", "env_reward")  # fmt: skip
+
+
+def episode_values(episodes) -> dict[str, list[float]]:
+    """Each ``EPISODE_METRICS`` quantity of each episode (``sgrpo.types.Episode``): its turns, tool calls, tool
+    failures, forks (rows started where the chat template broke the prefix), tokens after the opening by role,
+    ``tool_use_rate`` (1 if it called a tool, else 0) and ``env_reward`` (its per-turn rewards summed)."""
+    fields = {"turns": "turns", "tool_calls": "tool_calls", "tool_failures": "tool_failures", "forks": "forks",
+              "tokens/generated": "generated_tokens", "tokens/observation": "observation_tokens"}  # fmt: skip
+    values = {name: [float(getattr(e, key)) for e in episodes] for name, key in fields.items()}
+    values["tool_use_rate"] = [float(e.tool_calls > 0) for e in episodes]
+    values["env_reward"] = [float(e.reward) for e in episodes]
+    return values

@@ -38,7 +38,18 @@ GenerateRows = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None, T
 #: masses (each None where the sampler has none)
 Turn = tuple[list[int], list[float] | None, list[float] | None]
 #: the contexts (token ids) of the running episodes -> one turn for each: how an engine plugs into the episode loop
+#: (the list is a ``Contexts``: ``contexts.episodes`` names each context's episode)
 SampleTurns = Callable[[list[list[int]]], list[Turn]]
+
+
+class Contexts(list):
+    """The running episodes' contexts (token id lists) handed to ``SampleTurns``, and ``episodes``: each context's
+    episode (its index in the rollout, the same at every turn), for an engine that sends an episode's turns to one
+    server (its prefix cache: ``sgrpo.rollout.vllm_server_episodes``)."""
+
+    def __init__(self, contexts: list[list[int]], episodes: list[int]) -> None:
+        super().__init__(contexts)
+        self.episodes = episodes
 
 
 class EpisodeError(RuntimeError):
@@ -123,6 +134,7 @@ def run_episodes(
     """``group_size`` episodes of ``environment`` per example as a ``RolloutBatch`` (module docstring); each turn of
     up to ``max_batch_rows`` running episodes at a time from ``sample_turns`` (``batched_turns`` for a decoder)."""
     trajectories = [_open(tokenizer, ex, environment) for ex in examples for _ in range(group_size)]
+    index = {id(t): i for i, t in enumerate(trajectories)}
     budget = getattr(environment, "max_episode_tokens", None)
     while True:
         running = [t for t in trajectories if not t.done]
@@ -134,7 +146,7 @@ def run_episodes(
             break
         for start in range(0, len(running), max_batch_rows):
             chunk = running[start : start + max_batch_rows]
-            turns = sample_turns([t.context() for t in chunk])
+            turns = sample_turns(Contexts([t.context() for t in chunk], [index[id(t)] for t in chunk]))
             for t, (ids, logprobs, masses) in zip(chunk, turns):
                 _take_turn(tokenizer, t, ids, logprobs, masses, eos, budget, max_positions)
         answering = [t for t in running if not t.done]
@@ -159,6 +171,13 @@ def _room(t: _Trajectory, budget: int | None, max_positions: int | None) -> int:
     if max_positions is not None:
         room = min(room, max_positions - len(t.context()))
     return int(min(room, 2**62))
+
+
+def episode_positions(model, max_model_len: int | None) -> int | None:
+    """The positions an episode's row may fill: an engine's ``max_model_len``, else the model's positions."""
+    if max_model_len is not None:
+        return max_model_len
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
 def batched_turns(generate_rows: GenerateRows, pad: int, device: torch.device) -> SampleTurns:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sgrpo.rollout.engine import stop_and_pad_ids
-from sgrpo.rollout.episodes import Turn, run_episodes
+from sgrpo.rollout.episodes import Turn, episode_positions, run_episodes
 from sgrpo.rollout.vllm_requests import _sampled_logprobs, sampling_kwargs
 from sgrpo.types import Example, RolloutBatch
 
@@ -65,9 +65,7 @@ def _episodes(engine, llm, sampling_params, engine_rng, model, tokenizer, exampl
             turns.append((ids, _sampled_logprobs(output.outputs[0].logprobs, ids), None))
         return turns
 
-    positions = engine.max_model_len
-    if positions is None:
-        positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    positions = episode_positions(model, engine.max_model_len)
     device = next(model.parameters()).device
     return run_episodes(sample, tokenizer, examples, group_size, environment, eos, pad, device,
                         max_positions=positions)  # fmt: skip

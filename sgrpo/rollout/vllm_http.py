@@ -83,10 +83,10 @@ class ServerPool:
         self._outstanding = dict.fromkeys(self.urls, 0)
         self._given = dict.fromkeys(self.urls, 0)
 
-    def acquire(self) -> str:
-        """The least-outstanding server, its count raised by one (``release`` lowers it)."""
+    def acquire(self, url: str | None = None) -> str:
+        """The least-outstanding server (or ``url``), its count raised by one (``release`` lowers it)."""
         with self._lock:
-            url = min(self.urls, key=lambda u: (self._outstanding[u], self._given[u]))
+            url = url or min(self.urls, key=lambda u: (self._outstanding[u], self._given[u]))
             self._outstanding[url] += 1
             self._given[url] += 1
             return url
@@ -111,8 +111,11 @@ class ServerPool:
         for url in self.urls:
             self.get(url, "/health", timeout)
 
-    def map(self, path: str, payloads: Sequence[Any], workers: int = 64) -> list[Answer]:
-        """POST each payload to ``path`` of the least-outstanding server; the answers in payload order.
+    def map(
+        self, path: str, payloads: Sequence[Any], workers: int = 64, urls: Sequence[str | None] | None = None
+    ) -> list[Answer]:
+        """POST each payload to ``path`` of the least-outstanding server (or its entry of ``urls``, where not None:
+        an episode's turns go to one server, its prefix cache); the answers in payload order.
 
         The first failure raises (its ``ServerError``) once the requests in flight end or time out; the
         requests not yet sent are dropped. Nothing waits longer than ``request_timeout`` after the last send.
@@ -120,8 +123,8 @@ class ServerPool:
         if not payloads:
             return []
 
-        def send(payload: Any) -> Answer:
-            url = self.acquire()
+        def send(payload: Any, url: str | None = None) -> Answer:
+            url = self.acquire(url)
             try:
                 return Answer(url, call(url + path, payload, self.request_timeout, method="POST"))
             finally:
@@ -129,7 +132,8 @@ class ServerPool:
 
         pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(payloads))), thread_name_prefix="vllm-http")
         try:
-            futures = [pool.submit(send, p) for p in payloads]
+            chosen = urls if urls is not None else [None] * len(payloads)
+            futures = [pool.submit(send, p, u) for p, u in zip(payloads, chosen)]
             done, pending = wait(futures, timeout=None, return_when=FIRST_EXCEPTION)
             for future in done:
                 if future.exception() is not None:

@@ -225,6 +225,14 @@ class VLLMServerRollout(RolloutEngine):
         self.last_weight_versions, self.last_weight_spans = versions, spans_of_rows
         return rollout_batch_from_outputs(outputs, group_size, pad, tokenizer, device)
 
+    runs_episodes = True  # model.environment: sgrpo.rollout.vllm_server_episodes
+
+    def generate_episodes(self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int,
+                          environment, greedy: bool = False) -> RolloutBatch:  # fmt: skip
+        from sgrpo.rollout.vllm_server_episodes import server_episodes
+
+        return server_episodes(self, model, tokenizer, examples, group_size, environment, greedy)
+
     # ------------------------------------------------------------------------------------------ servers and sync
     def ready(self, model: nn.Module) -> None:
         """Servers started (``launch``, rank 0) and healthy; the policy's weights pushed if they changed or a server

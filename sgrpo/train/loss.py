@@ -66,6 +66,7 @@ def token_weights(
     max_new_tokens: int,
     group_tokens: Tensor | None = None,
     num_groups: float = 0.0,
+    sequence_tokens: Tensor | None = None,
 ) -> Tensor:
     """Per-token weights ``[N, T]`` such that ``loss = sum(weights * per_token_loss)``.
 
@@ -79,6 +80,8 @@ def token_weights(
     processes (``loss_groups``), g(i) is row i's group and |g(i)| its tokens (``group_tokens`` ``[N]``,
     ``num_groups`` = M): the mean over groups of each group's token mean, as verl's ``token-mean`` over
     ``ppo_micro_batch_size_per_gpu`` rows, scaled by 1 / accumulation steps and averaged over ranks.
+    A sequence i is a trajectory: B counts trajectories and |o_i| is ``sequence_tokens`` ``[N]`` (its loss tokens
+    over all its rows) where given, else the row's own (single-turn); ``sgrpo.train.sequences``.
     """
     m = mask.float()
     if mode == "micro_batch_token_mean":
@@ -88,7 +91,8 @@ def token_weights(
     if mode == "token_mean":
         return m / max(num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
-        return m / (m.sum(-1, keepdim=True).clamp_min(1.0) * max(num_sequences, 1.0))
+        lengths = m.sum(-1) if sequence_tokens is None else sequence_tokens.to(m)  # [N]
+        return m / (lengths.unsqueeze(-1).clamp_min(1.0) * max(num_sequences, 1.0))
     if mode == "seq_sum_const":
         return m / (max(num_sequences, 1.0) * max_new_tokens)
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
@@ -137,6 +141,8 @@ class TokenBatch:
     ref_logp: Tensor | None = None  # [n, T] the frozen KL reference's, when the loss asks for one
     sampler_logp: Tensor | None = None  # [n, T] the behaviour policy's (vLLM's, a stale producer's): importance weights
     group_tokens: Tensor | None = None  # [n] the tokens of each row's loss group (``PolicyLoss.rows_per_group``)
+    sequence_tokens: Tensor | None = None  # [n] the loss tokens of each row's trajectory over all its rows (None:
+    # the row's own; a multi-turn trajectory's rows are one sequence: sgrpo.train.sequences)
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,7 @@ class ClippedSurrogate(PolicyLoss):
             stats["kl"] = (kl.detach() * m).sum()
         weights = token_weights(
             batch.mask, self.aggregation, counts.sequences, counts.tokens, counts.max_new_tokens,
-            batch.group_tokens, counts.groups,
+            batch.group_tokens, counts.groups, batch.sequence_tokens,
         )  # fmt: skip
         return (per_token * weights).sum(), stats
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from estimators import SoftmaxGRPO, budget_mass, budget_shares
 from estimators.softmax_grpo import log_mgf
 from sgrpo.eval.completions import completion_rows, write_rows
+from sgrpo.eval.metrics import episode_values
 
 
 class StepLogging:
@@ -97,9 +98,5 @@ def episode_log(rollout) -> dict[str, Tensor]:
     ``env_reward`` (the environment's per-turn rewards, summed per episode); nothing without episodes."""
     if rollout.episodes is None:
         return {}
-    fields = {"turns": "turns", "tool_calls": "tool_calls", "tool_failures": "tool_failures", "forks": "forks",
-              "tokens/generated": "generated_tokens", "tokens/observation": "observation_tokens"}  # fmt: skip
-    values = {name: [float(getattr(e, key)) for e in rollout.episodes] for name, key in fields.items()}
-    values["tool_use_rate"] = [float(e.tool_calls > 0) for e in rollout.episodes]
-    values["env_reward"] = [e.reward for e in rollout.episodes]
+    values = episode_values(rollout.episodes)
     return {f"train/episode/{name}": torch.tensor(v, device="cpu").mean() for name, v in values.items()}

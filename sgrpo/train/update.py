@@ -45,6 +45,7 @@ from sgrpo.train.correction import offpolicy_metrics
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.reference import reference_model
+from sgrpo.train.sequences import minibatch_rows, sequence_budget, sequence_tokens, trajectory_count
 from sgrpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,10 @@ class PolicyUpdate:
         generator = torch.Generator().manual_seed(mix_seed(self.seed, self.rollout_step, 1))
         sums: dict[str, Tensor] = {}
         started = time.perf_counter()
-        for epoch in range(self.ppo_epochs):
-            shuffle = torch.randperm(len(rows), generator=generator, device="cpu")  # the generator's device
-            order = rows[shuffle.to(rows.device)] if epoch else rows
-            for i, minibatch in enumerate(order.tensor_split(self.num_minibatches)):
+        for epoch in range(self.ppo_epochs):  # a trajectory's rows in one mini-batch (sgrpo.train.sequences)
+            shuffle = torch.randperm(trajectory_count(rows, rollout.trajectory), generator=generator, device="cpu")
+            parts = minibatch_rows(rows, rollout.trajectory, shuffle if epoch else None, self.num_minibatches)
+            for i, minibatch in enumerate(parts):
                 first = old_logp is None or (anchor is not None and epoch == 0)
                 gap_now = sampler_logp if first else None  # measured on this pass's own log-probs
                 stats, pass_gap = self.accumulate_gradients(rollout, minibatch, token_mask, advantages, inputs, gap_now)
@@ -174,10 +175,14 @@ class PolicyUpdate:
         if self.loss.rows_per_group is not None:  # the loss's own row groups, whatever the memory micro-batches
             group_tokens = torch.zeros(token_mask.shape[0], dtype=torch.float32, device=token_mask.device)  # [N]
             group_tokens[rows], groups = loss_groups(token_mask[rows].sum(-1), self.loss.rows_per_group)
-        counts = torch.stack([token_mask.new_tensor(len(rows), dtype=torch.float32), token_mask[rows].sum().float()])
+        trajectories = float(trajectory_count(rows, rollout.trajectory))  # a trajectory is one sequence
+        counts = torch.stack([token_mask.new_tensor(trajectories, dtype=torch.float32), token_mask[rows].sum().float()])
         counts = torch.cat([counts, counts.new_tensor([groups])])
         sequences, tokens, groups = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
-        counts = BatchCounts(sequences, tokens, self.rollout.max_new_tokens, groups)
+        episodes = rollout.episodes is not None  # Dr.GRPO's L: the most tokens a trajectory can generate
+        length = sequence_budget(self.rollout.max_new_tokens, getattr(self, "environment", None), episodes)
+        counts = BatchCounts(sequences, tokens, length, groups)
+        seq_tokens = sequence_tokens(token_mask, rows, rollout.trajectory)  # [N] or None (single-turn)
         adv_rows = rollout.per_row(advantages.reshape(-1))  # [N'] each row its trajectory's advantage
         skipped = len(rows)
         if self.loss.zero_at_zero_advantage:
@@ -201,7 +206,8 @@ class PolicyUpdate:
                 gap = merge_gaps(gap, logprob_gap(logp.detach(), gap_sampler[chunk][:, :t], mask))
             ref, sampler = (None if x is None else x[chunk][:, :t] for x in (inputs["ref"], inputs["sampler"]))
             rows_groups = None if group_tokens is None else group_tokens[chunk]
-            batch = TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler, rows_groups)
+            batch = TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler, rows_groups,
+                               None if seq_tokens is None else seq_tokens[chunk])  # fmt: skip
             loss, loss_stats = self.loss(batch, counts)
             self._backward(loss * scale, sync=j == backwards - 1)
             stats["loss"] += loss.detach() * scale  # the mini-batch loss once averaged over processes

@@ -1,0 +1,85 @@
+"""Multi-turn tool-use episodes through ``VLLMServerRollout`` (``sgrpo.rollout.vllm_server_episodes``): against the
+stand-in servers of ``tests/fake_vllm_server.py`` in ``make test`` (requests, routing, tokens in and out), and
+against a real ``vllm serve`` on CPU in ``make test-vllm`` (the sampler's log-probs are the trainer's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgrpo.model.tiny import build_chat_tokenizer, build_tiny_llama
+from sgrpo.rollout.vllm_http import ServerError
+from sgrpo.rollout.vllm_server import GENERATE, VLLMServerRollout
+from sgrpo.types import Example
+from tasks.calculator import add, mul
+from tasks.environment import ToolEnvironment
+from tests.fake_vllm_server import FakeServer
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+EXAMPLES = [Example([{"role": "user", "content": q}], a) for q, a in [("2+3", "5"), ("7*6", "42"), ("1+1", "2"),
+                                                                      ("9*9", "81")]]
+
+
+@pytest.fixture
+def chat():
+    tokenizer = build_chat_tokenizer()
+    torch.manual_seed(0)
+    return build_tiny_llama(tokenizer, num_heads=2, max_positions=256), tokenizer
+
+
+def tools(max_turns: int = 3) -> ToolEnvironment:
+    return ToolEnvironment([add, mul], max_turns=max_turns)
+
+
+def test_server_episodes_send_each_row_s_ids_keep_the_server_s_tokens_and_pin_an_episode_to_one_server(chat):
+    model, tokenizer = chat
+    call = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    servers = [FakeServer(completion=call), FakeServer(completion=call)]
+    try:
+        engine = VLLMServerRollout(urls=[s.url for s in servers], max_new_tokens=64, dtype="float32")
+        environment = tools()
+        environment.adapt_to_tokenizer(tokenizer)
+        torch.manual_seed(0)
+        batch = engine.generate_episodes(model, tokenizer, EXAMPLES, 1, environment)
+    finally:
+        for s in servers:
+            s.stop()
+    episodes = batch.episodes
+    assert [e.turns for e in episodes] == [3] * 4 and [e.tool_calls for e in episodes] == [2] * 4
+    assert all(e.tool_failures == 0 for e in episodes) and batch.trajectory is None  # one row each: no fork
+    requests = {s.url: [body for p, body in s.calls if p == GENERATE] for s in servers}
+    assert sum(map(len, requests.values())) == 12  # 4 episodes x 3 turns, one sample each
+    for row in range(4):
+        ids = batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
+        completion = batch.input_ids[row, batch.prompt_length :]
+        generated = completion[batch.completion_mask[row]].tolist()
+        assert generated == call * 3  # mask 1: exactly the servers' ids, three turns of them
+        assert torch.equal(batch.logprobs[row][batch.completion_mask[row]], torch.full((len(call) * 3,), -0.5))
+        # tokens in: each turn's request is a prefix of the row, all of an episode's turns on one server
+        own = {url: [r for r in rs if ids[: len(r["token_ids"])] == r["token_ids"]] for url, rs in requests.items()}
+        assert sorted(len(rs) for rs in own.values()) == [0, 3], own.keys()
+        rendered = tokenizer.apply_chat_template(episodes[row].messages, tokenize=False, tools=environment.schemas)
+        assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]  # the rendered conversation
+    assert all(rs for rs in requests.values())  # the first turns spread over both servers
+    assert "5" in episodes[0].messages[-2]["content"]  # the tool ran: add(2, 3)
+    for body in (b for rs in requests.values() for b in rs):
+        params = body["sampling_params"]
+        assert params["n"] == 1 and params["seed"] is not None and params["max_tokens"] <= 64
+        assert len(body["token_ids"]) + params["max_tokens"] <= 256  # never past the model's positions
+
+
+def test_a_turn_from_other_weights_raises_naming_the_server(chat):
+    model, tokenizer = chat
+    server = FakeServer(completion=[tokenizer.eos_token_id])
+    try:
+        engine = VLLMServerRollout(urls=[server.url], max_new_tokens=8, dtype="float32")
+        environment = tools()
+        environment.adapt_to_tokenizer(tokenizer)
+        engine.generate_episodes(model, tokenizer, EXAMPLES[:1], 1, environment)  # pushes, then runs
+        engine._pushed = "sgrpo-other-1"  # as if the server held other weights than the trainer pushed
+        server.version = "sgrpo-unknown"
+        engine.ready = lambda model: None  # the check under test is the turn's, not the health check's
+        with pytest.raises(ServerError, match=f"{server.url}: sampled a turn with weight versions"):
+            engine.generate_episodes(model, tokenizer, EXAMPLES[:1], 1, environment)
+    finally:
+        server.stop()
