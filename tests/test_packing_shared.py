@@ -221,3 +221,59 @@ def test_shared_pays_by_the_cost_model():
     assert not shared_pays(mask, completion, torch.cat([ids_distinct, ids[:, 30:]], 1), 64)
     ids, mask, completion = grouped_batch(groups=1, g=8, p=3, t=60, seed=0)
     assert not shared_pays(mask, completion, ids, 2)
+
+
+def verdict_of(model, packing=True, share_prompts=True):
+    """``PolicyUpdate._packing_verdict`` on a stand-in policy (one process, rank 0, CPU)."""
+    from types import SimpleNamespace
+
+    from sgrpo.train.update import PolicyUpdate
+
+    policy = SimpleNamespace(packing=packing, share_prompts=share_prompts, device=torch.device("cpu"),
+                             trainer=SimpleNamespace(is_global_zero=True))  # fmt: skip
+    return PolicyUpdate._packing_verdict(policy, model)
+
+
+def test_the_start_names_the_attention_path_and_sharing_falls_back_with_one_warning(monkeypatch, caplog):
+    """One info line names the path; a model whose attention takes no block mask keeps packing but not sharing, with
+    one warning naming why; a model whose block mask leaks (a probe sees one completion change another's log-probs)
+    likewise; ``share_prompts: false`` shares nothing and warns nothing."""
+    import logging
+
+    import sgrpo.model.packed_path as packed_path
+
+    assert packed_path.shared_packing_problem(tiny("eager")) is None
+    with caplog.at_level(logging.INFO, logger="sgrpo.train.update"):
+        assert verdict_of(tiny("sdpa")) == (True, True)
+        assert verdict_of(tiny("sdpa"), share_prompts=False) == (True, False)
+        model = tiny("sdpa")
+        model.config.layer_types = ["sliding_attention"] * 2
+        assert verdict_of(model) == (True, False)
+        leaky = tiny("sdpa")
+        monkeypatch.setattr(SharedPacked, "allowed", lambda self: (self.segment.unsqueeze(-1) == self.segment.unsqueeze(
+            -2)).tril().unsqueeze(1))  # fmt: skip
+        assert verdict_of(leaky) == (True, False)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines[0] == ("INFO", "model.packing: packed log-probs, SDPA with a packed mask, rows of the padded width "
+                        "or a multiple (cost model), each group's prompt once where the cost model says it pays")
+    assert lines[1] == ("INFO", "model.packing: packed log-probs, SDPA with a packed mask, rows of the padded width "
+                        "or a multiple (cost model)")  # fmt: skip
+    fallback = "model.share_prompts: packed rows hold each completion's own prompt copy: "
+    assert lines[3][0] == "WARNING" and lines[3][1].startswith(fallback + "layers of kinds ['sliding_attention']")
+    assert lines[5][0] == "WARNING" and "one completion's log-probs change with another's tokens" in lines[5][1]
+    assert len(lines) == 6
+
+
+def test_attention_chosen_by_device_and_named():
+    from sgrpo.model.packed_path import attention_path, choose_attention, preferred_attention
+
+    assert preferred_attention("cpu", True, True) is None  # SDPA with the packed mask
+    assert preferred_attention("cuda", True, True) == "flash_attention_2"
+    assert preferred_attention("cuda", False, True) == "flex_attention"
+    assert preferred_attention("cuda", False, False) is None
+    model = tiny("sdpa")
+    assert choose_attention(model, "cpu") == "sdpa"
+    model.config._attn_implementation = "flash_attention_2"
+    assert attention_path(model, False).startswith("flash_attention_2: the varlen kernel over one packed row")
+    model.config._attn_implementation = "flex_attention"
+    assert attention_path(model, True).startswith("flex attention with a BlockMask")
