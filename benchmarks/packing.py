@@ -9,8 +9,9 @@ update's own plan; no row limit; ``micro_batch_tokens`` "auto", 1,024 on CPU, or
 Three modes per workload:
 
 - ``padded+shared``: ``packing: false``, ``share_prompts: true`` (the trimmed update before packing);
-- ``padded``: ``packing: false``, ``share_prompts: false``;
-- ``packed``: ``packing: true`` (the default; the packed path does not share prompts).
+- ``packed``: ``packing: true``, ``share_prompts: false`` (each completion with its own copy of its prompt);
+- ``packed+shared``: ``packing: true``, ``share_prompts: true`` (the defaults: each group's prompt once, under a
+  block mask, where the cost model says it pays; the micro-batches keep a group's rows together).
 
 The model is a randomly initialised Llama (``MODEL``: hidden 256, 2 layers, vocabulary 2,048, fp32,
 SDPA attention) on ``--threads`` CPU threads; 32 rows per workload (32 / G groups), completions capped
@@ -19,11 +20,11 @@ at ``CAP`` tokens. The grid (``grid``): completion lengths uniform on [4, cap] o
 group), G 4 or 16, micro-batch budget "auto" or 8,192 (16 workloads). Each workload runs every mode once to
 warm up, then ``--repeats`` rounds of all three,
 the modes' order rotating from round to round; a run's figure is its CPU time (``time.process_time``).
-Reports each mode's best and median, speed-ups (padded time over packed time, from the best runs), and
-each layout's padding fraction (1 - real tokens / tokens the forward computes). ``--quick`` is a smoke
-run (a tiny model, four workloads, one round), published like a full one (the tests publish into a
-temporary folder). Prints, never asserts; what it prints is published to ``benchmarks/reports/packing/``
-(``benchmarks/artefact.py``).
+Reports each mode's best and median, side by side the speed-ups of ``packed`` and ``packed+shared`` over
+each mode (its time over theirs, from the best runs), and each layout's padding fraction (1 - real tokens /
+tokens the forward computes). ``--quick`` is a smoke run (a tiny model, four workloads, one round), published
+like a full one (the tests publish into a temporary folder). Prints, never asserts; what it prints is published
+to ``benchmarks/reports/packing/`` (``benchmarks/artefact.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ GROUPS = (4, 16)
 #: ``micro_batch_tokens``: the CPU default ("auto": 1,024) and the accelerators' default (8,192)
 BUDGETS = ("auto", 8192)
 #: the three modes: (packing, share_prompts)
-MODES = {"padded+shared": (False, True), "padded": (False, False), "packed": (True, False)}
+MODES = {"padded+shared": (False, True), "packed": (True, False), "packed+shared": (True, True)}
 
 
 def grid(quick: bool) -> list[dict]:
@@ -90,7 +91,8 @@ def workload(spec: dict, cap: int, vocab: int, seed: int = 0, quick: bool = Fals
 
 
 def computed_tokens(batch: dict, packing: bool, share: bool, real: int, padded: int, ran: int) -> int:
-    """Tokens the forward of one trimmed micro-batch computes: packed, its rows x their width; padded, rows x
+    """Tokens the forward of one trimmed micro-batch computes: packed, its rows x their width (``ran``; the caller
+    gives the shared layout's where prompts are shared); padded, rows x
     width, or with shared prompts each distinct prompt once plus every row's completion colums (where
     ``completion_hidden_states`` shares: some prompt repeats, prompt and completion wider than 0 and 1)."""
     import torch
@@ -111,7 +113,7 @@ def run(model, rollout, mode: str, budget: int | str) -> tuple[float, dict]:
     import torch
 
     from sgrpo.model.logprobs import completion_logprobs
-    from sgrpo.model.packing import layout_tokens
+    from sgrpo.model.packing import layout_tokens, shared_layout_tokens, shared_pays
     from sgrpo.train.batching import trim, update_micro_batches
 
     packing, share = MODES[mode]
@@ -120,9 +122,12 @@ def run(model, rollout, mode: str, budget: int | str) -> tuple[float, dict]:
     counts = {"micro_batches": 0, "real": 0, "computed": 0}
     started = time.process_time()
     rows = torch.arange(rollout.input_ids.shape[0])
-    for chunk in update_micro_batches(rollout, rows, rollout.completion_mask, packing, hidden, None, budget):
+    plan = update_micro_batches(rollout, rows, rollout.completion_mask, packing, hidden, None, budget, share=share)
+    for chunk in plan:
         batch = trim(rollout, chunk, rollout.completion_mask)
         real, padded, ran = layout_tokens(batch["attention_mask"], batch["mask"], False, hidden)
+        if packing and share and shared_pays(batch["attention_mask"], batch["mask"], batch["input_ids"], hidden):
+            ran = shared_layout_tokens(batch["input_ids"], batch["attention_mask"], batch["mask"], hidden)[1]
         logp, _ = completion_logprobs(
             model, batch["input_ids"], batch["attention_mask"], batch["mask"], with_entropy=True,
             share_prompts=share, packing=packing,
@@ -163,8 +168,8 @@ def measure(args: argparse.Namespace) -> dict:
         f"{cap}; {args.repeats} measured round(s) after one warm-up round; CPU seconds per gradient pass.\n"
     )
     print("| micro_batch_tokens | skew | prompt | G | mode | micro-batches | padding | best (s) | median (s) | "
-          "speed-up of packed |")  # fmt: skip
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|")
+          "speed-up of packed | of packed+shared |")  # fmt: skip
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
     workloads = []
     for spec in grid(args.quick):
         rollout = workload(spec, cap, sizes["vocab"], quick=args.quick)
@@ -172,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict:
         counts = {mode: run(model, rollout, mode, spec["budget"])[1] for mode in MODES}  # warm-up round
         order = list(MODES)
         for r in range(args.repeats):
-            for mode in order[r % 3 :] + order[: r % 3]:
+            for mode in order[r % len(order) :] + order[: r % len(order)]:
                 times[mode].append(run(model, rollout, mode, spec["budget"])[0])
         modes = {}
         for mode in MODES:
@@ -181,13 +186,14 @@ def measure(args: argparse.Namespace) -> dict:
                            "best_s": min(times[mode]), "median_s": statistics.median(times[mode])}  # fmt: skip
         for mode in MODES:
             modes[mode]["packed_speedup"] = modes[mode]["best_s"] / modes["packed"]["best_s"]
+            modes[mode]["shared_speedup"] = modes[mode]["best_s"] / modes["packed+shared"]["best_s"]
         mean_len = float(rollout.completion_mask.sum(-1).float().mean())
         workloads.append({**spec, "mean_completion": mean_len, "modes": modes})
         for mode, m in modes.items():
             print(f"| {spec['budget']} | {spec['skew']} | {spec['prompt']} | {spec['G']} | {mode} | "
                   f"{m['micro_batches']} | "
                   f"{m['padding_fraction']:.2f} | {m['best_s']:.2f} | {m['median_s']:.2f} | "
-                  f"{m['packed_speedup']:.2f} |", flush=True)  # fmt: skip
+                  f"{m['packed_speedup']:.2f} | {m['shared_speedup']:.2f} |", flush=True)  # fmt: skip
     return {"model": sizes, "rows": ROWS, "cap": cap, "threads": args.threads, "repeats": args.repeats,
             "quick": args.quick, "workloads": workloads}  # fmt: skip
 

@@ -23,14 +23,15 @@ def test_quick_run_publishes_every_mode_and_its_render():
         modes = w["modes"]
         assert set(modes) == set(bench.MODES)
         assert len({m["real"] for m in modes.values()}) == 1  # every layout runs the same real tokens
-        assert modes["packed"]["packed_speedup"] == 1.0
+        assert modes["packed"]["packed_speedup"] == 1.0 and modes["packed+shared"]["shared_speedup"] == 1.0
         for m in modes.values():
             assert len(m["times_s"]) == 1 and m["best_s"] > 0 and m["micro_batches"] >= 1
             assert m["padding_fraction"] < 1
-        assert modes["padded"]["padding_fraction"] > 0  # lengths vary: the padded layout computes padding
+        assert modes["padded+shared"]["padding_fraction"] > 0  # lengths vary: the padded layout computes padding
     figures = (folder / "figures.md").read_text()
     assert "`.venv/bin/python benchmarks/packing.py --quick`" in figures
     assert figures.count("\n| ") == 1 + len(work)  # the header, one row per workload
+    assert "packed+shared speed-up over padded+shared" in figures
 
 
 def test_workloads_follow_their_spec():

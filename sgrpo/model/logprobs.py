@@ -15,7 +15,17 @@ from torch import Tensor, nn
 
 from sgrpo.distributed import is_sharded
 from sgrpo.model.head import LogitTransform, TokenLogprobs, head_dtype
-from sgrpo.model.packing import MASKED_ATTENTION, VARLEN_ATTENTION, attention_implementation, one_row, pack
+from sgrpo.model.packing import (
+    MASKED_ATTENTION,
+    VARLEN_ATTENTION,
+    attention_implementation,
+    one_row,
+    pack,
+    pack_shared,
+    shared_attention_mask,
+    shared_pays,
+    sharing_problem,
+)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -44,8 +54,10 @@ def completion_logprobs(
     only on completion tokens, ``chunk_size`` tokens at a time (by default as many as fit fp32
     logits in ``chunk_mib`` MiB) in ``TokenLogprobs``, so neither the forward nor the backward
     ever holds ``[N, T, vocab]`` logits. Padding gets 0. With ``packing``, the rows' real tokens run
-    packed (``sgrpo.model.packing``; no padding computed, ``share_prompts`` unused); else with
-    ``share_prompts``, rows with the same prompt run it once (``completion_hidden_states``).
+    packed (``sgrpo.model.packing``; no padding computed), and with ``share_prompts`` too, each group's prompt
+    once (``pack_shared``: a block mask, position ids restarting at the prompt's end for each completion) where
+    the model takes the mask (``sharing_problem``) and the cost model says it pays (``shared_pays``); without
+    ``packing``, with ``share_prompts``, rows with the same prompt run it once (``completion_hidden_states``).
     """
     t = completion_mask.shape[1]
     head = model.get_output_embeddings()
@@ -53,8 +65,14 @@ def completion_logprobs(
     if chunk_size is None:
         chunk_size = logit_chunk_tokens(chunk_mib, head.weight.shape[0], head.weight.device.type)
     if packing:
-        packed = pack(input_ids, attention_mask, mask, one_row(model), getattr(model.config, "hidden_size", None))
-        hidden = final_hidden_states(model, packed.input_ids, None, position_ids=packed.position_ids)
+        hidden_size = getattr(model.config, "hidden_size", None)
+        share = share_prompts and sharing_problem(model) is None
+        if share and shared_pays(attention_mask, mask, input_ids, hidden_size):
+            packed = pack_shared(input_ids, attention_mask, mask, hidden_size)
+            block = shared_attention_mask(model, packed)
+        else:
+            packed, block = pack(input_ids, attention_mask, mask, one_row(model), hidden_size), None
+        hidden = final_hidden_states(model, packed.input_ids, block, position_ids=packed.position_ids)
         h = hidden.reshape(-1, hidden.shape[-1])[packed.hidden_index]  # [M, H], in the order of hidden[mask]
     else:
         hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
@@ -143,7 +161,9 @@ def final_hidden_states(
     head runs in ``sgrpo.model.head``); a hook on the decoder hands back its output. With ``cache`` (a
     ``DynamicCache``), the forward extends it: ``attention_mask`` then covers cached + new positions
     and ``position_ids`` those of the new tokens. Without ``attention_mask`` (packed rows: ``position_ids``
-    restart at each sequence) there is no cache either, so transformers keeps the sequences apart.
+    restart at each sequence) there is no cache either, so transformers keeps the sequences apart; a 4-D
+    ``attention_mask`` (or flex attention's ``BlockMask``: ``sgrpo.model.packing.shared_attention_mask``) goes to
+    the attention as it is (transformers' ``masking_utils`` passes a 4-D mask through).
     """
     captured: list[Tensor] = []
     handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: captured.append(out[0]))

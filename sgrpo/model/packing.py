@@ -156,3 +156,182 @@ def layout_tokens(
     width_packed = row_width(lengths.tolist(), width, hidden_size)
     rows = 1 + max((r for r, _ in first_fit(lengths.tolist(), width_packed)), default=0)
     return real, attention_mask.shape[0] * width, rows * width_packed
+
+
+@dataclass(frozen=True)
+class SharedPacked:
+    """A micro-batch packed with each group's prompt once: segments ``[prompt, c1, ..., cG]`` in ``[R, C]`` rows.
+
+    ``segment`` and ``branch`` ``[R, C]`` say which segment a slot belongs to (tail padding: a segment of its own
+    per slot) and which branch of it (0: the prompt, ``i + 1``: the completion of micro-batch row ``i``);
+    ``allowed`` turns them into the attention mask. ``hidden_index`` as in ``Packed``.
+    """
+
+    input_ids: Tensor  # [R, C]
+    position_ids: Tensor  # [R, C]: the prompt's 0..Lp-1, each completion's Lp, Lp+1, ... (restarting per branch)
+    segment: Tensor  # [R, C]
+    branch: Tensor  # [R, C]
+    hidden_index: Tensor  # [M]
+    tokens: int  # real tokens packed (each prompt once)
+
+    def allowed(self) -> Tensor:
+        """``[R, 1, C, C]`` bool: query ``q`` sees key ``k`` iff they share a segment, ``k <= q``, and ``k`` is in the
+        prompt or in ``q``'s own branch (the prompt is causal; a completion sees the prompt and itself causally)."""
+        c = self.segment.shape[1]
+        causal = torch.ones(c, c, dtype=torch.bool, device=self.segment.device).tril()
+        same = self.segment.unsqueeze(-1) == self.segment.unsqueeze(-2)  # [R, Cq, Ck]
+        branch = (self.branch.unsqueeze(-2) == 0) | (self.branch.unsqueeze(-1) == self.branch.unsqueeze(-2))
+        return (same & branch & causal).unsqueeze(1)
+
+
+def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, int]:
+    """``[N]`` each row's group (rows with identical prompt ids and mask over the first ``prompt_length`` columns) and
+    the number of groups."""
+    keys = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length].to(input_ids.dtype)], 1)
+    distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    return inverse, distinct.shape[0]
+
+
+def shared_segments(
+    attention_mask: Tensor, completion_mask: Tensor, group: Tensor, groups: int
+) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """The segment layout of ``pack_shared`` before placement: ``keep`` ``[N, P+T]`` (``sequence_lengths``), each row's
+    prompt and run-completion token counts ``[N]``, and each group's segment length (its prompt once plus its rows'
+    completions; 0 for a group without trained tokens)."""
+    keep, _ = sequence_lengths(attention_mask, completion_mask)
+    t = completion_mask.shape[1]
+    p = attention_mask.shape[1] - t
+    active = completion_mask.bool().any(-1)
+    prompt = attention_mask[:, :p].bool().sum(-1) * active  # [N]: the whole prompt runs when the row trains
+    completion = keep[:, p:].sum(-1)  # [N]
+    lengths = torch.zeros(groups, dtype=torch.long, device=keep.device)
+    lengths.scatter_reduce_(0, group, prompt, "amax")
+    lengths.index_add_(0, group, completion)
+    return keep, prompt, completion, lengths.tolist()
+
+
+def layout_cost(lengths: list[int], width: int, hidden_size: int | None) -> float:
+    """``row_width``'s cost of packing ``lengths`` into rows of ``width``: rows x C x (1 + C / (6 H)); rows x C
+    without ``hidden_size``."""
+    rows = 1 + max((r for r, _ in first_fit(lengths, width)), default=0)
+    return rows * width * (1 + (width / (6 * hidden_size) if hidden_size else 0.0))
+
+
+def shared_pays(attention_mask: Tensor, completion_mask: Tensor, input_ids: Tensor, hidden_size: int | None) -> bool:
+    """Whether ``pack_shared`` costs less than ``pack`` under ``row_width``'s cost model (dense-masked rows): some
+    prompt repeats among rows that train, every such prompt has a token, and the shared layout's modelled cost is
+    below the unshared one's."""
+    t = completion_mask.shape[1]
+    p = input_ids.shape[1] - t
+    active = completion_mask.bool().any(-1)
+    if p < 1 or not active.any() or not bool(attention_mask[active, p - 1].bool().all()):
+        return False
+    group, groups = prompt_groups(input_ids, attention_mask, p)
+    if len(torch.unique(group[active])) == int(active.sum()):
+        return False
+    _, lengths = sequence_lengths(attention_mask, completion_mask)
+    plain = lengths.tolist()
+    unshared = layout_cost(plain, row_width(plain, max(input_ids.shape[1] - 1, 1), hidden_size), hidden_size)
+    segments = [n for n in shared_segments(attention_mask, completion_mask, group, groups)[3] if n]
+    shared = layout_cost(segments, row_width(segments, max(segments), hidden_size), hidden_size)
+    return shared < unshared
+
+
+def pack_shared(
+    input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, hidden_size: int | None = None
+) -> SharedPacked:
+    """``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]`` packed with each group's prompt
+    once (``SharedPacked``; rows of ``row_width`` over the segments, the widest segment at least).
+
+    A row's kept column ``j`` (``sequence_lengths``) at within-sequence index ``w`` (its position id) goes to
+    ``base + w`` in the prompt and ``base + offset + w`` in the completion, where ``base`` is its group's segment start
+    and ``offset`` the completion tokens of the group's earlier rows. A completion's first token is predicted from the
+    prompt's last slot. Needs every training row's prompt non-empty (``shared_pays`` checks).
+    """
+    device = input_ids.device
+    t = completion_mask.shape[1]
+    n, total = input_ids.shape
+    p = total - t
+    group, groups = prompt_groups(input_ids, attention_mask, p)
+    keep, prompt, completion, lengths = shared_segments(attention_mask, completion_mask, group, groups)
+    live = [g for g in range(groups) if lengths[g]]
+    width = row_width([lengths[g] for g in live], max(lengths), hidden_size)
+    placed = dict(zip(live, first_fit([lengths[g] for g in live], width)))
+    rows = 1 + max((r for r, _ in placed.values()), default=0)
+    starts = torch.tensor([placed[g][0] * width + placed[g][1] if g in placed else 0 for g in range(groups)],
+                          dtype=torch.long, device=device)  # fmt: skip
+    offset = torch.zeros(n, dtype=torch.long, device=device)  # completion tokens of the group's earlier rows
+    seen = torch.zeros(groups, dtype=torch.long, device=device)
+    for i in range(n):  # rows in order: a few dozen per micro-batch
+        offset[i] = seen[group[i]]
+        seen[group[i]] += completion[i]
+    within = keep.long().cumsum(-1) - 1  # [N, P+T]: the position id of a kept column
+    columns = torch.arange(total, device=device)
+    dest = starts[group].unsqueeze(-1) + within + (columns >= p).long() * offset.unsqueeze(-1)  # [N, P+T]
+    slots = rows * width
+    flat_ids = torch.zeros(slots, dtype=input_ids.dtype, device=device)
+    flat_ids[dest[keep]] = input_ids[keep]  # a group's rows write its prompt's slots with the same ids
+    flat_pos = torch.zeros(slots, dtype=torch.long, device=device)
+    flat_pos[dest[keep]] = within[keep]
+    segment = torch.arange(slots, device=device) + groups  # tail padding: a segment per slot
+    segment[dest[keep]] = group.unsqueeze(-1).expand(-1, total)[keep]
+    branch = torch.zeros(slots, dtype=torch.long, device=device)
+    in_completion = keep & (columns >= p)
+    branch[dest[in_completion]] = (torch.arange(n, device=device) + 1).unsqueeze(-1).expand(-1, total)[in_completion]
+    hidden_index = dest[:, p - 1 : p + t - 1][completion_mask.bool()]
+    real = int(prompt.new_tensor([lengths[g] for g in live]).sum()) if live else 0
+    view = lambda x: x.view(rows, width)  # noqa: E731
+    return SharedPacked(view(flat_ids), view(flat_pos), view(segment), view(branch), hidden_index, real)
+
+
+#: attention implementations that take ``SharedPacked``'s mask (a 4-D tensor, or flex-attention's ``BlockMask``)
+SHARED_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def sharing_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run ``pack_shared``'s layout, or None: its attention implementation takes no custom
+    4-D mask (flash-attention's varlen kernel keeps only whole sequences apart), or a layer attends other than
+    causally over everything (sliding windows, chunked attention: the mask would not say so)."""
+    impl = attention_implementation(model)
+    if impl not in SHARED_ATTENTION:
+        return f"attention implementation {impl!r} takes no block mask"
+    config = getattr(model, "config", None)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        return f"layers of kinds {sorted(kinds)} or a sliding window: the block mask would not hold their windows"
+    return None
+
+
+def shared_attention_mask(model: nn.Module, packed: SharedPacked):
+    """``packed.allowed()`` as ``model``'s attention takes it: flex attention a ``BlockMask``, SDPA the bool mask,
+    eager an additive one (0 where allowed, the embeddings dtype's lowest value elsewhere)."""
+    impl = attention_implementation(model)
+    if impl == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        segment, branch = packed.segment, packed.branch
+
+        def mask_mod(b, h, q, k):
+            own = (branch[b, k] == 0) | (branch[b, k] == branch[b, q])
+            return (segment[b, q] == segment[b, k]) & (k <= q) & own
+
+        rows, width = segment.shape
+        return create_block_mask(mask_mod, rows, None, width, width, device=segment.device)
+    allowed = packed.allowed()
+    if impl == "sdpa":
+        return allowed
+    dtype = model.get_input_embeddings().weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def shared_layout_tokens(
+    input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, hidden_size: int | None = None
+) -> tuple[int, int]:
+    """``pack_shared``'s tokens (same arguments): real ones (each prompt once) and its rows x their width."""
+    p = input_ids.shape[1] - completion_mask.shape[1]
+    group, groups = prompt_groups(input_ids, attention_mask, p)
+    segments = [n for n in shared_segments(attention_mask, completion_mask, group, groups)[3] if n]
+    if not segments:
+        return 0, 0
+    width = row_width(segments, max(segments), hidden_size)
+    return sum(segments), (1 + max(r for r, _ in first_fit(segments, width))) * width

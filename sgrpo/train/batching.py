@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sgrpo.model.packing import sequence_lengths
+from sgrpo.model.packing import prompt_groups, sequence_lengths
 from sgrpo.types import RolloutBatch
 
 #: padded tokens per micro-batch under ``micro_batch_tokens="auto"``: small matmuls are already efficient on
@@ -107,16 +107,52 @@ def update_micro_batches(
     max_rows: int | None,
     max_tokens: int | str | None,
     agree: Callable[[int], int] = lambda bins: bins,
+    share: bool = False,
 ) -> list[Tensor]:
     """The update's micro-batches of ``rows``. Packed: ``balanced_bins`` of each sequence's modelled cost
     (``sequence_cost``), each under ``max_tokens`` (in those units; "auto": ``AUTO_MICRO_BATCH_TOKENS``), in
     ``agree(bins_needed)`` bins (the most any process needs, so that FSDP2's collectives pair up with even work).
-    Padded: rows of similar completion length (``micro_batches``)."""
+    With ``share`` (packed, each group's prompt once) and no ``max_rows``, the items are a group's rows together
+    (``group_parts``), so that a prompt runs once per part. Padded: rows of similar completion length
+    (``micro_batches``)."""
     if not packed:
         return micro_batches(rows, completion_spans(token_mask[rows]), rollout.prompt_length, max_rows, max_tokens)
     _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
-    costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
     if max_tokens == "auto":
         max_tokens = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
-    chunks = balanced_bins(costs, agree(bins_needed(costs, max_tokens, max_rows)), max_rows)
+    if share and max_rows is None and rollout.prompt_length > 0:
+        items = group_parts(rollout, rows, lengths, hidden_size, max_tokens)
+        costs = [cost for _, cost in items]
+        bins = balanced_bins(costs, agree(bins_needed(costs, max_tokens, None)))
+        chunks = [[i for item in b for i in items[item][0]] for b in bins]
+    else:
+        costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
+        chunks = balanced_bins(costs, agree(bins_needed(costs, max_tokens, max_rows)), max_rows)
     return [rows[torch.tensor(chunk, dtype=torch.long, device=rows.device)] for chunk in chunks if chunk]
+
+
+def group_parts(
+    rollout: RolloutBatch, rows: Tensor, lengths: Tensor, hidden_size: int | None, budget: float | None
+) -> list[tuple[list[int], float]]:
+    """``rows``' groups (one prompt) cut into parts, each a list of indices into ``rows`` and its modelled cost: the
+    prompt once plus its rows' completions (``sequence_cost`` of the segment's length). A group's rows go first-fit
+    by decreasing length into parts of cost at most ``budget`` (a row too long for any goes alone with the
+    prompt)."""
+    p = rollout.prompt_length
+    ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
+    group, _ = prompt_groups(ids, attention, p)
+    prompt = attention[:, :p].sum(-1).tolist()
+    completion = [max(n - q, 0) for n, q in zip(lengths.tolist(), prompt)]
+    parts: list[tuple[list[int], float]] = []
+    for g in group.unique().tolist():
+        members = sorted((i for i in range(len(rows)) if group[i] == g), key=lambda i: -completion[i])
+        open_parts: list[tuple[list[int], int]] = []  # members, segment length
+        for i in members:
+            for k, (held, size) in enumerate(open_parts):
+                if budget is None or sequence_cost(size + completion[i], hidden_size) <= budget:
+                    open_parts[k] = (held + [i], size + completion[i])
+                    break
+            else:
+                open_parts.append(([i], prompt[i] + completion[i]))
+        parts += [(held, sequence_cost(size, hidden_size)) for held, size in open_parts]
+    return parts

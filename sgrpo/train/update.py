@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from sgrpo.distributed import any_process, data_parallel_size, gradient_sync, max_over_processes
 from sgrpo.model.loading import largest_magnitude
 from sgrpo.model.logprobs import completion_logprobs, gap_means, logprob_gap, merge_gaps, packing_problem
-from sgrpo.model.packing import attention_implementation, layout_tokens, one_row
+from sgrpo.model.packed_path import attention_path, choose_attention, sharing_verdict
+from sgrpo.model.packing import layout_tokens, one_row, shared_layout_tokens, shared_pays
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
@@ -238,10 +239,12 @@ class PolicyUpdate:
         """One micro-batch, trimmed: log-probs ``[n, T]`` under ``model`` and its token mask; with ``stats`` (the
         gradient pass), entropies too, and its layout's token counts added to ``stats`` (``LAYOUT``)."""
         batch = trim(rollout, chunk, token_mask)
-        packing = self._packs(model)
+        packing, share = self._packs(model), self._shares(model)
         if stats is not None:
             hidden = getattr(model.config, "hidden_size", None)
             real, padded, ran = layout_tokens(batch["attention_mask"], batch["mask"], one_row(model), hidden)
+            if share and shared_pays(batch["attention_mask"], batch["mask"], batch["input_ids"], hidden):
+                real, ran = shared_layout_tokens(batch["input_ids"], batch["attention_mask"], batch["mask"], hidden)
             for name, value in zip(LAYOUT, (real, padded, ran if packing else padded, 1)):
                 stats[name] += value
         logp, entropy = completion_logprobs(
@@ -251,7 +254,7 @@ class PolicyUpdate:
             batch["mask"],
             self.rollout.temperature,
             chunk_mib=self.logits_chunk_mib,
-            share_prompts=self.share_prompts,
+            share_prompts=share if packing else self.share_prompts,
             with_entropy=stats is not None,
             packing=packing,
         )
@@ -259,21 +262,33 @@ class PolicyUpdate:
 
     def _packs(self, model: nn.Module) -> bool:
         """Whether ``model``'s log-probs run packed: ``packing`` is on and ``packing_problem`` found nothing on any
-        process (checked once per model; else the padded path, with a one-line warning saying why)."""
+        process (checked once per model; else the padded path, with a one-line warning saying why). On an
+        accelerator the model first gets the packed path's attention (``choose_attention``); one log line names it."""
+        return self._packing_verdict(model)[0]
+
+    def _shares(self, model: nn.Module) -> bool:
+        """Whether packed log-probs run each group's prompt once (``sgrpo.model.packed_path.sharing_verdict``)."""
+        return self._packing_verdict(model)[1]
+
+    def _packing_verdict(self, model: nn.Module) -> tuple[bool, bool]:
+        """(packs, shares), decided once per model by every process at the same point (collectives)."""
         verdicts = self.__dict__.setdefault("_packing_verdicts", {})  # a plain dict: not state, not a submodule
         if not self.packing:
-            return False
+            return False, False
         if id(model) not in verdicts:
+            choose_attention(model, self.device.type)
             problem = packing_problem(model)
-            verdicts[id(model)] = not any_process(problem is not None, self.device)
+            packs = not any_process(problem is not None, self.device)
+            sharing = sharing_verdict(model, self.device) if packs and self.share_prompts else None
+            verdicts[id(model)] = packs, packs and self.share_prompts and sharing is None
             if self.trainer.is_global_zero:
-                impl = attention_implementation(model)
-                layout = "one varlen row" if one_row(model) else "rows of the padded width or a multiple (cost model)"
-                if verdicts[id(model)]:
-                    log.info("model.packing: packed log-probs, %s attention, %s", impl, layout)
+                if packs:
+                    log.info("model.packing: packed log-probs, %s", attention_path(model, verdicts[id(model)][1]))
                 else:
                     reason = problem or "the check failed on another process"
                     log.warning("model.packing: falling back to padded log-probs: %s", reason)
+                if sharing is not None:
+                    log.warning("model.share_prompts: packed rows hold each completion's own prompt copy: %s", sharing)
         return verdicts[id(model)]
 
     def _layout_logs(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -296,8 +311,9 @@ class PolicyUpdate:
         packed = self._packs(model)
         hidden = getattr(model.config, "hidden_size", None) if packed else None
         agree = lambda bins: max_over_processes(self.trainer.strategy, bins)  # noqa: E731
+        share = self._shares(model)
         return update_micro_batches(
-            rollout, rows, token_mask, packed, hidden, self.micro_batch_size, self.micro_batch_tokens, agree
+            rollout, rows, token_mask, packed, hidden, self.micro_batch_size, self.micro_batch_tokens, agree, share
         )
 
     def _backward(self, loss: Tensor, sync: bool) -> None:

@@ -1,0 +1,103 @@
+"""Which packed path a model runs: its attention implementation, whether each group's prompt runs once, and the line
+that names them at the start of a run.
+
+``choose_attention`` gives a model on an accelerator the attention the packed path runs best with
+(``preferred_attention``: flash-attention's varlen kernel where installed, flex attention where torch has it, SDPA
+with a packed mask otherwise). ``sharing_verdict`` says, the same on every process, whether the model can run
+``sgrpo.model.packing.pack_shared``'s layout (a block mask: ``sharing_problem``, then a probe,
+``shared_packing_problem``), and ``attention_path`` names the path in words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from sgrpo.distributed import any_process
+from sgrpo.model.head import head_dtype
+from sgrpo.model.logprobs import completion_logprobs
+from sgrpo.model.packing import VARLEN_ATTENTION, attention_implementation, shared_pays, sharing_problem
+
+
+def preferred_attention(device_type: str, flash: bool, flex: bool) -> str | None:
+    """The attention implementation packed log-probs run on ``device_type``, or None to keep the model's (SDPA with
+    a packed mask): on an accelerator flash-attention's varlen kernel where the ``flash_attn`` package is
+    installed (``flash``), else flex attention where torch has it (``flex``: a ``BlockMask`` skips masked blocks);
+    on CPU none (flash does not run there, flex needs a C++ compiler and a compile per shape)."""
+    if device_type == "cpu":
+        return None
+    return "flash_attention_2" if flash else "flex_attention" if flex else None
+
+
+def choose_attention(model: nn.Module, device_type: str) -> str | None:
+    """Switch ``model`` to ``preferred_attention`` where it still has transformers' default (SDPA) and its class
+    supports the switch; returns the implementation it runs."""
+    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+
+    if attention_implementation(model) == "sdpa" and hasattr(model, "set_attn_implementation"):
+        wanted = preferred_attention(device_type, is_flash_attn_2_available(), is_torch_flex_attn_available())
+        if wanted is not None:
+            with contextlib.suppress(ImportError, ValueError):  # the model's class does not support it: SDPA stays
+                model.set_attn_implementation(wanted)
+    return attention_implementation(model)
+
+
+def attention_path(model: nn.Module, shares: bool) -> str:
+    """The packed path ``model`` runs, in words, for the start-of-run log line."""
+    impl = attention_implementation(model)
+    if impl in VARLEN_ATTENTION:
+        return f"{impl}: the varlen kernel over one packed row (prompts not shared: it takes no block mask)"
+    how = {"flex_attention": "flex attention with a BlockMask", "sdpa": "SDPA with a packed mask"}.get(impl, impl)
+    rows = "rows of the padded width or a multiple (cost model)"
+    return f"{how}, {rows}" + (", each group's prompt once where the cost model says it pays" if shares else "")
+
+
+def shared_packing_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s packed log-probs with each prompt once are wrong, or None; a few small forwards (collectives
+    under FSDP2), in eval mode, without gradients.
+
+    A probe of one 24-token prompt with three completions (4, 3 and 2 tokens) in one segment: changing the second
+    completion's tokens must leave the other two's log-probs unchanged bit for bit (no completion sees another),
+    and the log-probs must be finite and within 1e-4 (0.125 in half precision) of the unshared packed ones.
+    """
+    weight = model.get_output_embeddings().weight
+    tolerance = 0.125 if head_dtype(weight).itemsize < 4 else 1e-4
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (1, 24), generator=g).expand(3, -1)
+    ids = torch.cat([prompt, torch.randint(0, vocab, (3, 4), generator=g)], 1).to(weight.device)
+    attention = torch.ones_like(ids)
+    attention[1, -1:] = attention[2, -2:] = 0
+    completion = attention[:, 24:].bool()
+    changed = ids.clone()
+    changed[1, 24:] = (ids[1, 24:] + 1) % vocab
+    if not shared_pays(attention, completion, ids, getattr(model.config, "hidden_size", None)):
+        return None  # the model's hidden size makes even this layout not pay: completion_logprobs never shares
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            shared, other, alone = (
+                completion_logprobs(model, x, attention, completion, packing=True, share_prompts=share)[0]
+                for x, share in ((ids, True), (changed, True), (ids, False))
+            )
+    finally:
+        model.train(training)
+    impl = attention_implementation(model)
+    if not torch.equal(shared[[0, 2]], other[[0, 2]]):
+        return f"with {impl} attention, one completion's log-probs change with another's tokens under the block mask"
+    gap = float((shared - alone).abs().max())
+    if not gap <= tolerance:  # NaN fails too
+        return f"with {impl} attention, log-probs with the prompt once differ from unshared ones by {gap:.3g}"
+    return None
+
+
+def sharing_verdict(model: nn.Module, device: torch.device) -> str | None:
+    """Why packed log-probs cannot run each group's prompt once on some process (``sharing_problem``, then
+    ``shared_packing_problem``), or None: the same answer on every process."""
+    problem = sharing_problem(model) or shared_packing_problem(model)
+    if any_process(problem is not None, device):
+        return problem or "the check failed on another process"
+    return None
