@@ -276,8 +276,30 @@ def decoder_check(model_dir: Path, size: dict, device: torch.device) -> dict:
         elapsed = time.perf_counter() - started
         out[f"{name}_s"] = elapsed
         out[f"{name}_tok_s"] = float(batch.completion_mask.sum()) / elapsed
+    out |= kept_graphs_check(model, tokenizer, few, size["new_tokens"])
     del model
     return out
+
+
+def kept_graphs_check(model, tokenizer, examples, new_tokens: int) -> dict:
+    """CUDA graphs kept across rollouts (``GraphCache``): one greedy rollout, the weights changed in place (as an
+    optimiser step does), another through the kept graphs; its rows against the eager decoder's on the new weights
+    (identical share), and how many graphs the second rollout captured (0: all replayed)."""
+    from sgrpo.rollout import HFRollout
+
+    kept = HFRollout(max_new_tokens=new_tokens, cuda_graphs=True)
+    kept.generate(model, tokenizer, examples, 2, greedy=True)
+    cache = kept._graphs
+    captured = cache.captures if cache is not None else 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.05)  # in place: the addresses the graphs read stay
+    again = kept.generate(model, tokenizer, examples, 2, greedy=True)
+    eager = HFRollout(max_new_tokens=new_tokens).generate(model, tokenizer, examples, 2, greedy=True)
+    width = min(again.input_ids.shape[1], eager.input_ids.shape[1])
+    same = (again.input_ids[:, :width] == eager.input_ids[:, :width]).all(-1)
+    return {"graphs_kept_rows_identical": float(same.float().mean()),
+            "graphs_kept_second_captures": (cache.captures - captured) if cache is not None else None}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -317,6 +339,11 @@ def main(argv=None) -> int:
                 f"graphs: fixed-shape steps {check['graphs_tok_s']:.0f} tok/s ({speedup:.2f}x lean; CUDA graphs on "
                 f"a GPU, eager elsewhere); greedy rows identical to lean {check['graphs_greedy_rows_identical']:.0%}; "
                 f"max log-prob gap {gap}"
+            )
+            print(
+                f"kept graphs: after an in-place weight change, greedy rows identical to lean "
+                f"{check['graphs_kept_rows_identical']:.0%}; graphs captured by the second rollout "
+                f"{check['graphs_kept_second_captures']}"
             )
         except Exception as err:  # report and go on to the fits
             print(f"decoders: FAILED: {type(err).__name__}: {err}")

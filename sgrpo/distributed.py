@@ -260,14 +260,15 @@ class RolloutStop:
     The state during the rollout is still the last step's end, which a checkpoint may hold; under several
     processes its save is a collective, so every process must stop at the same point. ``run`` runs the rollout
     with the window open; a signal then calls ``request`` (the signal handler: a flag, nothing else), and the
-    process's fault watch posts it in the process group's store (``post``), where every other watch reads it
-    (``noticed``) within a second. The rollout reads ``requested`` at its checks (``check``): a process whose
-    forwards are not collectives leaves its rollout at once (``RolloutStopped``); under FSDP2's lockstep decode the
-    flag rides on the all-reduce every process already runs at each check (``decode``), so they all leave after the
-    same forward. After the rollout (whole or cut short) every process runs one all-reduce (MAX of the signal
-    numbers): the same answer everywhere, the signal to stop with, or 0. A process inside a collective of the
-    rollout cannot leave it, and need not: every process reaches that all-reduce, the ones that saw no notice
-    after their whole rollout. A signal that arrives after the window closed stops the fit at the step's end.
+    process's fault watch posts it in the process group's store (``sgrpo.run.faults.share_stop``), where every
+    other watch reads it (``noticed``) within a second. The rollout reads ``requested`` at its checks (``check``):
+    a process whose forwards are not collectives leaves its rollout at once (``RolloutStopped``); under FSDP2's
+    lockstep decode the flag rides on the all-reduce every process already runs at each check (``decode``), so
+    they all leave after the same forward. After the rollout (whole or cut short) every process runs one
+    all-reduce (MAX of the signal numbers): the same answer everywhere, the signal to stop with, or 0. A process
+    inside a collective of the rollout cannot leave it, and need not: every process reaches that all-reduce, the
+    ones that saw no notice after their whole rollout. A signal that arrives after the window closed stops the
+    fit at the step's end.
     """
 
     def __init__(self) -> None:

@@ -140,20 +140,19 @@ def finish(processes: list[subprocess.Popen], logs: list[Path], timeout: float =
 
 
 SIGTERM_IN_ROLLOUT = {  # the layout; which processes get SIGTERM, in that order, 0.3 s apart
+    # DDP: no collective in the rollout; process 0 gets no signal and learns of it through the store
+    "ddp-process-1-only": (["--trainer.devices=2", "--trainer.strategy=ddp"], [1]),
     # FSDP2 decoding on the sharded model: every forward is a collective (lockstep), so they leave together; the
-    # second SIGTERM reaches process 0 while it saves (it killed it there)
+    # second SIGTERM reaches process 0 while it saves (ignored there) or exits
     "fsdp2-lockstep-both": (["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"),
                              "--model.rollout.init_args.weights_snapshot=false"], [1, 0]),
-    # DDP: no collective in the rollout; process 0 gets no signal and learns of it through the store (each case
-    # takes three 2-process launches: this one runs with the kill trials, in `make test-bench`)
-    "ddp-process-1-only": (["--trainer.devices=2", "--trainer.strategy=ddp"], [1]),
 }  # fmt: skip
-BENCH = pytest.mark.bench  # (make test's time: docs/development.md)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [case if "ddp" not in case else pytest.param(case, marks=BENCH)
-                                  for case in SIGTERM_IN_ROLLOUT])  # fmt: skip
+@pytest.mark.bench  # three 2-process launches a case: with the kill trials (make test's margin, docs/development.md;
+# make test checks the parts in one process: tests/test_rollout_stop.py)
+@pytest.mark.parametrize("case", list(SIGTERM_IN_ROLLOUT))
 def test_sigterm_during_the_rollout_stops_every_process_at_once_and_resumes_exactly(case, model_dir, tmp_path):
     """2 processes started separately (as srun starts them) are in step 2's rollout (slowed: 0.3 s a token, the
     first until the signals are sent) when SIGTERM reaches one or both: every process leaves the rollout, saves

@@ -148,3 +148,13 @@ def test_shapes_are_bucketed_and_the_least_recently_used_dropped():
     assert list(cache.entries)[-1] == (8, 2 * CAPACITY_STEP, torch.float32, None) and cache.captures > captured
     rollout(model, cache, width=5, groups=1)  # 3 rows: a third shape; the oldest (32 rows) goes
     assert [shape[:2] for shape in cache.entries] == [(8, 2 * CAPACITY_STEP), (4, CAPACITY_STEP)]
+
+
+def test_without_a_capture_on_the_cpu_the_kept_steps_run_eagerly():
+    """``GraphCache()`` as ``HFRollout(cuda_graphs=True)`` makes it: on the CPU no graph is captured (CUDA's calls
+    would raise), the kept fixed-shape steps run eagerly across rollouts and sample what the eager decoder does."""
+    model = llama()
+    cache = GraphCache()
+    for seed in (3, 4):
+        assert_same(rollout(model, cache, seed=seed), rollout(model, None, seed=seed))
+    assert cache.captures == 0 and len(cache.entries) == 1

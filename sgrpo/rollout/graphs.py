@@ -218,7 +218,8 @@ class GraphCache:
         else:  # a cast copy, refreshed in place by every rollout (``load``)
             kept_head = LMHead(head.weight.clone(), head.bias, head.transform, head.dtype)
         step = functools.partial(step_class, head=kept_head)
-        return StaticSteps(model, SimpleNamespace(layers=layers), key_mask, step, graphs=True, capture=self._counted)
+        graphs = key_mask.device.type == "cuda" or self.capture is not None  # else eager steps (CPU)
+        return StaticSteps(model, SimpleNamespace(layers=layers), key_mask, step, graphs, capture=self._counted)
 
     def _counted(self, steps: StaticSteps, b: int) -> tuple:
         self.captures += 1
