@@ -70,14 +70,21 @@ def throughput(stamp: dict) -> str:
             f"{ratio['peak_mib']:.2f}x the peak RSS ({num(s['peak_mib'], 0)} against {num(t['peak_mib'], 0)} MiB)."
         )
     assert ratio["rollout_s"] < 1, "the rollout is no longer faster in sgrpo"
+    load, cpus = machine["load_average"][0], machine["cpus"]
+    sgrpo, trl = spread(s["step_times_s"]), spread(t["step_times_s"])
+    ranges = f"each framework's steps ranged from {sgrpo} s (sgrpo) and {trl} s (TRL)"
+    if load > cpus:  # other jobs shared the cores: the time rows are the load's
+        conditions = (
+            f"It ran next to other jobs (load average {load} on {cpus} CPUs at publication), and its **timings are the "
+            f"load's more than the frameworks'**: {ranges}, far from what an idle machine gives, so the time rows "
+            "below say little beyond the rollout being faster in sgrpo. Peak memory does not depend on the load."
+        )
+    else:
+        conditions = f"It ran on a quiet machine (load average {load} on {cpus} CPUs at publication); {ranges}."
     prose = wrap(
         f"`{stamp['command']}` (published {stamp['date']}; N = {num(r['parameters'], 0)} parameters, 8 prompts x 8 "
         f"completions x 32 new tokens, EOS allowed, fp32, 2 threads, {r['warmup_steps']} warm-up + "
-        f"{r['measured_steps']} measured steps each). It ran under nice 10 next to other jobs (load average "
-        f"{machine['load_average'][0]} at publication), and its **timings are the load's more than the "
-        f"frameworks'**: each framework's steps ranged from {spread(s['step_times_s'])} s (sgrpo) and "
-        f"{spread(t['step_times_s'])} s (TRL), far from what an idle machine gives, so the time rows below "
-        "say little beyond the rollout being faster in sgrpo. Peak memory does not depend on the load."
+        f"{r['measured_steps']} measured steps each). {conditions}"
     )
     rows = [("median step time (s)", "step_s", 3), ("rollout: time in generate (s)", "rollout_s", 3),
             ("update: rest of the step (s)", "update_s", 3), ("mean completion length (tokens)", "mean_len", 1),
