@@ -203,7 +203,7 @@ def async_fit(root: str, model_dir: str, steps: str, skew: str, *extra: str) -> 
 
 
 def async_estimators(out: str, model_dir: str, steps: str, *variants: str) -> None:
-    """For each variant ("GRPO", or "SoftmaxGRPO+dynamic": that estimator with dynamic sampling), a synchronous
+    """For each variant ("GRPO", or "RLOO+dynamic": that estimator with dynamic sampling), a synchronous
     DDP fit and its staleness-0 async twin, to OUT/VARIANT/sync and OUT/VARIANT/s0."""
     for variant in variants:
         estimator, *dynamic = variant.split("+")
