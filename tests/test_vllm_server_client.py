@@ -368,3 +368,19 @@ def test_a_fit_with_async_rollout_takes_its_groups_from_the_servers_within_the_b
     assert pauses[1:] == ["/pause?mode=keep&clear_cache=false"] * 3  # the first push (start) is the engine's own
     assert len(sent(server)) == 3 * 4  # every prompt of every step, once
 
+
+
+def test_newest_versions_travel_with_their_rows_and_need_versions():
+    import dataclasses
+
+    from sgrpo.types import RolloutBatch
+
+    n = 4
+    batch = RolloutBatch(torch.zeros(n, 5, dtype=torch.long), torch.ones(n, 5, dtype=torch.long),
+                         torch.ones(n, 3, dtype=torch.bool), ["x"] * n, torch.zeros(n, dtype=torch.bool), 2,
+                         versions=torch.tensor([0, 0, 1, 1]), newest_versions=torch.tensor([1, 1, 2, 2]))  # fmt: skip
+    assert batch.select_groups(torch.tensor([1, 0])).newest_versions.tolist() == [2, 2, 1, 1]
+    assert RolloutBatch.cat([batch, batch]).newest_versions.tolist() == [1, 1, 2, 2] * 2
+    assert RolloutBatch.cat([batch, dataclasses.replace(batch, newest_versions=None)]).newest_versions is None
+    with pytest.raises(ValueError, match="newest_versions must be"):
+        dataclasses.replace(batch, versions=None)
