@@ -277,6 +277,7 @@ def test_the_server_producer_sends_each_admitted_step_as_the_synchronous_engine_
     producer = producer_of(engine, model, tokenizer, staleness=1)
     block = producer.take(0, texts(0))
     assert sorted(producer._jobs) == [1]  # step 1 sent (1 <= 0 + 1), step 2 not
+    producer.take(1, texts(1))
     asynchronous = sent(server)[len(synchronous):]
     step0 = [r for r in asynchronous if r["token_ids"] in [s["token_ids"] for s in synchronous]]
     assert sorted((r["token_ids"], r["sampling_params"]["seed"]) for r in step0) == sorted(
@@ -285,9 +286,8 @@ def test_the_server_producer_sends_each_admitted_step_as_the_synchronous_engine_
     assert block.rollout.versions.tolist() == [0] * 4 and block.rollout.newest_versions.tolist() == [0] * 4
     bump_weights_version(model)
     producer.push(None, 1)  # version 1: step 2 is admitted, under the new weights' salt
-    assert sorted(producer._jobs) == [1, 2]
+    assert sorted(producer._jobs) == [2]
     assert [p for p, _ in server.calls if p.startswith("/pause")][-1] == "/pause?mode=keep&clear_cache=false"
-    producer.take(1, texts(1))
     producer.take(2, texts(2))
     assert sent(server)[-1]["cache_salt"] == engine._pushed != synchronous[0]["cache_salt"]
     producer.close()
@@ -299,6 +299,9 @@ def test_requests_kept_across_a_push_record_every_version_their_groups_span(serv
     server.hold = threading.Event()  # steps 0 and 1 stay in flight across the push
     engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, dtype="float32")
     producer = producer_of(engine, model, tokenizer, staleness=1)
+    deadline = time.monotonic() + 10
+    while len(sent(server)) < 4 and time.monotonic() < deadline:  # every request of steps 0 and 1 at the server
+        time.sleep(0.01)
     bump_weights_version(model)
     producer.push(None, 1)
     server.hold.set()
@@ -365,3 +368,19 @@ def test_a_fit_with_async_rollout_takes_its_groups_from_the_servers_within_the_b
     assert pauses[1:] == ["/pause?mode=keep&clear_cache=false"] * 3  # the first push (start) is the engine's own
     assert len(sent(server)) == 3 * 4  # every prompt of every step, once
 
+
+
+def test_newest_versions_travel_with_their_rows_and_need_versions():
+    import dataclasses
+
+    from sgrpo.types import RolloutBatch
+
+    n = 4
+    batch = RolloutBatch(torch.zeros(n, 5, dtype=torch.long), torch.ones(n, 5, dtype=torch.long),
+                         torch.ones(n, 3, dtype=torch.bool), ["x"] * n, torch.zeros(n, dtype=torch.bool), 2,
+                         versions=torch.tensor([0, 0, 1, 1]), newest_versions=torch.tensor([1, 1, 2, 2]))  # fmt: skip
+    assert batch.select_groups(torch.tensor([1, 0])).newest_versions.tolist() == [2, 2, 1, 1]
+    assert RolloutBatch.cat([batch, batch]).newest_versions.tolist() == [1, 1, 2, 2] * 2
+    assert RolloutBatch.cat([batch, dataclasses.replace(batch, newest_versions=None)]).newest_versions is None
+    with pytest.raises(ValueError, match="newest_versions must be"):
+        dataclasses.replace(batch, versions=None)
