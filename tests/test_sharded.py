@@ -117,6 +117,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
         timeout=600,  # 93 s measured with the machine at load average 10-12, before the async jobs (+1-3 min)
     )
     assert "model.packing: falling back" not in stderr  # packed log-probs (the default) pass their check sharded
+    assert "model.share_prompts: packed rows hold" not in stderr  # and so does each group's prompt once
     for scenario in SCENARIOS:
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
