@@ -177,8 +177,10 @@ def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path
 
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each
 #: micro-batch's weight gradients are rounded to bf16, and 1 and 2 processes cut different micro-batches
-#: (measured: loss 3.5e-5, gradient norm 8e-5, KL 7e-3)
-TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 2e-4, "stale": 1e-5}
+#: (measured: loss 3.5e-5, gradient norm 8e-5, KL 7e-3); with each group's prompt once (packed, the default) a
+#: micro-batch holding two rows of a group runs them under a block mask, whose bf16 roundings differ from the
+#: unshared layout's (per token up to 6e-4, as far from a float32 run as the unshared; measured loss 2.8e-4)
+TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 1e-3, "stale": 1e-5}
 
 
 def check_sharded_update_equals_single_process_update(model_dir: str, out: Path, scenario: str) -> None:
