@@ -1,6 +1,6 @@
 """The update's log-prob cost, padded (today's trimmed micro-batches) against packed, on a grid of workloads.
 
-    python benchmarks/packing.py [--quick] [--repeats 3] [--threads 1] [--no-publish]
+    python benchmarks/packing.py [--quick] [--repeats 3] [--threads 1] [--jobs 2] [--no-publish]
 
 What is timed is what the update runs for each micro-batch of its gradient pass: ``trim``, the layout's
 token counts (``layout_tokens``), sgrpo's ``completion_logprobs`` with entropies, and the backward of
@@ -18,8 +18,9 @@ SDPA attention) on ``--threads`` CPU threads; 32 rows per workload (32 / G group
 at ``CAP`` tokens. The grid (``grid``): completion lengths uniform on [4, cap] or log-uniform on [4, cap]
 (most short, a few near the cap), prompts short (16-32 tokens) or long (200-400 tokens, one length per
 group), G 4 or 16, micro-batch budget "auto" or 8,192 (16 workloads). Each workload runs every mode once to
-warm up, then ``--repeats`` rounds of all three,
-the modes' order rotating from round to round; a run's figure is its CPU time (``time.process_time``).
+warm up, then ``--repeats`` rounds of all three, the modes' order rotating from round to round; a run's figure is
+its CPU time (``time.process_time``). ``--jobs`` workloads run at a time, each in a process of its own (on 2 idle
+cores, 2 jobs: an estimated 4-5 minutes for the full grid, from its CPU seconds).
 Reports each mode's best and median, side by side the speed-ups of ``packed`` and ``packed+shared`` over
 each mode (its time over theirs, from the best runs), and each layout's padding fraction (1 - real tokens /
 tokens the forward computes). ``--quick`` is a smoke run (a tiny model, four workloads, one round), published
@@ -153,49 +154,69 @@ def build_model(sizes: dict, cap: int):
     return LlamaForCausalLM(config).train()
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """Every workload of the grid, the three modes side by side; prints the table, returns the figures."""
+_MODELS: dict = {}  # per process: the model of (quick, threads), built once
+
+
+def measure_workload(spec: dict, quick: bool, threads: int, repeats: int) -> dict:
+    """One workload: a warm-up round of every mode, then ``repeats`` rounds (the modes' order rotating); its figures.
+    Runs in a worker process (``--jobs``), one thread each, on a model built once per process (same seed)."""
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
+    sizes, cap = (QUICK_MODEL, QUICK_CAP) if quick else (MODEL, CAP)
+    if (quick, threads) not in _MODELS:
+        _MODELS[(quick, threads)] = build_model(sizes, cap)
+    model = _MODELS[(quick, threads)]
+    rollout = workload(spec, cap, sizes["vocab"], quick=quick)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    counts = {mode: run(model, rollout, mode, spec["budget"])[1] for mode in MODES}  # warm-up round
+    order = list(MODES)
+    for r in range(repeats):
+        for mode in order[r % len(order) :] + order[: r % len(order)]:
+            times[mode].append(run(model, rollout, mode, spec["budget"])[0])
+    modes = {}
+    for mode in MODES:
+        c = counts[mode]
+        modes[mode] = {**c, "padding_fraction": 1 - c["real"] / c["computed"], "times_s": times[mode],
+                       "best_s": min(times[mode]), "median_s": statistics.median(times[mode])}  # fmt: skip
+    for mode in MODES:
+        modes[mode]["packed_speedup"] = modes[mode]["best_s"] / modes["packed"]["best_s"]
+        modes[mode]["shared_speedup"] = modes[mode]["best_s"] / modes["packed+shared"]["best_s"]
+    return {**spec, "mean_completion": float(rollout.completion_mask.sum(-1).float().mean()), "modes": modes}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every workload of the grid, the modes side by side, ``--jobs`` workloads at a time (separate processes, one
+    thread each: CPU time per process); prints the table in the grid's order, returns the figures."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     if args.quick:
         args.repeats = 1
     sizes, cap = (QUICK_MODEL, QUICK_CAP) if args.quick else (MODEL, CAP)
-    model = build_model(sizes, cap)
     print(
         f"Random Llama: hidden {sizes['hidden']}, {sizes['layers']} layers, {sizes['heads']} heads, vocabulary "
         f"{sizes['vocab']:,}, fp32, SDPA, {args.threads} thread(s); {ROWS} rows per workload, completions capped at "
-        f"{cap}; {args.repeats} measured round(s) after one warm-up round; CPU seconds per gradient pass.\n"
+        f"{cap}; {args.repeats} measured round(s) after one warm-up round; CPU seconds per gradient pass; "
+        f"{args.jobs} workload(s) at a time.\n"
     )
     print("| micro_batch_tokens | skew | prompt | G | mode | micro-batches | padding | best (s) | median (s) | "
           "speed-up of packed | of packed+shared |")  # fmt: skip
     print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
-    workloads = []
-    for spec in grid(args.quick):
-        rollout = workload(spec, cap, sizes["vocab"], quick=args.quick)
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        counts = {mode: run(model, rollout, mode, spec["budget"])[1] for mode in MODES}  # warm-up round
-        order = list(MODES)
-        for r in range(args.repeats):
-            for mode in order[r % len(order) :] + order[: r % len(order)]:
-                times[mode].append(run(model, rollout, mode, spec["budget"])[0])
-        modes = {}
-        for mode in MODES:
-            c = counts[mode]
-            modes[mode] = {**c, "padding_fraction": 1 - c["real"] / c["computed"], "times_s": times[mode],
-                           "best_s": min(times[mode]), "median_s": statistics.median(times[mode])}  # fmt: skip
-        for mode in MODES:
-            modes[mode]["packed_speedup"] = modes[mode]["best_s"] / modes["packed"]["best_s"]
-            modes[mode]["shared_speedup"] = modes[mode]["best_s"] / modes["packed+shared"]["best_s"]
-        mean_len = float(rollout.completion_mask.sum(-1).float().mean())
-        workloads.append({**spec, "mean_completion": mean_len, "modes": modes})
-        for mode, m in modes.items():
-            print(f"| {spec['budget']} | {spec['skew']} | {spec['prompt']} | {spec['G']} | {mode} | "
-                  f"{m['micro_batches']} | "
-                  f"{m['padding_fraction']:.2f} | {m['best_s']:.2f} | {m['median_s']:.2f} | "
-                  f"{m['packed_speedup']:.2f} | {m['shared_speedup']:.2f} |", flush=True)  # fmt: skip
+    specs = grid(args.quick)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        jobs = [pool.submit(measure_workload, spec, args.quick, args.threads, args.repeats) for spec in specs]
+        workloads = []
+        for job in jobs:
+            workloads.append(job.result())
+            w = workloads[-1]
+            for mode, m in w["modes"].items():
+                print(f"| {w['budget']} | {w['skew']} | {w['prompt']} | {w['G']} | {mode} | {m['micro_batches']} | "
+                      f"{m['padding_fraction']:.2f} | {m['best_s']:.2f} | {m['median_s']:.2f} | "
+                      f"{m['packed_speedup']:.2f} | {m['shared_speedup']:.2f} |", flush=True)  # fmt: skip
     return {"model": sizes, "rows": ROWS, "cap": cap, "threads": args.threads, "repeats": args.repeats,
-            "quick": args.quick, "workloads": workloads}  # fmt: skip
+            "jobs": args.jobs, "quick": args.quick, "workloads": workloads}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> Path | None:
@@ -203,6 +224,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny model, two workloads)")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per workload (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--jobs", type=int, default=2, help="workloads measured at a time, each in its own process")
     args = artefact.publish_option(parser).parse_args(argv)
     started = time.perf_counter()
     with artefact.recording() as printed:

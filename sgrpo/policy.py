@@ -135,7 +135,8 @@ class GRPOPolicy(
             val_reward: Also log the mean training reward of the validation completions (``val/reward``).
             val_prompts_per_batch: Validation prompts per rollout call.
             logits_chunk_mib: Memory bound of one chunk of float32 logits in the loss.
-            share_prompts: Run each distinct prompt once per micro-batch (off under FSDP2 and with packing).
+            share_prompts: Run each distinct prompt once per micro-batch (packed: under a block mask where it pays;
+                padded: on a KV cache, off under FSDP2).
             packing: Log-probs of each micro-batch's real tokens packed in rows, no padding (checked at start).
             dtype: Weights' dtype at load ("float32" keeps float32 master weights under bf16-mixed).
             activation_checkpointing: Recompute activations in the backward (less memory, ~1/3 more compute).

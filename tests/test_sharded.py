@@ -122,6 +122,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     )
     server.stop()
     assert "model.packing: falling back" not in stderr  # packed log-probs (the default) pass their check sharded
+    assert "model.share_prompts: packed rows hold" not in stderr  # and so does each group's prompt once
     for scenario in SCENARIOS:
         check_sharded_update_equals_single_process_update(model_dir, out, scenario)
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
@@ -150,8 +151,10 @@ def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path
 
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each
 #: micro-batch's weight gradients are rounded to bf16, and 1 and 2 processes cut different micro-batches
-#: (measured: loss 3.5e-5, gradient norm 8e-5, KL 7e-3)
-TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 2e-4, "stale": 1e-5}
+#: (measured: loss 3.5e-5, gradient norm 8e-5, KL 7e-3); with each group's prompt once (packed, the default) a
+#: micro-batch holding two rows of a group runs them under a block mask, whose bf16 roundings differ from the
+#: unshared layout's (per token up to 6e-4, as far from a float32 run as the unshared; measured loss 2.8e-4)
+TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 1e-3, "stale": 1e-5}
 
 
 def check_sharded_update_equals_single_process_update(model_dir: str, out: Path, scenario: str) -> None:

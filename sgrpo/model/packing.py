@@ -260,11 +260,11 @@ def pack_shared(
     rows = 1 + max((r for r, _ in placed.values()), default=0)
     starts = torch.tensor([placed[g][0] * width + placed[g][1] if g in placed else 0 for g in range(groups)],
                           dtype=torch.long, device=device)  # fmt: skip
-    offset = torch.zeros(n, dtype=torch.long, device=device)  # completion tokens of the group's earlier rows
-    seen = torch.zeros(groups, dtype=torch.long, device=device)
-    for i in range(n):  # rows in order: a few dozen per micro-batch
-        offset[i] = seen[group[i]]
-        seen[group[i]] += completion[i]
+    order = torch.argsort(group, stable=True)  # rows by group, in order within each
+    before = completion[order].cumsum(0) - completion[order]  # completion tokens of the rows before, all groups
+    totals = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, group, completion)
+    offset = torch.empty_like(before)
+    offset[order] = before - (totals.cumsum(0) - totals)[group[order]]  # ... of the group's earlier rows
     within = keep.long().cumsum(-1) - 1  # [N, P+T]: the position id of a kept column
     columns = torch.arange(total, device=device)
     dest = starts[group].unsqueeze(-1) + within + (columns >= p).long() * offset.unsqueeze(-1)  # [N, P+T]
