@@ -10,6 +10,7 @@ from tasks.functions import FunctionReward
 from tasks.gsm8k import GSM8K
 from tasks.holdout import hash_holdout, paper_holdout
 from tasks.judge import JudgeReward
+from tasks.lazy_table import LazySplitTable
 from tasks.mathgrade import (
     MathVerifyReward,
     NumericMatch,
@@ -38,6 +39,7 @@ from tasks.text import ReferenceText, ReferenceTextTask
 from tasks.think_format import ThinkFormat, think_format
 
 __all__ = [
+    "LazySplitTable",
     "SPLITS",
     "Bleu",
     "CalculatorTask",

@@ -9,6 +9,7 @@ interface is re-exported here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sgrpo.lazy import Mapped, is_lazy
 from sgrpo.types import Example
 from tasks.reward import (  # noqa: F401 (the reward interface stays importable from tasks.base)
     Reward,
@@ -66,7 +68,7 @@ class Task(ABC):
         self.max_train_examples = max_train_examples
         self.max_eval_examples = max_eval_examples
         self.system_prompt, self.chat_template_kwargs = system_prompt, dict(chat_template_kwargs or {})
-        self._cache: dict[str, list[Example]] = {}
+        self._cache: dict[str, Sequence[Example]] = {}
 
     def examples(self, split: str) -> Sequence[Example]:
         """The examples of ``split``, one of "train", "validation", "test"."""
@@ -74,20 +76,18 @@ class Task(ABC):
             raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
         if split not in self._cache:
             limit = self.max_train_examples if split == "train" else self.max_eval_examples
-            self._cache[split] = [self._chat_settings(ex) for ex in list(self.load(split))[:limit]]
+            loaded = self.load(split)
+            if is_lazy(loaded):  # a memory-mapped source (tasks.lazy_table): examples built when read
+                settings = functools.partial(chat_settings, type(self).__name__, self.system_prompt,
+                                             self.chat_template_kwargs)  # fmt: skip
+                self._cache[split] = Mapped(loaded if limit is None else loaded[:limit], settings)
+            else:
+                self._cache[split] = [self._chat_settings(ex) for ex in list(loaded)[:limit]]
         return self._cache[split]
 
     def _chat_settings(self, example: Example) -> Example:
         """``example`` with the system prompt before its messages and the chat-template kwargs (its own win)."""
-        prompt = example.prompt
-        if self.system_prompt:
-            require(not isinstance(prompt, str), f"system_prompt needs chat prompts; {type(self).__name__} gave raw "
-                    f"text ({prompt[:40]!r}): set chat: true, or system_prompt: null")  # fmt: skip
-            prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
-        if prompt is example.prompt and not self.chat_template_kwargs:
-            return example
-        kwargs = {**self.chat_template_kwargs, **example.chat_template_kwargs}
-        return dataclasses.replace(example, prompt=prompt, chat_template_kwargs=kwargs)
+        return chat_settings(type(self).__name__, self.system_prompt, self.chat_template_kwargs, example)
 
     def adapt_to_tokenizer(self, tokenizer) -> None:
         """Called by the policy with the tokenizer it samples with, before any grading: adapts the graders to
@@ -153,6 +153,19 @@ class Task(ABC):
 
     def __repr__(self) -> str:
         return settings_repr(self)
+
+
+def chat_settings(task: str, system_prompt: str | None, kwargs: dict[str, Any], example: Example) -> Example:
+    """``example`` with ``system_prompt`` before its messages and the chat-template ``kwargs`` (its own win);
+    ``task`` (its class name) names the task in the error for a raw-text prompt."""
+    prompt = example.prompt
+    if system_prompt:
+        require(not isinstance(prompt, str), f"system_prompt needs chat prompts; {task} gave raw "
+                f"text ({prompt[:40]!r}): set chat: true, or system_prompt: null")  # fmt: skip
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    if prompt is example.prompt and not kwargs:
+        return example
+    return dataclasses.replace(example, prompt=prompt, chat_template_kwargs={**kwargs, **example.chat_template_kwargs})
 
 
 def fill(template: str, **fields: object) -> str:

@@ -188,6 +188,11 @@ def read_rows(path: str | Path, columns: Sequence[str] | None = None) -> tuple[l
     return rows, names, locate
 
 
+def split_of(file: Path) -> str:
+    """The split a folder's file holds, by its name's first word (``test-00000-of-00001.parquet``); else train."""
+    return _SPLIT_NAMES.get(re.split(r"[-_.]", file.name, maxsplit=1)[0].lower(), "train")
+
+
 def _row_number(index: int) -> str:
     return f"row {index + 1}"
 
@@ -315,8 +320,7 @@ class SplitTable:
             raise FileNotFoundError(f"{self.path!r} holds no {'/'.join(EXTENSIONS)} files")
         by_split: dict[str, list[Row]] = {}
         for file in files:
-            stem = re.split(r"[-_.]", file.name, maxsplit=1)[0].lower()
-            by_split.setdefault(_SPLIT_NAMES.get(stem, "train"), []).extend(self._read(file))
+            by_split.setdefault(split_of(file), []).extend(self._read(file))
         return by_split
 
     def _read_hub(self) -> dict[str, list[Row]]:
@@ -347,15 +351,21 @@ class SplitTable:
             return native | self.carve(train, sizes, self.seed)
         if self.group is not None:
             return native | hash_holdout(train, self.group, sizes, self.seed)
-        order = list(range(len(train)))
-        random.Random(self.seed).shuffle(order)
-        start = 0
-        for split in missing:
-            count = held_out_count(self.sizes[split], len(train))
-            native[split] = [train[i] for i in order[start : start + count]]
-            start += count
-        if start >= len(train):
-            sizes = ", ".join(f"{s}_size={self.sizes[s]!r}" for s in missing)
-            raise ValueError(f"{sizes} hold out {start} of the {len(train)} rows of {self.path!r}; lower them")
-        native["train"] = [train[i] for i in sorted(order[start:])]
+        for split, positions in self.random_positions(len(train), missing).items():
+            native[split] = [train[i] for i in positions]
         return native
+
+    def random_positions(self, n: int, missing: list[str]) -> dict[str, list[int]]:
+        """The positions of the ``missing`` splits' rows among ``n`` train rows, held out at random by ``seed`` (in
+        the shuffled order), and of the train rows left (ascending)."""
+        order = list(range(n))
+        random.Random(self.seed).shuffle(order)
+        start, out = 0, {}
+        for split in missing:
+            count = held_out_count(self.sizes[split], n)
+            out[split] = order[start : start + count]
+            start += count
+        if start >= n:
+            sizes = ", ".join(f"{s}_size={self.sizes[s]!r}" for s in missing)
+            raise ValueError(f"{sizes} hold out {start} of the {n} rows of {self.path!r}; lower them")
+        return out | {"train": sorted(order[start:])}

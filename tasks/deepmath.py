@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from sgrpo.checks import require
+from sgrpo.lazy import Mapped, is_lazy, take
 from sgrpo.types import Example
 from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, is_blank, not_blank, number_or_blank
 from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
+from tasks.lazy_table import LazySplitTable
 from tasks.mathgrade import MathVerifyReward
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import final_text
@@ -114,7 +117,7 @@ class DeepMath(Task):
         columns = _COLUMNS + SOLUTIONS if reference_solutions else _COLUMNS
         group = _row_question if holdout == "hash" else None
         carve = paper_carver(self._uid) if holdout == "paper" else None
-        self._table = SplitTable(
+        self._table = LazySplitTable(
             path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group, carve=carve
         )
         self._test_table = (
@@ -136,27 +139,34 @@ class DeepMath(Task):
             known = {_normal(row.get("question", "")): row.get("difficulty") for row in main_rows}
             return [_with_difficulty(e, known.get(_question(e))) for e in test]
         held_out = {_question(e) for e in test}
-        return [e for e in self._examples(self._table, split) if _question(e) not in held_out]
+        examples = self._examples(self._table, split)
+        return take(examples, [i for i, e in enumerate(examples) if _question(e) not in held_out])
 
-    def _examples(self, table: SplitTable, split: str) -> list[Example]:
-        return [self._example(row, table.path) for row in table.rows(split)]  # rows checked against SCHEMAS
+    def _examples(self, table: SplitTable, split: str) -> Sequence[Example]:
+        rows = table.rows(split)  # checked against SCHEMAS; a parquet or hub source stays memory-mapped
+        make = functools.partial(make_example, self.template, self.reference_solutions, table.path)
+        return Mapped(rows, make) if is_lazy(rows) else [make(row) for row in rows]
 
     def _uid(self, row: Mapping) -> str:
         """The authors' id of a row's prompt (``tasks.holdout.prompt_uid`` of the system and user messages)."""
         return prompt_uid(self.system_prompt, fill(self.template, question=_row_text(row)[0]))
 
-    def _example(self, row: Mapping, source: str) -> Example:
-        question, answer = _row_text(row, source)
-        difficulty = row.get("difficulty")
-        metadata = {"topic": row.get("topic") or "", "source": source, "question": str(question)}
-        if self.reference_solutions:
-            metadata["reference"] = _shortest_final_text(row, source)
-        return Example(
-            prompt=[{"role": "user", "content": fill(self.template, question=question)}],  # after the system prompt
-            answer=str(answer).strip(),
-            difficulty=None if difficulty in (None, "") else float(difficulty),
-            metadata=metadata,
-        )
+
+
+def make_example(template: str, reference_solutions: bool, source: str, row: Mapping) -> Example:
+    """A DeepMath row's example: the ``template``'s user message, the gold answer, the difficulty and metadata (with
+    ``reference_solutions``, ``metadata["reference"]``: the shortest final text of ``r1_solution_1..3``)."""
+    question, answer = _row_text(row, source)
+    difficulty = row.get("difficulty")
+    metadata = {"topic": row.get("topic") or "", "source": source, "question": str(question)}
+    if reference_solutions:
+        metadata["reference"] = _shortest_final_text(row, source)
+    return Example(
+        prompt=[{"role": "user", "content": fill(template, question=question)}],  # after the system prompt
+        answer=str(answer).strip(),
+        difficulty=None if difficulty in (None, "") else float(difficulty),
+        metadata=metadata,
+    )
 
 
 def _row_text(row: Mapping, source: str = "a row") -> tuple[str, object]:

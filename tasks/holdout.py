@@ -114,6 +114,66 @@ def prompt_uid(system_prompt: str | None, user: str) -> str:
     return paper_uid([*system, {"role": "user", "content": user}])
 
 
-def paper_carver(uid: Callable[[Row], str]) -> Callable[[list[Row], dict[str, int | float], int], dict[str, list[Row]]]:
+class PaperCarver:
+    """The ``carve`` of a ``tasks.data.SplitTable`` that holds validation out by ``paper_holdout`` with ``uid``; a
+    lazy table carves by ``digest`` and ``counts`` (``ranked_split``), selecting the same rows."""
+
+    def __init__(self, uid: Callable[[Row], str]) -> None:
+        self.uid = uid
+
+    def __call__(self, rows: list[Row], sizes: dict[str, int | float], seed: int) -> dict[str, list[Row]]:
+        return paper_holdout(rows, self.uid, sizes["validation"], seed)
+
+    def digest(self, row: Row, seed: int) -> bytes:
+        """The row's rank: the SHA-256 digest of ``f"{seed}:{uid}"``."""
+        return hashlib.sha256(f"{seed}:{self.uid(row)}".encode()).digest()
+
+    def counts(self, n: int, sizes: Mapping[str, int | float]) -> list[tuple[str, int]]:
+        size = sizes["validation"]
+        require(isinstance(size, int) and not isinstance(size, bool) and size >= 1,
+                f"validation_size must be a count >= 1 with the paper's holdout, got {size!r}")  # fmt: skip
+        require(n >= 2, f"the paper's holdout needs two distinct prompts or more, got {n}")
+        return [("validation", min(size, max(1, n // 10)))]
+
+
+def paper_carver(uid: Callable[[Row], str]) -> PaperCarver:
     """The ``carve`` of a ``tasks.data.SplitTable`` that holds validation out by ``paper_holdout`` with ``uid``."""
-    return lambda rows, sizes, seed: paper_holdout(rows, uid, sizes["validation"], seed)
+    return PaperCarver(uid)
+
+
+class HashRanking:
+    """``hash_holdout`` by ``digest`` and ``counts`` (``ranked_split``), for a lazy table: the same rows."""
+
+    def __init__(self, prompt: Callable[[Row], str]) -> None:
+        self.prompt = prompt
+
+    def digest(self, row: Row, seed: int) -> bytes:
+        """The digest whose hex is ``rank_key(seed, prompt)`` (hex and bytes sort alike)."""
+        return hashlib.sha256(f"{seed}\n{self.prompt(row)}".encode()).digest()
+
+    def counts(self, n: int, sizes: Mapping[str, int | float]) -> list[tuple[str, int]]:
+        out = []
+        for split, size in sizes.items():
+            check_size(size, f"{split}_size")
+            out.append((split, held_out_prompts(size, n)))
+        return out
+
+
+def ranked_split(digests, counts: list[tuple[str, int]] | Callable[[int], list[tuple[str, int]]]) -> dict:
+    """Positions per split of rows with rank ``digests`` (``numpy`` ``S32``, one per row): the distinct digests in
+    ascending order, the first ``count`` to the first split of ``counts`` (a list, or a function of the number of
+    distinct digests), the next to the next, the rest to "train"; every row of a digest where the digest goes.
+    Positions ascend (the source's order) in each split. ``paper_holdout`` and ``hash_holdout`` without the rows."""
+    import numpy as np
+
+    distinct, inverse = np.unique(digests, return_inverse=True)
+    counts = counts(len(distinct)) if callable(counts) else counts
+    side = np.full(len(distinct), -1, dtype=np.int64)
+    start = 0
+    for number, (_, count) in enumerate(counts):
+        side[start : start + count] = number
+        start += count
+    of_row = side[inverse.reshape(-1)]
+    return {"train": np.flatnonzero(of_row == -1)} | {
+        split: np.flatnonzero(of_row == number) for number, (split, _) in enumerate(counts)
+    }

@@ -10,10 +10,12 @@ import torch
 from torch import Tensor
 
 from sgrpo.checks import require
+from sgrpo.lazy import Mapped, is_lazy
 from sgrpo.types import Example
 from tasks.base import Task
-from tasks.data import Schema, SplitTable
+from tasks.data import Schema
 from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
+from tasks.lazy_table import LazySplitTable
 from tasks.paper import OPENTHOUGHTS_SYSTEM_PROMPT
 from tasks.reward import Reward, RewardResult, WeightedSum, check_batch
 from tasks.similarity import WordSimilarity
@@ -75,17 +77,11 @@ class OpenThoughts(Task):
         uid = lambda row: prompt_uid(self.system_prompt, _turn(row, "human"))  # noqa: E731
         carve = paper_carver(uid) if holdout == "paper" else None
         self.holdout = holdout
-        self._table = SplitTable(
-            path, None, columns, SCHEMA, sizes, seed, group=lambda row: _turn(row, "human"), carve=carve
-        )
+        self._table = LazySplitTable(path, None, columns, SCHEMA, sizes, seed, group=_human_turn, carve=carve)
 
     def load(self, split: str) -> Sequence[Example]:
-        return [self._example(row) for row in self._table.rows(split)]
-
-    def _example(self, row: Mapping) -> Example:
-        metadata = {"domain": row.get("domain") or "", "source": row.get("source") or ""}
-        prompt = [{"role": "user", "content": _turn(row, "human")}]
-        return Example(prompt, _turn(row, "gpt"), row.get("difficulty"), metadata)
+        rows = self._table.rows(split)  # a parquet or hub source: memory-mapped, each example built when read
+        return Mapped(rows, _example) if is_lazy(rows) else [_example(row) for row in rows]
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
         result = self.reward.score(examples, completions)
@@ -100,6 +96,16 @@ class OpenThoughts(Task):
 
     def _reached(self, total: Tensor) -> Tensor:
         return total >= torch.tensor(self.success_threshold - 1e-9)
+
+
+def _example(row: Mapping) -> Example:
+    metadata = {"domain": row.get("domain") or "", "source": row.get("source") or ""}
+    prompt = [{"role": "user", "content": _turn(row, "human")}]
+    return Example(prompt, _turn(row, "gpt"), row.get("difficulty"), metadata)
+
+
+def _human_turn(row: Mapping) -> str:
+    return _turn(row, "human")
 
 
 def _turn(row: Mapping, speaker: str) -> str:

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 
 from sgrpo.checks import ConfigError
+from sgrpo.lazy import is_lazy, take
 from sgrpo.rollout.engine import render_prompt
 from sgrpo.types import Example
 
@@ -51,24 +52,28 @@ def prompt_room(
 
 def within_limit(
     examples: Sequence[Example], tokenizer, limit: int | None, split: str
-) -> tuple[list[Example], int]:
+) -> tuple[Sequence[Example], int]:
     """The examples whose prompt (as the rollout renders it) has at most ``limit`` tokens, and how many were dropped.
 
     A text longer than ``limit`` x the longest token of the vocabulary (in characters) has more than
     ``limit`` tokens: it is dropped without being tokenized, so a 10 MB question costs a ``len``.
-    The others are tokenized in batches.
+    The others are tokenized in batches of 1,024, read one batch at a time: a lazy ``examples`` (``sgrpo.lazy``,
+    a memory-mapped data set) stays lazy, the kept ones a view of it (``take``), a list a list.
     """
     if limit is None:
-        return list(examples), 0
+        return (examples if is_lazy(examples) else list(examples)), 0
     longest = max(map(len, tokenizer.get_vocab()))  # characters one token can cover, at most
-    texts = [render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs) for ex in examples]
-    short = [i for i, text in enumerate(texts) if len(text) <= limit * longest]
-    keep = set()
-    for start in range(0, len(short), 1024):
-        rows = short[start : start + 1024]
-        ids = tokenizer([texts[i] for i in rows], add_special_tokens=False)["input_ids"]
-        keep.update(i for i, row in zip(rows, ids, strict=True) if len(row) <= limit)
-    kept = [ex for i, ex in enumerate(examples) if i in keep]
+    keep: list[int] = []
+    texts: list[tuple[int, str]] = []
+    for index, ex in enumerate(examples):
+        text = render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs)
+        if len(text) <= limit * longest:
+            texts.append((index, text))
+        if len(texts) == 1024 or (texts and index == len(examples) - 1):
+            ids = tokenizer([text for _, text in texts], add_special_tokens=False)["input_ids"]
+            keep.extend(i for (i, _), row in zip(texts, ids, strict=True) if len(row) <= limit)
+            texts = []
+    kept = take(examples, keep)
     dropped = len(examples) - len(kept)
     if examples and not kept:
         raise ConfigError(
