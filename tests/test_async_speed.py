@@ -66,3 +66,22 @@ def test_the_producer_and_the_trainer_run_on_the_split_and_the_trainer_gets_its_
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_benchmark_probe_counts_cpu_per_step_without_the_startup_steps_and_validations():
+    """benchmarks._async_probe.per_step by hand: 6 steps, the first SKIP = 2 left out; steps of 1 s wall holding
+    0.1 s of trainer CPU and 0.05 s of producer CPU, but a validation of 10 s (2 s CPU) after step 3: the trainer's
+    CPU and the loop's wall are means over the other intervals, the producer's its total over the steps."""
+    from benchmarks._async_probe import SKIP, per_step
+
+    marks, wall, cpu, producer = [], 0.0, 0.0, 0.0
+    for step in range(6):
+        marks.append({"kind": "start", "wall": wall, "cpu": cpu, "producer": producer})
+        wall, cpu, producer = wall + 1.0, cpu + 0.1, producer + 0.05
+        marks.append({"kind": "end", "wall": wall, "cpu": cpu, "producer": producer})
+        if step == 3:
+            wall, cpu = wall + 10.0, cpu + 2.0
+    got = per_step(marks)
+    assert SKIP == 2 and got["steps"] == 2  # intervals 2-3 and 4-5 (3-4 held the validation)
+    assert got["trainer_cpu_s"] == pytest.approx(0.1) and got["loop_s"] == pytest.approx(1.0)
+    assert got["producer_cpu_s"] == pytest.approx(0.05)  # (6 - 2) steps' 0.2 s over 4 steps
