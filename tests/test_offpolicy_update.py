@@ -117,7 +117,8 @@ def count_forwards(policy, monkeypatch) -> list:
 
 def test_staleness_zero_is_exactly_the_on_policy_update(model_dir, batch, monkeypatch):
     """versions all equal to the trainer's step: the same forwards, loss and gradient bit for bit as no versions;
-    a stale version (a row from step -1) takes the decoupled path: one proximal forward and the metrics."""
+    a stale version (a row from step -1) takes the decoupled path and its metrics, in one optimiser step without
+    a proximal forward (the gradient pass's own log-probs are the proximal ones)."""
     runs = {}
     for name, version in (("sync", None), ("k=0", 0), ("stale", -1)):
         policy = policy_with(model_dir, batch, VersionedRollout(batch, version), cls=Snapshots)
@@ -131,11 +132,36 @@ def test_staleness_zero_is_exactly_the_on_policy_update(model_dir, batch, monkey
     assert set(logs) == set(logs0) and not OFFPOLICY_KEYS & set(logs)
     assert all(torch.equal(logs[k], logs0[k]) for k in logs if "throughput" not in k)  # loss, kl, clip, ...
     stale_grad, stale_logs, stale_forwards = runs["stale"]
-    assert stale_forwards == 1 and set(stale_logs) >= OFFPOLICY_KEYS
+    assert stale_forwards == 0 and set(stale_logs) >= OFFPOLICY_KEYS
     # at the same weights the HF sampler's float32 log-probs and the trainer's agree closely: w ~ 1, ESS ~ 1
     assert float(stale_logs["train/offpolicy/ess"]) == pytest.approx(1.0, abs=1e-6)
     assert float(stale_logs["train/offpolicy/k3"]) < 1e-9
     assert (stale_grad - grad).norm() < 1e-5 * grad.norm()
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_a_stale_update_runs_the_proximal_forward_only_when_it_takes_more_than_one_optimiser_step(
+    model_dir, batch, monkeypatch, ppo_epochs
+):
+    """Half the rows a step old, importance weights over [0.82, 1.22] that the cap and the mask bite on. One pass of
+    one optimiser step: no proximal forward, and the gradient, loss and train/offpolicy/* equal those of the same
+    update with the forward forced (the gradient pass runs at the proximal weights). Two epochs: the forward runs
+    (the second pass's weights are no longer the proximal ones)."""
+    runs = {}
+    for forced in (False, True):
+        policy = policy_with(model_dir, batch, HalfStaleRollout(batch), loss=half_stale_loss(), cls=Snapshots,
+                             ppo_epochs=ppo_epochs, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
+        if forced:
+            monkeypatch.setattr(policy, "_needs_proximal_forward", lambda external, stale: True)
+        calls = count_forwards(policy, monkeypatch)
+        run_steps(policy)
+        runs[forced] = (torch.stack([flat(g) for g in policy.captured]), policy.logs[0], len(calls))
+    (grad, logs, forwards), (want, want_logs, want_forwards) = runs[False], runs[True]
+    assert (forwards, want_forwards) == ((0, 1) if ppo_epochs == 1 else (1, 1))
+    assert float(logs["train/offpolicy/truncated_fraction"]) > 0 and float(logs["train/offpolicy/masked_fraction"]) > 0
+    assert (grad - want).norm() <= 1e-6 * want.norm() and want.norm() > 0
+    for key in (*OFFPOLICY_KEYS, "train/loss"):
+        assert float(logs[key]) == pytest.approx(float(want_logs[key]), rel=1e-6, abs=1e-7), key
 
 
 def float64_logprobs(model_dir, state: dict, batch) -> torch.Tensor:

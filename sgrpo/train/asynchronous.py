@@ -53,6 +53,22 @@ def async_rollout_error(
     return None
 
 
+def thread_split(threads: int, max_staleness: int, device: str) -> tuple[int, int]:
+    """(trainer, producer) intra-op threads for an async run whose trainer has ``threads`` (``torch.get_num_threads``,
+    i.e. ``OMP_NUM_THREADS``, what the synchronous run would use).
+
+    At S = 0 the two never run at once (the producer samples a step after the push that ends the one before, the
+    trainer waits for it), so both keep ``threads``: the synchronous run's sampling, bit for bit. At S >= 1 on the
+    CPU they overlap, so they share the budget: the producer gets threads // 2 and the trainer the rest (each at
+    least 1), instead of 2 x ``threads`` OpenMP threads contending for the cores one trainer was given (on a loaded
+    2-core machine 2 threads instead of 1 already made the synchronous quickstart's steps take 14x the CPU seconds:
+    spin waits). On a GPU both keep ``threads`` (the host threads only launch kernels)."""
+    if max_staleness == 0 or not device.startswith("cpu"):
+        return threads, threads
+    producer = max(1, threads // 2)
+    return max(1, threads - producer), producer
+
+
 def sampling_seed(seed: int, rank: int, step: int, sampling_round: int = 0) -> int:
     """The seed of step ``step``'s rollout (dynamic sampling's round ``sampling_round``) on process ``rank``:
     ``GroupCollection.sample``'s."""
@@ -75,12 +91,15 @@ class AsyncRollouts:
         current weights (version ``first_step``)."""
         self.stop_producer()
         self._async = {"wait_s": 0.0, "weight_sync_s": 0.0, "groups_sampled": 0}
+        self._threads = torch.get_num_threads()  # restored when the producer stops
         seed_of = functools.partial(sampling_seed, self.seed, self.global_rank)
         if isinstance(self.rollout, VLLMServerRollout):  # the servers sample; threads here keep requests in flight
             self._producer = ServerProducer(self.rollout, self.model, self.tokenizer, stream.batch, seed_of,
                                             self.group_size, self.max_staleness, first_step, last_step,
                                             self.producer_timeout)  # fmt: skip
             return
+        trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
+        torch.set_num_threads(trainer_threads)
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
@@ -92,7 +111,7 @@ class AsyncRollouts:
             max_staleness=self.max_staleness,
             start_step=first_step,
             end_step=last_step,
-            threads=torch.get_num_threads(),
+            threads=producer_threads,
             device=str(self.device),
             refill_prompts=functools.partial(refill_prompts, self._refill, self.max_sampling_rounds),
         )
@@ -102,6 +121,7 @@ class AsyncRollouts:
         if self._producer is not None:
             self._producer.close()
             self._producer = None
+            torch.set_num_threads(self._threads)
 
     def _plain_weights(self):
         return plain_weights(self.model, buffers=False)  # adapters merged, FSDP2 shards gathered (collectives)

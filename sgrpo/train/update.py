@@ -13,9 +13,11 @@ Lightning's strategy and precision plugin. Everything that must line up across p
   all-reduces (``no_sync`` on the others), and so under FSDP2 only it reduce-scatters where the policy's
   ``gradient_sync`` defers (``sgrpo.distributed.defers_gradient_sync``);
 * a rollout with rows sampled at older weights (``RolloutBatch.versions`` != ``rollout_step`` on any process) is
-  stale: every process runs the proximal forward, and the loss weighs the sampler's log-probs (the decoupled
-  objective, ``sgrpo.train.correction``; ``train/offpolicy/*`` from sums added over processes); versions all
-  current or absent run exactly the synchronous path;
+  stale: the loss weighs the sampler's log-probs (the decoupled objective, ``sgrpo.train.correction``;
+  ``train/offpolicy/*`` from sums added over processes), against proximal log-probs that every process computes
+  in a forward of their own when the update takes more than one optimiser step, and that are the gradient pass's
+  own, detached, in a single one (``_needs_proximal_forward``); versions all current or absent run exactly the
+  synchronous path;
 * the gradient norm is taken and clipped in ``on_before_optimizer_step``, after mixed precision's
   GradScaler removed its scale, and the LR scheduler steps once per training step;
 * an optimiser step whose loss or gradient norm is not finite on any process is skipped on every process
@@ -76,7 +78,7 @@ class PolicyUpdate:
         external = stale or (external and (self.loss.weighs_sampler or self.loss.bypass))  # the loss weighs mu
         anchor = sampler_logp if external and self.loss.bypass else None  # bypass: mu is the PPO anchor
         old_logp = anchor  # one on-policy pass: the current log-probs, detached, serve (no second forward)
-        if anchor is None and (external or self.ppo_epochs > 1 or self.num_minibatches > 1):
+        if anchor is None and self._needs_proximal_forward(external, stale):
             old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the update's start
         ref_logp = None
         if self.loss.needs_reference:  # the frozen reference, or the LoRA policy with its adapters off
@@ -123,11 +125,18 @@ class PolicyUpdate:
             logs |= self._offpolicy_logs(sums)
         return logs
 
+    def _needs_proximal_forward(self, external: bool, stale: bool) -> bool:
+        """Whether the proximal log-probs (at the weights the update starts from) need a forward of their own: not
+        in one optimiser step (ppo_epochs = num_minibatches = 1) on an on-policy or stale batch, whose gradient pass
+        runs at those weights (its log-probs, detached, are them). An external sampler's batch keeps its forward."""
+        if self.ppo_epochs > 1 or self.num_minibatches > 1:
+            return True
+        return external and not stale
+
     def _stale(self, rollout: RolloutBatch) -> bool:
         """Whether any process's rollout has a row sampled at other weights than the update starts from
-        (``RolloutBatch.versions`` != ``rollout_step``): then every process runs the proximal forward and the
-        decoupled objective, with the behaviour log-probs ``rollout.logprobs``. No versions: on-policy (no
-        collective)."""
+        (``RolloutBatch.versions`` != ``rollout_step``): then every process runs the decoupled objective, with the
+        behaviour log-probs ``rollout.logprobs``. No versions: on-policy (no collective)."""
         if rollout.versions is None:
             return False
         stale = any_process(bool((rollout.versions != self.rollout_step).any()), self.device)
