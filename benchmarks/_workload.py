@@ -44,7 +44,8 @@ class Workload:
     micro_batch: int | None = None  # rows per forward/backward (gradients accumulated): sgrpo's micro_batch_size
     logits_chunk_mib: float = 128.0  # sgrpo only: its LM-head chunk budget (GRPOPolicy default)
     micro_batch_tokens: int | str | None = "auto"  # sgrpo only: padded tokens per micro-batch ("auto": 1024 on CPU)
-    share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch in the update
+    share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch (the padded path's)
+    packing: bool = True  # sgrpo only: model.packing, each micro-batch's real tokens packed (False: padded rows)
     sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
     sgrpo_cuda_graphs: bool = False  # sgrpo only: HFRollout(cuda_graphs=True), fixed-shape steps replayed as graphs
     device: str = "cpu"  # "cuda": both in bf16-mixed (fp32 master weights); peak memory is then the GPU's
@@ -161,6 +162,7 @@ def sgrpo_policy(work: Workload):
         micro_batch_size=work.micro_batch,
         micro_batch_tokens=work.micro_batch_tokens,
         share_prompts=work.share_prompts,
+        packing=work.packing,
         logits_chunk_mib=work.logits_chunk_mib,
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),

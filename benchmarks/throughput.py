@@ -23,9 +23,10 @@ sgrpo's ``torch.optim.AdamW(fused=True)``), fp32, no logger, no progress bar, no
 ``torch.set_num_threads(threads)`` in both. TRL's gradient checkpointing (on by default in TRL) is
 off, as in sgrpo, unless ``--trl-gradient-checkpointing``; ``--micro-batch M`` splits the update into
 M-row micro-batches on both sides. sgrpo runs with its defaults: the lean decoder
-(``--sgrpo-decoder generate`` for transformers' ``generate``) and micro-batches of at most
-``micro_batch_tokens="auto"`` (1,024 on CPU; ``--sgrpo-micro-batch-tokens``) padded tokens, rows
-grouped by length; TRL has no counterpart of either knob.
+(``--sgrpo-decoder generate`` for transformers' ``generate``) and packed micro-batches (``model.packing``:
+each micro-batch's real tokens only, in bins balanced by cost under ``micro_batch_tokens="auto"``, 1,024 on
+CPU; ``--sgrpo-micro-batch-tokens``, which also sets most of sgrpo's peak RSS: one micro-batch's
+activations); TRL has no counterpart of either knob.
 
 Fairness: each framework runs in its own process (so peak RSS, from ``ru_maxrss``, is its own),
 and the parent releases their steps alternately, A B A B ..., one at a time: a worker blocks at the
@@ -112,9 +113,11 @@ def case_throughput(args, tmp: Path) -> dict:
 ABLATIONS = (  # (label, the sgrpo workload fields that undo one optimisation)
     ("sgrpo as configured", {}),
     ("decoder: transformers generate", {"sgrpo_decoder": "generate"}),
+    ("no packing (padded micro-batches)", {"packing": False}),
+    ("no packing, prompts not shared", {"packing": False, "share_prompts": False}),
     ("no token-budget micro-batches", {"micro_batch_tokens": None}),
-    ("prompts not shared in the update", {"share_prompts": False}),
-    ("none of the three", {"sgrpo_decoder": "generate", "micro_batch_tokens": None, "share_prompts": False}),
+    ("none of these", {"sgrpo_decoder": "generate", "micro_batch_tokens": None, "packing": False,
+                       "share_prompts": False}),
 )
 
 
@@ -260,8 +263,8 @@ def main() -> None:
         "--sgrpo-micro-batch-tokens",
         type=lambda v: v if v == "auto" else int(v),
         default="auto",
-        help="sgrpo's micro_batch_tokens: padded tokens per micro-batch, rows grouped by length "
-        "(default auto: 1024 on CPU; 0: no limit)",
+        help="sgrpo's micro_batch_tokens: the budget of a micro-batch (packed: its modelled cost, about its real "
+        "tokens; padded: its padded tokens) (default auto: 1024 on CPU; 0: no limit)",
     )
     parser.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off for parity")
     parser.add_argument("--large-vocab", type=int, default=151_936)

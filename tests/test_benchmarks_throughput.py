@@ -28,3 +28,16 @@ def test_profile_case_times_every_phase(tmp_path: Path, capsys):
     assert "torch.profiler" in out and "aten::" in out
     assert "completion_logprobs" in sys.modules["sgrpo.model.logprobs"].__dict__  # the patches were undone
     assert sys.modules["sgrpo.model.logprobs"].final_hidden_states.__module__ == "sgrpo.model.logprobs"
+
+
+def test_the_workload_reaches_sgrpo_with_packing_and_prompt_sharing_as_set(tmp_path: Path):
+    """The ablation case's variants undo packing and prompt sharing through the Workload: GRPOPolicy gets them."""
+    from benchmarks._workload import sgrpo_policy
+    from benchmarks.throughput import ABLATIONS
+
+    for _, changes in ABLATIONS:
+        work = Workload(model_dir=str(tmp_path), **changes)
+        policy = sgrpo_policy(work)  # no model loads here (configure_model does)
+        assert (policy.packing, policy.share_prompts) == (work.packing, work.share_prompts)
+        assert policy.micro_batch_tokens == work.micro_batch_tokens
+    assert {"packing": False} in [changes for _, changes in ABLATIONS]
