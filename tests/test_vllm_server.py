@@ -226,15 +226,15 @@ def in_process_fit(root: Path, url: str, model_dir: str, *extra: str, steps: int
           f"--model.model={model_dir}", f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}",
           "--model.task.init_args.levels=[1, 2]", "--model.task.init_args.reward=tests.vllm_fakes.Parity",
           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-          "--trainer.val_check_interval=1000", *extra])  # fmt: skip
+          "--trainer.val_check_interval=1000", "--model.log_completions_every=1", *extra])  # fmt: skip
     return read_run_metrics(root)
 
 
 def test_async_through_the_server_at_staleness_0_is_the_synchronous_server_run(engine, model_dir, tmp_path,
                                                                                monkeypatch):  # fmt: skip
-    """The server as the async producer (``ServerProducer``): at S = 0 every logged value but timings and the
-    final weights equal the synchronous run's (the same requests, seeded per request); at S = 1 every trained
-    group is within the bound and every step trains its 4 groups."""
+    """The server as the async producer (``ServerProducer``): at S = 0 the logged completions, every logged value
+    but timings and the final weights equal the synchronous run's (the same requests, seeded per request); at S = 1
+    every trained group is within the bound and every step trains its 4 groups."""
     from safetensors.torch import load_file
 
     for name in DISTRIBUTED:  # an in-process vLLM engine of an earlier module may have exported them
@@ -247,6 +247,8 @@ def test_async_through_the_server_at_staleness_0_is_the_synchronous_server_run(e
     untimed = [{k: v for k, v in m.items() if not k.startswith(UNTIMED_SKIP)} for m in (sync, stale0)]
     assert untimed[0] == untimed[1] and len(untimed[0]) > 20 and len(sync["train/loss"]) == 3
     assert [v for _, v in stale0["train/async/staleness_max"]] == [0.0] * 3
+    completions = [next((tmp_path / run).rglob("completions.jsonl")).read_text() for run in ("sync", "async0")]
+    assert completions[0] == completions[1] and completions[0].count("\n") >= 3  # the same sampled completions
     weights = [load_file(str(tmp_path / run / "hf_model" / "model.safetensors")) for run in ("sync", "async0")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     stale1 = in_process_fit(tmp_path / "async1", url, model_dir, "--model.async_rollout=true",
