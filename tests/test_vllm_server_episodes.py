@@ -83,3 +83,78 @@ def test_a_turn_from_other_weights_raises_naming_the_server(chat):
             engine.generate_episodes(model, tokenizer, EXAMPLES[:1], 1, environment)
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------- a real server
+def prefix_cache_hits(url: str) -> float:
+    """The server's prefix-cache hits in tokens (vLLM's Prometheus counter), 0 where it exports none."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_real_server_episodes_keep_the_servers_tokens_and_logprobs(tmp_path):
+    """``vllm serve`` on CPU (make test-vllm), the tiny char Llama with a multi-turn template: the loss tokens are
+    exactly the ids the server sampled, with its log-probs within 1e-4 of the trainer's after each of two pushes of
+    different weights (a push clears the prefix cache: no turn reuses the other weights' KV), and later turns hit the
+    prefix cache (the earlier turns' KV)."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from sgrpo.model.logprobs import completion_logprobs
+    from sgrpo.model.tiny import build_char_tokenizer
+    from sgrpo.rollout.engine import bump_weights_version
+    from sgrpo.rollout.vllm_launch import VLLMServers
+    from tests.multiturn_helpers import DIGITS_TEMPLATE, Digits
+    from tests.test_vllm_server import SERVER_ARGS, free_port, perturbed
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = DIGITS_TEMPLATE
+    build_tiny_llama(tokenizer, num_heads=2, max_positions=128).save_pretrained(tmp_path)  # head_dim 32 for vLLM
+    tokenizer.save_pretrained(tmp_path)
+    # --block-size 32 (the CPU default is 128): the cache shares whole blocks, and these rows are short
+    launch = VLLMServers(ports=[free_port()], args=[*SERVER_ARGS, "--block-size", "32"], startup_timeout=600,
+                         env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, log_dir=str(tmp_path))  # fmt: skip
+    engine = VLLMServerRollout(launch=launch, max_new_tokens=8, dtype="float32", max_model_len=128,
+                               sync_timeout=60)  # fmt: skip
+    digits = torch.randint(10, (16, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    # 16 distinct openings of 43 tokens, one episode each: a prefix-cache hit is a later turn reusing an earlier one's
+    examples = [Example(prompt="s:" + "".join(map(str, row)) + "=", answer="") for row in digits]
+    sampled: list[list[int]] = []
+    original_map = engine.pool.map
+
+    def recording_map(path, payloads, **kwargs):
+        answers = original_map(path, payloads, **kwargs)
+        sampled.extend(a.body["choices"][0]["token_ids"] for a in answers if path == GENERATE)
+        return answers
+
+    engine.pool.map = recording_map
+    try:
+        for seed in (3, 4):  # two pushes of different weights
+            model = perturbed(AutoModelForCausalLM.from_pretrained(tmp_path), seed)
+            bump_weights_version(model)
+            sampled.clear()
+            hits = prefix_cache_hits(launch.urls[0]) if launch.processes else 0.0
+            torch.manual_seed(seed)
+            batch = engine.generate_episodes(model, tokenizer, examples, 1, Digits(max_turns=3))
+            turns = [e.turns for e in batch.episodes]
+            assert max(turns) > 1 and len(sampled) == sum(turns)  # one request per turn
+            for row in range(batch.input_ids.shape[0]):  # mask 1: exactly what the server sampled, turn by turn
+                generated = batch.input_ids[row, batch.prompt_length :][batch.completion_mask[row]].tolist()
+                cut = [i + 1 for i, token in enumerate(generated) if token == tokenizer.eos_token_id]
+                pieces = [generated[a:b] for a, b in zip([0, *cut], [*cut, len(generated)]) if b > a]
+                assert all(any(s[: len(piece)] == piece for s in sampled) for piece in pieces)
+            with torch.no_grad():
+                logp, _ = completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+            mask = batch.completion_mask
+            gap = float((logp - batch.logprobs)[mask].abs().max())
+            assert gap <= 1e-4, gap
+            reused = prefix_cache_hits(launch.urls[0]) - hits
+            print(f"\n[figures] push {seed}: {len(turns)} episodes, {sum(turns)} turns, {int(mask.sum())} loss tokens, "
+                  f"max |d log p| {gap:.2e}, prefix-cache hits {reused:.0f} tokens")
+            assert reused > 0  # later turns reuse the earlier turns' KV
+    finally:
+        engine.close()
