@@ -219,8 +219,38 @@ def test_shared_pays_by_the_cost_model():
     distinct = torch.arange(len(ids)).unsqueeze(-1) % 14 + 3
     ids_distinct = torch.where(mask[:, :30] > 0, distinct, 0)
     assert not shared_pays(mask, completion, torch.cat([ids_distinct, ids[:, 30:]], 1), 64)
-    ids, mask, completion = grouped_batch(groups=1, g=8, p=3, t=60, seed=0)
-    assert not shared_pays(mask, completion, ids, 2)
+
+
+
+def test_segment_parts_by_hand():
+    """cost(L) = L + L^2 / 6H. H 2, prompt 3, completions 60 and 60: adding the second to the first's segment costs
+    cost(123) - cost(63) = 990, a part of its own cost(63) = 393.75: two parts. H 256, prompt 300, completions 10,
+    20, 30: one part (adding 20 to 330 tokens costs 28.9, a new part 386.7). With a budget of 410: 30 alone (cost
+    400.9), 20 would pass it there (429.8): a new part, which 10 then joins (400.9)."""
+    from sgrpo.model.packing import segment_parts
+
+    assert segment_parts(3, [60, 60], 2) == [[0], [1]]
+    assert segment_parts(300, [10, 20, 30], 256) == [[2, 1, 0]]
+    assert segment_parts(300, [10, 20, 30], 256, budget=410) == [[2], [1, 0]]
+    assert segment_parts(3, [60, 60], None) == [[0, 1]]  # no hidden size: tokens only, one part
+
+
+def test_a_group_cut_into_parts_gives_the_same_log_probs():
+    """Where the cost model cuts a group into parts (each with its own prompt copy), the hidden states that predict
+    the trained tokens equal the unshared packed ones (SDPA, float64)."""
+    from sgrpo.model.logprobs import final_hidden_states
+    from sgrpo.model.packing import pack
+
+    model = tiny("sdpa", torch.float64).eval()
+    ids, mask, completion = grouped_batch(groups=2, g=3, p=4, t=30, seed=0)
+    shared = pack_shared(ids, mask, completion, hidden_size=1)
+    assert len(set(shared.segment.flatten().tolist()) & set(range(6))) > 2  # more segments than groups
+    plain = pack(ids, mask, completion)
+    with torch.no_grad():
+        a, b = (final_hidden_states(model, x.input_ids, m, position_ids=x.position_ids)
+                for x, m in ((plain, None), (shared, shared.allowed())))  # fmt: skip
+    a, b = (h.reshape(-1, h.shape[-1])[x.hidden_index] for h, x in ((a, plain), (b, shared)))
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
 def verdict_of(model, packing=True, share_prompts=True):

@@ -192,22 +192,67 @@ def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_length: int)
     return inverse, distinct.shape[0]
 
 
-def shared_segments(
-    attention_mask: Tensor, completion_mask: Tensor, group: Tensor, groups: int
-) -> tuple[Tensor, Tensor, Tensor, list[int]]:
-    """The segment layout of ``pack_shared`` before placement: ``keep`` ``[N, P+T]`` (``sequence_lengths``), each row's
-    prompt and run-completion token counts ``[N]``, and each group's segment length (its prompt once plus its rows'
-    completions; 0 for a group without trained tokens)."""
+def sequence_cost(length: int, hidden_size: int | None) -> float:
+    """Modelled cost of one packed sequence of ``length`` tokens: ``L + L^2 / (6 H)`` (per token ~24 H^2
+    multiply-adds in the linear layers; per query-key pair ~4 H in attention; in units of a token's linear
+    cost). Without ``hidden_size``, ``L``."""
+    return length + (length * length / (6 * hidden_size) if hidden_size else 0.0)
+
+
+def segment_parts(
+    prompt: int, completions: list[int], hidden_size: int | None, budget: float | None = None
+) -> list[list[int]]:
+    """One group's completions (run-token counts) cut into segments ``[prompt, c, c', ...]``, as index lists.
+
+    Greedy, longest completion first: each joins the part where it adds the least ``sequence_cost`` (a dense mask
+    makes a segment's attention quadratic in its length), unless a new part with its own prompt copy costs less
+    (``sequence_cost(prompt + c)``) or every part would pass ``budget``. Without ``hidden_size``, one part (under
+    ``budget``)."""
+    cost = lambda n: sequence_cost(n, hidden_size)  # noqa: E731
+    parts: list[tuple[list[int], int]] = []
+    for i in sorted(range(len(completions)), key=lambda i: -completions[i]):
+        c = completions[i]
+        fits = [k for k, (_, size) in enumerate(parts) if budget is None or cost(size + c) <= budget]
+        best = min(fits, key=lambda k: cost(parts[k][1] + c) - cost(parts[k][1]), default=None)
+        if best is None or cost(parts[best][1] + c) - cost(parts[best][1]) >= cost(prompt + c):
+            parts.append(([i], prompt + c))
+        else:
+            parts[best] = (parts[best][0] + [i], parts[best][1] + c)
+    return [members for members, _ in parts]
+
+
+@dataclass(frozen=True)
+class SharedParts:
+    """``pack_shared``'s segments before placement: ``keep`` ``[N, P+T]`` (``sequence_lengths``); per row its
+    segment (-1: no trained token) and the completion tokens of its segment's earlier rows; per segment its
+    length (the prompt once plus its rows' completions)."""
+
+    keep: Tensor
+    part: list[int]
+    offset: list[int]
+    lengths: list[int]
+
+
+def shared_parts(
+    input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, hidden_size: int | None
+) -> SharedParts:
+    """Rows grouped by prompt (``prompt_groups``), each group cut by ``segment_parts``."""
     keep, _ = sequence_lengths(attention_mask, completion_mask)
-    t = completion_mask.shape[1]
-    p = attention_mask.shape[1] - t
-    active = completion_mask.bool().any(-1)
-    prompt = attention_mask[:, :p].bool().sum(-1) * active  # [N]: the whole prompt runs when the row trains
-    completion = keep[:, p:].sum(-1)  # [N]
-    lengths = torch.zeros(groups, dtype=torch.long, device=keep.device)
-    lengths.scatter_reduce_(0, group, prompt, "amax")
-    lengths.index_add_(0, group, completion)
-    return keep, prompt, completion, lengths.tolist()
+    p = attention_mask.shape[1] - completion_mask.shape[1]
+    group = prompt_groups(input_ids, attention_mask, p)[0].tolist()
+    active = completion_mask.bool().any(-1).tolist()
+    prompt = attention_mask[:, :p].bool().sum(-1).tolist()
+    completion = keep[:, p:].sum(-1).tolist()
+    part, offset, lengths = [-1] * len(group), [0] * len(group), []
+    for g in sorted(set(x for x, a in zip(group, active) if a)):
+        members = [i for i, (x, a) in enumerate(zip(group, active)) if a and x == g]
+        for held in segment_parts(prompt[members[0]], [completion[i] for i in members], hidden_size):
+            rows = sorted(members[k] for k in held)  # rows in order within a segment
+            size = prompt[rows[0]]
+            for i in rows:
+                part[i], offset[i], size = len(lengths), size - prompt[i], size + completion[i]
+            lengths.append(size)
+    return SharedParts(keep, part, offset, lengths)
 
 
 def layout_cost(lengths: list[int], width: int, hidden_size: int | None) -> float:
@@ -226,13 +271,13 @@ def shared_pays(attention_mask: Tensor, completion_mask: Tensor, input_ids: Tens
     active = completion_mask.bool().any(-1)
     if p < 1 or not active.any() or not bool(attention_mask[active, p - 1].bool().all()):
         return False
-    group, groups = prompt_groups(input_ids, attention_mask, p)
+    group, _ = prompt_groups(input_ids, attention_mask, p)
     if len(torch.unique(group[active])) == int(active.sum()):
         return False
     _, lengths = sequence_lengths(attention_mask, completion_mask)
     plain = lengths.tolist()
     unshared = layout_cost(plain, row_width(plain, max(input_ids.shape[1] - 1, 1), hidden_size), hidden_size)
-    segments = [n for n in shared_segments(attention_mask, completion_mask, group, groups)[3] if n]
+    segments = shared_parts(input_ids, attention_mask, completion_mask, hidden_size).lengths
     shared = layout_cost(segments, row_width(segments, max(segments), hidden_size), hidden_size)
     return shared < unshared
 
@@ -243,45 +288,42 @@ def pack_shared(
     """``input_ids``/``attention_mask`` ``[N, P+T]``, ``completion_mask`` ``[N, T]`` packed with each group's prompt
     once (``SharedPacked``; rows of ``row_width`` over the segments, the widest segment at least).
 
-    A row's kept column ``j`` (``sequence_lengths``) at within-sequence index ``w`` (its position id) goes to
-    ``base + w`` in the prompt and ``base + offset + w`` in the completion, where ``base`` is its group's segment start
-    and ``offset`` the completion tokens of the group's earlier rows. A completion's first token is predicted from the
+    A group's rows go into one segment or a few (``segment_parts``: where a wider dense-masked segment would cost
+    more than another prompt copy), each with its own prompt copy. A row's kept column ``j`` (``sequence_lengths``) at
+    within-sequence index ``w`` (its position id) goes to ``base + w`` in the prompt and ``base + offset + w`` in the
+    completion, where ``base`` is its segment's start and ``offset`` the completion tokens of the segment's earlier
+    rows. A completion's first token is predicted from the
     prompt's last slot. Needs every training row's prompt non-empty (``shared_pays`` checks).
     """
     device = input_ids.device
     t = completion_mask.shape[1]
     n, total = input_ids.shape
     p = total - t
-    group, groups = prompt_groups(input_ids, attention_mask, p)
-    keep, prompt, completion, lengths = shared_segments(attention_mask, completion_mask, group, groups)
-    live = [g for g in range(groups) if lengths[g]]
-    width = row_width([lengths[g] for g in live], max(lengths), hidden_size)
-    placed = dict(zip(live, first_fit([lengths[g] for g in live], width)))
-    rows = 1 + max((r for r, _ in placed.values()), default=0)
-    starts = torch.tensor([placed[g][0] * width + placed[g][1] if g in placed else 0 for g in range(groups)],
-                          dtype=torch.long, device=device)  # fmt: skip
-    order = torch.argsort(group, stable=True)  # rows by group, in order within each
-    before = completion[order].cumsum(0) - completion[order]  # completion tokens of the rows before, all groups
-    totals = torch.zeros(groups, dtype=torch.long, device=device).index_add_(0, group, completion)
-    offset = torch.empty_like(before)
-    offset[order] = before - (totals.cumsum(0) - totals)[group[order]]  # ... of the group's earlier rows
+    parts = shared_parts(input_ids, attention_mask, completion_mask, hidden_size)
+    keep, lengths = parts.keep, parts.lengths
+    width = row_width(lengths, max(lengths), hidden_size)
+    placed = first_fit(lengths, width)
+    rows = 1 + max((r for r, _ in placed), default=0)
+    starts = [r * width + o for r, o in placed]
+    base = torch.tensor([starts[k] if k >= 0 else 0 for k in parts.part], dtype=torch.long, device=device)  # [N]
+    offset = torch.tensor(parts.offset, dtype=torch.long, device=device)  # [N]
     within = keep.long().cumsum(-1) - 1  # [N, P+T]: the position id of a kept column
     columns = torch.arange(total, device=device)
-    dest = starts[group].unsqueeze(-1) + within + (columns >= p).long() * offset.unsqueeze(-1)  # [N, P+T]
+    dest = base.unsqueeze(-1) + within + (columns >= p).long() * offset.unsqueeze(-1)  # [N, P+T]
     slots = rows * width
     flat_ids = torch.zeros(slots, dtype=input_ids.dtype, device=device)
-    flat_ids[dest[keep]] = input_ids[keep]  # a group's rows write its prompt's slots with the same ids
+    flat_ids[dest[keep]] = input_ids[keep]  # a segment's rows write its prompt's slots with the same ids
     flat_pos = torch.zeros(slots, dtype=torch.long, device=device)
     flat_pos[dest[keep]] = within[keep]
-    segment = torch.arange(slots, device=device) + groups  # tail padding: a segment per slot
-    segment[dest[keep]] = group.unsqueeze(-1).expand(-1, total)[keep]
+    segment = torch.arange(slots, device=device) + len(lengths)  # tail padding: a segment per slot
+    part = torch.tensor(parts.part, dtype=torch.long, device=device)
+    segment[dest[keep]] = part.unsqueeze(-1).expand(-1, total)[keep]
     branch = torch.zeros(slots, dtype=torch.long, device=device)
     in_completion = keep & (columns >= p)
     branch[dest[in_completion]] = (torch.arange(n, device=device) + 1).unsqueeze(-1).expand(-1, total)[in_completion]
     hidden_index = dest[:, p - 1 : p + t - 1][completion_mask.bool()]
-    real = int(prompt.new_tensor([lengths[g] for g in live]).sum()) if live else 0
     view = lambda x: x.view(rows, width)  # noqa: E731
-    return SharedPacked(view(flat_ids), view(flat_pos), view(segment), view(branch), hidden_index, real)
+    return SharedPacked(view(flat_ids), view(flat_pos), view(segment), view(branch), hidden_index, sum(lengths))
 
 
 #: attention implementations that take ``SharedPacked``'s mask (a 4-D tensor, or flex-attention's ``BlockMask``)
@@ -327,10 +369,8 @@ def shared_attention_mask(model: nn.Module, packed: SharedPacked):
 def shared_layout_tokens(
     input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, hidden_size: int | None = None
 ) -> tuple[int, int]:
-    """``pack_shared``'s tokens (same arguments): real ones (each prompt once) and its rows x their width."""
-    p = input_ids.shape[1] - completion_mask.shape[1]
-    group, groups = prompt_groups(input_ids, attention_mask, p)
-    segments = [n for n in shared_segments(attention_mask, completion_mask, group, groups)[3] if n]
+    """``pack_shared``'s tokens (same arguments): real ones (each prompt once per segment) and its rows x width."""
+    segments = shared_parts(input_ids, attention_mask, completion_mask, hidden_size).lengths
     if not segments:
         return 0, 0
     width = row_width(segments, max(segments), hidden_size)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sgrpo.model.packing import prompt_groups, sequence_lengths
+from sgrpo.model.packing import prompt_groups, segment_parts, sequence_cost, sequence_lengths
 from sgrpo.types import RolloutBatch
 
 #: padded tokens per micro-batch under ``micro_batch_tokens="auto"``: small matmuls are already efficient on
@@ -59,13 +59,6 @@ def trim(rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> dict[str, T
     first = int(attn[:, :p].any(0).long().argmax()) if p else 0
     t = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1
     return {"input_ids": ids[:, first : p + t], "attention_mask": attn[:, first : p + t], "mask": mask[:, :t]}
-
-
-def sequence_cost(length: int, hidden_size: int | None) -> float:
-    """Modelled cost of one packed sequence of ``length`` tokens: ``L + L^2 / (6 H)`` (per token ~24 H^2
-    multiply-adds in the linear layers; per query-key pair ~4 H in attention; in units of a token's linear
-    cost). Without ``hidden_size``, ``L``."""
-    return length + (length * length / (6 * hidden_size) if hidden_size else 0.0)
 
 
 def balanced_bins(costs: list[float], bins: int, max_rows: int | None = None) -> list[list[int]]:
@@ -135,24 +128,17 @@ def group_parts(
     rollout: RolloutBatch, rows: Tensor, lengths: Tensor, hidden_size: int | None, budget: float | None
 ) -> list[tuple[list[int], float]]:
     """``rows``' groups (one prompt) cut into parts, each a list of indices into ``rows`` and its modelled cost: the
-    prompt once plus its rows' completions (``sequence_cost`` of the segment's length). A group's rows go first-fit
-    by decreasing length into parts of cost at most ``budget`` (a row too long for any goes alone with the
-    prompt)."""
+    prompt once plus its rows' completions (``sequence_cost`` of the segment's length). A group's rows go into parts
+    by ``sgrpo.model.packing.segment_parts`` under ``budget`` (a row too long for any goes alone with the prompt).
+    """
     p = rollout.prompt_length
-    ids, attention = rollout.input_ids[rows], rollout.attention_mask[rows]
-    group, _ = prompt_groups(ids, attention, p)
-    prompt = attention[:, :p].sum(-1).tolist()
+    group = prompt_groups(rollout.input_ids[rows], rollout.attention_mask[rows], p)[0].tolist()
+    prompt = rollout.attention_mask[rows][:, :p].sum(-1).tolist()
     completion = [max(n - q, 0) for n, q in zip(lengths.tolist(), prompt)]
     parts: list[tuple[list[int], float]] = []
-    for g in group.unique().tolist():
-        members = sorted((i for i in range(len(rows)) if group[i] == g), key=lambda i: -completion[i])
-        open_parts: list[tuple[list[int], int]] = []  # members, segment length
-        for i in members:
-            for k, (held, size) in enumerate(open_parts):
-                if budget is None or sequence_cost(size + completion[i], hidden_size) <= budget:
-                    open_parts[k] = (held + [i], size + completion[i])
-                    break
-            else:
-                open_parts.append(([i], prompt[i] + completion[i]))
-        parts += [(held, sequence_cost(size, hidden_size)) for held, size in open_parts]
+    for g in sorted(set(group)):
+        members = [i for i, x in enumerate(group) if x == g]
+        for held in segment_parts(prompt[members[0]], [completion[i] for i in members], hidden_size, budget):
+            size = prompt[members[0]] + sum(completion[members[k]] for k in held)
+            parts.append(([members[k] for k in held], sequence_cost(size, hidden_size)))
     return parts
