@@ -72,7 +72,6 @@ class AsyncRollouts:
         self.stop_producer()
         self._threads = torch.get_num_threads()  # restored when the producer stops
         trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
-        torch.set_num_threads(trainer_threads)
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
@@ -88,6 +87,7 @@ class AsyncRollouts:
             device=str(self.device),
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
+        torch.set_num_threads(trainer_threads)  # once the producer runs (stop_producer gives them back)
         self._async = {"wait_s": 0.0, "weight_sync_s": 0.0}
 
     def stop_producer(self) -> None:
