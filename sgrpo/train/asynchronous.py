@@ -99,7 +99,6 @@ class AsyncRollouts:
                                             self.producer_timeout)  # fmt: skip
             return
         trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
-        torch.set_num_threads(trainer_threads)
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
@@ -116,6 +115,7 @@ class AsyncRollouts:
             refill_prompts=functools.partial(refill_prompts, self._refill, self.max_sampling_rounds),
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
+        torch.set_num_threads(trainer_threads)  # once the producer runs (stop_producer gives them back)
 
     def stop_producer(self) -> None:
         if self._producer is not None:
