@@ -152,8 +152,8 @@ print(json.dumps({"lazy": lazy, "eager": eager, "kind": kind}))
 def test_loading_openthoughts_holds_positions_not_rows(tmp_path):
     """RssAnon (a process's own memory in use; memory-mapped pages are the page cache's, shared by the processes) when
     the task loads 6,000 rows (48 MB of text) and every row is read: a process that finds the machine's Arrow copy
-    grows by under a tenth of the rows' bytes (2.5 MB measured at 93 MB), the first one, which converts the parquet
-    files, by less than the rows (57 MB measured, the conversion's native buffers); an eager read of the same rows
+    grows by under a tenth of the rows' bytes (1.7 MB measured), the first one, which converts the parquet files, by
+    less than the rows (31 MB measured, the conversion's native buffers); an eager read of the same rows
     grows by more than 0.8 of their bytes. The old code held every row, so both failed."""
     size = write_openthoughts(tmp_path / "ot", 6_000, files=2, trace_chars=8000)
     write_openthoughts(tmp_path / "warm", 200)
@@ -168,7 +168,7 @@ def test_loading_openthoughts_holds_positions_not_rows(tmp_path):
     print(f"rows {size / 1e6:.0f} MB; RssAnon growth, MB: " + ", ".join(
         f"lazy {g['lazy'] / 1e6:.1f} (eager {g['eager'] / 1e6:.1f})" for g in grew))  # fmt: skip
     assert all(g["eager"] > 0.8 * size and g["kind"] == "Mapped" for g in grew)  # the measurement sees rows held
-    assert grew[0]["lazy"] < 0.8 * size and grew[1]["lazy"] < size / 10
+    assert grew[0]["lazy"] < size and grew[1]["lazy"] < size / 10
 
 
 def test_the_training_stream_and_the_prompt_filter_read_lazy_examples_as_lists(tmp_path):
