@@ -238,9 +238,9 @@ def test_tiny_fit_logs_the_same_with_and_without_packing(tmp_path):
 
 @pytest.mark.slow
 def test_a_model_that_cannot_pack_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
-    import sgrpo.train.update as update
+    import sgrpo.train.micro_logprobs as micro_logprobs
 
-    monkeypatch.setattr(update, "packing_problem", lambda model: "attention implementation 'x' cannot keep ...")
+    monkeypatch.setattr(micro_logprobs, "packing_problem", lambda model: "attention implementation 'x' cannot keep ...")
     with caplog.at_level(logging.WARNING, logger="sgrpo.train.update"):
         rows = _fit_rows(tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=3")
     warnings = [r.getMessage() for r in caplog.records if "model.packing" in r.getMessage()]
