@@ -35,7 +35,7 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then  # the same parts at toy size on CPU (no CUDA 
     SMOKE=(--tiny --cpu)
     HEAD=(--device cpu --tiny --repeats 2)
     BENCH=(--device cpu --prompts 2 --group-size 2 --new-tokens 8 --force-length --hidden 64 --layers 2 --heads 2
-        --intermediate 128 --warmup 0 --steps 1)
+        --intermediate 128 --warmup 0 --steps 2 --no-publish)  # the committed CPU reports stay as they are
 else
     QUICK=(--trainer.accelerator=gpu)
     SMOKE=()
@@ -56,4 +56,8 @@ part head_dtype 60 "$PY" benchmarks/head_dtype.py "${HEAD[@]}"
 # 4. sgrpo vs TRL on one GPU, forced length, bf16-mixed: eager decode, then CUDA-graph decode steps
 part throughput 200 "$PY" benchmarks/throughput.py "${BENCH[@]}"
 part throughput_graphs 150 "$PY" benchmarks/throughput.py "${BENCH[@]}" --sgrpo-cuda-graphs
+# the throughput reports published on this machine (benchmarks/artefact.py) come back with the logs
+for report in benchmarks/reports/throughput*cuda*; do
+    [[ -d $report && ${DRY_RUN:-0} != 1 ]] && cp -r "$report" "$OUT/"
+done
 cat "$OUT/summary.txt"

@@ -29,3 +29,19 @@ def test_gpu_smoke_runs_at_tiny_size_on_cpu():
     assert "greedy rows identical to lean 100%" in graphs
     summary = json.loads(next(line for line in lines if line.startswith("hf summary: ")).split(": ", 1)[1])
     assert summary["steps"] == 3 and summary["rollout_tok_s"] > 0 and summary["update_tok_s"] > 0
+
+
+def test_the_head_benchmark_runs_at_tiny_size_on_cpu(capsys):
+    """benchmarks/head_dtype.py (part of benchmarks/gpu_session.sh) at toy size on CPU: every path reported, the
+    bf16 head within bf16's rounding of float32, and the sampler's head equal to the loss's."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.head_dtype import main
+
+    assert main(["--device", "cpu", "--tiny", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines if line.split()[0] in ("fp32", "bf16", "bf16_one_part")}
+    assert len(rows) == 3 and "absent: float32 emulation" in lines[0]  # CPU: no out_dtype matmul
+    bf16_max = float(rows["bf16"].split("max ")[1].split()[0])
+    assert 0 < bf16_max < 1e-2
+    gap = float(next(line for line in lines if line.startswith("on-policy gap")).rsplit("max ", 1)[1])
+    assert gap < 1e-5
