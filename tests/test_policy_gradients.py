@@ -96,14 +96,14 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
     grads, chunks = [], []
     width = batch.prompt_length + batch.completion_mask.shape[1]
     # 16 rows in one piece; in 4-row micro-batches; in micro-batches of at most 3 full-width rows' tokens; padded,
-    # then packed (sgrpo.model.packing) with the same three splits (micro_batch_token_mean's loss groups of 3 rows
-    # cross the memory micro-batches' bounds)
+    # then packed (sgrpo.model.packing) with the same three splits, then packed with each group's prompt once
+    # (micro_batch_token_mean's loss groups of 3 rows cross the memory micro-batches' bounds)
     splits = ((None, None), (4, None), (None, 3 * width))
-    for packing in (False, True):
+    for packing, share in ((False, False), (True, False), (True, True)):
         for rows, tokens in splits:
             policy = make_policy(
                 model_dir, batch, GRPO(), loss=surrogate(aggregation, rows=3), micro_batch_size=rows,
-                micro_batch_tokens=tokens, packing=packing,
+                micro_batch_tokens=tokens, packing=packing, share_prompts=share,
             )
             run_steps(policy)
             grads.append(flat(policy.captured[0]))
@@ -119,7 +119,8 @@ def test_gradient_is_independent_of_micro_batching(model_dir, batch, aggregation
         assert len(chunk) * (batch.prompt_length + int(lengths[chunk].max())) <= 3 * width
     torch.testing.assert_close(torch.cat(chunks[2]).sort().values, torch.arange(16), rtol=0, atol=0)
     assert lengths[torch.cat(chunks[2])].tolist() == sorted(lengths.tolist(), reverse=True)
-    # packed: balanced bins of real tokens (prompt + completion up to the last), each within the budget
+    # packed, prompts not shared: balanced bins of real tokens (prompt + completion up to the last), each within
+    # the budget (shared, a bin's tokens count each group's prompt once: the gradients above are equal all the same)
     real = (batch.attention_mask[:, : batch.prompt_length].sum(-1) + lengths - 1).tolist()
     assert [len(c) for c in chunks[3]] == [16] and [len(c) for c in chunks[4]] == [4, 4, 4, 4]
     loads = [sum(real[i] for i in c.tolist()) for c in chunks[5]]  # a tiny model: cost ~ tokens (+ L^2 / 6H)

@@ -12,8 +12,8 @@ policy that samples is the policy that is trained:
   Granite ``logits_scaling``, Cohere ``logit_scale``), then the sampling temperature.
 
 At 32-true nothing is rounded: a float32 matmul, as before. A float64 model (a CPU test instrument: the precision
-of a sampler's recorded log-probs) keeps float64 in the forward, logits included (``logits_dtype``; the backward
-accumulates in float32 as at 32-true). ``check_logit_head`` compares this against the model's own forward when
+of a sampler's recorded log-probs) keeps float64 in the forward, logits included (``logits_dtype``), and in the
+backward. ``check_logit_head`` compares this against the model's own forward when
 the model loads, and refuses a model whose forward does something else to its logits.
 """
 
@@ -298,12 +298,13 @@ class TokenLogprobs(torch.autograd.Function):
         temperature, chunk, transform, dtype = ctx.temperature, ctx.chunk, ctx.transform, ctx.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        acc = logits_dtype(dtype)  # float32; float64 for a float64 head
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         head = LMHead(weight, bias, transform, dtype)
         buffers = _LogitBuffers(min(chunk, h.shape[0]), head, temperature)
         for i in range(0, h.shape[0], chunk):
-            hc, g = h[i : i + chunk], grad_logp[i : i + chunk].float() * (transform.scale / temperature)
+            hc, g = h[i : i + chunk], grad_logp[i : i + chunk].to(acc) * (transform.scale / temperature)
             z = buffers.logits(hc)
             slope = None
             if transform.softcap is not None:  # 1 - tanh^2 = 1 - (T z / c)^2, before z is overwritten
@@ -314,13 +315,13 @@ class TokenLogprobs(torch.autograd.Function):
             z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
             if slope is not None:
                 z.mul_(slope)
-            if dtype == torch.float32:  # 32-true: the float32 matmuls as they always were
-                if need_h and grad_h.dtype == torch.float32:
+            if dtype in (torch.float32, torch.float64):  # 32-true: the float32 matmuls as they always were
+                if need_h and grad_h.dtype == acc:
                     torch.mm(z, weight, out=grad_h[i : i + chunk])
                 elif need_h:
                     grad_h[i : i + chunk] = torch.mm(z, weight)
                 if need_w:
-                    grad_w.addmm_(z.t(), hc.float())
+                    grad_w.addmm_(z.t(), hc.to(acc))
             else:
                 if need_h:
                     grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype, stacked=head.stacked(0))

@@ -65,9 +65,9 @@ def shared_packing_problem(model: nn.Module) -> str | None:
     weight = model.get_output_embeddings().weight
     tolerance = 0.125 if head_dtype(weight).itemsize < 4 else 1e-4
     vocab = model.get_input_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, vocab, (1, 24), generator=g).expand(3, -1)
-    ids = torch.cat([prompt, torch.randint(0, vocab, (3, 4), generator=g)], 1).to(weight.device)
+    g = torch.Generator(device="cpu").manual_seed(1)  # the probe's ids drawn on the CPU, then moved
+    prompt = torch.randint(0, vocab, (1, 24), generator=g, device="cpu").expand(3, -1)
+    ids = torch.cat([prompt, torch.randint(0, vocab, (3, 4), generator=g, device="cpu")], 1).to(weight.device)
     attention = torch.ones_like(ids)
     attention[1, -1:] = attention[2, -2:] = 0
     completion = attention[:, 24:].bool()

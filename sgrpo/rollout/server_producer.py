@@ -241,8 +241,10 @@ class ServerProducer:
         g = self.group_size
         fallback = self._version  # a row of no token has no span: the newest weights (it sampled nothing)
         rows = [[self._labels[v] for v in row] or [fallback] for row in spans]
-        oldest = torch.tensor([min(r) for r in rows]).view(-1, g).amin(1, keepdim=True).expand(-1, g).reshape(-1)
-        newest = torch.tensor([max(r) for r in rows]).view(-1, g).amax(1, keepdim=True).expand(-1, g).reshape(-1)
+        low = torch.tensor([min(r) for r in rows], device="cpu").view(-1, g)  # the batch is built on the CPU
+        high = torch.tensor([max(r) for r in rows], device="cpu").view(-1, g)
+        oldest = low.amin(1, keepdim=True).expand(-1, g).reshape(-1)
+        newest = high.amax(1, keepdim=True).expand(-1, g).reshape(-1)
         if bool((oldest < step - self.max_staleness).any()):
             raise ProducerError(f"{self.describe()}: step {step} holds tokens of version {int(oldest.min())}, older "
                                 f"than the bound S = {self.max_staleness} allows")  # fmt: skip
