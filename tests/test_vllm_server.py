@@ -274,18 +274,22 @@ def test_requests_stay_in_flight_across_a_push_and_groups_record_the_versions_th
     prompts = [Example(prompt=f"s:{i}=", answer=str(i)) for i in range(16)]
     producer = ServerProducer(long, model, tokenizer, lambda step: prompts, lambda step: step, group_size=8,
                               max_staleness=1, start_step=0, end_step=3, timeout=300)  # fmt: skip
-    time.sleep(1.0)  # the first requests are generating
+    deadline = time.monotonic() + 120  # the first requests are in flight (whatever the machine's load), generating
+    while producer._in_flight < 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
     perturbed(model, seed=4)
     bump_weights_version(model)
     producer.push(None, 1)
     texts = [ex.prompt for ex in prompts]
-    blocks = [producer.take(step, texts) for step in (0, 1)]
+    blocks = [producer.take(step, texts) for step in (0, 1, 2)]  # step 2: admitted by the push (2 <= 1 + S)
     producer.close()
     spans = torch.cat([b.rollout.newest_versions - b.rollout.versions for b in blocks])
     oldest = torch.cat([b.rollout.versions for b in blocks])
     assert set(oldest.tolist()) <= {0, 1} and set(spans.tolist()) <= {0, 1}
     assert spans.max() == 1, "no request was in flight across the push"
-    assert (oldest == 1).any()  # queued at the push: sampled under the new weights only
+    assert (oldest == 1).any()  # step 2 (and rows still queued at the push): the new weights only
+    assert bool((blocks[2].rollout.versions == 1).all())
     print(f"\n[figures] kept across the push: {int(spans.sum())} of {spans.numel()} rows span versions 0-1, "
           f"{int((oldest == 1).sum())} sampled under version 1 only")
 
