@@ -272,26 +272,37 @@ def test_requests_stay_in_flight_across_a_push_and_groups_record_the_versions_th
     long = VLLMServerRollout(urls=engine.pool.urls, max_new_tokens=50, dtype="float32", max_model_len=64,
                              sync_timeout=30)  # fmt: skip
     prompts = [Example(prompt=f"s:{i}=", answer=str(i)) for i in range(16)]
-    producer = ServerProducer(long, model, tokenizer, lambda step: prompts, lambda step: step, group_size=8,
-                              max_staleness=1, start_step=0, end_step=3, timeout=300)  # fmt: skip
-    deadline = time.monotonic() + 120  # the first requests are in flight (whatever the machine's load), generating
-    while producer._in_flight < 16 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    perturbed(model, seed=4)
-    bump_weights_version(model)
-    producer.push(None, 1)
     texts = [ex.prompt for ex in prompts]
-    blocks = [producer.take(step, texts) for step in (0, 1, 2)]  # step 2: admitted by the push (2 <= 1 + S)
-    producer.close()
-    spans = torch.cat([b.rollout.newest_versions - b.rollout.versions for b in blocks])
-    oldest = torch.cat([b.rollout.versions for b in blocks])
-    assert set(oldest.tolist()) <= {0, 1} and set(spans.tolist()) <= {0, 1}
-    assert spans.max() == 1, "no request was in flight across the push"
-    assert (oldest == 1).any()  # step 2 (and rows still queued at the push): the new weights only
-    assert bool((blocks[2].rollout.versions == 1).all())
-    print(f"\n[figures] kept across the push: {int(spans.sum())} of {spans.numel()} rows span versions 0-1, "
-          f"{int((oldest == 1).sum())} sampled under version 1 only")
+    # When the push lands within the requests' lifetime depends on the machine's speed: rounds with growing delays
+    # after the first requests are in flight, until one push lands mid-generation (the invariants hold in every one)
+    for round_, delay in enumerate((0.0, 0.3, 1.0, 2.5)):
+        producer = ServerProducer(long, model, tokenizer, lambda step: prompts, lambda step: step, group_size=8,
+                                  max_staleness=1, start_step=0, end_step=3, timeout=300)  # fmt: skip
+        wait_in_flight(producer, 8)
+        time.sleep(delay)
+        perturbed(model, seed=4 + round_)
+        bump_weights_version(model)
+        producer.push(None, 1)
+        blocks = [producer.take(step, texts) for step in (0, 1, 2)]  # step 2: admitted by the push (2 <= 1 + S)
+        producer.close()
+        spans = torch.cat([b.rollout.newest_versions - b.rollout.versions for b in blocks])
+        oldest = torch.cat([b.rollout.versions for b in blocks])
+        assert set(oldest.tolist()) <= {0, 1} and set(spans.tolist()) <= {0, 1}
+        assert (oldest == 1).any()  # step 2 (and rows still queued at the push): the new weights only
+        assert bool((blocks[2].rollout.versions == 1).all())
+        if int(spans.max()) == 1:
+            break
+    assert spans.max() == 1, "no push landed while a request was mid-generation, in 4 rounds"
+    print(f"\n[figures] kept across the push (round {round_ + 1}, {delay} s after requests were in flight): "
+          f"{int(spans.sum())} of {spans.numel()} rows span versions 0-1, {int((oldest == 1).sum())} sampled under "
+          f"version 1 only")
+
+
+def wait_in_flight(producer, requests: int, within: float = 120.0) -> None:
+    """Until ``producer`` has ``requests`` HTTP requests in flight (or ``within`` seconds passed)."""
+    deadline = time.monotonic() + within
+    while producer._in_flight < requests and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------------------------- failures
@@ -309,12 +320,15 @@ def test_a_restarted_server_gets_a_full_push_and_gives_the_same_completions(engi
                              health_timeout=5)  # fmt: skip
     producer = ServerProducer(long, model, tokenizer, lambda step: prompts, lambda step: step, group_size=8,
                               max_staleness=1, start_step=0, end_step=2, timeout=300)  # fmt: skip
-    time.sleep(0.5)
+    for process in launch.processes:  # frozen, so that requests are surely in flight when it is killed
+        os.killpg(process.pid, signal.SIGSTOP)
+    wait_in_flight(producer, 1)
     for process in launch.processes:
         os.killpg(process.pid, signal.SIGKILL)
     start = time.perf_counter()
-    with pytest.raises(ProducerError, match=engine.pool.urls[0]) as error:
-        producer.take(0, [ex.prompt for ex in prompts])
+    with pytest.raises(ProducerError, match=engine.pool.urls[0]) as error:  # the step whose requests were cut
+        for step in (0, 1):
+            producer.take(step, [ex.prompt for ex in prompts])
     took = time.perf_counter() - start
     producer.close()
     print(f"\n[figures] server killed under the async producer: raised after {took:.2f} s: {error.value}")
