@@ -1,11 +1,17 @@
 """``python -m sgrpo.prepare_data``: the paper's data sets downloaded once, at a pinned revision, into local folders.
 
-Each data set's files (parquet / jsonl, its hub config's folder only) come from the hub at one commit into
+Each data set's files (``SOURCES``: the files of the hub config the paper uses) come from the hub at one commit into
 ``<root>/<name>/``, a folder that ``tasks.data.SplitTable`` reads as split files (``path: data/<name>``), so
 every process of a run reads local files, never the hub. ``<root>/manifest.json`` records each data set's
 repository, the commit its files came from and the files; a later run downloads the commit recorded there
 (the pin) unless ``--revision NAME=COMMIT`` gives another, and the first run pins the commit that ``main``
 resolved to. A data set already complete at its commit is not downloaded again.
+
+Every pattern of a data set must match at least one file of the repository at that commit (listed before anything
+is downloaded), else the run stops in one line naming the data set, the pattern and the fix. The files arrive in a
+hidden staging folder (``<root>/.<name>.partial``) that replaces ``<root>/<name>`` only once complete, and the
+manifest is rewritten after that: a failed or interrupted download leaves the previous folder and manifest as
+they were, and files of an earlier commit never stay beside a new commit's.
 
     python -m sgrpo.prepare_data                         # all of them, into data/
     python -m sgrpo.prepare_data --only deepmath gsm8k   # some
@@ -16,20 +22,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+from fnmatch import fnmatchcase
+from functools import partial
 from pathlib import Path
 
 from sgrpo.checks import ConfigError, exit_with_error
 
-#: name -> (hub data set, the files of the config the paper uses)
+#: name -> (hub data set, the files of the config the paper uses: each pattern must match at least one file).
+#: Patterns are huggingface_hub's ``allow_patterns`` (``fnmatch``, case-sensitive; ``*`` also matches ``/``),
+#: written from each repository's file listing and dataset card (docs/paper.md, step 1, says where from).
 SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gsm8k": ("openai/gsm8k", ("main/*.parquet",)),
-    "countdown": ("Jiayi-Pan/Countdown-Tasks-3to4", ("*.parquet", "*.jsonl")),
+    "gsm8k": ("openai/gsm8k", ("main/train-*.parquet", "main/test-*.parquet")),
+    "countdown": ("Jiayi-Pan/Countdown-Tasks-3to4", ("data/train-*.parquet",)),
     "countdown_gold": ("HuggingFaceTB/Countdown-Task-GOLD", ("verified_Qwen2.5-7B-Instruct/*.parquet",)),
-    "deepmath": ("zwhe99/DeepMath-103K", ("*.parquet", "*.jsonl")),
-    "openthoughts": ("open-thoughts/OpenThoughts3-1.2M", ("*.parquet",)),
-    "polaris": ("POLARIS-Project/Polaris-Dataset-53K", ("*.parquet", "*.jsonl")),
-    "aime25": ("math-ai/aime25", ("*.parquet", "*.jsonl")),
-    "math500": ("HuggingFaceH4/MATH-500", ("*.parquet", "*.jsonl")),
+    "deepmath": ("zwhe99/DeepMath-103K", ("data/train-*.parquet",)),
+    "openthoughts": ("open-thoughts/OpenThoughts3-1.2M", ("data/*.parquet",)),
+    "polaris": ("POLARIS-Project/Polaris-Dataset-53K", ("polaris-data-53K.jsonl",)),
+    "aime25": ("math-ai/aime25", ("test.jsonl",)),
+    "math500": ("HuggingFaceH4/MATH-500", ("test.jsonl",)),
 }
 
 
@@ -44,10 +56,28 @@ def parse_revisions(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def select(name: str, listing: list[str], commit: str) -> list[str]:
+    """The files of ``listing`` (a repository's paths at ``commit``) that ``SOURCES[name]``'s patterns match, sorted;
+    ``ConfigError`` in one line at the first pattern that matches none (naming the data set, the pattern, the fix)."""
+    repo, patterns = SOURCES[name]
+    chosen: set[str] = set()
+    for pattern in patterns:
+        matched = {path for path in listing if fnmatchcase(path, pattern)}
+        if not matched:
+            shown = ", ".join(sorted(listing)[:6]) + (", ..." if len(listing) > 6 else "")
+            raise ConfigError(
+                f"{name}: no file of {repo} at {commit} matches {pattern!r} (its files: {shown or 'none'}); give "
+                f"--revision {name}=COMMIT of a commit that has it, or fix SOURCES[{name!r}] in sgrpo/prepare_data.py"
+            )
+        chosen |= matched
+    return sorted(chosen)
+
+
 def prepare(names: list[str], root: Path, revisions: dict[str, str], hub=None) -> dict[str, dict]:
     """Download ``names`` into ``root/<name>/`` at their pinned commits; returns (and writes) the manifest.
 
-    ``hub`` supplies ``resolve(repo, revision) -> commit`` and ``download(repo, commit, patterns, folder) -> files``
+    ``hub`` supplies ``resolve(repo, revision) -> commit`` (``LookupError`` for an unknown repository or revision),
+    ``files(repo, commit) -> paths`` and ``download(repo, commit, patterns, folder) -> paths under folder``
     (default: huggingface_hub's; the tests give a fake).
     """
     hub = hub or HubClient()
@@ -56,44 +86,93 @@ def prepare(names: list[str], root: Path, revisions: dict[str, str], hub=None) -
     for name in names:
         repo, patterns = SOURCES[name]
         pinned = manifest.get(name, {})
-        commit = hub.resolve(repo, revisions.get(name) or pinned.get("commit") or "main")
+        revision = revisions.get(name) or pinned.get("commit") or "main"
+        try:
+            commit = hub.resolve(repo, revision)
+        except LookupError as err:
+            raise ConfigError(
+                f"{name}: {repo} has no revision {revision!r} ({err}); give --revision {name}=COMMIT with a commit "
+                f"of {repo}"
+            ) from None
         folder = root / name
-        if pinned.get("commit") == commit and all((folder / f).exists() for f in pinned.get("files", [None])):
+        files = pinned.get("files") or []
+        if pinned.get("commit") == commit and files and all((folder / f).is_file() for f in files):
             print(f"{name}: {repo} at {commit} already in {folder}")
             continue
-        files = sorted(hub.download(repo, commit, patterns, folder))
-        if not files:
-            raise ConfigError(f"{name}: {repo} at {commit} has no file matching {', '.join(patterns)}")
-        manifest[name] = {"repo": repo, "commit": commit, "patterns": list(patterns), "files": files}
-        root.mkdir(parents=True, exist_ok=True)
-        manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        print(f"{name}: {repo} at {commit} -> {folder} ({len(files)} files)")
+        wanted = select(name, hub.files(repo, commit), commit)
+        _download_into(folder, partial(hub.download, repo, commit, patterns), wanted, name)
+        manifest[name] = {"repo": repo, "commit": commit, "patterns": list(patterns), "files": wanted}
+        _write_atomically(manifest_path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        print(f"{name}: {repo} at {commit} -> {folder} ({len(wanted)} files)")
     return manifest
 
 
+def _download_into(folder: Path, download, wanted: list[str], name: str) -> None:
+    """Run ``download(staging)`` into a hidden staging folder beside ``folder`` and, once it holds exactly ``wanted``,
+    put it in ``folder``'s place; on any failure the staging folder is removed and ``folder`` is left as it was."""
+    staging, old = folder.with_name(f".{name}.partial"), folder.with_name(f".{name}.old")
+    for leftover in (staging, old):  # of a run killed before it could clean up
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        got = sorted(download(staging))
+        if got != wanted:
+            missing, extra = sorted(set(wanted) - set(got)), sorted(set(got) - set(wanted))
+            raise ConfigError(
+                f"{name}: the download holds other files than the repository's listing (missing {missing[:3]}, "
+                f"extra {extra[:3]}); run again, or fix SOURCES[{name!r}] in sgrpo/prepare_data.py"
+            )
+        if folder.exists():
+            folder.rename(old)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old.exists() and not folder.exists():
+            old.rename(folder)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds either its old text or ``text``, never a part of it."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
 class HubClient:
-    """The hub through huggingface_hub: a revision resolved to its commit, files downloaded at a commit."""
+    """The hub through huggingface_hub: a revision resolved to its commit, a commit's files listed and downloaded."""
 
     def resolve(self, repo: str, revision: str) -> str:
         from huggingface_hub import HfApi
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-        return HfApi().dataset_info(repo, revision=revision).sha
+        try:
+            return HfApi().dataset_info(repo, revision=revision).sha
+        except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+            raise LookupError(type(err).__name__) from None
+
+    def files(self, repo: str, commit: str) -> list[str]:
+        from huggingface_hub import HfApi
+
+        return HfApi().list_repo_files(repo, repo_type="dataset", revision=commit)
 
     def download(self, repo: str, commit: str, patterns: tuple[str, ...], folder: Path) -> list[str]:
         from huggingface_hub import snapshot_download
 
         snapshot_download(repo, repo_type="dataset", revision=commit, allow_patterns=list(patterns), local_dir=folder)
-        return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts]
+        shutil.rmtree(folder / ".cache", ignore_errors=True)  # huggingface_hub's download metadata, not data
+        return [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict]:
+def main(argv: list[str] | None = None, hub=None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(prog="python -m sgrpo.prepare_data", description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(SOURCES), help="these data sets (default: all)")
     parser.add_argument("--root", type=Path, default=Path("data"), help="the folder of the data sets (data/)")
     parser.add_argument("--revision", nargs="+", default=[], metavar="NAME=COMMIT", help="download this commit")
     args = parser.parse_args(argv)
     try:
-        return prepare(args.only or list(SOURCES), args.root, parse_revisions(args.revision))
+        return prepare(args.only or list(SOURCES), args.root, parse_revisions(args.revision), hub)
     except ConfigError as err:
         exit_with_error(str(err), 2)
 

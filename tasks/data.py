@@ -294,6 +294,9 @@ class SplitTable:
     def rows(self, split: str) -> list[Row]:
         """The rows of ``split``; raises if the source lacks it and no size is set to carve it."""
         if split not in self.splits():
+            if split == "train":  # an evaluation source (a folder holding test.jsonl) has no train rows
+                raise ValueError(f"{self.path!r} has no train split (found {sorted(self._rows)}); give a source with "
+                                 f"train rows (a file named train*, or a single file)")  # fmt: skip
             raise ValueError(
                 f"{self.path!r} has no {split!r} split (it has {sorted(self._rows)}) and {split}_size is "
                 f"{self.sizes.get(split, 0)!r}: set {split}_size to hold out rows of train, or use a source with "
@@ -340,12 +343,13 @@ class SplitTable:
         return out
 
     def _carve(self, native: dict[str, list[Row]]) -> dict[str, list[Row]]:
-        if "train" not in native:
-            raise ValueError(f"{self.path!r} has no train split (found {sorted(native)})")
-        train = native["train"]
         missing = [s for s in ("test", "validation") if s not in native and self.sizes.get(s)]
-        if not missing:
+        if not missing:  # a source of test rows only (AIME 2025's test.jsonl) is read as it is
             return native
+        if "train" not in native:
+            raise ValueError(f"{self.path!r} has no train split to hold {', '.join(missing)} out of (found "
+                             f"{sorted(native)})")  # fmt: skip
+        train = native["train"]
         sizes = {s: self.sizes[s] for s in ("validation", "test") if s in missing}  # validation: the first ranks
         if self.carve is not None:
             return native | self.carve(train, sizes, self.seed)
