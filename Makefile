@@ -64,7 +64,7 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_rollout.py \
-		tests/test_vllm_server.py tests/test_vllm_episodes.py tests/test_vllm_server_episodes.py
+		tests/test_vllm_server.py tests/test_vllm_episodes.py tests/test_vllm_server_episodes.py tests/test_vllm_ipc.py
 
 quickstart: $(STAMP)
 	$(PY) -m sgrpo.fit --config configs/quickstart.yaml --overwrite true

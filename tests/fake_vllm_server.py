@@ -1,10 +1,11 @@
 """A stand-in for a vLLM server (``http.server`` in a thread) for the CPU tests of the server client.
 
 It answers ``/health``, the RL endpoints (recording each call) and ``/inference/v1/generate`` with canned token ids
-and log-probs in the shape of vLLM's answer; ``delay`` makes it slow, ``status`` makes it
-fail, and ``stop`` closes it (a dead server). ``hold`` (an Event) keeps generation requests in flight until it is
-set: one whose weights changed meanwhile (a push with ``pause?mode=keep``) answers two weight-version spans, its
-first token under the version it arrived at, the rest under the new one, as vLLM does.
+and log-probs in the shape of vLLM's answer; ``delay`` makes it slow, ``status`` makes it fail (as does an exception
+in ``body``: HTTP 500 with its message), and ``stop`` closes it (a dead server). ``hold`` (an Event) keeps
+generation requests in flight until it is set: one whose weights changed meanwhile (a push with ``pause?mode=keep``)
+answers two weight-version spans, its first token under the version it arrived at, the rest under the new one, as
+vLLM does.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ class FakeServer:
                     fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
                 try:
                     time.sleep(fake.delay)
-                    body = fake.body(self.path.split("?")[0], payload)
+                    path = self.path.split("?")[0]
+                    try:
+                        body, status = fake.body(path, payload), 500 if path in fake.fail_on else fake.status
+                    except Exception as err:  # the server's own failure: vLLM answers 500 with its message
+                        body, status = {"error": {"message": f"{type(err).__name__}: {err}"}}, 500
                     data = json.dumps(body).encode()
-                    self.send_response(500 if self.path.split("?")[0] in fake.fail_on else fake.status)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -70,8 +75,11 @@ class FakeServer:
             return {"error": {"message": f"fake failure on {path}"}}
         if path == "/weight_info":
             return {"weight_version": self.version}
-        if path == "/finish_weight_update":
-            self.version = payload["weight_version"]
+        if path == "/finish_weight_update":  # vLLM's trainer engines finish without a version, then set it
+            self.version = (payload or {}).get("weight_version", self.version)
+            return {}
+        if path == "/update_weight_version":
+            self.version = payload["new_version"]
             return {}
         if path == "/inference/v1/generate":
             params = payload["sampling_params"]

