@@ -38,8 +38,8 @@ trainer waits for them as ``take`` waits. At S = 0 nothing else is in flight: th
 
 **A push the producer did not make**: validation samples from the same engine, which pushes the trainer's weights
 first if they changed since the last push (only between pushes, i.e. with ``sync_every`` > 1). Its weight version
-is adopted as the trainer's version of that moment (``trainer_version``): steps sent after it sample under those
-(newer) weights and record their version; admission still counts from the last ``push``.
+is adopted as the trainer's version of that moment (``trainer_version``): requests that leave after it (queued
+ones, refills) sample under those (newer) weights and record their version; admission counts from the last ``push``.
 
 **Faults**: a request that fails (a dead or restarted server: connection refused or reset; an HTTP error; an
 answer from weights this trainer did not push) raises in ``take`` naming the server; ``take`` checks every
@@ -72,7 +72,8 @@ HEALTH_EVERY_S = 2.0
 
 
 class _Job:
-    """One step's requests: their answers fill in as they come (any thread); ``done`` once all came or one failed."""
+    """One step's (or refill round's) requests: their answers fill in as they come (any thread); ``done`` once all
+    came or one failed."""
 
     def __init__(self, step: int, prompts: list[Any], ids: list[list[int]], payloads: list[dict],
                  sampling_round: int = 0) -> None:  # fmt: skip
@@ -85,7 +86,8 @@ class _Job:
 
 
 class ServerProducer:
-    """The trainer's end of asynchronous rollouts from vLLM servers: ``push`` weights, ``take`` a step's groups.
+    """The trainer's end of asynchronous rollouts from vLLM servers: ``push`` weights, ``take`` a step's groups,
+    ``refill`` a dynamic-sampling round.
 
     Args:
         engine: The servers (``VLLMServerRollout``), shared with the synchronous path and validation.
