@@ -171,9 +171,7 @@ class GRPOPolicy(
         require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
         require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
         require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
-        error = async_rollout_error(
-            async_rollout, max_staleness, rollout or HFRollout(), sync_every, environment, dynamic_sampling
-        )
+        error = async_rollout_error(async_rollout, max_staleness, rollout or HFRollout(), sync_every, environment)
         require(error is None, error)
         require(producer_timeout > 0, f"model.producer_timeout must be > 0 seconds, got {producer_timeout}")
         self.async_rollout, self.max_staleness, self.producer_timeout = async_rollout, max_staleness, producer_timeout

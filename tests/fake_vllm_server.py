@@ -2,10 +2,10 @@
 
 It answers ``/health``, the RL endpoints (recording each call) and ``/inference/v1/generate`` with canned token ids
 and log-probs in the shape of vLLM's answer; ``delay`` makes it slow, ``status`` makes it fail (as does an exception
-in ``body``: HTTP 500 with its message), and ``stop`` closes it (a dead server). ``hold`` (an Event) keeps
-generation requests in flight until it is set: one whose weights changed meanwhile (a push with ``pause?mode=keep``)
-answers two weight-version spans, its first token under the version it arrived at, the rest under the new one, as
-vLLM does.
+in ``body``: HTTP 500 with its message), ``answer`` gives each choice its own tokens, and ``stop`` closes it (a dead
+server). ``hold`` (an Event) keeps generation requests in flight until it is set: one whose weights changed meanwhile
+(a push with ``pause?mode=keep``) answers two weight-version spans, its first token under the version it arrived at,
+the rest under the new one, as vLLM does.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -68,6 +69,8 @@ class FakeServer:
         self.version = "default"
         self.hold: threading.Event | None = None
         self.fail_on: set[str] = set()  # paths answered with HTTP 500 (the others as usual)
+        #: (request payload, choice index) -> that choice's token ids (None: ``completion`` for every choice)
+        self.answer: Callable[[Any, int], list[int]] | None = None
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def body(self, path: str, payload: Any) -> Any:
@@ -83,19 +86,22 @@ class FakeServer:
             return {}
         if path == "/inference/v1/generate":
             params = payload["sampling_params"]
-            ids = self.completion[: params["max_tokens"]]
             arrived = self.version
             if self.hold is not None:
                 self.hold.wait(timeout=30)
-            spans = [{"version": self.version, "start": 0, "end": len(ids)}]
-            if arrived != self.version:
-                spans = [{"version": arrived, "start": 0, "end": 1}, {"version": self.version, "start": 1,
-                                                                      "end": len(ids)}]  # fmt: skip
-            choice = {"finish_reason": "stop" if len(ids) < params["max_tokens"] else "length", "token_ids": ids,
-                      "logprobs": {"content": [{"token_id": i, "logprob": -0.5} for i in ids]},
-                      "weight_versions": spans}  # fmt: skip
-            return {"choices": [dict(choice, index=i) for i in range(params.get("n", 1))]}
+            return {"choices": [self._choice(payload, index, arrived) for index in range(params.get("n", 1))]}
         return {}
+
+    def _choice(self, payload: Any, index: int, arrived: str) -> dict:
+        params = payload["sampling_params"]
+        ids = (self.completion if self.answer is None else self.answer(payload, index))[: params["max_tokens"]]
+        spans = [{"version": self.version, "start": 0, "end": len(ids)}]
+        if arrived != self.version:
+            spans = [{"version": arrived, "start": 0, "end": 1}, {"version": self.version, "start": 1,
+                                                                  "end": len(ids)}]  # fmt: skip
+        return {"finish_reason": "stop" if len(ids) < params["max_tokens"] else "length", "token_ids": ids,
+                "logprobs": {"content": [{"token_id": i, "logprob": -0.5} for i in ids]}, "weight_versions": spans,
+                "index": index}  # fmt: skip
 
     def stop(self) -> None:
         self.httpd.shutdown()

@@ -261,6 +261,34 @@ def test_async_through_the_server_at_staleness_0_is_the_synchronous_server_run(e
           f"{[v for _, v in stale1['train/async/version_span_mean']]}")
 
 
+def test_dynamic_sampling_through_the_server_at_staleness_0_is_the_synchronous_server_run(engine, model_dir, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    """Dynamic sampling with the server as the async producer: at S = 0 the refill rounds are the synchronous run's
+    (its refill stream's prompts, the seeds of (step, round)): every logged value but timings (rounds and groups
+    dropped included), the logged completions and the final weights equal the synchronous dynamic-sampling server
+    run's, which refills at least once."""
+    from safetensors.torch import load_file
+
+    for name in DISTRIBUTED:
+        monkeypatch.delenv(name, raising=False)
+    engine.ready(policy(model_dir, seed=3))
+    url = engine.pool.urls[0]
+    dynamic = ("--model.dynamic_sampling=true", "--model.max_sampling_rounds=3")
+    sync = in_process_fit(tmp_path / "sync", url, model_dir, *dynamic, steps=4)
+    rounds = [v for _, v in sync["train/sampling/rounds"]]
+    assert max(rounds) > 1, rounds  # a refill ran (else this proves nothing about refills)
+    stale0 = in_process_fit(tmp_path / "async0", url, model_dir, *dynamic, "--model.async_rollout=true",
+                            "--model.max_staleness=0", steps=4)  # fmt: skip
+    untimed = [{k: v for k, v in m.items() if not k.startswith(UNTIMED_SKIP)} for m in (sync, stale0)]
+    assert untimed[0] == untimed[1] and len(sync["train/loss"]) == 4
+    assert [v for _, v in stale0["train/async/groups_sampled"]] == [4.0 * r for r in rounds]
+    completions = [next((tmp_path / run).rglob("completions.jsonl")).read_text() for run in ("sync", "async0")]
+    assert completions[0] == completions[1]
+    weights = [load_file(str(tmp_path / run / "hf_model" / "model.safetensors")) for run in ("sync", "async0")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    print(f"\n[figures] dynamic sampling through the server, rounds per step {rounds}")
+
+
 def test_requests_stay_in_flight_across_a_push_and_groups_record_the_versions_they_span(engine, model_dir, tokenizer):
     """vLLM's ``pause?mode=keep``: 16 prompts x 8 samples of 50 tokens per step, the server taking 16 sequences at
     a time: at the push some requests are mid-generation (their groups span versions 0 and 1), later ones start

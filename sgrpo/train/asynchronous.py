@@ -26,7 +26,6 @@ def async_rollout_error(
     rollout,
     sync_every: int = 1,
     environment=None,
-    dynamic_sampling: bool = False,
 ) -> str | None:
     """Why the async settings cannot run, in one line naming the field, or None."""
     if not isinstance(max_staleness, int) or max_staleness < 0:
@@ -43,10 +42,6 @@ def async_rollout_error(
         return (f"model.async_rollout=true needs model.rollout to be sgrpo.rollout.HFRollout (it samples in a "
                 f"producer process holding its own weights) or sgrpo.rollout.VLLMServerRollout (the servers are the "
                 f"producer), got {type(rollout).__name__}; set model.async_rollout=false")  # fmt: skip
-    if isinstance(rollout, VLLMServerRollout) and (dynamic_sampling or sync_every != 1):
-        return ("model.async_rollout=true with sgrpo.rollout.VLLMServerRollout runs with "
-                "model.dynamic_sampling=false and model.sync_every=1 only (its producer has no refill rounds and "
-                "pushes after every step yet)")  # fmt: skip
     if environment is not None:
         return ("model.async_rollout=true does not run with model.environment yet (the producer samples single-turn "
                 "completions): set model.async_rollout=false or model.environment=null")  # fmt: skip
@@ -93,10 +88,11 @@ class AsyncRollouts:
         self._async = {"wait_s": 0.0, "weight_sync_s": 0.0, "groups_sampled": 0}
         self._threads = torch.get_num_threads()  # restored when the producer stops
         seed_of = functools.partial(sampling_seed, self.seed, self.global_rank)
+        refills = functools.partial(refill_prompts, self._refill, self.max_sampling_rounds)
         if isinstance(self.rollout, VLLMServerRollout):  # the servers sample; threads here keep requests in flight
             self._producer = ServerProducer(self.rollout, self.model, self.tokenizer, stream.batch, seed_of,
                                             self.group_size, self.max_staleness, first_step, last_step,
-                                            self.producer_timeout)  # fmt: skip
+                                            self.producer_timeout, refills, lambda: self.rollout_step)  # fmt: skip
             return
         trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
         spec = ProducerSpec(
@@ -112,7 +108,7 @@ class AsyncRollouts:
             end_step=last_step,
             threads=producer_threads,
             device=str(self.device),
-            refill_prompts=functools.partial(refill_prompts, self._refill, self.max_sampling_rounds),
+            refill_prompts=refills,
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
         torch.set_num_threads(trainer_threads)  # once the producer runs (stop_producer gives them back)
