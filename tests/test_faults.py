@@ -104,16 +104,17 @@ def logged_steps(root: Path, version: int = 0) -> int:
     return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
 
 
-def resume_and_compare(root: Path, model_dir: str, reference: dict[int, float], holes: int = 0) -> None:
-    """Resume to ``STEPS``; the rewards of every start of the run, merged, are the reference's.
+def resume_and_compare(root: Path, model_dir: str, reference: dict[int, float]) -> None:
+    """Resume to ``STEPS``; the rewards of every start of the run, merged, are the reference's, step for step.
 
-    A kill between a checkpoint and the metrics of its step (logged just after it) loses those metrics:
-    ``holes`` steps may be missing.
+    No step is missing: a checkpoint is written after its step's metrics row (``RunCheckpoint``), and a signal's
+    stop saves only a step whose row is written, so whatever a kill or a stop left, the resume logs every step
+    from its checkpoint's on.
     """
     main(args(root, model_dir, f"--trainer.max_steps={STEPS}", "--ckpt_path=last"))
     got = rewards(root)
-    assert len(set(range(STEPS)) - set(got)) <= holes
-    for step in set(got) & set(range(STEPS)):
+    assert sorted(got) == list(range(STEPS))
+    for step in got:
         assert got[step] == pytest.approx(reference[step], abs=1e-6), step
 
 
@@ -148,9 +149,33 @@ def test_kill_9_then_ctrl_c_at_random_instants_then_resume_reproduces_the_run(mo
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=120) == 130  # not 0: a scheduler must not read it as done
     resumed = read_run_metrics(root)["train/reward"]
-    assert last_step(root) == resumed[-1][0] + 1  # saved at its last step
-    resume_and_compare(root, model_dir, reference, holes=1)
+    assert last_step(root) == resumed[-1][0] + 1  # saved at its last step, whose metrics row is written
+    resume_and_compare(root, model_dir, reference)
     assert not list((root / "checkpoints").glob(f".*{PARTIAL}"))  # what the kill left was cleared
+
+
+def test_ctrl_c_as_a_steps_metrics_are_logged_saves_that_step_with_its_metrics(model_dir, tmp_path, monkeypatch):
+    """Ctrl-C between a step's end and its metrics row (Lightning logs it after the callbacks' ``on_train_batch_end``,
+    where the step's end is marked): the stop saved last.ckpt there and then, and the row was never written (a
+    loaded machine's test_kill_9_then_ctrl_c_... saw checkpoint step 9, metrics to step 7). Now the signal is
+    noted and the stop saves once the row is written, before the next step: every saved step has its metrics."""
+    from sgrpo.eval.metrics_file import MetricsFile
+
+    log_metrics, sent = MetricsFile.log_metrics, []
+
+    def ctrl_c_first(self, metrics, step=None):  # the worst instant: the row about to reach metrics.jsonl
+        if step == 2 and "train/reward" in metrics and not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler here, before the row is written
+        return log_metrics(self, metrics, step)
+
+    monkeypatch.setattr(MetricsFile, "log_metrics", ctrl_c_first)
+    with pytest.raises(SystemExit) as stopped:
+        main(args(tmp_path, model_dir, "--trainer.max_steps=6"))
+    assert stopped.value.code == 130 and sent == [2]
+    assert last_step(tmp_path) == 3  # training step 3 (logged at 2) saved, the step under way when Ctrl-C came
+    assert sorted(rewards(tmp_path)) == [0, 1, 2]  # and its row with it
+    assert logged_steps(tmp_path) == 3  # the run's own logger (CSV) too
 
 
 @pytest.mark.slow

@@ -7,8 +7,11 @@ slip past the grader's cheap checks and only stop at its deadline, and some corr
 """
 
 import _thread
+import contextlib
+import logging
 import math
 import random
+import resource
 import signal
 import sys
 import threading
@@ -26,9 +29,10 @@ JSONL = "tests/fixtures/deepmath.jsonl"
 N = 1000
 WORKERS = 2
 TIMEOUT = 3.0  # seconds per answer: the pool's outer limit; math-verify's deadline is half of it (1.5 s)
-#: wall-time budget of the 1,000: 6 answers that only stop at the deadline, ~15 ms per other answer;
-#: measured 12-18 s on 2 cores shared with other jobs (load 4.5). Every answer cut would take N * TIMEOUT / 2 / WORKERS
-BUDGET_S = 60.0
+#: CPU-time budget of the 1,000 in the workers (not wall time, which on a loaded machine measures the load: 40.8 s
+#: at load average 11 on 2 cores, where the wall-time budget was 60 s): 6 answers that only stop at the deadline,
+#: ~15 ms per other answer; measured 8.5 s. Every answer run on to the deadline would cost up to N * TIMEOUT / 2
+BUDGET_CPU_S = 60.0
 
 #: spellings of each fixture gold answer that math-verify accepts
 CORRECT = {
@@ -148,19 +152,41 @@ def test_the_batch_is_as_adversarial_as_advertised():
     assert {r"\boxed{10^{10^{10^{10}}}}", r"\boxed{(1+x)^{100000}}"} <= set(by_kind["bomb"])
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's children that have ended and been reaped."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_seconds(fn, *args) -> float:
+    """The CPU seconds of ``fn(*args)`` in this process (a reward worker), a ``TimeoutError`` included."""
+    start = time.process_time()
+    with contextlib.suppress(TimeoutError):
+        fn(*args)
+    return time.process_time() - start
+
+
 @pytest.mark.slow
-def test_a_thousand_adversarial_completions_score_safely_within_budget():
+def test_a_thousand_adversarial_completions_score_safely_within_budget(caplog):
     examples, completions, kinds = adversarial_batch()
     reward = MathVerifyReward(workers=WORKERS, timeout=TIMEOUT)
     pool = get_pool(WORKERS)
+    pool.close()  # fresh workers: their CPU time is counted once they end (RUSAGE_CHILDREN)
     warm = [f"\\boxed{{{CORRECT[e.answer][-1]}}}" for e in examples[:10]]
     grade_math(examples[0].answer, warm[0])  # sympy's first call is slow: warm this process (workers fork from it)
-    reward.score(examples[:10], warm)  # and start the workers: neither is what is measured
+    cpu_before = children_cpu_s()
+    reward.score(examples[:10], warm)  # and start the workers (counted: ~0.1 s)
     restarts = pool.restarts
+    caplog.set_level(logging.WARNING, logger="tasks.pool")
     start = time.perf_counter()
     result = reward.score(examples, completions)
     wall = time.perf_counter() - start
-    print(f"\n{N} adversarial completions: {wall:.1f} s on {WORKERS} workers (budget {BUDGET_S:g} s); {result.counts}")
+    pool.close()  # ends (and reaps) the workers
+    cpu = children_cpu_s() - cpu_before
+    print(
+        f"\n{N} adversarial completions: {cpu:.1f} s of CPU in {WORKERS} workers (budget {BUDGET_CPU_S:g} s), "
+        f"{wall:.1f} s wall, {pool.restarts - restarts} restarts; {result.counts}"
+    )
 
     values = result.total
     assert values.shape == (N,) and values.dtype == torch.float32
@@ -169,7 +195,7 @@ def test_a_thousand_adversarial_completions_score_safely_within_budget():
     missed = [c[-60:] for c, k, v in zip(completions, kinds, values.tolist(), strict=True) if k == "correct" and v != 1]
     assert not missed
     assert values[~correct].eq(0.0).all()  # no adversarial completion scores
-    assert wall < BUDGET_S
+    assert cpu < BUDGET_CPU_S
 
     counts = Counter(result.counts)
     assert sum(counts.values()) == N  # one label per completion
@@ -177,12 +203,22 @@ def test_a_thousand_adversarial_completions_score_safely_within_budget():
     slow = sum(k == "slow" and e.answer != "Yes" for e, k in zip(examples, kinds, strict=True))
     assert counts["timeout"] >= slow > 0  # the deadline cut the slow ones ...
     assert result.failures == counts["timeout"] + counts["error"]  # ... and they are counted as failures
-    # the per-answer deadline cuts nearly every slow answer; one stuck in C code that ignores the alarm is
-    # cut by the pool's outer timeout instead (seen once in CI-like runs): the worker is replaced and the
-    # answer still scores 0 and is counted above, but that must stay the rare exception
-    assert pool.restarts - restarts <= 2
     for label in ("no_box", "too_long", "junk", "too_complex"):
         assert counts[label] > 0, label
+    # The per-answer deadline (1.5 s of wall time) cuts the slow answers; the pool's outer limit (3 s of wall
+    # time) replaces a worker whose answer ran past both, and the answer still scores 0 and is counted above.
+    # How often depends on the load (a C call that delays the alarm takes longer as the worker gets less CPU:
+    # 3 restarts in a clean clone's make test at load average 8, one seen on idle machines), so the restarts are
+    # checked for what they are: each one the outer limit (not a worker that died), on an answer that the
+    # deadline ends within TIMEOUT seconds of CPU (re-graded in a worker, under a 30 s outer limit: with a
+    # deadline that failed, or a bomb past the cheap checks, it runs for minutes of CPU).
+    cut = [record.args for record in caplog.records if record.getMessage().endswith("restarting the worker pool")]
+    assert len(cut) == pool.restarts - restarts
+    assert all(error.startswith("timeout after") for _, error in cut), cut
+    again = pool.run(cpu_seconds, [(reward.score_one, examples[i], completions[i]) for i, _ in cut], 10 * TIMEOUT)
+    pool.close()
+    for (i, _), outcome in zip(cut, again, strict=True):
+        assert outcome.ok and outcome.value < TIMEOUT, (kinds[i], completions[i][-80:], outcome)
 
 
 @pytest.mark.parametrize(
@@ -224,10 +260,10 @@ def test_reject_box(box, label):
 )
 def test_grade_math_on_costly_answers(gold, box, label):
     if label == "timeout":
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: the wall time on a loaded machine is the load's (6.3 s at load 8)
         with pytest.raises(TimeoutError, match="took over 0.5 s"):
             grade_math(gold, f"\\boxed{{{box}}}", timeout=0.5)
-        assert time.perf_counter() - start < 5.0  # sympy alone runs for over 20 s (the alarm waits for C calls)
+        assert time.process_time() - start < 5.0  # sympy alone runs for over 20 s of CPU (the alarm waits for C calls)
     else:
         assert grade_math(gold, f"\\boxed{{{box}}}", timeout=10)[1] == label
 

@@ -212,7 +212,9 @@ class RunCheckpoint(ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """Never save after an error in one of several processes (``fail_fast``), mid-update, or while loading."""
+        """Never save after an error in one of several processes (``fail_fast``), mid-update, or while loading. An
+        error (or a second Ctrl-C) between a step's end and its metrics row (``_at_step_end``) saves the step
+        without its row: the step's work is kept over its row."""
         self.stops.uninstall(stopping=isinstance(exception, Stopped))
         loading = bool(trainer._checkpoint_connector._loaded_checkpoint)  # set from resume_start to resume_end
         loading = loading or isinstance(exception, ResumeError)
@@ -235,10 +237,18 @@ class RunCheckpoint(ModelCheckpoint):
         return trainer.world_size == 1 and self._at_step_end(trainer)
 
     def _at_step_end(self, trainer) -> bool:
-        """The state is a step's end (the rollout after it, a validation), no checkpoint being written. Several
-        processes stop there only where they agree (``sgrpo.distributed.RolloutStop``: during a rollout)."""
-        return self._training and self._step_end == trainer.global_step and not (
-            self._writing or trainer.sanity_checking
+        """The state is a step's end (the rollout after it, a validation) whose metrics are logged (``_after_step``
+        has run for it), no checkpoint being written. Several processes stop there only where they agree
+        (``sgrpo.distributed.RolloutStop``: during a rollout).
+
+        Between ``on_train_batch_end`` (the step's end) and ``_after_step``, Lightning is still logging the step's
+        metrics; a stop saved there kept the step and lost its ``metrics.jsonl`` row. A signal there is noted, and
+        ``_after_step`` (next, once the row is written) saves and stops."""
+        step = trainer.global_step
+        return (
+            self._training
+            and self._step_end == step == self._checked_step
+            and not (self._writing or trainer.sanity_checking)
         )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
