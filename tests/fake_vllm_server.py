@@ -2,10 +2,14 @@
 
 It answers ``/health``, the RL endpoints (recording each call) and ``/inference/v1/generate`` with canned token ids
 and log-probs in the shape of vLLM's answer; ``delay`` makes it slow, ``status`` makes it fail (as does an exception
-in ``body``: HTTP 500 with its message), ``answer`` gives each choice its own tokens, and ``stop`` closes it (a dead
-server). ``hold`` (an Event) keeps generation requests in flight until it is set: one whose weights changed meanwhile
-(a push with ``pause?mode=keep``) answers two weight-version spans, its first token under the version it arrived at,
-the rest under the new one, as vLLM does.
+in ``body``: HTTP 500 with its message), ``answer`` gives each choice its own tokens, ``fail_on`` fails these paths
+(after ``fail_after`` more calls of them succeed), and ``stop`` closes it (a dead server). It keeps vLLM 0.32's update
+state: ``paused`` (``/pause`` to ``/resume``) and ``active`` (``/start_weight_update`` to ``/finish_weight_update``),
+and refuses out of order as vLLM's worker does (``Worker._start_weight_update``, ``update_weights``,
+``finish_weight_update`` in vllm/v1/worker/gpu_worker.py): a second start while an update is active, an update or a
+finish outside one. ``hold`` (an Event) keeps generation requests in flight until it is set: one whose weights changed
+meanwhile (a push with ``pause?mode=keep``) answers two weight-version spans, its first token under the version it
+arrived at, the rest under the new one, as vLLM does.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class FakeServer:
                     time.sleep(fake.delay)
                     path = self.path.split("?")[0]
                     try:
-                        body, status = fake.body(path, payload), 500 if path in fake.fail_on else fake.status
+                        body, status = fake.body(path, payload), fake.status
                     except Exception as err:  # the server's own failure: vLLM answers 500 with its message
                         body, status = {"error": {"message": f"{type(err).__name__}: {err}"}}, 500
                     data = json.dumps(body).encode()
@@ -71,14 +75,40 @@ class FakeServer:
         self.fail_on: set[str] = set()  # paths answered with HTTP 500 (the others as usual)
         #: (request payload, choice index) -> that choice's token ids (None: ``completion`` for every choice)
         self.answer: Callable[[Any, int], list[int]] | None = None
+        self.fail_after = 0  # calls of the fail_on paths that still succeed first
+        self.paused = self.active = False
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def check_update(self, path: str) -> None:
+        """vLLM 0.32's refusals of RL calls out of order (vllm/v1/worker/gpu_worker.py, each a RuntimeError that the
+        server answers as HTTP 500 with its message)."""
+        if path == "/start_weight_update" and self.active:  # Worker._start_weight_update
+            raise RuntimeError("start_weight_update called while a weight update is already active. Call "
+                               "finish_weight_update first.")  # fmt: skip
+        if path == "/update_weights" and not self.active:  # Worker.update_weights
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        if path == "/finish_weight_update" and not self.active:  # Worker.finish_weight_update
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
 
     def body(self, path: str, payload: Any) -> Any:
         if self.status != 200:
             return {"error": {"message": f"fake failure on {path}"}}
+        self.check_update(path)
+        if path in self.fail_on:
+            if self.fail_after > 0:
+                self.fail_after -= 1
+            else:
+                if path == "/update_weights":  # vLLM's worker ends the update when a chunk fails to load
+                    self.active = False
+                raise RuntimeError(f"fake failure on {path}")
+        if path in ("/pause", "/resume"):
+            self.paused = path == "/pause"
+        if path == "/start_weight_update":
+            self.active = True
         if path == "/weight_info":
             return {"weight_version": self.version}
         if path == "/finish_weight_update":  # vLLM's trainer engines finish without a version, then set it
+            self.active = False
             self.version = (payload or {}).get("weight_version", self.version)
             return {}
         if path == "/update_weight_version":

@@ -150,7 +150,7 @@ class IPCServer(FakeServer):
 
     def __init__(self, gpu: str, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.gpu, self.hang_at, self.updates, self.active = gpu, None, [], False
+        self.gpu, self.hang_at, self.updates = gpu, None, []
         self.restart()
 
     def restart(self) -> None:
@@ -161,28 +161,24 @@ class IPCServer(FakeServer):
         config = SimpleNamespace(parallel_config=None, model_config=None)
         self.engine = IPCWeightTransferEngine(WeightTransferConfig(backend="ipc"), config,
                                               torch.device("cuda", 0), self.model)  # fmt: skip
-        self.version, self.active = "default", False
+        self.version, self.active, self.paused = "default", False, False
 
     def body(self, path, payload):
         engine = self.engine
+        self.check_update(path)  # vLLM's worker refuses calls out of order before its engine sees them
         if path == "/init_weight_transfer_engine":
             engine.init_transfer_engine(engine.parse_init_info(payload["init_info"]))
         elif path == "/start_weight_update":
-            assert not self.active, "start_weight_update called while a weight update is already active"
             engine.start_weight_update()
-            self.active = True
         elif path == "/update_weights":
-            assert self.active, "start_weight_update must be called before update_weights"
             self.updates.append(payload["update_info"])
             if len(self.updates) == self.hang_at:
                 time.sleep(2)
             with patched_gpu(self.gpu):
                 engine.update_weights(payload["update_info"])
         elif path == "/finish_weight_update":
-            assert self.active, "finish_weight_update called without a matching start_weight_update"
             engine.finish_weight_update()
-            self.active = False
-        return super().body(path, payload)
+        return super().body(path, payload)  # the update's state, the version
 
 
 _gpu = threading.local()  # the GPU a thread sees: the trainer's, or a server's inside `patched_gpu`
@@ -277,10 +273,12 @@ def test_a_server_that_hangs_mid_push_is_named_after_the_others_got_every_weight
     assert time.monotonic() - start < 5 and engine._pushed is None
     expected = dict(engine_weights(model, torch.bfloat16))
     assert good.model.weights.keys() == expected.keys() and not good.active  # finished: ready for the next push
+    assert good.version == f"sgrpo-{engine._tag}-1" and not good.paused  # the push's version, resumed
     assert rl_calls(hung)[-1] == "/update_weights" and len(hung.updates) == 2  # left out after it hung
-    time.sleep(2)  # the hung call ends (the server's update stays active: a real worker's would too)
-    hung.restart()
+    time.sleep(2)  # the hung call ends: its update stays active (a real worker's would too), the server paused
+    assert hung.active and hung.paused
     bump_weights_version(model)
-    engine.generate(model, tokenizer, EXAMPLES, group_size=1)  # the next rollout pushes everything again
+    engine.generate(model, tokenizer, EXAMPLES, group_size=1)  # the next push carries on in that update
     assert good.version == hung.version == engine._pushed and hung.model.weights.keys() == expected.keys()
+    assert not hung.active and not hung.paused
 

@@ -28,7 +28,7 @@ from sgrpo.rollout import HFRollout
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.rollout.vllm_http import ServerError, ServerPool
 from sgrpo.rollout.vllm_launch import VLLMServers
-from sgrpo.rollout.vllm_push import CPUTransport
+from sgrpo.rollout.vllm_push import UPDATE_ACTIVE, CPUTransport, push
 from sgrpo.rollout.vllm_server import GENERATE, VLLMServerRollout
 from sgrpo.types import Example
 
@@ -367,6 +367,30 @@ def test_a_restarted_server_gets_a_full_push_and_gives_the_same_completions(engi
     assert engine.syncs == syncs + 1  # the restart was seen (its weight version) and it got every weight
     assert after.input_ids.tolist() == before.input_ids.tolist()
     assert_matches_hf(after, model, tokenizer, EXAMPLES, 1)
+
+
+def test_a_new_trainer_s_first_push_completes_an_update_a_failed_push_left_active(engine, launch, model_dir,
+                                                                                   tokenizer):
+    """A push whose trainer failed after one chunk leaves the server paused in the update; vLLM 0.32 has no abort and
+    refuses a second ``/start_weight_update`` (its message checked here); a new trainer's first push carries on in
+    that update, and the server then serves the new weights."""
+    engine.ready(policy(model_dir, seed=5))  # the module's server up
+    url, model = launch.urls[0], policy(model_dir, seed=11)
+    pool = ServerPool(launch.urls, timeout=30)
+
+    def dies_after_one_tensor():
+        yield from list(model.named_parameters())[:1]
+        raise RuntimeError("the trainer died mid-push")
+
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        push(pool, CPUTransport(), dies_after_one_tensor(), "left-behind", chunk_bytes=1, sender=True)
+    with pytest.raises(ServerError, match=f"{url}/start_weight_update: HTTP 500.*{UPDATE_ACTIVE}"):
+        pool.post(url, "/start_weight_update")
+    fresh = VLLMServerRollout(urls=launch.urls, max_new_tokens=6, dtype="float32", max_model_len=64, sync_timeout=30)
+    batch = fresh.generate(model, tokenizer, EXAMPLES, group_size=1, greedy=True)
+    assert_matches_hf(batch, model, tokenizer, EXAMPLES, 1)
+    assert pool.get(url, "/weight_info")["weight_version"] == fresh._pushed
+    assert pool.get(url, "/is_paused") == {"is_paused": False}
 
 
 class KillingTransport(CPUTransport):

@@ -20,7 +20,6 @@ from sgrpo.rollout.producer import ProducerError
 from sgrpo.rollout.server_producer import ServerProducer
 from sgrpo.rollout.vllm_http import ServerError, ServerPool, call
 from sgrpo.rollout.vllm_launch import VLLMServers, server_command
-from sgrpo.rollout.vllm_push import CPUTransport
 from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.preflight import check_rollout_servers
 from sgrpo.types import Example
@@ -188,19 +187,6 @@ def test_a_server_that_dies_between_rollouts_raises_at_the_health_check(servers,
         engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
 
 
-def test_a_push_that_fails_midway_raises_and_the_next_rollout_pushes_again(servers, tiny):
-    model, tokenizer = tiny
-    server = servers()
-    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, sync_timeout=0.5)
-    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
-    bump_weights_version(model)
-    server.delay = 2  # hangs in the push
-    start = time.monotonic()
-    with pytest.raises(ServerError, match=f"{server.url}/.*no answer within 0.5 s"):
-        engine.sync_weights(model)
-    assert time.monotonic() - start < 3 and engine._pushed is None
-
-
 def test_answers_from_other_weights_raise(servers, tiny):
     model, tokenizer = tiny
     server = servers()
@@ -229,22 +215,6 @@ def test_servers_it_starts_run_the_documented_command_and_stop_by_pid(tmp_path):
     with pytest.raises(ServerError, match=f"127.0.0.1:{port}: not healthy within 1 s"):
         launch.start("MODEL", "float32", None, [])
     assert time.monotonic() - start < 15 and launch.processes == []  # stopped, by its PID
-
-
-def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_pushing(servers, tiny):
-    """NCCL's group spans every server: a push to a restarted one alone would wait for it in NCCL forever."""
-    model, tokenizer = tiny
-
-    class GroupTransport(CPUTransport):
-        rejoins = False
-
-    server = servers()
-    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, transport=GroupTransport())
-    bump_weights_version(model)  # a known version (else every rollout pushes to all): alone, this test did not raise
-    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
-    server.version = "default"  # restarted
-    with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
-        engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
 
 
 # ---------------------------------------------------------------------------------------------- the async producer

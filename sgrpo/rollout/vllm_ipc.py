@@ -20,13 +20,12 @@ import math
 import socket
 import urllib.parse
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from sgrpo.rollout.vllm_http import ServerError, ServerPool
-from sgrpo.rollout.vllm_push import Weights, WeightTransport, _Source
+from sgrpo.rollout.vllm_http import ServerPool
+from sgrpo.rollout.vllm_push import PushCalls, Weights, WeightTransport, _Source
 
 #: the servers' environment: vLLM unpickles the handles only with it
 SERVER_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
@@ -39,10 +38,10 @@ class IPCTransport(WeightTransport):
     the GPU (``--gpu-memory-utilization``: docs/servers.md, "One GPU").
 
     Written against vLLM 0.32's trainer engine, not yet run. A server that fails mid-push is left out of the rest of
-    the push, which every trainer process finishes in step (vLLM's handle all-gather and per-chunk barriers), then
-    rank 0 raises its error naming it: no process waits in a barrier for a rank 0 that gave up. The staging buffer
-    is ``weight_chunk_mib`` or the largest tensor if larger (a larger tensor goes alone, as with the other
-    transports).
+    the push, which every trainer process finishes in step (vLLM's handle all-gather and per-chunk barriers); the
+    other servers get the new version and ``/resume``, then rank 0 raises its error naming it: no process waits in
+    a barrier for a rank 0 that gave up. The staging buffer is ``weight_chunk_mib`` or the largest tensor if larger
+    (a larger tensor goes alone, as with the other transports).
     """
 
     backend = "ipc"
@@ -80,17 +79,16 @@ class IPCTransport(WeightTransport):
             IPCTrainerInitInfo(rank=0 if sender else 1, packed=True), client=self._client, source=self._source
         )
 
-    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+    def send(self, calls: PushCalls, weights: Weights, chunk_bytes: int, sender: bool) -> None:
         if self._engine is None or self._source is None or self._client is None:
             raise RuntimeError("IPCTransport.send before connect")
         largest = max(math.prod(m.shape) * m.dtype.itemsize for m in self._source.metadata())  # one pass, once
         self._engine.packed_buffer_size_bytes = max(chunk_bytes, largest)
-        self._client.begin(pool)
+        self._client.calls = calls
         if sender:  # every push: vLLM's init only records `packed`, which a restarted server has lost
             self._client.init_weight_transfer_engine({"packed": True})
         self._source.next = weights
-        self._engine.send_weights()  # start, one update per chunk, finish (drives_update)
-        self._client.raise_failure()
+        self._engine.send_weights()  # start, one update per chunk, finish (drives_update); push raises a failure
 
 
 def on_this_machine(host: str) -> bool:
@@ -111,45 +109,25 @@ def on_this_machine(host: str) -> bool:
 
 
 class _IPCClient:
-    """vLLM's weight-sync client protocol (``VLLMWeightSyncClient``) over the servers of one push, called by the
-    sender alone. The update's handles travel pickled (``ipc_handles_pickled``, as vLLM's HTTP client sends them). A
-    call that fails on a server is recorded (its first error) and that server left out of the rest of the push;
-    ``raise_failure`` raises after the engine's send, which every process then completes in step."""
+    """vLLM's weight-sync client protocol (``VLLMWeightSyncClient``) over the servers of one push (its
+    ``PushCalls``), called by the sender alone. The update's handles travel pickled (``ipc_handles_pickled``, as
+    vLLM's HTTP client sends them). A call that fails on a server leaves that server out of the rest of the push,
+    which every process then completes in step; ``push`` raises the failure after finishing the others."""
 
     def __init__(self, pool: ServerPool) -> None:
-        self.pool, self.failures = pool, {}
-
-    def begin(self, pool: ServerPool) -> None:
-        self.pool, self.failures = pool, {}
-
-    def raise_failure(self) -> None:
-        if self.failures:
-            raise next(iter(self.failures.values()))
-
-    def _each(self, path: str, payload: Any = None) -> None:
-        live = [url for url in self.pool.urls if url not in self.failures]
-
-        def post(url: str) -> None:
-            try:
-                self.pool.post(url, path, payload)
-            except ServerError as err:
-                self.failures.setdefault(url, err)
-
-        if live:
-            with ThreadPoolExecutor(max_workers=len(live)) as executor:
-                list(executor.map(post, live))
+        self.calls = PushCalls(pool)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._each("/init_weight_transfer_engine", {"init_info": init_info})
+        self.calls.post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._each("/start_weight_update")
+        self.calls.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._each("/update_weights", {"update_info": http_update_info(update_info)})
+        self.calls.post("/update_weights", {"update_info": http_update_info(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._each("/finish_weight_update", {})  # the version: push's /update_weight_version
+        self.calls.post("/finish_weight_update", {})  # the version: push's /update_weight_version
 
 
 def http_update_info(update_info: dict[str, Any]) -> dict[str, Any]:

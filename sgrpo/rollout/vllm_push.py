@@ -7,6 +7,15 @@ weight version, ``/resume``. Only the sending process (rank 0) talks to the serv
 weights (``sgrpo.rollout.weightsync.engine_weights``: HF names, FSDP2 shards gathered in step, in buckets, in the
 server's dtype, LoRA merged), so the gathers stay collective. Each HTTP call has ``ServerPool.timeout``.
 
+A failed push leaves no server stuck in the middle of an update (``PushCalls``): a server whose call fails (an
+error, no answer within the timeout) is left out of the rest of the push, the others get every weight, the new
+version and ``/resume``, then the push raises naming it. vLLM 0.32 has no call that aborts an update, and refuses
+a second ``/start_weight_update`` while one is active; a push that finds a server in an update (a push that failed
+before finishing it, this trainer's or an earlier run's) carries on in that update: it sends every weight, so the
+finish completes it. When the transfer itself fails (a chunk file that cannot be written, an NCCL error), the
+sender still iterates the weights to their end (the other processes' gathers) and the servers stay paused in the
+update, which the next push completes.
+
 Transports (``WeightTransport`` subclasses, the server's ``--weight-transfer-config`` backend):
   - ``CPUTransport`` (``sgrpo_cpu``, sgrpo's own engine ``sgrpo.rollout.vllm_cpu_engine``): each chunk a safetensors
     file in a folder trainer and servers share (``/dev/shm`` on one machine); has run, on CPU (``make test-vllm``).
@@ -19,6 +28,7 @@ Transports (``WeightTransport`` subclasses, the server's ``--weight-transfer-con
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import uuid
@@ -30,11 +40,17 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from sgrpo.rollout.vllm_http import ServerPool
+from sgrpo.rollout.vllm_http import ServerError, ServerPool
 from sgrpo.rollout.vllm_plugin import CPU_BACKEND
 from sgrpo.rollout.weightsync import weight_chunks
 
 Weights = Iterable[tuple[str, Tensor]]
+log = logging.getLogger(__name__)
+
+#: vLLM 0.32's refusal of ``/start_weight_update`` while an update is active (``Worker._start_weight_update``,
+#: vllm/v1/worker/gpu_worker.py: "start_weight_update called while a weight update is already active. Call
+#: finish_weight_update first."), in the HTTP 500 answer's message
+UPDATE_ACTIVE = "weight update is already active"
 
 
 class WeightTransport(ABC):
@@ -65,15 +81,73 @@ class WeightTransport(ABC):
         """Set the transfer up (``/init_weight_transfer_engine``) on every server; called on every process."""
 
     @abstractmethod
-    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
-        """Send ``weights`` between ``/start_weight_update`` and ``/finish_weight_update`` (which ``push`` calls).
-        Non-senders only iterate ``weights`` (their gathers are collectives)."""
+    def send(self, calls: PushCalls, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+        """Send ``weights`` between ``/start_weight_update`` and ``/finish_weight_update`` (which ``push`` calls),
+        through ``calls`` (a server that fails is left out of the rest). Non-senders only iterate ``weights`` (their
+        gathers are collectives)."""
 
 
 def each_server(pool: ServerPool, action: Callable[[str], Any]) -> list[Any]:
     """``action(url)`` on every server at once; the first ``ServerError`` (naming its URL) raises."""
     with ThreadPoolExecutor(max_workers=len(pool.urls)) as executor:
         return list(executor.map(action, pool.urls))
+
+
+class PushCalls:
+    """The RL calls of one push, from the sender, on its servers. A call that fails on a server (an error answer, no
+    answer within the timeout, a dead server) records its first error and leaves that server out of the rest of
+    the push; ``raise_failure`` raises it once the others are done, naming the server."""
+
+    def __init__(self, pool: ServerPool) -> None:
+        self.pool, self.failures = pool, {}
+
+    @property
+    def live(self) -> list[str]:
+        """The servers no call has failed on yet."""
+        return [url for url in self.pool.urls if url not in self.failures]
+
+    def each(self, action: Callable[[str], Any]) -> None:
+        """``action(url)`` on every live server at once; a ``ServerError`` leaves its server out."""
+
+        def run(url: str) -> None:
+            try:
+                action(url)
+            except ServerError as err:
+                self.failures.setdefault(url, err)
+
+        live = self.live
+        if live:
+            with ThreadPoolExecutor(max_workers=len(live)) as executor:
+                list(executor.map(run, live))
+
+    def post(self, path: str, payload: Any = None) -> None:
+        """POST ``payload`` to ``path`` of every live server."""
+        self.each(lambda url: self.pool.post(url, path, payload))
+
+    def start(self) -> None:
+        """``/start_weight_update`` on every live server. One that refuses because it is still in an update (a push
+        that failed before finishing it) carries on in that update: the push sends every weight into it and the
+        finish completes it."""
+
+        def start(url: str) -> None:
+            try:
+                self.pool.post(url, "/start_weight_update")
+            except ServerError as err:
+                if UPDATE_ACTIVE not in str(err):
+                    raise
+                log.warning("%s was still in a weight update (a push that failed before finishing it): this push "
+                            "sends every weight into it and finishes it", url)  # fmt: skip
+
+        self.each(start)
+
+    def raise_failure(self) -> None:
+        """Raise the first failure (naming its server, and the others that failed), if any."""
+        if not self.failures:
+            return
+        first, *others = self.failures.values()
+        if not others:
+            raise first
+        raise ServerError(f"{first} (also failed: {'; '.join(str(e) for e in others)})")
 
 
 def push(
@@ -91,21 +165,33 @@ def push(
     ``pause``: vLLM's pause mode. ``"wait"``: requests in flight finish first, then the caches are cleared (the
     synchronous engine). ``"keep"``: requests in flight are frozen where they are and continue under the new
     weights after ``/resume`` (their tokens' weight-version spans record the switch; vLLM does not clear the
-    caches in this mode: the asynchronous producer salts its requests' prefix cache with the version instead)."""
+    caches in this mode: the asynchronous producer salts its requests' prefix cache with the version instead).
+
+    A server that fails is left out of the rest; the others get every weight, ``version`` and ``/resume``, then the
+    first failure raises, naming its server. A transfer that fails as a whole (the transport raises) leaves the
+    servers paused in the update (the next push completes it: ``PushCalls.start``) once the sender has iterated
+    ``weights`` to their end, as the other processes do."""
     servers = ServerPool(only, pool.request_timeout, pool.timeout) if only else pool
+    calls = PushCalls(servers)
     if not sender:
-        transport.send(servers, weights, chunk_bytes, sender=False)
+        transport.send(calls, weights, chunk_bytes, sender=False)
         return
-    query = "mode=keep&clear_cache=false" if pause == "keep" else "mode=wait&clear_cache=true"
-    each_server(servers, lambda url: servers.post(url, f"/pause?{query}"))
+    calls.post("/pause?" + ("mode=keep&clear_cache=false" if pause == "keep" else "mode=wait&clear_cache=true"))
     if not transport.drives_update:
-        each_server(servers, lambda url: servers.post(url, "/start_weight_update"))
-    transport.send(servers, weights, chunk_bytes, sender=True)
+        calls.start()
+    stream = iter(weights)
+    try:
+        transport.send(calls, stream, chunk_bytes, sender=True)
+    except Exception:
+        for _ in stream:  # the other processes' gathers are collectives: iterate to the end with them
+            pass
+        raise
     if transport.drives_update:
-        each_server(servers, lambda url: servers.post(url, "/update_weight_version", {"new_version": version}))
+        calls.post("/update_weight_version", {"new_version": version})
     else:
-        each_server(servers, lambda url: servers.post(url, "/finish_weight_update", {"weight_version": version}))
-    each_server(servers, lambda url: servers.post(url, "/resume"))
+        calls.post("/finish_weight_update", {"weight_version": version})
+    calls.post("/resume")
+    calls.raise_failure()
 
 
 def server_versions(pool: ServerPool) -> dict[str, str | None]:
@@ -132,7 +218,7 @@ class CPUTransport(WeightTransport):
         if sender:
             each_server(pool, lambda url: pool.post(url, "/init_weight_transfer_engine", {"init_info": {}}))
 
-    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+    def send(self, calls: PushCalls, weights: Weights, chunk_bytes: int, sender: bool) -> None:
         if not sender:
             for _ in weights:  # the gathers are collectives: iterate in step with the sender
                 pass
@@ -142,10 +228,12 @@ class CPUTransport(WeightTransport):
         folder = self.folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         os.makedirs(folder, exist_ok=True)
         for i, chunk in enumerate(weight_chunks(weights, chunk_bytes)):
+            if not calls.live:  # every server failed: iterate on (the gathers), write nothing
+                continue
             path = os.path.join(folder, f"sgrpo-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-{i}.safetensors")
             save_file({name: value.detach().cpu().contiguous() for name, value in chunk}, path)
             try:
-                each_server(pool, lambda url, p=path: pool.post(url, "/update_weights", {"update_info": {"path": p}}))
+                calls.post("/update_weights", {"update_info": {"path": path}})
             finally:
                 os.unlink(path)
 
@@ -156,8 +244,10 @@ class NCCLTransport(WeightTransport):
     Written against vLLM 0.32's trainer engine (``NCCLTrainerWeightTransferEngine``), not yet run: sgrpo's tests
     have no GPU with vLLM. Rank 0 opens the rendezvous at ``master_address:master_port``; each server's workers join
     at their rank offset (one server after another, in ``urls`` order). A restarted server cannot re-join the
-    group: ``VLLMServerRollout`` raises instead of pushing (an NCCL broadcast to a missing peer would hang). NCCL's
-    collectives have no timeout of sgrpo's: a server that dies mid-broadcast may hang rank 0.
+    group: ``VLLMServerRollout`` raises instead of pushing (an NCCL broadcast to a missing peer would hang). For the
+    same reason a server that fails before the broadcast stops the push on every server (they stay paused in the
+    update: restart them). NCCL's collectives have no timeout of sgrpo's: a server that dies mid-broadcast may hang
+    rank 0.
 
     Args:
         master_address: Address of rank 0 as the servers reach it (null: ``MASTER_ADDR``, else 127.0.0.1).
@@ -173,6 +263,7 @@ class NCCLTransport(WeightTransport):
         self.master_address, self.master_port, self.packed = master_address, master_port, packed
         self._engine = None
         self._source: _Source | None = None
+        self._client: _FanOutClient | None = None
 
     def connect(self, pool: ServerPool, weights: Callable[[], Weights], sender: bool) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -184,13 +275,13 @@ class NCCLTransport(WeightTransport):
             master_address=self.master_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=self.master_port, world_size=1 + sum(sizes), packed=self.packed, rank=0 if sender else 1,
         )  # fmt: skip
-        self._engine = WeightTransferTrainerFactory.trainer_init(
-            info, client=_FanOutClient(pool, sizes), source=self._source
-        )
+        self._client = _FanOutClient(pool, sizes)
+        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=self._source)
 
-    def send(self, pool: ServerPool, weights: Weights, chunk_bytes: int, sender: bool) -> None:
-        if self._engine is None or self._source is None:
+    def send(self, calls: PushCalls, weights: Weights, chunk_bytes: int, sender: bool) -> None:
+        if self._engine is None or self._source is None or self._client is None:
             raise RuntimeError("NCCLTransport.send before connect")
+        self._client.calls = calls
         self._source.next = weights
         self._engine.send_weights()  # calls start/update/finish itself (drives_update)
 
@@ -215,10 +306,12 @@ class _Source:
 
 class _FanOutClient:
     """vLLM's weight-sync client protocol over several servers: each call on every server; the NCCL init gets each
-    server's rank offset (trainer rank 0, then the servers' workers in ``urls`` order)."""
+    server's rank offset (trainer rank 0, then the servers' workers in ``urls`` order). A push's calls go through
+    its ``PushCalls``; a server that fails raises at once (the broadcast needs every server of the group)."""
 
     def __init__(self, pool: ServerPool, world_sizes: list[int]) -> None:
         self.pool, self.offsets = pool, [1 + sum(world_sizes[:i]) for i in range(len(world_sizes))]
+        self.calls = PushCalls(pool)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         offsets = dict(zip(self.pool.urls, self.offsets))
@@ -226,13 +319,16 @@ class _FanOutClient:
             url, "/init_weight_transfer_engine", {"init_info": dict(init_info, rank_offset=offsets[url])}))  # fmt: skip
 
     def start_weight_update(self) -> None:
-        each_server(self.pool, lambda url: self.pool.post(url, "/start_weight_update"))
+        self.calls.start()
+        self.calls.raise_failure()
 
     def update_weights(self, update_info: Any) -> None:
-        each_server(self.pool, lambda url: self.pool.post(url, "/update_weights", {"update_info": update_info}))
+        self.calls.post("/update_weights", {"update_info": update_info})
+        self.calls.raise_failure()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        each_server(self.pool, lambda url: self.pool.post(url, "/finish_weight_update", {}))
+        self.calls.post("/finish_weight_update", {})  # the version: push's /update_weight_version
+        self.calls.raise_failure()
 
 
 def dtype_of(name: str) -> torch.dtype:
