@@ -25,6 +25,7 @@ process raises instead of one waiting in an all-gather; an error inside a collec
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ def all_gather_rows(tensors: list[Tensor], device: torch.device) -> list[list[Te
     dims = max(t.dim() for t in tensors)
     shapes = torch.zeros(len(tensors), dims, dtype=torch.long, device=device)
     for i, t in enumerate(tensors):
-        shapes[i, : t.dim()] = torch.tensor(t.shape, dtype=torch.long)
+        shapes[i, : t.dim()] = torch.tensor(t.shape, dtype=torch.long, device=device)
     all_shapes = [torch.empty_like(shapes) for _ in range(world)]
     torch.distributed.all_gather(all_shapes, shapes)
     all_shapes = [s.cpu() for s in all_shapes]
@@ -152,17 +153,17 @@ class BalancedRows:
         if getattr(getattr(self, "loss", None), "zero_at_zero_advantage", False):
             runs = runs & (joined.per_row(adv) != 0).to(runs.device)
         tokens = (joined.attention_mask.sum(-1) * runs).tolist()
-        starts = torch.tensor([0] + [len(b.completions) for b in batches]).cumsum(0).tolist()
+        starts = [0, *itertools.accumulate(len(b.completions) for b in batches)]
         before = [sum(tokens[r] for r in _rows_of(joined, range(starts[p], starts[p + 1]))) for p in range(world)]
         if mode == "rows":  # verl: each row with loss by its workload, whatever the loss skips
             lengths = (joined.attention_mask.sum(-1) * token_mask.any(-1)).tolist()
             shares = place([verl_workload(int(n)) for n in lengths], world, verl_layout=True)
-            own = _single_rows(joined, torch.tensor(shares[rank], dtype=torch.long), adv, keep)
+            own = _single_rows(joined, torch.tensor(shares[rank], dtype=torch.long, device="cpu"), adv, keep)
             after = [sum(tokens[r] for r in s) for s in shares]
         else:
             rows_of = [_rows_of(joined, range(b * g, (b + 1) * g)) for b in range(joined.num_groups)]
             shares = place(self._group_costs(joined, rows_of, token_mask, runs), world, verl_layout=False)
-            mine = torch.tensor(shares[rank], dtype=torch.long)
+            mine = torch.tensor(shares[rank], dtype=torch.long, device="cpu")
             on = mine.to(adv.device)
             own = (joined.select_groups(mine), adv.view(-1, g)[on], keep.view(-1, g)[on, 0])
             after = [sum(tokens[r] for b in s for r in rows_of[b]) for s in shares]
@@ -183,7 +184,7 @@ class BalancedRows:
         running = token_mask & runs.unsqueeze(-1)
         costs = []
         for rows in rows_of:
-            index = torch.tensor(rows, dtype=torch.long)
+            index = torch.tensor(rows, dtype=torch.long, device="cpu")
             cost = 3 * epochs * group_cost(joined, index, running, hidden, share)
             costs.append(cost + (passes * group_cost(joined, index, token_mask, hidden, share) if passes else 0.0))
         return costs
