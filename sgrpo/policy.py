@@ -26,6 +26,7 @@ from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed,
 from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch
 from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error
 from sgrpo.train.collect import GroupCollection
+from sgrpo.train.exchange import balance_error, balance_mode
 from sgrpo.train.loss import ClippedSurrogate, PolicyLoss
 from sgrpo.train.reference import build_reference
 from sgrpo.train.step_logging import StepLogging
@@ -104,6 +105,7 @@ class GRPOPolicy(
         max_staleness: int = 1,
         producer_timeout: float = 600.0,
         sync_every: int = 1,
+        balance_batch: bool | Literal["rows", "groups"] | None = None,
     ) -> None:
         """The config's ``model:`` block.
 
@@ -156,6 +158,9 @@ class GRPOPolicy(
             max_staleness: With async_rollout, versions (training steps) a trained group may lag the trainer, >= 0.
             producer_timeout: Seconds the trainer waits for the producer's next groups before it raises (a hang).
             sync_every: With async_rollout, training steps between weight pushes to the producer, <= max_staleness + 1.
+            balance_batch: Move a step's rows between processes before the update so each trains an even share
+                (docs/training.md): null/false each process its own rows; "rows" (or true) verl's placement of
+                single rows; "groups" whole groups by the packed cost model.
         """
 
         super().__init__()
@@ -176,6 +181,8 @@ class GRPOPolicy(
         require(producer_timeout > 0, f"model.producer_timeout must be > 0 seconds, got {producer_timeout}")
         self.async_rollout, self.max_staleness, self.producer_timeout = async_rollout, max_staleness, producer_timeout
         self.sync_every = sync_every
+        self.balance_batch = balance_mode(balance_batch)  # sgrpo.train.exchange; refused in one line
+        require(balance_error(self.balance_batch, environment) is None, balance_error(self.balance_batch, environment))
         self.reward_watch = RewardFailureWatch(reward_failure_share, reward_failure_steps)
         self.divergence_watch = DivergenceWatch(max_nonfinite_steps)
         self.max_prompt_tokens, self.prompts_dropped = max_prompt_tokens, 0

@@ -36,11 +36,13 @@ class CountAllReduces(Callback):
         trainer.strategy.model.register_comm_hook(None, counting_allreduce)
 
 
-def run(model_dir: str, aggregation: str, out: Path) -> None:
-    """One update with ``aggregation``: the gradient to ``out/grads_<aggregation>.pt``, counts beside it."""
+def run(model_dir: str, aggregation: str, out: Path, balance: str | None = None) -> None:
+    """One update with ``aggregation`` (and ``model.balance_batch``): the gradient to
+    ``out/grads_<aggregation>[_<balance>].pt``, counts and the balance metrics beside it."""
     Recorder.rows, Recorder.allreduce_rounds = [], 0
     batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation), micro_batch_size=2)
+    policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation), micro_batch_size=2,
+                         balance_batch=balance)  # fmt: skip
     generate = policy.rollout.generate
 
     def counting(*args, **kwargs):
@@ -53,11 +55,13 @@ def run(model_dir: str, aggregation: str, out: Path) -> None:
     counts = torch.tensor([float(Recorder.rows[0]), float(Recorder.allreduce_rounds)])
     gathered = [torch.zeros(2) for _ in range(2)]
     torch.distributed.all_gather(gathered, counts)
+    name = aggregation + (f"_{balance}" if balance else "")
     if trainer.is_global_zero:
-        torch.save(policy.captured[0], out / f"grads_{aggregation}.pt")
+        torch.save(policy.captured[0], out / f"grads_{name}.pt")
         info = {
+            **{k: float(v) for k, v in trainer.callback_metrics.items() if "token_imbalance" in k},
             "world_size": trainer.world_size,
             "rows_per_rank": [int(c[0]) for c in gathered],
             "allreduce_rounds_per_rank": [int(c[1]) for c in gathered],
         }
-        (out / f"grads_{aggregation}.json").write_text(json.dumps(info))
+        (out / f"grads_{name}.json").write_text(json.dumps(info))

@@ -15,6 +15,8 @@ sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model (tests/
 sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
 sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
+sharded_worker.py ddp_balanced MODEL_DIR OUT AGGREGATION...   the same with model.balance_batch rows and groups
+sharded_worker.py balance_failure MODEL_DIR OUT   a balanced DDP update whose process 1 raises in the exchange
 sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
 sharded_worker.py server_ranks PYTHON URL OUT   VLLMServerRollout's rank-0 failures, learnt by rank 1
                                                   (tests/server_ranks_job.py)
@@ -66,9 +68,11 @@ UNEVEN = {"ppo_epochs": 2, "dynamic_sampling": True, "max_sampling_rounds": 1, "
 KL_BF16 = {"ppo_epochs": 2, "micro_batch_size": 2}
 #: a fourth: stale rows on some processes only (tests/test_offpolicy_update.py's HalfStaleRollout), corrected
 STALE = {"micro_batch_size": 2}
+#: fifth and sixth: model.balance_batch moves rows ("rows") or whole groups ("groups") between the processes
 SCENARIOS = {
     "plain": ({}, "32-true"), "uneven": (UNEVEN, "32-true"), "kl_bf16": (KL_BF16, "bf16-mixed"),
-    "stale": (STALE, "32-true"),
+    "stale": (STALE, "32-true"), "rows": ({"balance_batch": "rows", "micro_batch_size": 2}, "32-true"),
+    "groups": ({"balance_batch": "groups", "micro_batch_tokens": 16}, "32-true"),
 }  # fmt: skip
 
 
@@ -347,6 +351,42 @@ def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:
         run(model_dir, aggregation, Path(out))
 
 
+def ddp_balanced(model_dir: str, out: str, *aggregations: str) -> None:
+    """One DDP update per aggregation and ``model.balance_batch`` mode ("rows", "groups"), to OUT."""
+    from tests.ddp_grad_worker import run
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for aggregation in aggregations:
+        for balance in ("rows", "groups"):
+            run(model_dir, aggregation, Path(out), balance)
+
+
+def balance_failure(model_dir: str, out: str) -> None:
+    """A DDP update with ``model.balance_batch: rows`` whose process 1 raises preparing its rows for the exchange:
+    both processes must raise (process 0 waited in the all-gather for ever before); each one's error to
+    OUT/failure.RANK.json."""
+    from sgrpo.train.exchange import BalancedRows
+
+    rank, prepare = torch.distributed.get_rank(), BalancedRows._exchanged_payload
+
+    def failing(self, *args):
+        if rank == 1:
+            raise MemoryError("process 1 ran out of memory")
+        return prepare(self, *args)
+
+    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+    policy = make_policy(model_dir, batch, GRPO(), balance_batch="rows")
+    BalancedRows._exchanged_payload, error = failing, None
+    try:
+        run_steps(policy, accelerator="cpu", devices=2, strategy="ddp")
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        BalancedRows._exchanged_payload = prepare
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"failure.{rank}.json").write_text(json.dumps(error))
+
+
 def nonfinite(model_dir: str, out: str) -> None:
     """Two DDP steps whose first has a NaN gradient on process 1 only (after the all-reduce: as a process-local
     overflow would): every process must skip it, or their weights part. Each process's weight checksum and
@@ -381,7 +421,8 @@ if __name__ == "__main__":
 
     modes = {"update": update, "fit": fit, "fit_recording_lengths": fit_recording_lengths, "decode": decode,
              "validate": validate, "metrics": synced_job, "validate_sets": validate_sets,
-             "refused_resume": refused_resume, "ddp_grads": ddp_grads,
+             "refused_resume": refused_resume, "ddp_grads": ddp_grads, "ddp_balanced": ddp_balanced,
+             "balance_failure": balance_failure,
              "disagreeing_resume": disagreeing_resume, "nonfinite": nonfinite, "async_fit": async_fit,
              "async_estimators": async_estimators, "server_ranks": server_ranks}  # fmt: skip
     for mode, *args in jobs(sys.argv[1:]):

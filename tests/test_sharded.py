@@ -78,14 +78,17 @@ def chain(*jobs: list[str]) -> list[str]:
 
 #: "uneven": two PPO epochs (old log-probs from a no-grad pass) with processes running different numbers of
 #: micro-batches; "stale": rows sampled a step ago on some processes only, the decoupled objective's corrections
-SCENARIOS = ("plain", "uneven", "kl_bf16", "stale")
+#: "rows", "groups": model.balance_batch moves rows or whole groups between the processes (float rounding only)
+SCENARIOS = ("plain", "uneven", "kl_bf16", "stale", "rows", "groups")
 
 
 def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_path, capsys):
     """Jobs in one 2-process launch (one interpreter start per process instead of one per job; each job builds
     its own trainers and model): a sharded update in three scenarios, rollouts from the sharded model, the
     evaluation metrics synced over the processes and a validation of two evaluation sets
-    (tests/test_eval_metrics.py), a DDP update per loss aggregation, a DDP step non-finite on one process, a
+    (tests/test_eval_metrics.py), a DDP update per loss aggregation, the same with ``model.balance_batch`` (rows,
+    groups) per global aggregation, a balanced update whose process 1 raises in the exchange, a DDP step non-finite
+    on one process, a
     3-step fit, its resume to step 5 from the sharded checkpoint, a resume of it as another experiment
     (refused), ``sgrpo.fit validate`` of that checkpoint, a bf16 fit with a KL, LoRA fits and resumes under FSDP2
     and DDP, and a fit whose rows end at different lengths on each process. Each is checked below by its own
@@ -102,6 +105,8 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["metrics", str(out / "metrics")],
             ["validate_sets", str(out / "sets")],
             ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
+            ["ddp_balanced", model_dir, str(out / "ddp"), *GLOBAL],
+            ["balance_failure", model_dir, str(out / "balance_failure")],
             ["nonfinite", model_dir, str(out / "nonfinite")],
             # fused AdamW on DTensors, as the GPU recipes; at step 3 last.ckpt is a tree of hard links to step3.ckpt
             ["fit", str(root), model_dir, "3", "", FUSED, "--checkpoint_every=3"],
@@ -129,6 +134,8 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_synced_metrics(out / "metrics")
     check_two_sets_validate_as_one_process(out / "sets", tmp_path)
     check_two_ddp_processes_give_the_single_process_gradient(model_dir, out / "ddp")
+    check_balanced_processes_give_the_unbalanced_gradient(model_dir, out / "ddp")
+    check_a_process_raising_in_the_exchange_ends_both(out / "balance_failure")
     check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out / "nonfinite")
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
@@ -154,7 +161,7 @@ def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path
 #: (measured: loss 3.5e-5, gradient norm 8e-5, KL 7e-3); with each group's prompt once (packed, the default) a
 #: micro-batch holding two rows of a group runs them under a block mask, whose bf16 roundings differ from the
 #: unshared layout's (per token up to 6e-4, as far from a float32 run as the unshared; measured loss 2.8e-4)
-TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 1e-3, "stale": 1e-5}
+TOLERANCE = {"plain": 1e-5, "uneven": 1e-5, "kl_bf16": 1e-3, "stale": 1e-5, "rows": 1e-6, "groups": 1e-6}
 
 
 def check_sharded_update_equals_single_process_update(model_dir: str, out: Path, scenario: str) -> None:
@@ -260,6 +267,39 @@ def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out
         assert rel_err(flat(torch.load(out / f"grads_{aggregation}.pt")), single) < 1e-6, aggregation
         # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
         assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
+
+
+#: the aggregations whose denominators are all-reduced: moving rows between processes changes float rounding only
+GLOBAL = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
+
+
+def check_balanced_processes_give_the_unbalanced_gradient(model_dir: str, out: Path) -> None:
+    """``model.balance_batch`` "rows" and "groups" over 2 DDP processes with different data: the gradient of the
+    unbalanced run (which is the single-process one) within 1e-6 for every global aggregation, the rows
+    having moved ("rows": the processes' real-token imbalance fell)."""
+    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
+    for aggregation in GLOBAL:
+        policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation))
+        run_steps(policy)
+        single = flat(policy.captured[0])
+        unbalanced = flat(torch.load(out / f"grads_{aggregation}.pt"))
+        for mode in ("rows", "groups"):
+            info = json.loads((out / f"grads_{aggregation}_{mode}.json").read_text())
+            assert rel_err(flat(torch.load(out / f"grads_{aggregation}_{mode}.pt")), unbalanced) < 1e-6, mode
+            assert rel_err(flat(torch.load(out / f"grads_{aggregation}_{mode}.pt")), single) < 1e-6, mode
+            before, after = info["train/update/token_imbalance_before"], info["train/update/token_imbalance_after"]
+            # rows: even to a row; groups: 4 groups of which one costs nothing (constant): at best as even as before
+            assert after < before if mode == "rows" else after <= before, (aggregation, mode, info)
+            assert info["allreduce_rounds_per_rank"] == [1, 1], (aggregation, mode)
+
+
+def check_a_process_raising_in_the_exchange_ends_both(out: Path) -> None:
+    """Process 1 raised preparing its rows: it raised its own error, process 0 one naming the cause, and neither
+    waited (a hang fails the launch at its timeout)."""
+    errors = [json.loads((out / f"failure.{rank}.json").read_text()) for rank in (0, 1)]
+    assert errors[1] == "MemoryError: process 1 ran out of memory", errors
+    assert errors[0] == ("RuntimeError: model.balance_batch: another process failed preparing its rows for the "
+                         "exchange"), errors  # fmt: skip
 
 
 def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:

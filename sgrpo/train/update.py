@@ -42,6 +42,7 @@ from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
 from sgrpo.train.correction import offpolicy_metrics
+from sgrpo.train.exchange import BalancedRows
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.micro_logprobs import LAYOUT, MicroBatchLogprobs
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 
-class PolicyUpdate(MicroBatchLogprobs):
+class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
     """``update(rollout, advantages, keep_groups)``: the optimiser steps of one training step (module docstring)."""
 
     def update(self, rollout: RolloutBatch, advantages: Tensor, keep_groups: Tensor) -> dict[str, Tensor]:
@@ -62,6 +63,8 @@ class PolicyUpdate(MicroBatchLogprobs):
         ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others).
         """
         self._packs(self.model)  # decided once per model, by every process at the same point (collectives)
+        # model.balance_batch: the step's rows placed over the processes before any log-prob pass or mini-batch
+        rollout, advantages, keep_groups, balance_logs = self.balanced(rollout, advantages, keep_groups)
         # per row: a multi-turn trajectory's rows share its group's advantage (RolloutBatch.per_row)
         keep_rows = rollout.per_row(keep_groups.repeat_interleave(rollout.group_size))
         token_mask = rollout.completion_mask & keep_rows.unsqueeze(-1)
@@ -102,7 +105,7 @@ class PolicyUpdate(MicroBatchLogprobs):
         if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
             scheduler.step()
         steps = self.ppo_epochs * self.num_minibatches
-        logs = self._layout_logs(sums)
+        logs = self._layout_logs(sums) | {k: torch.tensor(v, device=self.device) for k, v in balance_logs.items()}
         tokens = sums.pop("tokens").clamp_min(1.0)
         logs |= {f"train/{name}": sums[name] / tokens for name in (*self.loss.stats, "entropy")}
         logs |= {
