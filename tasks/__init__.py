@@ -1,87 +1,57 @@
-"""Tasks: datasets of ``Example`` s with a reward and a success test, one file per task."""
+"""Tasks: datasets of ``Example`` s with a reward and a success test, one file per task.
 
-from tasks.arithmetic import CountdownReward, grade_countdown
-from tasks.base import SPLITS, Task
-from tasks.calculator import CalculatorTask
-from tasks.countdown import Countdown, CountdownGold
-from tasks.deepmath import DeepMath
-from tasks.environment import Environment, Observation, ToolEnvironment
-from tasks.functions import FunctionReward
-from tasks.gsm8k import GSM8K
-from tasks.holdout import hash_holdout, paper_holdout
-from tasks.judge import JudgeReward
-from tasks.lazy_table import LazySplitTable
-from tasks.mathgrade import (
-    MathVerifyReward,
-    NumericMatch,
-    PaperMathVerify,
-    final_text_verifier,
-    grade_math,
-    grade_paper_math,
-)
-from tasks.meetingbank import MeetingBank
-from tasks.openthoughts import OpenThoughts
-from tasks.poetry import PoetryClassification, PoetryWriting
-from tasks.polaris import Polaris
-from tasks.reward import Reward, RewardResult, SampleReward, WeightedSum
-from tasks.similarity import (
-    Bleu,
-    ChrF,
-    EditSimilarity,
-    ExactMatch,
-    RougeL,
-    TextSimilarity,
-    WordSimilarity,
-    final_text,
-)
-from tasks.synthetic import SyntheticTask
-from tasks.text import ReferenceText, ReferenceTextTask
-from tasks.think_format import ThinkFormat, think_format
+Every public name is imported from its module on first use (PEP 562's module ``__getattr__``), so a run pays only
+for the tasks it uses: ``import tasks`` or ``tasks.SyntheticTask`` loads neither sympy and math-verify (the math
+grader, ``tasks.mathgrade``) nor sacrebleu (chrF and BLEU). ``from tasks import X`` and ``tasks.X`` work as before.
+"""
 
-__all__ = [
-    "LazySplitTable",
-    "SPLITS",
-    "Bleu",
-    "CalculatorTask",
-    "ChrF",
-    "Countdown",
-    "CountdownGold",
-    "CountdownReward",
-    "DeepMath",
-    "EditSimilarity",
-    "Environment",
-    "FunctionReward",
-    "ExactMatch",
-    "GSM8K",
-    "JudgeReward",
-    "MathVerifyReward",
-    "MeetingBank",
-    "NumericMatch",
-    "Observation",
-    "OpenThoughts",
-    "PaperMathVerify",
-    "PoetryClassification",
-    "PoetryWriting",
-    "Polaris",
-    "ReferenceText",
-    "ReferenceTextTask",
-    "Reward",
-    "RewardResult",
-    "SampleReward",
-    "RougeL",
-    "SyntheticTask",
-    "Task",
-    "TextSimilarity",
-    "ThinkFormat",
-    "ToolEnvironment",
-    "WeightedSum",
-    "WordSimilarity",
-    "final_text",
-    "final_text_verifier",
-    "grade_countdown",
-    "grade_math",
-    "grade_paper_math",
-    "hash_holdout",
-    "paper_holdout",
-    "think_format",
-]
+from __future__ import annotations
+
+import importlib
+
+#: each public name's module under ``tasks``
+_MODULES = {
+    "arithmetic": ("CountdownReward", "grade_countdown"),
+    "base": ("SPLITS", "Task"),
+    "calculator": ("CalculatorTask",),
+    "countdown": ("Countdown", "CountdownGold"),
+    "deepmath": ("DeepMath",),
+    "environment": ("Environment", "Observation", "ToolEnvironment"),
+    "functions": ("FunctionReward",),
+    "gsm8k": ("GSM8K",),
+    "holdout": ("hash_holdout", "paper_holdout"),
+    "judge": ("JudgeReward",),
+    "lazy_table": ("LazySplitTable",),
+    "mathgrade": (
+        "MathVerifyReward", "NumericMatch", "PaperMathVerify", "final_text_verifier", "grade_math", "grade_paper_math",
+    ),
+    "meetingbank": ("MeetingBank",),
+    "openthoughts": ("OpenThoughts",),
+    "poetry": ("PoetryClassification", "PoetryWriting"),
+    "polaris": ("Polaris",),
+    "reward": ("Reward", "RewardResult", "SampleReward", "WeightedSum"),
+    "similarity": (
+        "Bleu", "ChrF", "EditSimilarity", "ExactMatch", "RougeL", "TextSimilarity", "WordSimilarity", "final_text",
+    ),
+    "synthetic": ("SyntheticTask",),
+    "text": ("ReferenceText", "ReferenceTextTask"),
+    "think_format": ("ThinkFormat", "think_format"),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    """``tasks.name``: imported from its module on first use, then cached in this module's namespace."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tasks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tasks.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+

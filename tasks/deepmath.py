@@ -14,7 +14,6 @@ from tasks.base import Task, check_template, fill
 from tasks.data import Schema, SplitTable, is_blank, not_blank, number_or_blank
 from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
 from tasks.lazy_table import LazySplitTable
-from tasks.mathgrade import MathVerifyReward
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import final_text
 
@@ -101,6 +100,8 @@ class DeepMath(Task):
         reference_solutions: bool = False,
         **settings,
     ) -> None:
+        from tasks.mathgrade import MathVerifyReward  # imported here: Countdown reads prompt_problem without sympy
+
         super().__init__(reward or MathVerifyReward(), system_prompt=system_prompt, **settings)
         check_template(template, ["question"])
         require(holdout in ("random", "hash", "paper"), f"holdout must be 'random', 'hash' or 'paper', got {holdout!r}")

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from rapidfuzz.distance import Indel, LCSseq, Levenshtein
-from sacrebleu.metrics import BLEU, CHRF
 
 from sgrpo.checks import require
 from sgrpo.types import Example
@@ -140,6 +139,8 @@ class ChrF(TextSimilarity):
     def __init__(self, word_order: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         require(word_order >= 0, f"word_order must be >= 0 (0: chrF, 2: chrF++), got {word_order}")
+        from sacrebleu.metrics import CHRF  # imported here: a task without chrF does not load sacrebleu
+
         self.word_order = word_order
         self._metric = CHRF(word_order=word_order)
 
@@ -154,6 +155,8 @@ class Bleu(TextSimilarity):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
+        from sacrebleu.metrics import BLEU  # imported here: a task without BLEU does not load sacrebleu
+
         self._metric = BLEU(effective_order=True)
 
     def similarity(self, prediction: str, reference: str) -> float:

@@ -307,3 +307,35 @@ def test_attention_chosen_by_device_and_named():
     assert attention_path(model, False).startswith("flash_attention_2: the varlen kernel over one packed row")
     model.config._attn_implementation = "flex_attention"
     assert attention_path(model, True).startswith("flex attention with a BlockMask")
+
+
+def saved_masks(loss: torch.Tensor) -> set[int]:
+    """The storages of the attention masks the autograd graph under ``loss`` saved for its backward."""
+    found, stack, seen = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "_saved_attn_mask") and node._saved_attn_mask is not None:
+            found.add(node._saved_attn_mask.untyped_storage().data_ptr())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sdpa_saves_one_block_mask_for_every_layer_and_the_bool_masks_values(dtype):
+    """SDPA turns a bool mask into a float copy in each layer and saves it (one [R, 1, C, C] per layer): the shared
+    path hands it one additive mask that every layer saves by reference, with the bool mask's values bit for bit."""
+    from sgrpo.model.logprobs import final_hidden_states
+    from sgrpo.model.packing import shared_attention_mask
+
+    model = tiny("sdpa", dtype)
+    ids, mask, completion = grouped_batch(seed=1)
+    packed = pack_shared(ids, mask, completion)
+    block = shared_attention_mask(model, packed)
+    hidden = final_hidden_states(model, packed.input_ids, block, position_ids=packed.position_ids)
+    assert len(saved_masks(hidden.sum())) == 1 < model.config.num_hidden_layers
+    with torch.no_grad():
+        plain = final_hidden_states(model, packed.input_ids, packed.allowed(), position_ids=packed.position_ids)
+    assert torch.equal(hidden.detach(), plain)
