@@ -31,6 +31,12 @@ from tasks.similarity import final_text, strip_think, template_opens_think
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 _YES_NO = {"yes", "no"}
+#: math-verify's deadline for one answer, in seconds of CPU time, as a fraction of the reward's ``timeout`` (the
+#: pool's wall-clock limit per answer). The wall limit is 4 times the CPU deadline so that load alone does not
+#: reach it: a worker that gets a quarter of a core still ends a costly answer at its own deadline (a score of 0)
+#: before the pool kills it (a restart), and a correct answer (~0.1 s of CPU) is cut only by a starvation of
+#: 1/25 of a core at the default 10 s. The wall limit remains for what spends no CPU (a hang, a blocked call).
+DEADLINE_FRACTION = 0.25
 
 
 def _box_end(text: str, open_brace: int) -> int | None:
@@ -92,8 +98,9 @@ def grade_math(
     cheap rejections "too_long", "junk", "too_complex" (``tasks.mathguard``; a box spelt exactly like the
     gold is never rejected). ``require_box=False`` grades the whole answer text when there is no box (then
     only the parsed-size check applies). Raises ``ValueError`` if the gold answer itself does not parse (a
-    data problem) and ``TimeoutError`` if the grading outlives ``timeout`` seconds (fractions allowed;
-    enforced on the main thread only, ``None`` disables it).
+    data problem) and ``TimeoutError`` if the grading spends over ``timeout`` seconds of CPU time (fractions
+    allowed; ``tasks.mathguard._deadline``: CPU, not wall time, so that a loaded machine does not cut a correct
+    answer; enforced on the main thread only, ``None`` disables it).
     """
     if require_think and "</think>" not in response:
         return 0.0, "unclosed_think"
@@ -114,7 +121,7 @@ def grade_math(
         with _deadline(timeout):
             return _verify(gold, answer if box is None else f"\\boxed{{{box}}}")
     except _Deadline:
-        raise TimeoutError(f"math-verify grading took over {timeout:g} s") from None
+        raise TimeoutError(f"math-verify grading took over {timeout:g} s of CPU time") from None
 
 
 def _verify(gold: str, target: str) -> tuple[float, str]:
@@ -161,8 +168,9 @@ class MathVerifyReward(SampleReward):
     The box is the default because the prompt asks for one and it states the answer unambiguously, while
     math-verify reads free text by its last number ("3 steps, so 2 moves suffice" is graded as 2).
 
-    Graded in ``workers`` processes with an outer ``timeout`` per answer; math-verify's grading of one
-    answer has a deadline of ``timeout / 2`` (also in-process, on the main thread). A timeout, an
+    Graded in ``workers`` processes with an outer ``timeout`` per answer (wall time); math-verify's grading of
+    one answer has a deadline of ``timeout / 4`` seconds of CPU time (``DEADLINE_FRACTION``; also in-process,
+    on the main thread), so that a loaded machine does not score a correct answer 0. A timeout, an
     exception or a gold answer that does not parse scores 0 and counts as a failure (labelled "timeout"
     or "error"; a hung pool is restarted). ``RewardResult.counts`` also holds "correct", "wrong" and the
     zero-scored labels "unclosed_think", "no_box", "unparsed", "too_long", "junk", "too_complex" (see
@@ -200,8 +208,8 @@ class MathVerifyReward(SampleReward):
             self.require_think = template_opens_think(tokenizer, chat_template_kwargs)
 
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
-        # half the outer limit: the deadline fires well before the pool gives up on the worker
-        timeout, think = self.timeout / 2, bool(self.require_think)
+        # CPU time, a quarter of the outer wall limit: a starved worker still ends at its own deadline
+        timeout, think = self.timeout * DEADLINE_FRACTION, bool(self.require_think)
         return grade_math(
             example.answer, completion, self.require_box, timeout, self.max_answer_chars, think, self.final_text
         )
@@ -216,8 +224,9 @@ def grade_paper_math(gold: str, response: str, timeout: float | None = 5.0) -> t
     reads as the set {2, 3}, which is not gold 3), no cheap string check, no respelling (e-notation, ``\\fbox``,
     ``\\mathbb``), no tolerance for a gold printed as a rounded decimal, no guard against huge answers beyond the
     deadline. Labels: "correct", "wrong", "unparsed" (nothing extracted from the answer), "gold_unparsed" (the gold
-    itself extracts nothing: 0, as the authors score it). ``TimeoutError`` if grading outlives ``timeout`` seconds
-    (math-verify's own default limits are 5 s for parsing and 5 s for verifying; enforced on the main thread).
+    itself extracts nothing: 0, as the authors score it). ``TimeoutError`` if grading spends over ``timeout`` seconds of
+    CPU time (math-verify's own default limits are 5 s of wall time for parsing and 5 s for verifying; enforced on
+    the main thread).
     """
     try:
         with _deadline(timeout):
@@ -230,7 +239,7 @@ def grade_paper_math(gold: str, response: str, timeout: float | None = 5.0) -> t
                 return 0.0, "unparsed"
             return (1.0, "correct") if verify(expected, actual, timeout_seconds=None) else (0.0, "wrong")
     except _Deadline:
-        raise TimeoutError(f"math-verify grading took over {timeout:g} s") from None
+        raise TimeoutError(f"math-verify grading took over {timeout:g} s of CPU time") from None
 
 
 class PaperMathVerify(MathVerifyReward):
@@ -239,8 +248,9 @@ class PaperMathVerify(MathVerifyReward):
     gold of several parts, respelling, rounded-decimal tolerance, guards), which sgrpo's own configs use.
 
     A ``MathVerifyReward``, so a task that takes success from its math reward (``DeepMath``, ``Polaris``) does so
-    here too. Graded in ``workers`` processes with an outer ``timeout`` per answer (math-verify's grading has a
-    deadline of ``timeout / 2``); a timeout or an error scores 0 and counts as a failure.
+    here too. Graded in ``workers`` processes with an outer ``timeout`` per answer (wall time; math-verify's grading
+    has a deadline of ``timeout / 4`` seconds of CPU time, ``DEADLINE_FRACTION``); a timeout or an error scores 0
+    and counts as a failure.
     """
 
     name = "math_verify"
@@ -250,7 +260,7 @@ class PaperMathVerify(MathVerifyReward):
                          timeout=timeout, final_text=True)  # fmt: skip
 
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
-        return grade_paper_math(example.answer, completion, self.timeout / 2)
+        return grade_paper_math(example.answer, completion, self.timeout * DEADLINE_FRACTION)
 
 
 def numeric_answer(text: str) -> float | None:

@@ -5,8 +5,9 @@ box over ``max_answer_chars`` ("too_long"), control characters or undecodable by
 nested over ``MAX_NESTING`` or exponents over ``MAX_EXPONENT_DEPTH`` ("too_complex"), and, once parsed,
 a number over ``MAX_DIGITS`` digits such as ``9^{9^{9}}`` or a polynomial power of over
 ``MAX_EXPANSION_TERMS`` terms such as ``(1+x)^{1000}`` ("too_complex", via ``_log10_bound``). What still
-runs away is cut by ``_deadline`` on the whole grading. math-verify's own timeouts (``signal.alarm``, whole
-seconds, per call) are replaced by that deadline (``signal.setitimer``, main thread only).
+runs away is cut by ``_deadline`` on the whole grading, in CPU time. math-verify's own timeouts (``signal.alarm``,
+wall time, whole seconds, per call) are replaced by that deadline (``signal.setitimer(ITIMER_PROF)``, main thread
+only).
 """
 
 from __future__ import annotations
@@ -101,21 +102,31 @@ def _magnitude(expr: Basic) -> float:
 
 
 class _Deadline(BaseException):
-    """Raised by SIGALRM inside math-verify or sympy when the grading time is up (caught by grade_math)."""
+    """Raised by SIGPROF inside math-verify or sympy when the grading's CPU time is up (caught by grade_math)."""
 
 
 @contextlib.contextmanager
 def _deadline(seconds: float | None, repeat: float = 0.05) -> Iterator[None]:
-    """Raise ``_Deadline`` in this block after ``seconds`` (main thread only; elsewhere no limit).
+    """Raise ``_Deadline`` in this block after ``seconds`` of CPU time (main thread only; elsewhere no limit).
 
-    The alarm keeps firing every ``repeat`` seconds until the block exits: Python drops an exception
-    raised while it runs a finaliser or a weakref callback ("Exception ignored in ..."), so a one-shot
-    alarm that lands there would be lost and the grading would run unbounded.
+    CPU time, not wall time: the process's user + system time (``ITIMER_PROF``, signal ``SIGPROF``). What the
+    deadline guards against is an answer that makes sympy compute for long, which costs CPU; wall time also
+    counts the time the process waits for a core, so on a loaded machine (a training node's data workers, a
+    2-core CI box at load 4) a wall-time deadline cut correct answers (0.1 s of CPU, over 1.5 s of wall time
+    when starved) and scored them 0 at random. A hang that spends no CPU is not cut here: in a reward worker
+    the pool's wall-clock limit (``tasks.pool``) ends it. The timer counts every thread of the process, so a
+    process whose other threads are busy reaches the deadline sooner (never later).
+
+    The signal keeps firing every ``repeat`` seconds of CPU time until the block exits: Python drops an exception
+    raised while it runs a finaliser or a weakref callback ("Exception ignored in ..."), so a one-shot signal
+    that lands there would be lost and the grading would run unbounded. A profiling timer already running
+    (``ITIMER_PROF``) is re-armed on exit with the CPU time it had left; a wall-clock alarm (``ITIMER_REAL``,
+    ``SIGALRM``) is not touched.
     """
     if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
-    previous = signal.getsignal(signal.SIGALRM)
+    previous = signal.getsignal(signal.SIGPROF)
     if previous is None:  # a handler installed outside Python: restore the default
         previous = signal.SIG_DFL
     active = [True]
@@ -124,21 +135,21 @@ def _deadline(seconds: float | None, repeat: float = 0.05) -> Iterator[None]:
         if active[0]:
             raise _Deadline
 
-    signal.signal(signal.SIGALRM, expire)
-    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds, repeat)
-    start = time.monotonic()
+    signal.signal(signal.SIGPROF, expire)
+    outer, outer_repeat = signal.setitimer(signal.ITIMER_PROF, seconds, repeat)
+    start = time.process_time()  # the same clock: user + system time of the process
     try:
         yield
     finally:
-        while active[0]:  # once this holds False the handler is inert; an alarm before that is retried
+        while active[0]:  # once this holds False the handler is inert; a signal before that is retried
             try:
                 active[0] = False
             except _Deadline:
                 continue
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer:  # someone else's timer was running: re-arm what is left of it
-            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+        if outer:  # someone else's profiling timer was running: re-arm what is left of it
+            signal.setitimer(signal.ITIMER_PROF, max(outer - (time.process_time() - start), 1e-3), outer_repeat)
 
 
 class _DropTimeoutDisabled(logging.Filter):

@@ -2,10 +2,12 @@
 
 Graders such as math-verify use ``signal.alarm`` (main thread only) and sympy calls that can run
 away; running them here keeps the training process safe: a call that raises or outlives its timeout
-comes back as a failure, and a hung pool is killed and restarted. A call that ends its worker
-(``sys.exit`` and any other exception are caught in the worker; ``os._exit``, a crash or the OOM killer are
-not) comes back at once as a failure naming the worker's exit code, and the pool is restarted. One pool per
-worker count is shared by every reward of the process and closed at exit.
+comes back as a failure, and a hung pool is killed and restarted. The timeout is wall time, so it also ends
+a call that hangs without spending CPU; a grader's own deadline (``tasks.mathguard._deadline``) counts CPU
+time and is set well under it, so that load alone (a worker waiting for a core) reaches neither. A call that
+ends its worker (``sys.exit`` and any other exception are caught in the worker; ``os._exit``, a crash or the
+OOM killer are not) comes back at once as a failure naming the worker's exit code, and the pool is restarted.
+One pool per worker count is shared by every reward of the process and closed at exit.
 """
 
 from __future__ import annotations

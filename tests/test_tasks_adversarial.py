@@ -28,10 +28,10 @@ from tasks.pool import get_pool
 JSONL = "tests/fixtures/deepmath.jsonl"
 N = 1000
 WORKERS = 2
-TIMEOUT = 3.0  # seconds per answer: the pool's outer limit; math-verify's deadline is half of it (1.5 s)
+TIMEOUT = 3.0  # wall seconds per answer: the pool's outer limit; math-verify's deadline is a quarter (0.75 s of CPU)
 #: CPU-time budget of the 1,000 in the workers (not wall time, which on a loaded machine measures the load: 40.8 s
 #: at load average 11 on 2 cores, where the wall-time budget was 60 s): 6 answers that only stop at the deadline,
-#: ~15 ms per other answer; measured 8.5 s. Every answer run on to the deadline would cost up to N * TIMEOUT / 2
+#: ~15 ms per other answer; measured 8.5 s. Every answer run on to the deadline would cost up to N * TIMEOUT / 4
 BUDGET_CPU_S = 60.0
 
 #: spellings of each fixture gold answer that math-verify accepts
@@ -205,10 +205,11 @@ def test_a_thousand_adversarial_completions_score_safely_within_budget(caplog):
     assert result.failures == counts["timeout"] + counts["error"]  # ... and they are counted as failures
     for label in ("no_box", "too_long", "junk", "too_complex"):
         assert counts[label] > 0, label
-    # The per-answer deadline (1.5 s of wall time) cuts the slow answers; the pool's outer limit (3 s of wall
-    # time) replaces a worker whose answer ran past both, and the answer still scores 0 and is counted above.
-    # How often depends on the load (a C call that delays the alarm takes longer as the worker gets less CPU:
-    # 3 restarts in a clean clone's make test at load average 8, one seen on idle machines), so the restarts are
+    # The per-answer deadline (0.75 s of CPU time) cuts the slow answers, and load does not cut a correct one (a
+    # wall-time deadline of 1.5 s cut a correct answer at load average 4-5 on 2 cores: 0.1 s of CPU, starved);
+    # the pool's outer limit (3 s of wall time) replaces a worker whose answer ran past it, and the answer still
+    # scores 0 and is counted above. How often depends on the load (a worker that gets under a quarter of a core,
+    # or a C call that delays the signal), so the restarts are
     # checked for what they are: each one the outer limit (not a worker that died), on an answer that the
     # deadline ends within TIMEOUT seconds of CPU (re-graded in a worker, under a 30 s outer limit: with a
     # deadline that failed, or a bomb past the cheap checks, it runs for minutes of CPU).
@@ -279,21 +280,72 @@ def test_size_bound_is_an_upper_bound_without_evaluating():
     assert _log10_bound(Pow(x + 1, 3, evaluate=False)) < 5 and _log10_bound(sqrt(2) / 2) < 1
 
 
-def test_deadline_restores_the_callers_alarm():
-    fired = []
-    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+def _burn(seconds: float) -> None:
+    """Spend ``seconds`` of this process's CPU time."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_deadline_counts_cpu_time_not_the_wall_time_of_a_starved_process():
+    """A grading that waits (a process descheduled on a loaded machine, simulated by a sleep) is not cut; a grading
+    that computes is. On the old wall-time deadline the sleeper was cut after 0.5 s."""
+    start = time.monotonic()
+    with _deadline(0.5):
+        time.sleep(1.5)  # 1.5 s of wall time, ~0 of CPU
+    assert time.monotonic() - start >= 1.5
+    start = time.process_time()
+    with pytest.raises(_Deadline), _deadline(0.3):
+        _burn(10.0)
+    assert 0.25 <= time.process_time() - start < 2.0  # the kernel counts CPU time in ticks: about 0.3 s
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+
+
+def test_a_correct_answer_graded_by_a_starved_worker_scores(monkeypatch):
+    """``grade_math`` with a deadline of 0.5 s: a grading that takes 2 s of wall time but little CPU (starved of
+    CPU) still scores 1, while one that burns CPU is cut with a ``TimeoutError``."""
+    import tasks.mathgrade
+
+    def starved(gold, target):
+        time.sleep(2.0)
+        return 1.0, "correct"
+
+    monkeypatch.setattr(tasks.mathgrade, "_verify", starved)
+    assert grade_math("504", "\\boxed{\\frac{1008}{2}}", timeout=0.5) == (1.0, "correct")
+
+    def costly(gold, target):
+        _burn(10.0)
+        return 1.0, "correct"
+
+    monkeypatch.setattr(tasks.mathgrade, "_verify", costly)
+    with pytest.raises(TimeoutError, match="took over 0.5 s of CPU time"):
+        grade_math("504", "\\boxed{\\frac{1008}{2}}", timeout=0.5)
+
+
+def test_deadline_restores_the_callers_timers():
+    """A caller's profiling timer is re-armed with the CPU time it had left; a caller's wall-clock alarm is not
+    touched (it fires into the caller's handler, also during the block)."""
+    profiled, alarmed = [], []
+    previous_prof = signal.signal(signal.SIGPROF, lambda *_: profiled.append(1))
+    previous_alrm = signal.signal(signal.SIGALRM, lambda *_: alarmed.append(1))
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        signal.setitimer(signal.ITIMER_PROF, 0.5)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
         with pytest.raises(_Deadline), _deadline(0.05):
-            time.sleep(1)
-        time.sleep(0.8)  # the caller's own timer was re-armed and fires into the caller's handler
-        assert fired == [1]
+            time.sleep(0.4)  # the caller's alarm fires here, into its own handler
+            _burn(10.0)
+        assert alarmed == [1] and not profiled
+        assert 0.3 < signal.getitimer(signal.ITIMER_PROF)[0] <= 0.5
+        _burn(0.6)  # the caller's own profiling timer was re-armed and fires into the caller's handler
+        assert profiled == [1]
         with _deadline(0.5):
             pass
-        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
     finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGPROF, previous_prof)
+        signal.signal(signal.SIGALRM, previous_alrm)
 
 
 def test_deadline_survives_an_alarm_dropped_in_a_finaliser(monkeypatch):
@@ -303,8 +355,8 @@ def test_deadline_survives_an_alarm_dropped_in_a_finaliser(monkeypatch):
 
     class SlowFinaliser:
         def __del__(self):
-            end = time.monotonic() + 0.3
-            while time.monotonic() < end:  # the first alarm (at 0.1 s) lands here and is dropped
+            end = time.process_time() + 0.3
+            while time.process_time() < end:  # the first signal (at 0.1 s of CPU) lands here and is dropped
                 pass
 
     watchdog = threading.Timer(10.0, _thread.interrupt_main)  # a one-shot alarm would spin forever: fail instead
@@ -318,5 +370,5 @@ def test_deadline_survives_an_alarm_dropped_in_a_finaliser(monkeypatch):
     finally:
         watchdog.cancel()
     assert dropped == [_Deadline]
-    assert 0.1 <= time.monotonic() - start < 2.0
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert 0.1 <= time.monotonic() - start < 10.0  # CPU time: on a loaded machine the wall time is longer
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
