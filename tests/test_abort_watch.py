@@ -23,6 +23,12 @@ from sgrpo.run import faults
 from sgrpo.run.faults import ABORT_KEY, AbortWatch, fail_fast
 
 
+@pytest.fixture(autouse=True)
+def not_failing(monkeypatch):
+    """``fail_fast`` marks the process as failing for good (it ends it): each test gets a fresh mark."""
+    monkeypatch.setattr(faults, "FAILING", threading.Event())
+
+
 @pytest.fixture
 def process_group():
     """A one-process gloo group on a TCPStore (as torchrun and srun give), destroyed afterwards."""
@@ -48,6 +54,28 @@ def test_the_watch_reads_the_notice_while_the_main_thread_waits_on_the_store(pro
         poster.set("sgrpo/never-posted", "")  # the waiting get returns
         waiting.join(10)
     assert seen, "the watch did not read the notice while another thread waited on the store"
+
+
+def test_the_watch_leaves_a_failing_process_to_report_its_own_error(process_group):
+    """A process in ``fail_fast`` posts its notice, then prints its traceback: its own watch, reading that notice
+    in between, ended it first with a peer's one-line "stops" report and no traceback (seen once in make
+    test-bench, a producer killed on process 1 of 2). The watch leaves a failing process alone."""
+    aborted = threading.Event()
+    watch = AbortWatch(rank=1, period=0.05, on_abort=aborted.set)
+    faults.FAILING.set()  # as fail_fast does before it announces
+    watch.start()
+    try:
+        process_group.set(ABORT_KEY, "process 1 failed after 2 training steps (ProducerError: killed)")
+        seen = aborted.wait(0.5)  # ten periods
+    finally:
+        watch.stop()
+    assert not seen, "the watch ended a process that was reporting its own failure"
+    faults.FAILING.clear()
+    watch.start()  # a process not failing itself still stops on the notice
+    try:
+        assert aborted.wait(5.0)
+    finally:
+        watch.stop()
 
 
 class Failing(SimpleNamespace):

@@ -243,7 +243,7 @@ class AbortWatch:
                 if lost < 3 or stop.is_set() or not torch.distributed.is_initialized():
                     continue
                 notice = "process 0 is gone (the process group's store does not answer)"
-            if notice and not stop.is_set():
+            if notice and not stop.is_set() and not FAILING.is_set():  # FAILING: fail_fast reports and ends it
                 print(f"error: process {self.rank} stops: {notice}", file=sys.stderr, flush=True)
                 self.on_abort()
 
@@ -257,12 +257,18 @@ def share_stop(store, stop: RolloutStop) -> None:
         stop.noticed(int(store.get(STOP_KEY).decode()))
 
 
+#: set once this process is in ``fail_fast``: its own watch then leaves the report and the exit to it (the watch
+#: could read this process's own notice between ``_announce`` and the report, and end the process first)
+FAILING = threading.Event()
+
+
 def fail_fast(trainer, exception: BaseException, line: str | None = None, status: int | None = None) -> NoReturn:
     """End this process of a multi-process job now, and through the store every other one (module docstring).
 
     Prints ``line`` (default: the error and its traceback), naming the process; exits with ``status``
     (default ``exit_status(exception)``).
     """
+    FAILING.set()
     rank, world = trainer.global_rank, trainer.world_size
     summary = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}".rstrip(": ")
     where = f"after {trainer.global_step} training steps"
