@@ -14,7 +14,7 @@ import torch
 
 from estimators import GRPO
 from sgrpo.train.balance import balanced_partitions, imbalance, karmarkar_karp, place, verl_order, verl_workload
-from sgrpo.train.exchange import BalancedRows, balance_mode
+from sgrpo.train.exchange import BalancedRows, _rebuild, balance_mode
 from sgrpo.train.loss import loss_groups, token_weights
 from sgrpo.types import RolloutBatch
 from tasks.environment import Environment
@@ -184,6 +184,21 @@ def test_rows_mode_reproduces_verls_placement_and_token_mean_weights():
         # real tokens of process 0: 66 + 24 prompt, process 1: 24 + 24; after: within one token of even
         assert logs["train/update/token_imbalance_before"] == pytest.approx(90 / 69)
         assert logs["train/update/token_imbalance_after"] <= 70 / 69
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_exchange_carries_advantages_in_their_own_dtype(dtype):
+    """What one process sends (``_exchanged_payload``) rebuilt as the others rebuild it (``_rebuild``; the gather
+    itself is the 2-process launch's, tests/test_sharded.py): advantages keep their dtype and bits (a float64 run
+    stays float64, as without balancing), rows and keep flags unchanged."""
+    batch = process_batch([3, 1, 2, 4], 2, 2, 10)
+    adv = (torch.tensor([[1.0, -1.0], [0.1, -0.1]], dtype=torch.float64) / 3).to(dtype)
+    keep = torch.tensor([True, False])
+    tensors, objects = Placing()._exchanged_payload(batch, adv, keep)
+    (rebuilt,), got, got_keep = _rebuild(batch, [[t] for t in tensors], [objects])
+    assert got.dtype == dtype and torch.equal(got, adv.reshape(-1))
+    assert got_keep.tolist() == [True, True, False, False]
+    assert torch.equal(rebuilt.input_ids, batch.input_ids) and rebuilt.completions == batch.completions
 
 
 def test_groups_mode_moves_whole_groups_evenly():

@@ -132,7 +132,7 @@ class BalancedRows:
         for name in OPTIONAL:
             value = getattr(rollout, name)
             per_row += [] if value is None else [value]
-        per_trajectory = [rollout.truncated, advantages.reshape(-1).float(),
+        per_trajectory = [rollout.truncated, advantages.reshape(-1),
                           keep_groups.bool().repeat_interleave(rollout.group_size)]  # fmt: skip
         present = [getattr(rollout, name) is not None for name in OPTIONAL]
         objects = {"completions": rollout.completions, "episodes": rollout.episodes, "present": present}
