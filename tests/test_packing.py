@@ -219,10 +219,11 @@ def _fit_rows(root, *extra):
 
 @pytest.mark.slow
 def test_tiny_fit_logs_the_same_with_and_without_packing(tmp_path):
-    """configs/tiny.yaml for 10 steps, packing on and off: every logged value within 1e-5 relative, except timings,
-    the layout's own metrics, and the sampler-trainer gap (float noise around 1e-7 either way, atol 1e-5)."""
+    """configs/tiny.yaml for 10 steps, packing and the lean MLP on (the defaults) and both off: every logged value
+    within 1e-5 relative, except timings, the layout's own metrics, and the sampler-trainer gap (float noise around
+    1e-7 either way, atol 1e-5)."""
     on = _fit_rows(tmp_path / "on", "--model.packing=true")
-    off = _fit_rows(tmp_path / "off", "--model.packing=false")
+    off = _fit_rows(tmp_path / "off", "--model.packing=false", "--model.lean_mlp=false")
     assert len(on) == len(off) == 10
     layout = ("padding_fraction", "tokens_per_micro_batch", "token_imbalance", "time/", "throughput/")
     for a, b in zip(on, off):
