@@ -46,6 +46,7 @@ class Workload:
     micro_batch_tokens: int | str | None = "auto"  # sgrpo only: padded tokens per micro-batch ("auto": 1024 on CPU)
     share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch (the padded path's)
     packing: bool = True  # sgrpo only: model.packing, each micro-batch's real tokens packed (False: padded rows)
+    lean_mlp: bool = True  # sgrpo only: model.lean_mlp, the MLP's backward recomputes silu(gate) * up
     sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
     sgrpo_cuda_graphs: bool = False  # sgrpo only: HFRollout(cuda_graphs=True), fixed-shape steps replayed as graphs
     device: str = "cpu"  # "cuda": both in bf16-mixed (fp32 master weights); peak memory is then the GPU's
@@ -163,6 +164,7 @@ def sgrpo_policy(work: Workload):
         micro_batch_tokens=work.micro_batch_tokens,
         share_prompts=work.share_prompts,
         packing=work.packing,
+        lean_mlp=work.lean_mlp,
         logits_chunk_mib=work.logits_chunk_mib,
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),

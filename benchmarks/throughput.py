@@ -116,8 +116,9 @@ ABLATIONS = (  # (label, the sgrpo workload fields that undo one optimisation)
     ("no packing (padded micro-batches)", {"packing": False}),
     ("no packing, prompts not shared", {"packing": False, "share_prompts": False}),
     ("no token-budget micro-batches", {"micro_batch_tokens": None}),
+    ("MLP keeps its four activations (lean_mlp off)", {"lean_mlp": False}),
     ("none of these", {"sgrpo_decoder": "generate", "micro_batch_tokens": None, "packing": False,
-                       "share_prompts": False}),
+                       "share_prompts": False, "lean_mlp": False}),
 )
 
 

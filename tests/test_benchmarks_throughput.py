@@ -31,7 +31,8 @@ def test_profile_case_times_every_phase(tmp_path: Path, capsys):
 
 
 def test_the_workload_reaches_sgrpo_with_packing_and_prompt_sharing_as_set(tmp_path: Path):
-    """The ablation case's variants undo packing and prompt sharing through the Workload: GRPOPolicy gets them."""
+    """The ablation case's variants undo packing, prompt sharing and the lean MLP through the Workload: GRPOPolicy
+    gets them."""
     from benchmarks._workload import sgrpo_policy
     from benchmarks.throughput import ABLATIONS
 
@@ -39,5 +40,7 @@ def test_the_workload_reaches_sgrpo_with_packing_and_prompt_sharing_as_set(tmp_p
         work = Workload(model_dir=str(tmp_path), **changes)
         policy = sgrpo_policy(work)  # no model loads here (configure_model does)
         assert (policy.packing, policy.share_prompts) == (work.packing, work.share_prompts)
+        assert policy.lean_mlp == work.lean_mlp
         assert policy.micro_batch_tokens == work.micro_batch_tokens
     assert {"packing": False} in [changes for _, changes in ABLATIONS]
+    assert {"lean_mlp": False} in [changes for _, changes in ABLATIONS]
