@@ -163,7 +163,7 @@ class GRPOPolicy(
             producer_timeout: Seconds the trainer waits for the producer's next groups before it raises (a hang).
             sync_every: With async_rollout, training steps between weight pushes to the producer, <= max_staleness + 1.
             balance_batch: Move a step's rows between processes before the update so each trains an even share
-                (docs/training.md): null/false each process its own rows; "rows" (or true) verl's placement of
+                (docs/packing.md): null/false each process its own rows; "rows" (or true) verl's placement of
                 single rows; "groups" whole groups by the packed cost model.
         """
 
