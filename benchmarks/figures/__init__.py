@@ -35,6 +35,7 @@ RENDERS = {
     "logprob_memory": "perf:logprob_memory",
     "throughput": "perf:throughput",
     "throughput_forced": "perf:throughput",
+    "throughput_ablation": "perf:throughput_ablation",
     "packing": "packing:packing",
     "async_rollouts": "asynchronous:async_rollouts",
     "tools_quickstart": "tools:tools_quickstart",

@@ -1,4 +1,4 @@
-"""Renders of the performance artefacts: gpu_hours, rewards, logprob_memory, throughput(_forced)."""
+"""Renders of the performance artefacts: gpu_hours, rewards, logprob_memory, throughput(_forced, _ablation)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,28 @@ def throughput(stamp: dict) -> str:
             ("peak RSS (MiB)", "peak_mib", 0)]  # fmt: skip
     body = [[label, num(s[key], d), num(t[key], d), f"{ratio[key]:.2f}"] for label, key, d in rows]
     return prose + "\n" + table(["", "sgrpo", "TRL", "sgrpo / TRL"], body) + "\n"
+
+
+def throughput_ablation(stamp: dict) -> str:
+    """The ablation case: sgrpo as configured and with one optimisation undone per variant (steps alternating)."""
+    r, machine = stamp["result"], stamp["machine"]
+    variants = {k: v for k, v in r.items() if isinstance(v, dict) and "peak_mib" in v}
+    first, last = "sgrpo as configured", "none of these"  # the artefact's keys are sorted: the script's order back
+    order = [first, *sorted(set(variants) - {first, last}), last]
+    variants = {k: variants[k] for k in order}
+    base = variants["sgrpo as configured"]
+    lean = variants["MLP keeps its four activations (lean_mlp off)"]
+    assert lean["peak_mib"] > base["peak_mib"], "the lean MLP no longer lowers the peak"
+    load, cpus = machine["load_average"][0], machine["cpus"]
+    busy = " (other jobs shared the cores: the time columns are the load's)" if load > cpus else ""
+    prose = wrap(
+        f"`{stamp['command']}` (published {stamp['date']}, load average {load} on {cpus} CPUs{busy}; wall time "
+        f"{r['wall_s']:.0f} s): sgrpo on the workload above, as configured and with one optimisation undone per "
+        f"variant, every variant in its own process, steps alternating. The lean MLP (`model.lean_mlp`) lowers the "
+        f"peak RSS from {num(lean['peak_mib'], 0)} to {num(base['peak_mib'], 0)} MiB "
+        f"({num(lean['peak_mib'] - base['peak_mib'], 0)} MiB less)."
+    )
+    rows = [[label, f"{v['step_s']:.3f}", f"{v['vs_configured']:.2f}x", f"{v['rollout_s']:.3f}", f"{v['update_s']:.3f}",
+             num(v["peak_mib"], 0)] for label, v in variants.items()]  # fmt: skip
+    head = ["variant", "step (s)", "vs configured", "rollout (s)", "update (s)", "peak RSS (MiB)"]
+    return prose + "\n" + table(head, rows) + "\n"
