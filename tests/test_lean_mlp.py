@@ -136,6 +136,26 @@ def test_lean_mlp_takes_the_modules_own_forward_where_it_cannot_apply():
     assert worst_relative(lean_grads, logits_and_grads(model, x)[1]) == 0.0
 
 
+class OtherFormulaMLP(nn.Module):
+    """The SwiGLU parts, another formula: ``down(silu(gate(x)) + up(x))``."""
+
+    def __init__(self, hidden=8, intermediate=16):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(hidden, intermediate), nn.Linear(hidden, intermediate)
+        self.down_proj, self.act_fn = nn.Linear(intermediate, hidden), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+
+def test_a_module_with_the_parts_but_another_formula_keeps_its_forward():
+    other = OtherFormulaMLP()
+    assert apply_lean_mlp(other) == 0 and type(other) is OtherFormulaMLP
+    with torch.device("meta"):
+        meta = build_tiny_llama(TOKENIZER, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64)
+    assert apply_lean_mlp(meta) == 0  # weights not materialised: nothing to probe, nothing changed
+
+
 def test_apply_lean_mlp_keeps_the_state_dict_and_copies():
     model, lean = pair()
     mlp = lean.model.layers[0].mlp

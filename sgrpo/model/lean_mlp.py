@@ -17,7 +17,9 @@ Llama-shaped decoder layer's activations (``I`` about 2.7-5.4 times the hidden s
 down projection is a plain ``nn.Linear`` with no hooks and local weights (``lean_mlp_problem``); elsewhere (LoRA,
 quantised layers, a tensor-parallel shard, a hook on the projection) and without gradients the module runs its
 own forward. Like ``fully_shard``, ``apply_lean_mlp`` swaps each eligible module's class for a subclass
-(``Lean<Class>``) whose ``forward`` takes the lean path; parameters, state dict and checkpoints are unchanged.
+(``Lean<Class>``) whose ``forward`` takes the lean path; parameters, state dict and checkpoints are unchanged. A
+module is eligible when it has the SwiGLU layout (``is_swiglu_mlp``) and its own forward on a probe input equals
+the formula above bit for bit (``computes_swiglu``): a module with the same parts but another formula keeps its own.
 """
 
 from __future__ import annotations
@@ -97,11 +99,24 @@ def lean_class(cls: type) -> type:
     return _LEAN_CLASSES[cls]
 
 
+def computes_swiglu(module: nn.Module) -> bool:
+    """Whether ``module``'s own forward is ``down(silu(gate(x)) * up(x))``: both on a random two-token input, without
+    gradients, equal bit for bit (False where the weights are not materialised, e.g. on the meta device)."""
+    weight = module.gate_proj.weight
+    if weight.is_meta or type(weight) not in (nn.Parameter, torch.Tensor):
+        return False
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(1, 2, weight.shape[1], generator=generator, device=weight.device).to(weight.dtype)
+    down = module.down_proj
+    with torch.no_grad():
+        return torch.equal(module(x), down(module.act_fn(module.gate_proj(x)) * module.up_proj(x)))
+
+
 def apply_lean_mlp(model: nn.Module) -> int:
     """Give every SwiGLU MLP in ``model`` the lean gradient pass; returns how many modules changed (0: none found)."""
     changed = 0
     for module in model.modules():
-        if is_swiglu_mlp(module) and type(module) not in _LEAN_CLASSES.values():
+        if is_swiglu_mlp(module) and type(module) not in _LEAN_CLASSES.values() and computes_swiglu(module):
             module.__class__ = lean_class(type(module))
             changed += 1
     return changed
