@@ -123,11 +123,16 @@ def test_lean_mlp_takes_the_modules_own_forward_where_it_cannot_apply():
     calls = []
     mlp = lean.model.layers[0].mlp
     handle = mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
-    assert lean_mlp_problem(mlp) == "its down projection has forward hooks"
+    assert lean_mlp_problem(mlp) == "its down projection has hooks"
     assert saved_intermediates(lean, x) == 4 + 2  # layer 0 standard, layer 1 lean
     assert calls == [1]
     handle.remove()
     assert lean_mlp_problem(mlp) is None
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda *args: None)  # a global hook sees every call
+    try:
+        assert lean_mlp_problem(mlp) == "its down projection has hooks"
+    finally:
+        handle.remove()
     apply_lora(lean, LoRA(rank=2, dropout=0.0))
     assert "not a plain nn.Linear" in lean_mlp_problem(mlp)
     model, _ = pair()

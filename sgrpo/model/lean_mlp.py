@@ -79,8 +79,10 @@ def lean_mlp_problem(module: nn.Module) -> str | None:
     down = module.down_proj
     if type(down) is not nn.Linear:
         return f"its down projection is a {type(down).__name__}, not a plain nn.Linear"
-    if down._forward_hooks or down._forward_pre_hooks or nn.modules.module._global_forward_hooks:
-        return "its down projection has forward hooks"
+    hooks = (down._forward_hooks, down._forward_pre_hooks, down._backward_hooks, down._backward_pre_hooks,
+             nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+    if any(hooks):
+        return "its down projection has hooks"
     if type(down.weight) is not nn.Parameter and type(down.weight) is not torch.Tensor:
         return f"its down projection's weight is a {type(down.weight).__name__}"
     return None
