@@ -47,12 +47,13 @@ def worst_relative(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize(
     "dtype, autocast, tolerance",
-    [(torch.float32, False, 1e-6), (torch.float64, False, 1e-12), (torch.float32, True, 1e-6)],
-    ids=["fp32", "fp64", "bf16-autocast"],
+    [(torch.float32, False, 1e-6), (torch.float64, False, 1e-12), (torch.bfloat16, False, 1e-6),
+     (torch.float32, True, 1e-6)],
+    ids=["fp32", "fp64", "bf16", "bf16-autocast"],
 )
 def test_lean_mlp_gives_the_standard_logits_and_gradients(dtype, autocast, tolerance):
-    """Forward bit-identical; every parameter's gradient within ``tolerance`` relative (in fp32 and under CPU bf16
-    autocast the backward runs the standard graph's operations in its order: measured bit-identical)."""
+    """Forward bit-identical; every parameter's gradient within ``tolerance`` relative (in fp32, bf16 and under CPU
+    bf16 autocast the backward runs the standard graph's operations in its order: measured bit-identical)."""
     model, lean = pair(dtype)
     x = ids()
     logits, grads = logits_and_grads(model, x, autocast)
