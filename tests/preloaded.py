@@ -83,7 +83,9 @@ class _Preloader:
     """The test's side of ``python tests/preloaded.py``: requests on its stdin, pids and exit statuses back."""
 
     def __init__(self) -> None:
-        self.log = Path(tempfile.mkstemp(prefix="sgrpo-preloader-", suffix=".log")[1])
+        fd, log_path = tempfile.mkstemp(prefix="sgrpo-preloader-", suffix=".log")
+        os.close(fd)
+        self.log = Path(log_path)
         with open(self.log, "w") as log:  # its own output (the processes it forks write theirs to their files)
             self.process = subprocess.Popen([sys.executable, __file__], cwd=REPO, stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=log, env=SESSION_ENV)  # fmt: skip
@@ -107,9 +109,11 @@ class _Preloader:
                 break
             self.buffer += data
             *lines, self.buffer = self.buffer.split(b"\n")
-            for line in lines:
-                reply = json.loads(line)
-                self.exits.update({reply["exit"]: reply["code"]}) if "exit" in reply else self.replies.append(reply)
+            for reply in map(json.loads, lines):
+                if "exit" in reply:
+                    self.exits[reply["exit"]] = reply["code"]
+                else:
+                    self.replies.append(reply)
             timeout = 0.0
 
     def fork(self, request: dict) -> int | None:
@@ -133,7 +137,8 @@ def popen(command: list[str], *, cwd: Path | str, env: dict[str, str], stdout: P
           start_new_session: bool = False, fresh: bool = False) -> Preloaded | subprocess.Popen:  # fmt: skip
     """``command`` (``[sys.executable, ...]``) started as a fork of the preloader, its output to ``stdout`` (and
     ``stderr``, else the same file); a new interpreter (``subprocess.Popen``) if ``fresh`` or under
-    ``SGRPO_TEST_FRESH=1``."""
+    ``SGRPO_TEST_FRESH=1``. Either way Ctrl-C raises ``KeyboardInterrupt`` in it (a background shell starts its jobs
+    with Ctrl-C ignored, and the process would inherit that)."""
     global _preloader
     if not fresh and os.environ.get(FRESH) != "1" and command[0] == sys.executable and len(command) > 1:
         if _preloader is None:
