@@ -67,6 +67,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     items[:] = ordered + fast
 
 
+def pytest_sessionfinish(session) -> None:
+    """The worker's preloader (tests/preloaded.py) ends with the session."""
+    import sys
+
+    if "tests.preloaded" in sys.modules:
+        sys.modules["tests.preloaded"].shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_kept():
     """A test that sets torch's intra-op threads (``sgrpo.warmstart.warm_start`` sets 2) leaves them as they were:

@@ -133,6 +133,15 @@ class _Preloader:
 _preloader: _Preloader | None = None
 
 
+def shutdown() -> None:
+    """End this worker's preloader, if it started one, and reap it (tests/conftest.py, at the session's end: its
+    CPU then counts in the worker's, and an xdist worker may be ended before ``atexit`` runs)."""
+    global _preloader
+    if _preloader is not None:
+        _preloader.close()
+        _preloader = None
+
+
 def popen(command: list[str], *, cwd: Path | str, env: dict[str, str], stdout: Path, stderr: Path | None = None,
           start_new_session: bool = False, fresh: bool = False) -> Preloaded | subprocess.Popen:  # fmt: skip
     """``command`` (``[sys.executable, ...]``) started as a fork of the preloader, its output to ``stdout`` (and
@@ -143,7 +152,7 @@ def popen(command: list[str], *, cwd: Path | str, env: dict[str, str], stdout: P
     if not fresh and os.environ.get(FRESH) != "1" and command[0] == sys.executable and len(command) > 1:
         if _preloader is None:
             _preloader = _Preloader()
-            atexit.register(_preloader.close)
+            atexit.register(shutdown)
         pid = _preloader.fork({"argv": command[1:], "cwd": str(cwd), "env": dict(env), "stdout": str(stdout),
                                "stderr": None if stderr is None else str(stderr), "session": start_new_session})
         if pid is not None:
