@@ -4,34 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-#: seconds of the heaviest tests on one worker (measured 2026-12-02 with the machine shared, load average 5-9:
-#: relative weights, about 3 times their idle time); any other slow test counts DEFAULT_SLOW, a fast one 0
+#: seconds of the heaviest tests on one worker (measured 2026-12-02 in the evening, make test's 2 workers with the
+#: machine shared, load average 1-2.4; the subprocess fits forked from tests/preloaded.py's preloader, whose start,
+#: ~6 s once a worker, the first of them pays); any other slow test counts DEFAULT_SLOW, a fast one 0
 WEIGHTS = {
-    "tests/test_sharded.py::test_fsdp2_update_rollouts_fit_resume_export_and_validate": 180,
-    "tests/test_sharded.py::test_validate_launched_as_users_do": 100,
-    "tests/test_faults_processes.py::test_sigterm_to_the_first_of_2_sharded_processes": 95,
-    "tests/test_vllm_rollout.py::test_fit_with_the_engine_under_fsdp2": 80,
-    "tests/test_faults_input.py::test_a_step_that_does_not_split_over_the_processes": 75,
-    "tests/test_tasks_adversarial.py::test_a_thousand_adversarial_completions": 70,
-    "tests/test_faults.py::test_kill_9_then_ctrl_c_at_random_instants": 70,
-    "tests/test_faults_processes.py::test_an_error_on_one_of_3_processes": 40,
-    "tests/test_faults_processes.py::test_a_refused_folder_ends_every_process": 34,
-    "tests/test_faults_processes.py::test_an_error_on_one_process_ends_every_process": 30,
-    "tests/test_tasks_base.py::test_a_pool_started_from_a_forkserver_scores": 22,
-    "tests/test_faults.py::test_a_kill_during_the_first_checkpoint_write": 19,
-    "tests/test_faults.py::test_kill_9_in_the_middle_of_writing_last_ckpt": 17,
-    "tests/test_configs_paper.py::test_two_step_fit_on_the_tiny_model": 8,
-    "tests/test_abort_watch.py::test_a_wandb_run_is_finished_with_the_exit_code": 15,
-    "tests/test_paper_reference.py::test_deepmath_configs_agree_with_the_reference": 12,
-    # not marked slow, but as long: counted so that they start early too, not at the end of a worker's queue
-    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger[WandbLogger]": 84,
-    "tests/test_warmstart.py::test_shipped_asset_matches_its_report": 53,
-    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger": 30,
-    "tests/test_tasks_deepmath.py::test_readme_snippet_runs_as_a_script": 33,
-    "tests/test_lora.py::test_exports_and_resume_reproduce_the_trained_policy": 25,
-    "tests/test_readme_figures.py::test_every_single_figure_mutation_is_caught": 24,
-    "tests/test_packaging.py::test_the_wheel_declares_its_three_top_level_packages": 22,
-    "tests/test_metrics_file.py::test_a_resume_from_an_older_checkpoint_counts_each_step_once": 16,
+    "tests/test_sharded.py::test_fsdp2_update_rollouts_fit_resume_export_and_validate": 90,
+    "tests/test_sharded.py::test_validate_launched_as_users_do": 22,
+    "tests/test_faults_processes.py::test_an_error_on_one_of_3_processes": 17,
+    "tests/test_faults_input.py::test_a_step_that_does_not_split_over_the_processes": 17,
+    "tests/test_async.py::test_staleness_0_through_the_producer_is_the_synchronous_run_for_each_estimator": 16,
+    "tests/test_faults_processes.py::test_sigterm_to_the_first_of_2_sharded_processes": 16,
+    "tests/test_faults.py::test_kill_9_then_ctrl_c_at_random_instants": 12,
+    "tests/test_faults_processes.py::test_an_error_on_one_process_ends_every_process": 11,
+    "tests/test_tasks_adversarial.py::test_a_thousand_adversarial_completions": 11,
+    "tests/test_tasks_lazy.py::test_loading_openthoughts_holds_positions_not_rows": 11,
+    "tests/test_faults_processes.py::test_a_refused_folder_ends_every_process": 10,
+    "tests/test_async.py::test_behaviour_logprobs_of_a_stale_group_are_its_versions_float64_logprobs[float64": 8,
+    # not marked slow, but as long as a slow test: counted so that it starts early too
+    "tests/test_metrics_file.py::test_the_report_draws_its_curves_whatever_the_logger[WandbLogger]": 5,
 }
 DEFAULT_SLOW = 6
 
@@ -75,6 +65,14 @@ def pytest_collection_modifyitems(config, items) -> None:
         fast = fast[fill:]
         left -= len(part) + fill
     items[:] = ordered + fast
+
+
+def pytest_sessionfinish(session) -> None:
+    """The worker's preloader (tests/preloaded.py) ends with the session."""
+    import sys
+
+    if "tests.preloaded" in sys.modules:
+        sys.modules["tests.preloaded"].shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,8 @@ sharded_worker.py disagreeing_resume ROOT MODEL_DIR   resume the DDP run ROOT/ru
 sharded_worker.py decode MODEL_DIR OUT   rollouts from the sharded model (tests/sharded_rollout_jobs.py)
 sharded_worker.py metrics OUT   the evaluation's torchmetrics metrics synced over the 2 processes
 sharded_worker.py validate_sets ROOT   sgrpo.fit validate of a task with two evaluation sets over 2 processes
-sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/ddp_grad_worker.py)
+sharded_worker.py ddp_grads MODEL_DIR OUT AGGREGATION...   one DDP update per aggregation (tests/sharded_ddp.py, as
+                                                  the next three; tests/ddp_grad_worker.py)
 sharded_worker.py ddp_balanced MODEL_DIR OUT AGGREGATION...   the same with model.balance_batch rows and groups
 sharded_worker.py balance_failure MODEL_DIR OUT   a balanced DDP update whose process 1 raises in the exchange
 sharded_worker.py nonfinite MODEL_DIR OUT   2 DDP steps, the first one's gradient NaN on process 1 only
@@ -342,70 +343,6 @@ def fit_recording_lengths(root: str, steps: str) -> None:
     (Path(root) / f"lengths_rank{rank}.json").write_text(json.dumps(lengths))
 
 
-def ddp_grads(model_dir: str, out: str, *aggregations: str) -> None:
-    """One update of the fixed batch per aggregation with 2 DDP processes (tests/ddp_grad_worker.py), to OUT."""
-    from tests.ddp_grad_worker import run
-
-    Path(out).mkdir(parents=True, exist_ok=True)
-    for aggregation in aggregations:
-        run(model_dir, aggregation, Path(out))
-
-
-def ddp_balanced(model_dir: str, out: str, *aggregations: str) -> None:
-    """One DDP update per aggregation and ``model.balance_batch`` mode ("rows", "groups"), to OUT."""
-    from tests.ddp_grad_worker import run
-
-    Path(out).mkdir(parents=True, exist_ok=True)
-    for aggregation in aggregations:
-        for balance in ("rows", "groups"):
-            run(model_dir, aggregation, Path(out), balance)
-
-
-def balance_failure(model_dir: str, out: str) -> None:
-    """A DDP update with ``model.balance_batch: rows`` whose process 1 raises preparing its rows for the exchange:
-    both processes must raise (process 0 waited in the all-gather for ever before); each one's error to
-    OUT/failure.RANK.json."""
-    from sgrpo.train.exchange import BalancedRows
-
-    rank, prepare = torch.distributed.get_rank(), BalancedRows._exchanged_payload
-
-    def failing(self, *args):
-        if rank == 1:
-            raise MemoryError("process 1 ran out of memory")
-        return prepare(self, *args)
-
-    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = make_policy(model_dir, batch, GRPO(), balance_batch="rows")
-    BalancedRows._exchanged_payload, error = failing, None
-    try:
-        run_steps(policy, accelerator="cpu", devices=2, strategy="ddp")
-    except Exception as err:  # noqa: BLE001 - recorded for the test
-        error = f"{type(err).__name__}: {err}"
-    finally:
-        BalancedRows._exchanged_payload = prepare
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"failure.{rank}.json").write_text(json.dumps(error))
-
-
-def nonfinite(model_dir: str, out: str) -> None:
-    """Two DDP steps whose first has a NaN gradient on process 1 only (after the all-reduce: as a process-local
-    overflow would): every process must skip it, or their weights part. Each process's weight checksum and
-    skip count to OUT/nonfinite.json."""
-    from tests.test_optimiser_steps import poisoned_policy
-
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
-    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    policy = poisoned_policy(model_dir, batch, poison=(0,) if rank == 1 else ())
-    trainer = run_steps(policy, steps=2, accelerator="cpu", devices=2, strategy="ddp")
-    mine = torch.tensor([sum(float(p.detach().double().sum()) for p in policy.model.parameters()),
-                         float(policy.divergence_watch.skipped)], dtype=torch.float64)  # fmt: skip
-    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
-    torch.distributed.all_gather(gathered, mine)
-    if trainer.is_global_zero:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "nonfinite.json").write_text(json.dumps([g.tolist() for g in gathered]))
-
-
 def jobs(argv: list[str]) -> list[list[str]]:
     """``["update", "a", "+", "decode", "b"]`` -> ``[["update", "a"], ["decode", "b"]]``."""
     split: list[list[str]] = [[]]
@@ -416,6 +353,7 @@ def jobs(argv: list[str]) -> list[list[str]]:
 
 if __name__ == "__main__":
     from tests.server_ranks_job import server_ranks
+    from tests.sharded_ddp import balance_failure, ddp_balanced, ddp_grads, nonfinite
     from tests.sharded_rollout_jobs import decode
     from tests.test_eval_metrics import synced_job
 

@@ -29,11 +29,15 @@ from sgrpo.export import CheckpointError, open_checkpoint
 from sgrpo.fit import main
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.run.checkpoints import PARTIAL, resumable
+from tests.preloaded import Preloaded, popen
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 WORKER = Path(__file__).with_name("fault_worker.py")
-STEPS = 16  # the uninterrupted reference run
+#: the uninterrupted reference run, which the interrupted ones resume to: its end must come after the Ctrl-C'd resume's
+#: save, which landed at steps 13-16 on a lightly loaded 2-core machine (forked or fresh processes alike; at 16
+#: steps a step past the end failed the test now and then)
+STEPS = 32
 
 
 def args(root: Path, model_dir: str, *extra: str) -> list[str]:
@@ -77,21 +81,15 @@ def other_tmpdir(tmp_path) -> Path:
         yield tmp_path / "tmpdir"
 
 
-def launch(root: Path, model_dir: str, tmpdir: Path, *prefix: str) -> subprocess.Popen:
-    """A long fit in a fresh interpreter (``prefix``: the worker script and its arguments, else sgrpo.fit)."""
+def launch(root: Path, model_dir: str, tmpdir: Path, *prefix: str) -> Preloaded | subprocess.Popen:
+    """A long fit in a process of its own (``prefix``: the worker script and its arguments, else sgrpo.fit), forked
+    from the worker's preloaded interpreter (tests/preloaded.py), Ctrl-C raising ``KeyboardInterrupt`` there."""
     command = [sys.executable, *(prefix or ("-m", "sgrpo.fit")), *args(root, model_dir, "--trainer.max_steps=1000")]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmpdir)}
-    log = open(root.parent / f"{root.name}.log", "w")  # noqa: SIM115 (the child writes it)
-    return subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_sigint
-    )
+    return popen(command, cwd=REPO, env=env, stdout=root.parent / f"{root.name}.log")
 
 
-def _default_sigint() -> None:  # a background shell starts its jobs with Ctrl-C ignored
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def wait_for(condition, process: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_for(condition, process: Preloaded | subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, f"the fit ended early with {process.returncode}"

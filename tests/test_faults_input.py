@@ -5,7 +5,6 @@ kills, signals and run folders)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -20,6 +19,7 @@ from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.preflight import check_strategy
 from sgrpo.types import Example
 from tasks.base import Reward
+from tests.preloaded import run
 from tests.test_faults import REPO, args, error_line, last_step
 from tests.test_faults import model_dir as model_dir  # the module's tiny model (a fixture)
 
@@ -69,10 +69,8 @@ def test_a_step_that_does_not_split_over_the_processes_is_refused_before_loading
     each (exit 2), before the model loads; the folder, which holds only that start's config, then takes the
     corrected run without --overwrite."""
     extra = ["--trainer.max_steps=1", "--trainer.devices=2", "--trainer.strategy=ddp", "--model.prompts_per_step=3"]
-    refused = subprocess.run(
-        [sys.executable, "-m", "sgrpo.fit", *args(tmp_path, model_dir, *extra)],
-        cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    refused = run([sys.executable, "-m", "sgrpo.fit", *args(tmp_path, model_dir, *extra)], cwd=REPO,
+                  env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=120)  # process 0 preloaded (tests/preloaded.py)
     assert refused.returncode == 2, refused.stderr[-2000:]
     lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: invalid configuration: model.prompts_per_step (3) must divide evenly over the 2 "

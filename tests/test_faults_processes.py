@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.preloaded import Preloaded, popen, run
 from tests.test_faults import REPO, TINY, WORKER, args, wait_for
 from tests.test_faults import model_dir as model_dir  # the module's tiny model (a fixture)
 
@@ -114,21 +115,22 @@ def run_failing(command: list[str], root: Path, rank: str, separate: int, tmp_pa
 
 
 def start(command: list[str], separate: int, tmp_path: Path, env: dict | None = None,
-          name: str = "log") -> tuple[list[subprocess.Popen], list[Path]]:  # fmt: skip
+          name: str = "log") -> tuple[list[Preloaded | subprocess.Popen], list[Path]]:  # fmt: skip
     """``command`` started as ``separate`` processes with their ranks in the environment (as srun starts them), or
-    once (Lightning's launcher multiplies it) when 0; each writes its output to ``tmp_path/<name><rank>``."""
+    once (Lightning's launcher multiplies it) when 0; each writes its output to ``tmp_path/<name><rank>``. The first
+    is forked from the worker's preloaded interpreter, the others are new interpreters (tests/preloaded.py)."""
     env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
     world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(separate),
              "NODE_RANK": "0"}  # fmt: skip
     ranks = [world | {"LOCAL_RANK": str(r), "RANK": str(r)} for r in range(separate)] or [{}]
     logs = [tmp_path / f"{name}{i}" for i in range(len(ranks))]
-    processes = [subprocess.Popen(command, cwd=REPO, env=env | extra, stdout=open(log, "w"),  # noqa: SIM115
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-                 for extra, log in zip(ranks, logs, strict=True)]  # fmt: skip
+    processes = [popen(command, cwd=REPO, env=env | extra, stdout=log, start_new_session=True, fresh=i > 0)
+                 for i, (extra, log) in enumerate(zip(ranks, logs, strict=True))]  # fmt: skip
     return processes, logs
 
 
-def finish(processes: list[subprocess.Popen], logs: list[Path], timeout: float = 240) -> tuple[list[int], str]:
+def finish(processes: list[Preloaded | subprocess.Popen], logs: list[Path],
+           timeout: float = 240) -> tuple[list[int], str]:  # fmt: skip
     """The exit codes of ``processes`` and their output; none left running."""
     try:
         codes = [process.wait(timeout=timeout) for process in processes]
@@ -200,8 +202,7 @@ def test_sigterm_to_the_first_of_2_sharded_processes_stops_both_at_one_steps_end
     layout = ["--config", str(REPO / "tests/fixtures/sharded_cpu.yaml"), "--checkpoint_every=100"]
     command = [sys.executable, str(WORKER), "sigterm", "0", "2", *args(root, model_dir, "--trainer.max_steps=5",
                                                                       *layout)]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=240)  # fmt: skip
+    done = run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=240)  # a preloaded process 0
     assert done.returncode == 143, done.stderr[-3000:]
     assert torch.load(root / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == 2
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -242,18 +243,13 @@ def test_a_refused_folder_ends_every_process_the_launcher_started_in_seconds(mod
                                                                 "--trainer.devices=2", "--trainer.strategy=ddp")]
             env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                                 "WORLD_SIZE": "2", "NODE_RANK": "0"}  # fmt: skip
-            processes = [subprocess.Popen(command, cwd=REPO, env=env | {"LOCAL_RANK": str(r), "RANK": str(r)},
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          start_new_session=True) for r in (0, 1)]  # fmt: skip
-            try:
-                outputs = [process.communicate(timeout=90) for process in processes]
-            finally:
-                for process in processes:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pid, signal.SIGKILL)
-            for process, (_, err) in zip(processes, outputs, strict=True):
+            outs, errs = [tmp_path / f"out{r}" for r in (0, 1)], [tmp_path / f"err{r}" for r in (0, 1)]
+            processes = [popen(command, cwd=REPO, env=env | {"LOCAL_RANK": str(r), "RANK": str(r)}, stdout=outs[r],
+                               stderr=errs[r], start_new_session=True, fresh=r > 0) for r in (0, 1)]  # fmt: skip
+            codes, _ = finish(processes, [], timeout=90)
+            for code, err in zip(codes, (path.read_text() for path in errs), strict=True):
                 lines = [line for line in err.splitlines() if line.startswith("error: ")]
-                assert process.returncode == 2 and len(lines) == 1 and reason in lines[0], err[-3000:]
+                assert code == 2 and len(lines) == 1 and reason in lines[0], err[-3000:]
                 assert "Traceback" not in err, err[-3000:]
     finally:
         unlock_run(lock)

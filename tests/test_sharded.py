@@ -14,19 +14,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from estimators import DrGRPO
 from sgrpo.eval.report import read_run_metrics
 from sgrpo.export import main as export
 from sgrpo.fit import main
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.train.loss import AGGREGATIONS
-from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
+from tests.preloaded import run
 from tests.server_ranks_job import check_server_ranks, prepare_server_ranks
 from tests.sharded_async import async_jobs, check_async_rollouts_over_two_processes
+from tests.sharded_ddp import check_ddp_jobs, ddp_jobs, single_process_gradients
 from tests.sharded_lora import check_lora_fits_over_two_processes_resumes_and_exports_the_adapter, lora_jobs
 from tests.sharded_worker import probe, update
 from tests.test_eval_metrics import check_synced_metrics, check_two_sets_validate_as_one_process
-from tests.test_policy_gradients import MAX_NEW, G, flat, make_policy, rel_err, surrogate
+from tests.test_policy_gradients import flat, rel_err
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -104,10 +104,7 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
             ["decode", model_dir, str(out / "decode")],
             ["metrics", str(out / "metrics")],
             ["validate_sets", str(out / "sets")],
-            ["ddp_grads", model_dir, str(out / "ddp"), *AGGREGATIONS],
-            ["ddp_balanced", model_dir, str(out / "ddp"), *GLOBAL],
-            ["balance_failure", model_dir, str(out / "balance_failure")],
-            ["nonfinite", model_dir, str(out / "nonfinite")],
+            *ddp_jobs(model_dir, out),
             # fused AdamW on DTensors, as the GPU recipes; at step 3 last.ckpt is a tree of hard links to step3.ckpt
             ["fit", str(root), model_dir, "3", "", FUSED, "--checkpoint_every=3"],
             ["fit", str(root), model_dir, "5", "last", FUSED],
@@ -133,10 +130,9 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_sharded_rollouts_sample_the_unsharded_policy(out / "decode")
     check_synced_metrics(out / "metrics")
     check_two_sets_validate_as_one_process(out / "sets", tmp_path)
-    check_two_ddp_processes_give_the_single_process_gradient(model_dir, out / "ddp")
-    check_balanced_processes_give_the_unbalanced_gradient(model_dir, out / "ddp")
-    check_a_process_raising_in_the_exchange_ends_both(out / "balance_failure")
-    check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out / "nonfinite")
+    single = single_process_gradients(model_dir)
+    check_two_ddp_processes_give_the_single_process_gradient(single, out / "ddp")
+    check_ddp_jobs(single, out)  # tests/sharded_ddp.py
     check_sharded_fit_resumed_and_exports(root, checkpoint, tmp_path / "exported")
     check_a_resume_as_another_experiment_is_refused_in_one_line(tmp_path / "refused")
     check_processes_that_see_another_checkpoint_refuse_the_resume(tmp_path / "disagree")
@@ -146,14 +142,6 @@ def test_fsdp2_update_rollouts_fit_resume_export_and_validate(model_dir, tmp_pat
     check_async_rollouts_over_two_processes(tmp_path / "async")
     check_rows_ending_at_different_lengths_per_process_decode_as_many_forwards(tmp_path / "lengths")
     check_server_ranks(tmp_path / "server_ranks")
-
-
-def check_a_step_non_finite_on_one_process_is_skipped_on_every_process(out: Path) -> None:
-    """A NaN gradient on process 1 only: without the skip flag OR-ed over processes, process 0 applied the step
-    and process 1 skipped it, and their weights parted (measured: checksums 304.99 and 304.48)."""
-    (weights_0, skipped_0), (weights_1, skipped_1) = json.loads((out / "nonfinite.json").read_text())
-    assert skipped_0 == skipped_1 == 1.0
-    assert weights_0 == weights_1
 
 
 #: rel. tolerance of the sharded update against the single-process one: float noise in fp32; under bf16-mixed each
@@ -254,52 +242,15 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
     assert sum(turns[0]) != sum(turns[1])  # the processes ran different numbers of turns
 
 
-def check_two_ddp_processes_give_the_single_process_gradient(model_dir: str, out: Path) -> None:
+def check_two_ddp_processes_give_the_single_process_gradient(single: dict[str, torch.Tensor], out: Path) -> None:
     """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
     gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation."""
-    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
     for aggregation in AGGREGATIONS:
-        policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation))
-        run_steps(policy)
-        single = flat(policy.captured[0])
         info = json.loads((out / f"grads_{aggregation}.json").read_text())
         assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8], aggregation
-        assert rel_err(flat(torch.load(out / f"grads_{aggregation}.pt")), single) < 1e-6, aggregation
+        assert rel_err(flat(torch.load(out / f"grads_{aggregation}.pt")), single[aggregation]) < 1e-6, aggregation
         # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
         assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
-
-
-#: the aggregations whose denominators are all-reduced: moving rows between processes changes float rounding only
-GLOBAL = ("token_mean", "seq_mean_token_mean", "seq_sum_const")
-
-
-def check_balanced_processes_give_the_unbalanced_gradient(model_dir: str, out: Path) -> None:
-    """``model.balance_batch`` "rows" and "groups" over 2 DDP processes with different data: the gradient of the
-    unbalanced run (which is the single-process one) within 1e-6 for every global aggregation, the rows
-    having moved ("rows": the processes' real-token imbalance fell)."""
-    batch = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
-    for aggregation in GLOBAL:
-        policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation))
-        run_steps(policy)
-        single = flat(policy.captured[0])
-        unbalanced = flat(torch.load(out / f"grads_{aggregation}.pt"))
-        for mode in ("rows", "groups"):
-            info = json.loads((out / f"grads_{aggregation}_{mode}.json").read_text())
-            assert rel_err(flat(torch.load(out / f"grads_{aggregation}_{mode}.pt")), unbalanced) < 1e-6, mode
-            assert rel_err(flat(torch.load(out / f"grads_{aggregation}_{mode}.pt")), single) < 1e-6, mode
-            before, after = info["train/update/token_imbalance_before"], info["train/update/token_imbalance_after"]
-            # rows: even to a row; groups: 4 groups of which one costs nothing (constant): at best as even as before
-            assert after < before if mode == "rows" else after <= before, (aggregation, mode, info)
-            assert info["allreduce_rounds_per_rank"] == [1, 1], (aggregation, mode)
-
-
-def check_a_process_raising_in_the_exchange_ends_both(out: Path) -> None:
-    """Process 1 raised preparing its rows: it raised its own error, process 0 one naming the cause, and neither
-    waited (a hang fails the launch at its timeout)."""
-    errors = [json.loads((out / f"failure.{rank}.json").read_text()) for rank in (0, 1)]
-    assert errors[1] == "MemoryError: process 1 ran out of memory", errors
-    assert errors[0] == ("RuntimeError: model.balance_batch: another process failed preparing its rows for the "
-                         "exchange"), errors  # fmt: skip
 
 
 def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported: Path) -> None:
@@ -388,7 +339,11 @@ def test_validate_launched_as_users_do_counts_each_prompt_once_as_one_process_do
             "--trainer.limit_val_batches=null", "--model.val_prompts_per_batch=4", "--model.val_greedy=true",
             "--model.val_samples=1", "--trainer.enable_progress_bar=false"]  # fmt: skip
     sharded = ["--config", str(SHARDED), f"--trainer.default_root_dir={tmp_path}/2"]
-    two, log = run_processes([sys.executable, "-m", "sgrpo.fit", *args, *sharded], cwd=TINY.parents[1], timeout=120)
+    # process 0 forked from the worker's preloaded interpreter (tests/preloaded.py); Lightning starts process 1
+    done = run([sys.executable, "-m", "sgrpo.fit", *args, *sharded], cwd=TINY.parents[1],
+               env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    two, log = done.stdout, done.stderr
     # nor does Lightning's advice to sync the metrics or not to use its sampler apply: they are gathered, and
     # each prompt counts once
     assert "It is recommended to use `self.log(" not in log and "Using `DistributedSampler`" not in log

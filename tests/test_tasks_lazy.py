@@ -5,11 +5,12 @@ and a process that loads them holds positions, not rows."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,6 +21,7 @@ from tasks.data import SplitTable
 from tasks.holdout import hash_holdout, paper_holdout, ranked_split
 from tasks.lazy_table import LazySplitTable
 from tasks.openthoughts import SCHEMA, OpenThoughts
+from tests.preloaded import run
 
 COLUMNS = ("conversations", "difficulty", "domain", "source")
 
@@ -158,11 +160,9 @@ def test_loading_openthoughts_holds_positions_not_rows(tmp_path):
     size = write_openthoughts(tmp_path / "ot", 6_000, files=2, trace_chars=8000)
     write_openthoughts(tmp_path / "warm", 200)
     grew = []
-    for _ in ("the first process, which converts", "a process that finds the copy"):
-        out = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(RSS_SCRIPT), str(tmp_path / "ot"), str(tmp_path / "c"),
-             str(tmp_path / "warm")], capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+    for _ in ("the first process, which converts", "a process that finds the copy"):  # forks (tests/preloaded.py)
+        out = run([sys.executable, "-c", textwrap.dedent(RSS_SCRIPT), str(tmp_path / "ot"), str(tmp_path / "c"),
+                   str(tmp_path / "warm")], cwd=Path.cwd(), env=dict(os.environ), timeout=240)  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         grew.append(json.loads(out.stdout.splitlines()[-1]))
     print(f"rows {size / 1e6:.0f} MB; RssAnon growth, MB: " + ", ".join(

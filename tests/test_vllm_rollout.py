@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from sgrpo.rollout.vllm_engine import INSTALL_HINT, VLLMRollout
 from sgrpo.rollout.vllm_requests import rollout_batch_from_outputs, sampling_kwargs
 from sgrpo.train.loss import tis_weights
 from sgrpo.types import Example
+from tests.preloaded import run
 from tests.vllm_fakes import (
     EOS,
     FAKE_SUBMODULES,
@@ -228,7 +228,7 @@ def test_fit_with_the_engine_under_fsdp2(model_dir, tmp_path):
     """GRPOPolicy + VLLMRollout (on a sampling stand-in for vllm.LLM) + FSDP2: the engine follows the policy."""
     code = f"from tests.vllm_fakes import fit_with_engine; fit_with_engine({model_dir!r}, {str(tmp_path)!r})"
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run([sys.executable, "-c", code], cwd=REPO, env=env, timeout=300)  # forked preloaded (tests/preloaded.py)
     assert done.returncode == 0, done.stderr[-4000:]
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["sharded"] and info["moved"] and info["engine_equals_trainer"]
