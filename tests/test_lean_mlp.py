@@ -170,3 +170,8 @@ def test_apply_lean_mlp_keeps_the_state_dict_and_copies():
     assert apply_lean_mlp(lean) == 0  # already lean: nothing changes
     assert type(copy.deepcopy(lean).model.layers[1].mlp) is type(mlp)
     assert apply_lean_mlp(nn.Sequential(nn.Linear(2, 2))) == 0  # no SwiGLU MLP: untouched
+    mlp.__class__ = type("Wrapped", (type(mlp),), {})  # a class swapped again on top (as fully_shard does)
+    assert apply_lean_mlp(lean) == 0
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    mlp(x).sum().backward()  # the lean path, not a recursion into itself
+    assert x.grad is not None and x.grad.abs().sum() > 0

@@ -88,16 +88,18 @@ def lean_mlp_problem(module: nn.Module) -> str | None:
     return None
 
 
-def _lean_forward(self, x: Tensor) -> Tensor:
-    if not torch.is_grad_enabled() or lean_mlp_problem(self) is not None:
-        return super(type(self), self).forward(x)
-    return SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias)
-
-
 def lean_class(cls: type) -> type:
-    """``Lean<cls>``: ``cls`` with the lean gradient pass (one subclass per class, cached)."""
+    """``Lean<cls>``: ``cls`` with the lean gradient pass (one subclass per class, cached). Its ``forward`` falls back
+    to ``cls.forward`` by name, not by ``super``, so a further subclass (``fully_shard`` swaps classes too) cannot
+    make it call itself."""
     if cls not in _LEAN_CLASSES:
-        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (cls,), {"forward": _lean_forward, "__module__": __name__})
+
+        def forward(self, x: Tensor) -> Tensor:
+            if not torch.is_grad_enabled() or lean_mlp_problem(self) is not None:
+                return cls.forward(self, x)
+            return SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias)
+
+        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
     return _LEAN_CLASSES[cls]
 
 
@@ -118,7 +120,8 @@ def apply_lean_mlp(model: nn.Module) -> int:
     """Give every SwiGLU MLP in ``model`` the lean gradient pass; returns how many modules changed (0: none found)."""
     changed = 0
     for module in model.modules():
-        if is_swiglu_mlp(module) and type(module) not in _LEAN_CLASSES.values() and computes_swiglu(module):
+        lean = isinstance(module, tuple(_LEAN_CLASSES.values()))
+        if not lean and is_swiglu_mlp(module) and computes_swiglu(module):
             module.__class__ = lean_class(type(module))
             changed += 1
     return changed
