@@ -109,7 +109,7 @@ def test_real_server_episodes_keep_the_servers_tokens_and_logprobs(tmp_path):
     from sgrpo.rollout.engine import bump_weights_version
     from sgrpo.rollout.vllm_launch import VLLMServers
     from tests.multiturn_helpers import DIGITS_TEMPLATE, Digits
-    from tests.test_vllm_server import SERVER_ARGS, free_port, perturbed
+    from tests.vllm_server_helpers import SERVER_ARGS, free_port, perturbed
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = DIGITS_TEMPLATE

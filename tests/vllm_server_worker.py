@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 from sgrpo.model.loading import shard_model  # noqa: E402
 from sgrpo.rollout.engine import bump_weights_version  # noqa: E402
 from sgrpo.rollout.vllm_server import VLLMServerRollout  # noqa: E402
-from tests.test_vllm_server import EXAMPLES, perturbed  # noqa: E402
+from tests.vllm_server_helpers import EXAMPLES, perturbed  # noqa: E402
 
 
 def main(url: str, model_dir: str, out: str) -> None:
