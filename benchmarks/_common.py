@@ -20,7 +20,7 @@ from estimators import GRPO, RLOO, AdvantageEstimator, DrGRPO, MaxRL, SoftmaxGRP
 #: the SoftmaxGRPO temperatures the paper sweeps (arXiv 2608.09271)
 TEMPERATURES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
 
-#: the difficulty buckets of docs/theory.md §6 (``unsolved`` and ``solved`` carry no mass)
+#: the difficulty buckets of docs/gradient_budget.md §6 (``unsolved`` and ``solved`` carry no mass)
 SHOWN_BUCKETS: tuple[str, ...] = ("hard", "mid_hard", "half", "mid_easy", "near_solved")
 
 

@@ -35,7 +35,7 @@ def group_l1_mass(estimator, group_size: int) -> torch.Tensor:
 
 def expected_shares(estimator, group_size: int, k_law: torch.Tensor) -> dict[str, float]:
     """Expected L1 budget shares when a group's success count K has law ``k_law`` ``[G+1]``:
-    ``share_b = sum_K P(K) B1(K) [K/G in b] / sum_K P(K) B1(K)`` (docs/theory.md §6)."""
+    ``share_b = sum_K P(K) B1(K) [K/G in b] / sum_K P(K) B1(K)`` (docs/gradient_budget.md §6)."""
     mass = k_law.to(torch.float64) * group_l1_mass(estimator, group_size)  # [G+1]
     buckets = difficulty_bucket(torch.arange(group_size + 1, dtype=torch.float64) / group_size)
     per_bucket = torch.zeros(len(BUCKETS), dtype=torch.float64).index_add_(0, buckets, mass)
@@ -51,7 +51,7 @@ def binomial_law(rates: list[float], group_size: int) -> torch.Tensor:
 
 def hard_weight_share(estimator, group_size: int, rates: dict[str, float], hard: list[str]) -> float:
     """``sum_{l in hard} c_G(p_l) / sum_l c_G(p_l)``: the hard levels' share of the expected update weight
-    (``population_weight``, docs/theory.md §3.1) at per-level pass rates ``rates``."""
+    (``population_weight``, docs/objective.md §3.1) at per-level pass rates ``rates``."""
     weights = {lv: float(estimator.population_weight(p, group_size)) for lv, p in rates.items()}
     total = sum(weights.values())
     return sum(weights[lv] for lv in hard if lv in weights) / total if total > 0 else math.nan

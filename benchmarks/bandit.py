@@ -7,7 +7,7 @@ correct one is set so the initial pass rate is exactly the level. Each step samp
 prompt, scores them 1 (correct) or 0, turns the rewards into advantages with the estimator and
 takes one SGD step on the logits along ``sum_i A_i grad log pi(a_i)`` (exact: A_i (onehot(a_i) - pi)).
 The prompts share no parameters, so an estimator's allocation over difficulty acts as a per-prompt
-step size: its expected update of prompt j is lr_e c_G(p_j) grad p_j (docs/theory.md §3.1).
+step size: its expected update of prompt j is lr_e c_G(p_j) grad p_j (docs/objective.md §3.1).
 
 Fairness. All estimators and seeds run in one vectorised loop (``[estimator, seed, prompt, ...]``)
 with common random numbers: each seed has its own generator, and at every step every estimator

@@ -1,6 +1,6 @@
 """Is the L1 budget a fair proxy for gradient share? Advantage mass against per-group update norms.
 
-docs/theory.md §6 shows that for binary rewards and a zero-sum estimator a group's update is
+docs/gradient_budget.md §6 shows that for binary rewards and a zero-sum estimator a group's update is
 ``U = (B1 / 2) (mean score of its successes - mean score of its failures)``, so ``||U|| = (B1/2) D`` with
 D independent of the estimator. This measures both sides on real rollouts of the quickstart model
 (``sgrpo/assets/quickstart_model``, the SFT warm start on sort 3/5/7) on sort levels ``--levels``

@@ -8,7 +8,7 @@ It prints (never asserts):
    ``estimators.ESTIMATORS`` (SoftmaxGRPO at tau = 0.5 and 1); the target is under 50 ms wall per
    estimator with 2 torch threads on 2 CPUs. The header prints the load average: on a shared
    machine, other processes inflate the wall time (each multi-threaded kernel waits for a CPU);
-2. the table of c_G(p) for G = 8 (docs/theory.md §8.1), computed by the library's exact
+2. the table of c_G(p) for G = 8 (docs/reference_numbers.md §8.1), computed by the library's exact
    ``population_weight``, with c(0+) and c(1-) as its values at p = 0 and p = 1.
 
 What it prints is published to ``benchmarks/reports/estimators/`` (``benchmarks/artefact.py``; ``--no-publish``
@@ -42,7 +42,7 @@ TARGET_MS = 50.0
 SPEED_ARGS: dict[type[AdvantageEstimator], list[dict]] = {
     SoftmaxGRPO: [{"temperature": 0.5}, {"temperature": 1.0}],
 }
-#: constructor arguments per class for the c_G(p) table (the rows of docs/theory.md §8.1)
+#: constructor arguments per class for the c_G(p) table (the rows of docs/reference_numbers.md §8.1)
 TABLE_ARGS: dict[type[AdvantageEstimator], list[dict]] = {
     GRPO: [{"std": "population", "eps": 0.0}, {"std": "sample", "eps": 0.0}],  # §5 is at eps = 0
     MaxRL: [{"variant": "practical"}, {"variant": "cv_unbiased"}, {"variant": "nocv"}],
@@ -108,7 +108,7 @@ def speed_table(warmup: int, repeats: int) -> dict[str, dict[str, float]]:
 
 def weight_table(group_size: int = 8) -> dict[str, list[float]]:
     ps = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
-    print(f"\n### c_G(p) for G = {group_size} (exact, from population_weight; docs/theory.md §8.1)\n")
+    print(f"\n### c_G(p) for G = {group_size} (exact, from population_weight; docs/reference_numbers.md §8.1)\n")
     head = " | ".join(f"p={p:g}" for p in ps.tolist())
     print(f"| estimator | {head} | c(0+) | c(1-) |")
     print("|---|" + "---:|" * (len(ps) + 2))

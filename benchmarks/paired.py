@@ -16,7 +16,7 @@ one backward per rollout) and from them the policy gradient g_e = sum_i A_i s_i,
 sum_i A_i log pi(o_i) (checked once against autograd on the full surrogate); the cosine similarity
 between the estimators' gradients; and the budget by difficulty, both as advantage mass
 (``gradient_budget``, groups bucketed by K/G) and as per-group gradient norms ||sum_{i in group} A_i s_i||
-(the direct measurement of docs/theory.md §6). A second, independent batch (``--seed + 1``) gives the cosine
+(the direct measurement of docs/gradient_budget.md §6). A second, independent batch (``--seed + 1``) gives the cosine
 between an estimator's gradients on two batches: the sampling noise that pairing removes.
 
 Outputs in ``--out`` (default ``benchmarks/results/paired/``): ``results.md``, ``cosine.png`` and

@@ -1,7 +1,7 @@
 """Population theory, head to head: c_G(p), F_G(p), large-group weights and gradient budget by difficulty.
 
-Every number comes from the library's own exact theory (docs/theory.md §3-§6), never from a
-re-derived closed form:
+Every number comes from the library's own exact theory (docs/objective.md §3-§5, docs/gradient_budget.md §6),
+never from a re-derived closed form:
 
 * ``c_G(p)`` and ``F_G(p)``: ``AdvantageEstimator.population_weight`` / ``population_objective``;
 * the large-group per-rollout weight ``lim c_G/G``: ``SoftmaxGRPO.large_group_weight`` where the
@@ -155,7 +155,8 @@ def tables() -> list[str]:
     ps_head = [f"p={p:g}" for p in P_TABLE]
     c8 = weights(table_entries(), 8)
     sections.append(
-        "## c_G(p) for G = 8 (docs/theory.md §8.1; exact `population_weight`, c(0+) / c(1-) at p = 0 / 1)\n\n"
+        "## c_G(p) for G = 8 (docs/reference_numbers.md §8.1; exact `population_weight`, "
+        "c(0+) / c(1-) at p = 0 / 1)\n\n"
         + markdown_table(["estimator", *ps_head, "c(0+)", "c(1-)"], _fmt_rows(c8, ["{:.4f}"] * 5 + ["{:.3f}"] * 2))
     )
     for g in GROUP_SIZES:
@@ -169,7 +170,8 @@ def tables() -> list[str]:
     big = roster()
     limits = large_group_weights(big)
     sections.append(
-        "## Large-G per-rollout weight lim c_G/G (docs/theory.md §4; SoftmaxGRPO.large_group_weight, else Richardson "
+        "## Large-G per-rollout weight lim c_G/G (docs/objective.md §4; SoftmaxGRPO.large_group_weight, "
+        "else Richardson "
         f"on exact c_G/G at G = {', '.join(map(str, RICHARDSON_SIZES))})\n\n"
         + markdown_table(["estimator", *ps_head], _fmt_rows(limits, ["{:.4f}"] * 5))
     )
@@ -187,15 +189,15 @@ def tables() -> list[str]:
         shares = share_rows(big, g)
         for norm in ("l1", "l2"):
             sections.append(
-                f"## {norm.upper()} budget share by bucket, G = {g}, p ~ U(0,1) (docs/theory.md §6)\n\n"
+                f"## {norm.upper()} budget share by bucket, G = {g}, p ~ U(0,1) (docs/gradient_budget.md §6)\n\n"
                 + markdown_table(head, _fmt_rows(shares[norm], pct))
             )
     sections.append(
-        "## Per-K L1 budget sum_i |A_i|, G = 8, K = 1..7 (docs/theory.md §6)\n\n"
+        "## Per-K L1 budget sum_i |A_i|, G = 8, K = 1..7 (docs/gradient_budget.md §6)\n\n"
         + markdown_table(["estimator", *(f"K={k}" for k in range(1, 8))], _fmt_rows(per_k_l1(big, 8), ["{:.3f}"] * 7))
     )
     sections.append(
-        "## Expected L1 budget of a prompt with pass rate p, G = 8 (docs/theory.md §6)\n\n"
+        "## Expected L1 budget of a prompt with pass rate p, G = 8 (docs/gradient_budget.md §6)\n\n"
         + markdown_table(["estimator", *ps_head, "p=.95 : p=.05"], _fmt_rows(expected_l1(big, 8), ["{:.3f}"] * 6))
     )
     return sections

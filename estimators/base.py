@@ -2,7 +2,7 @@
 
 An estimator maps a group of rewards to advantages, ``[B, G] -> [B, G]``. Subclasses implement
 ``_advantages`` on validated float64 full groups; the base class owns input checks, dropped members
-(masks), dtype handling, and the exact population theory of docs/theory.md §3, which it
+(masks), dtype handling, and the exact population theory of docs/objective.md §3, which it
 derives from ``__call__`` alone so that a user's new estimator gets it for free.
 """
 
@@ -20,7 +20,7 @@ class AdvantageEstimator(ABC):
 
     For a *symmetric* estimator (advantages equivariant under permutations of the group) and binary
     rewards with pass rate p, the expected update of one group is ``E[sum_i A_i s_i] = c_G(p) grad p``
-    with (docs/theory.md §3.1, SoftmaxGRPO arXiv 2608.09271)
+    with (docs/objective.md §3.1, SoftmaxGRPO arXiv 2608.09271)
 
         c_G(p) = G * sum_{k=0}^{G-1} C(G-1, k) p^k (1-p)^(G-1-k) * Delta(k),
         Delta(k) = a_+(k+1) - a_-(k),
@@ -82,14 +82,14 @@ class AdvantageEstimator(ABC):
         return table[1:, 0] - table[:-1, -1]
 
     def population_weight(self, p: Tensor | float, group_size: int) -> Tensor:
-        """Exact c_G(p): the multiplier of grad p in the expected update of one group (docs/theory.md §3.1)."""
+        """Exact c_G(p): the multiplier of grad p in the expected update of one group (docs/objective.md §3.1)."""
         g = _check_group_size(group_size)
         p64 = _check_probability(p)
         delta = self.binary_deltas(g).to(p64.device)  # [G]
         return g * (binomial_pmf(p64, g - 1) * delta).sum(-1)
 
     def population_objective(self, p: Tensor | float, group_size: int) -> Tensor:
-        """Exact F_G(p) = E_{K~Bin(G,p)} Phi(K), Phi(K) = sum_{k<K} Delta(k) (docs/theory.md §3.2); F_G(0) = 0."""
+        """Exact F_G(p) = E_{K~Bin(G,p)} Phi(K), Phi(K) = sum_{k<K} Delta(k) (docs/objective.md §3.2); F_G(0) = 0."""
         g = _check_group_size(group_size)
         p64 = _check_probability(p)
         deltas = self.binary_deltas(g).to(p64.device)  # [G]

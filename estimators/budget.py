@@ -1,4 +1,4 @@
-"""Where the gradient budget goes: advantage mass by prompt difficulty (docs/theory.md §6)."""
+"""Where the gradient budget goes: advantage mass by prompt difficulty (docs/gradient_budget.md §6)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def gradient_budget(advantages: Tensor, group_success_rate: Tensor) -> dict[str,
 
     ``advantages`` ``[B, G]``; ``group_success_rate`` ``[B]`` (K/G for binary rewards, or the group's
     success rate under the task's success test). B2 is a proxy for ||sum_i A_i s_i||^2 when the
-    rollouts' score vectors are roughly orthogonal with equal norms (docs/theory.md §6; SoftmaxGRPO arXiv
+    rollouts' score vectors are roughly orthogonal with equal norms (docs/gradient_budget.md §6; SoftmaxGRPO arXiv
     2608.09271 reports the budget moving away from near-solved prompts).
     """
     return budget_shares(budget_mass(advantages, group_success_rate))

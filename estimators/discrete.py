@@ -1,4 +1,4 @@
-"""Exact expected update for rewards with finitely many values, and its curl (docs/theory.md §3.4).
+"""Exact expected update for rewards with finitely many values, and its curl (docs/objective.md §3.4).
 
 A reward takes the values ``levels[v]`` with law ``q`` (one softmax policy over V outcomes, logits
 theta, ``q = softmax(theta)``). For a symmetric estimator the expected update of one group is

@@ -27,7 +27,7 @@ class SoftmaxGRPO(AdvantageEstimator):
     weight is bounded: 0 < c_G(p)/G < e^(1/tau) - 1 for all p and G; the large-group objective is
     the log-MGF ``log E[exp(r / tau)]``.
 
-    Evaluation (docs/theory.md §5.2) is in float64. The rewards are centred on the group maximum *before*
+    Evaluation (docs/objective.md §5.2) is in float64. The rewards are centred on the group maximum *before*
     dividing by tau, so ``d = (r - max r) / tau <= 0`` carries the relative precision of the reward
     differences (dividing first would amplify the rounding of large |r| / tau). With
     ``A_i + 1 = e^(d_i) / mean_j e^(d_j)``, per group:
@@ -145,7 +145,7 @@ class SoftmaxGRPO(AdvantageEstimator):
 
     # ------------------------------------------------------------------ large-group theory
     def large_group_weight(self, p: Tensor | float) -> Tensor:
-        """lim_{G->inf} c_G(p)/G = (beta - 1) / (1 + p (beta - 1)), beta = e^(1/tau) (docs/theory.md §4.3).
+        """lim_{G->inf} c_G(p)/G = (beta - 1) / (1 + p (beta - 1)), beta = e^(1/tau) (docs/objective.md §4.3).
 
         Binary rewards; per rollout; times tau with ``scale_by_tau``.
         """
@@ -156,7 +156,7 @@ class SoftmaxGRPO(AdvantageEstimator):
         return weight * self.temperature if self.scale_by_tau else weight
 
     def large_group_objective(self, values: Tensor, probs: Tensor) -> Tensor:
-        """log E[exp(r / tau)] for a discrete reward law P(r = values[..., j]) = probs[..., j] (docs/theory.md §4.4).
+        """log E[exp(r / tau)] for a discrete reward law P(r = values[..., j]) = probs[..., j] (docs/objective.md §4.4).
 
         E[sum_i A_i s_i] / G -> grad of this as G -> inf. With ``scale_by_tau`` it is multiplied by tau
         (the soft-max value tau log E e^(r/tau), between E[r] and max r). Evaluated with logsumexp.
@@ -224,7 +224,7 @@ def ess_temperatures(rewards: Tensor, target: float) -> Tensor:
 
 
 def log_mgf(rewards: Tensor, temperature: Tensor | float) -> Tensor:
-    """Per group, a plug-in estimate of the log-MGF objective (docs/theory.md §4.4), float64 ``[B]``:
+    """Per group, a plug-in estimate of the log-MGF objective (docs/objective.md §4.4), float64 ``[B]``:
 
         J_tau(r) = tau log( (1/G) sum_j exp(r_j / tau) ),
 

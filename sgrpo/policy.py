@@ -45,7 +45,7 @@ class GRPOPolicy(
     One training step: ``prompts_per_step`` prompts (global, split across processes) -> ``group_size``
     completions each -> rewards ``[B, G]`` -> ``estimator`` -> clipped-surrogate updates, reusing the
     rollout for ``ppo_epochs`` x ``num_minibatches`` optimiser steps. The loss aggregation is a
-    loss setting (docs/theory.md §7.4), so two runs can differ in the estimator alone.
+    loss setting (docs/policy_loss.md §7.4), so two runs can differ in the estimator alone.
     ``trainer.max_steps`` counts training steps (rollout batches). Rollout sampling is seeded from
     ``(seed, step, rank)``, so a resumed run reproduces an uninterrupted one. Micro-batches accumulate
     with the global batch's denominators, so their split changes memory and speed, not the update.
@@ -155,7 +155,7 @@ class GRPOPolicy(
             reward_failure_share: Share of a step's rewards that failed, at or above which the step counts as failed.
             reward_failure_steps: Failed steps in a row that stop the run.
             max_nonfinite_steps: Optimiser steps in a row with a non-finite loss or gradient (each skipped) that stop
-                the run (docs/training.md).
+                the run (docs/runs.md, "A diverged run").
             environment: Multi-turn episodes (``tasks.environment.Environment``, docs/environments.md); null: one
                 completion per sample.
             async_rollout: Sample in a producer process that runs ahead of the trainer (docs/async.md); HFRollout only.

@@ -1,4 +1,5 @@
-"""benchmarks/population.py reproduces reference tables of weights and budgets (docs/theory.md §4, §6, §8.1).
+"""benchmarks/population.py reproduces reference tables of weights and budgets (docs/objective.md §4,
+docs/gradient_budget.md §6, docs/reference_numbers.md §8.1).
 
 The numbers below come from an independent numpy/scipy implementation of the formulas, printed to a
 0.1 % unit; every one is compared with the script's computed table within 1e-3 absolute (shares as
@@ -17,7 +18,7 @@ from benchmarks import population
 
 TOL = 1e-3
 
-# c_G(p) for G = 8 (docs/theory.md §8.1): p = 0.05, 0.25, 0.5, 0.75, 0.95, then c(0+), c(1-)
+# c_G(p) for G = 8 (docs/reference_numbers.md §8.1): p = 0.05, 0.25, 0.5, 0.75, 0.95, then c(0+), c(1-)
 REFERENCE_C8 = {
     "GRPO (pop std)": [19.7845, 16.2089, 14.8452, 16.2089, 19.7845, 21.166, 21.166],
     "GRPO (sample std)": [18.5067, 15.1621, 13.8865, 15.1621, 18.5067, 19.799, 19.799],
@@ -33,7 +34,7 @@ REFERENCE_C8 = {
     "Softmax tau=4": [1.9011, 1.8283, 1.7435, 1.6651, 1.6065, 1.920, 1.592],
 }
 
-# large-G per-rollout weight w(p) = lim c_G/G (docs/theory.md §4) at p = 0.05, 0.25, 0.5, 0.75, 0.95
+# large-G per-rollout weight w(p) = lim c_G/G (docs/objective.md §4) at p = 0.05, 0.25, 0.5, 0.75, 0.95
 REFERENCE_LARGE_G = {
     "GRPO": [4.5883, 2.3094, 2.0000, 2.3094, 4.5883],
     "Dr.GRPO": [1, 1, 1, 1, 1],
@@ -45,7 +46,7 @@ REFERENCE_LARGE_G = {
     "Softmax tau=2": [0.6283, 0.5582, 0.4898, 0.4364, 0.4014],
 }
 
-# budget shares under p ~ U(0, 1) in percent (docs/theory.md §6): hard, mid-hard, half, mid-easy,
+# budget shares under p ~ U(0, 1) in percent (docs/gradient_budget.md §6): hard, mid-hard, half, mid-easy,
 # near-solved, then near/hard
 REFERENCE_SHARES = {
     # "G = 8, L1 share" table
@@ -90,7 +91,7 @@ REFERENCE_SHARES = {
     },
 }
 
-# per-K L1 budget for G = 8, K = 1..7 (docs/theory.md §6)
+# per-K L1 budget for G = 8, K = 1..7 (docs/gradient_budget.md §6)
 REFERENCE_PER_K_L1 = {
     "GRPO": [4.950, 6.481, 7.246, 7.483, 7.246, 6.481, 4.950],
     "Dr.GRPO": [1.75, 3, 3.75, 4, 3.75, 3, 1.75],
@@ -98,7 +99,8 @@ REFERENCE_PER_K_L1 = {
     "Softmax tau=1": [2.475, 3.606, 3.919, 3.697, 3.107, 2.252, 1.201],
 }
 
-# expected L1 budget for a prompt of true pass rate p, G = 8 (docs/theory.md §6): p = .05/.25/.5/.75/.95, ratio .95:.05
+# expected L1 budget for a prompt of true pass rate p, G = 8 (docs/gradient_budget.md §6):
+# p = .05/.25/.5/.75/.95, ratio .95:.05
 REFERENCE_EXPECTED_L1 = {
     "GRPO": [1.758, 5.686, 6.943, 5.686, 1.758, 1.00],
     "MaxRL": [4.585, 10.398, 7.938, 4.000, 0.800, 0.174],

@@ -1,4 +1,4 @@
-"""Gradient budget by prompt difficulty (docs/theory.md §6); reference numbers from an independent numpy/scipy
+"""Gradient budget by prompt difficulty (docs/gradient_budget.md §6); reference numbers from an independent numpy/scipy
 implementation of its formulas.
 
 Under the prior p ~ U(0, 1) every K = 0..G has probability 1/(G+1), so the expected share of a

@@ -1,5 +1,5 @@
 """Every shipped config parses and instantiates (tiny local model, fixture data), and A/B pairs differ only
-in the estimator (docs/theory.md §7.4)."""
+in the estimator (docs/policy_loss.md §7.4)."""
 
 from __future__ import annotations
 

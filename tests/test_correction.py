@@ -1,5 +1,5 @@
 """The decoupled objective's importance corrections (sgrpo.train.correction) on crafted inputs, against values
-computed by hand in float64 (docs/theory.md §7.7)."""
+computed by hand in float64 (docs/policy_loss.md §7.7)."""
 
 from __future__ import annotations
 

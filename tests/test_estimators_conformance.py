@@ -1,4 +1,5 @@
-"""Conformance suite: every class in ``estimators.ESTIMATORS`` must pass these (docs/theory.md §2.7, §8.2).
+"""Conformance suite: every class in ``estimators.ESTIMATORS`` must pass these (docs/theory.md §2.7,
+docs/reference_numbers.md §8.2).
 
 The suite is parametrised over the export list, so a new estimator is covered by adding it to
 ``ESTIMATORS``. Classes whose constructor needs arguments, or that deviate from a property on

@@ -1,4 +1,4 @@
-"""Discrete (scalar) rewards: the exact expected update of ``estimators/discrete.py`` (docs/theory.md §3.4, §4.4).
+"""Discrete (scalar) rewards: the exact expected update of ``estimators/discrete.py`` (docs/objective.md §3.4, §4.4).
 
 T15: the enumerated field against Monte Carlo and its large-group limit, the log-MGF gradient, with
 the 1/G rate of the finite-group error. The curl of the field on the reward simplex: zero for the

@@ -1,4 +1,4 @@
-"""Golden values: SoftmaxGRPO's binary advantages and the c_G(p) table of docs/theory.md §8.1.
+"""Golden values: SoftmaxGRPO's binary advantages and the c_G(p) table of docs/reference_numbers.md §8.1.
 
 Every number below comes from an independent numpy/scipy implementation of the formulas (or by hand, as
 noted), not from the library; the
@@ -141,7 +141,7 @@ def test_binary_advantages_closed_forms(g):
 # T12: the §5 table of c_G(p), G = 8 (every row)
 # ---------------------------------------------------------------------------------------------
 
-#: rows of docs/theory.md §8.1's table: c_8(p) at p = .05 .25 .5 .75 .95, then c(0+), c(1-)
+#: rows of docs/reference_numbers.md §8.1's table: c_8(p) at p = .05 .25 .5 .75 .95, then c(0+), c(1-)
 TABLE_5 = [
     (GRPO("population", eps=0.0), [19.7845, 16.2089, 14.8452, 16.2089, 19.7845], [21.166, 21.166]),
     (GRPO("sample", eps=0.0), [18.5067, 15.1621, 13.8865, 15.1621, 18.5067], [19.799, 19.799]),
@@ -160,7 +160,7 @@ TABLE_5 = [
 
 @pytest.mark.parametrize(("est", "row", "ends"), TABLE_5, ids=[repr(t[0]) for t in TABLE_5])
 def test_table5_population_weight_g8(est, row, ends):
-    """Spot values of docs/theory.md §8.1 (1e-4 absolute; the endpoints are printed to 3 decimals, so 1e-3).
+    """Spot values of docs/reference_numbers.md §8.1 (1e-4 absolute; the endpoints are printed to 3 decimals, so 1e-3).
 
     Hand checks: GRPO pop c(0+) = G sqrt(G-1) = 8 sqrt(7) = 21.166; sample (G-1) sqrt(G) = 7 sqrt(8)
     = 19.799; MaxRL practical c(0+) = G (G-1) = 56, cv_unbiased G^2 = 64, c(1-) = G = 8; softmax

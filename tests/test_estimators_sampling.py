@@ -1,5 +1,5 @@
 """Theory tests, continued from tests/test_estimators_theory.py: exact expected updates against Monte Carlo (T13) and
-the theory a user's new estimator inherits (docs/theory.md §2-§4)."""
+the theory a user's new estimator inherits (docs/theory.md §2, docs/objective.md §3-§4)."""
 
 from __future__ import annotations
 

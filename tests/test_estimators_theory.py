@@ -3,8 +3,8 @@ objective of SoftmaxGRPO. Monte Carlo (T13) and the theory a user's new estimato
 tests/test_estimators_sampling.py; scalar (discrete) rewards, T15 and the curl of the expected update:
 tests/test_estimators_discrete.py.
 
-The formulas are those of docs/theory.md §2-§4; reference values come from an independent numpy/scipy
-implementation of them (closed forms and Monte Carlo), not from the library.
+The formulas are those of docs/theory.md §2 and docs/objective.md §3-§4; reference values come from an independent
+numpy/scipy implementation of them (closed forms and Monte Carlo), not from the library.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_t9_extremes_stay_finite():
 
 
 # ---------------------------------------------------------------------------------------------
-# T11: closed forms of docs/theory.md §4 against the generic lemma (binomial sum over the estimator)
+# T11: closed forms of docs/objective.md §4 against the generic lemma (binomial sum over the estimator)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -180,7 +180,7 @@ def binom_pmf(n: int, p: float) -> list[float]:
 
 
 def closed_delta(est: AdvantageEstimator, g: int) -> list[float]:
-    """Delta(k) = a_+(k+1) - a_-(k), k = 0..G-1, from docs/theory.md §4.2."""
+    """Delta(k) = a_+(k+1) - a_-(k), k = 0..G-1, from docs/objective.md §4.2."""
     ks = range(g)
     if isinstance(est, GRPO):
         pop = [math.sqrt((g - 1 - k) / (k + 1)) + math.sqrt(k / (g - k)) for k in ks]
@@ -198,7 +198,7 @@ def closed_delta(est: AdvantageEstimator, g: int) -> list[float]:
 
 
 def closed_weight(est: AdvantageEstimator, g: int, p: float) -> float:
-    """c_G(p) in closed form where one exists (docs/theory.md §4), else G E_k[Delta(k)], k ~ Bin(G-1, p)."""
+    """c_G(p) in closed form where one exists (docs/objective.md §4), else G E_k[Delta(k)], k ~ Bin(G-1, p)."""
     if isinstance(est, DrGRPO):
         return g - 1.0
     if isinstance(est, RLOO):
@@ -210,7 +210,7 @@ def closed_weight(est: AdvantageEstimator, g: int, p: float) -> float:
 
 
 def closed_objective(est: AdvantageEstimator, g: int, p: float) -> float:
-    """F_G(p) with F_G(0) = 0 (docs/theory.md §3.2, §4)."""
+    """F_G(p) with F_G(0) = 0 (docs/objective.md §3.2, §4)."""
     if isinstance(est, DrGRPO):
         return (g - 1) * p
     if isinstance(est, RLOO):
@@ -263,7 +263,7 @@ def test_t11_closed_forms_match_the_lemma(est):
 
 
 def test_t11_endpoint_closed_forms():
-    """c(0+), c(1-) of docs/theory.md §4.1 at G = 16 (1e-10 relative)."""
+    """c(0+), c(1-) of docs/objective.md §4.1 at G = 16 (1e-10 relative)."""
     g, ends = 16, torch.tensor([0.0, 1.0], dtype=F64)
     expect = {
         GRPO("population", eps=0.0): [g * math.sqrt(g - 1)] * 2,
@@ -329,7 +329,7 @@ def test_large_group_objective_validation():
 
 
 # ---------------------------------------------------------------------------------------------
-# large-group weight of SoftmaxGRPO (docs/theory.md §4.3, §8.1)
+# large-group weight of SoftmaxGRPO (docs/objective.md §4.3, docs/reference_numbers.md §8.1)
 # ---------------------------------------------------------------------------------------------
 
 LARGE_G_TABLE = {
@@ -381,7 +381,7 @@ def test_softmax_weight_is_bounded_and_decreasing(tau):
 
 @pytest.mark.parametrize("tau", [0.1, 0.5, 1.0, 4.0])
 def test_softmax_delta_differences_closed_form(tau):
-    """The proof of monotonicity (docs/theory.md §4.3): Delta(k+1) - Delta(k) =
+    """The proof of monotonicity (docs/objective.md §4.3): Delta(k+1) - Delta(k) =
     lam^2 (2 - G - G k lam) / ((1 + k lam)(1 + (k+1) lam)(1 + (k+2) lam)) < 0 for G >= 3 (0 at G = 2),
     and c_G'(p) = G (G-1) E_{k~Bin(G-2,p)}[Delta(k+1) - Delta(k)] (central difference, 1e-6 relative)."""
     est = SoftmaxGRPO(tau)

@@ -1,6 +1,6 @@
 """Conformance suite, continued from tests/test_estimators_conformance.py (whose instances it runs on): T10 validation,
 dtype, devices and masks for every class in ``estimators.ESTIMATORS``, and each class's constructor validation
-(docs/theory.md §2.7, §8.2)."""
+(docs/theory.md §2.7, docs/reference_numbers.md §8.2)."""
 
 from __future__ import annotations
 

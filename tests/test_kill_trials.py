@@ -1,6 +1,6 @@
 """benchmarks/kill_trials.py at test size: a fit of configs/tiny.yaml killed with SIGKILL inside the end-of-fit export
 and inside a checkpoint write resumes (``--ckpt_path last``) to the uninterrupted run's metrics and weights, bit for
-bit. The script runs 20 such trials (docs/training.md gives the figures)."""
+bit. The script runs 20 such trials (docs/runs.md gives the figures)."""
 
 from __future__ import annotations
 

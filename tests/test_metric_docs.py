@@ -1,4 +1,4 @@
-"""docs/training.md's "Metric keys" names every key the code logs: each literal ``train/...`` key in the library's
+"""docs/runs.md's "Metric keys" names every key the code logs: each literal ``train/...`` key in the library's
 source, and the keys built from a list (the budget table's buckets, the episodes' quantities, the loss's statistics)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def documented() -> list[str]:
     """The section's key patterns: ``{a,b}`` expanded, ``<name>`` and ``*`` as wildcards."""
-    text = (REPO / "docs" / "training.md").read_text()
+    text = (REPO / "docs" / "runs.md").read_text()
     section = text.split("## Metric keys", 1)[1].split("\n## ", 1)[0]
     patterns = []
     for span in re.findall(r"`((?:train|val|test)/[^`]+)`", section):
@@ -44,5 +44,5 @@ def logged() -> set[str]:
 def test_every_logged_key_is_in_the_metric_list():
     patterns = documented()
     missing = sorted(k for k in logged() if not any(fnmatch.fnmatchcase(k, p) for p in patterns))
-    assert missing == [], f"docs/training.md's Metric keys misses {missing}"
+    assert missing == [], f"docs/runs.md's Metric keys misses {missing}"
     assert not fnmatch.fnmatchcase("train/no_such_key", "train/reward")  # the matching is strict

@@ -1,6 +1,6 @@
 """The update on stale rows (RolloutBatch.versions older than the trainer's step): exactly today's path at staleness
 0, the decoupled objective's importance weights against a float64 reference from the two weight snapshots, the
-bypass mode, and the train/offpolicy/* metrics (docs/theory.md §7.7)."""
+bypass mode, and the train/offpolicy/* metrics (docs/policy_loss.md §7.7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The policy's gradient against hand-derived references (docs/theory.md §7) and its invariance to batch splitting."""
+"""The policy's gradient against hand-derived references (docs/policy_loss.md §7) and its invariance to batch
+splitting."""
 
 from __future__ import annotations
 

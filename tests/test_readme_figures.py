@@ -138,7 +138,8 @@ FIGURE_SECTIONS = ("Comparing estimators", "Performance")
 #: numbers allowed outside a fenced block in those sections: phrases that state a setting of a benchmark or
 #: of the engine, never a measured result (each with why)
 PARAMETERS = {
-    r"\bdocs/theory\.md §\d+(?:\.\d+)?": "a section number of the theory notes",
+    r"\bdocs/(?:theory|objective|gradient_budget|policy_loss|reference_numbers)\.md §\d+(?:\.\d+)?":
+        "a section number of the theory notes",
     r"\bpass@\d+": "a metric's name",
     r"\b95 ?% (?:CIs?|confidence intervals?|t-intervals?)": "the confidence level of an interval",
     r"\btau \d+(?:\.\d+)?\b": "an estimator's temperature setting",
@@ -184,7 +185,8 @@ def test_an_unfenced_figure_is_found():
     """The section check can fail: a measured number outside a block is reported, one inside, in code, in a
     heading or in a stated parameter is not, and other sections are not checked."""
     text = (
-        "## Comparing estimators\n\n### Head-to-head, sort 3..9\n\nRun `bench.py --seeds 12` (docs/theory.md §8.1).\n"
+        "## Comparing estimators\n\n### Head-to-head, sort 3..9\n\n"
+        "Run `bench.py --seeds 12` (docs/reference_numbers.md §8.1).\n"
         "<!-- figures: benchmarks/reports/demo -->\n| GRPO | 5.8 % |\n<!-- /figures -->\n"
         "MaxRL gains 1.3 points.\n| tau 0.5 | 6.9 % |\n\n## Performance\n\nsgrpo is 0.61x TRL.\n\n"
         "## Development\n\n1,075 tests.\n"

@@ -59,7 +59,7 @@ def async_rollouts(stamp: dict) -> str:
         f"(steps 1 on: step 0 holds the producer's start); *time to sync's final* is the trainer's time to the first "
         f"validation at or above the same seed's synchronous final accuracy, its speed-up the synchronous run's time "
         f"to it over the run's.{verdict} Stale groups train with the loss's default correction (the decoupled "
-        f"objective with token truncation at 2, docs/theory.md §7.7), one more forward per stale step."
+        f"objective with token truncation at 2, docs/policy_loss.md §7.7), one more forward per stale step."
     )
     header = ["run", "final accuracy", "reached sync's final", "speed-up to it", "step speed-up", "step s",
               "staleness mean / max"]  # fmt: skip
@@ -87,7 +87,7 @@ def _probed_render(stamp: dict, rows: list[list[str]], verdict: str) -> str:
         f"the synchronous trainer's CPU seconds per step ({num(cpu['sync'], 3)}) over the larger of the async "
         f"trainer's and its producer's (S = 1: {num(cpu.get('S=1', cpu['sync']), 3)} and {num(producer, 3)}): the "
         f"step speed-up where each process has a core of its own. Stale groups train with the decoupled objective "
-        f"(token truncation at 2, docs/theory.md §7.7), whose proximal log-probs are the gradient pass's own (one "
+        f"(token truncation at 2, docs/policy_loss.md §7.7), whose proximal log-probs are the gradient pass's own (one "
         f"optimiser step per training step: no extra forward); ESS is `train/offpolicy/ess`, mean over stale steps."
     )
     header = ["run", "final accuracy", "reached sync's final", "speed-up to it", "step speed-up", "step s",

@@ -65,7 +65,7 @@ def success_count_histogram(correct: Tensor) -> list[float]:
     """Share of prompts with c correct samples out of n, for c = 0..n: ``h[c] = #{b : sum_i correct[b, i] = c} / B``.
 
     With n equal to the training group size G this is a sample of the law of the number of successes K
-    in a training group drawn from the same prompts and policy (docs/theory.md §6, expected shares).
+    in a training group drawn from the same prompts and policy (docs/gradient_budget.md §6, expected shares).
     """
     n = correct.shape[-1]
     counts = torch.bincount(correct.sum(-1).long().flatten(), minlength=n + 1).to(torch.float64)

@@ -14,7 +14,7 @@ importance sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly
 training"), ``TokenMask``, ``SequenceMask``, ``GeometricMeanMask`` and ``K3Rejection`` (verl's rollout correction:
 rejection sampling of tokens and sequences; Liu, Li et al. 2025, "When speed kills stability"). A masked token
 keeps its place in the aggregation's denominator with weight 0 (verl and AReaL drop it from the denominator too),
-so the loss scale does not move with the masked fraction. docs/theory.md §7.7 states the formulas.
+so the loss scale does not move with the masked fraction. docs/policy_loss.md §7.7 states the formulas.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A ``PolicyLoss`` turns one micro-batch's log-probs and advantages (``TokenBatch`
 mini-batch loss, given the counts of the whole mini-batch over all processes (``BatchCounts``), so that
 the pieces add up to the same loss however the batch is split. ``ClippedSurrogate`` is GRPO's / DAPO's
 PPO-clip objective with a k3 KL term and truncated importance sampling; a user adds a loss (sequence-level
-ratios as in GSPO, CISPO's clipped weights) as one more class. Formulas: docs/theory.md §7 (GRPO arXiv
+ratios as in GSPO, CISPO's clipped weights) as one more class. Formulas: docs/policy_loss.md §7 (GRPO arXiv
 2402.03300, DAPO arXiv 2503.14476, Dr.GRPO arXiv 2503.20783). Nothing here knows about trainers or configs.
 """
 
@@ -71,7 +71,7 @@ def token_weights(
     """Per-token weights ``[N, T]`` such that ``loss = sum(weights * per_token_loss)``.
 
     The counts are those of the *global* batch (all micro-batches and processes), so summing the
-    pieces gives the same loss however the batch is split (docs/theory.md §7):
+    pieces gives the same loss however the batch is split (docs/policy_loss.md §7):
       token_mean              1 / sum_i |o_i|                 (DAPO)
       seq_mean_token_mean     1 / (B |o_i|)                   (original GRPO)
       seq_sum_const           1 / (B L_max)                   (Dr.GRPO; L_max = max_new_tokens)
