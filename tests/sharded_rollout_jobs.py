@@ -74,6 +74,7 @@ def bucketed_gather(plain, sharded) -> dict:
 
     import torch.distributed as dist
 
+    from sgrpo.model.gather import ALIGN
     from sgrpo.rollout.weightsync import engine_weights
 
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -84,11 +85,31 @@ def bucketed_gather(plain, sharded) -> dict:
     finally:
         setattr(dist, name, real)
     want = {k: v.to(torch.bfloat16) for k, v in engine_weights(plain)}
-    padded = sum(2 * math.ceil(v.shape[0] / 2) * v[0].numel() * 2 for v in want.values())  # 2 ranks, 2 bytes
+    # 2 ranks, 2 bytes per value, each section padded to ALIGN bytes
+    padded = 2 * sum(-(-math.ceil(v.shape[0] / 2) * v[0].numel() * 2 // ALIGN) * ALIGN for v in want.values())
     return {
+        "mixed": mixed_dtype_bucket(),
         "equal": got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items()),
         "dtypes": sorted({str(v.dtype) for v in got.values()}),
         "sizes": sizes,
         "padded_bytes": padded,
         "uneven": [k for k, v in want.items() if v.shape[0] % 2],
     }
+
+
+def mixed_dtype_bucket() -> bool:
+    """One bucket of a bf16 section of an odd element count per process (a 6-row bias over 2: 3 each) followed by
+    float32 ones (LoRA's base weight and adapters travel in their own dtype): each full tensor comes out whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from sgrpo.model.gather import gathered
+
+    mesh = init_device_mesh("cpu", (2,))
+    generator = torch.Generator().manual_seed(0)  # the same full tensors on both processes
+    full = {"bias": torch.randn(6, generator=generator), "weight": torch.randn(5, 4, generator=generator),
+            "odd": torch.randn(3, generator=generator, dtype=torch.float64)}  # fmt: skip
+    dtypes = {"bias": torch.bfloat16, "weight": None, "odd": None}
+    items = [(k, distribute_tensor(v, mesh, [Shard(0)]), dtypes[k]) for k, v in full.items()]
+    got = dict(gathered(items, bucket_bytes=2**20))
+    return got.keys() == full.keys() and all(torch.equal(got[k], v.to(dtypes[k] or v.dtype)) for k, v in full.items())

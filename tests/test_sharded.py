@@ -232,6 +232,7 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
         gather = runs["gather"]
         assert gather["equal"] and gather["dtypes"] == ["torch.bfloat16"] and gather["uneven"], gather
         assert gather["sizes"] == [gather["padded_bytes"]], gather
+        assert gather["mixed"], "a bucket of bf16 and float32 sections (LoRA under FSDP2) gathered wrong"
         episodes = runs["episodes"]  # multi-turn: the processes' turn counts differ, and no collective per turn
         assert episodes["gathered"]["ids"] == episodes["plain"]["ids"], rank
         assert episodes["gathered"]["turns"] == episodes["plain"]["turns"] and max(episodes["plain"]["turns"]) > 1

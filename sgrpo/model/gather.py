@@ -4,9 +4,11 @@ FSDP2 (``fully_shard``) holds each parameter as a DTensor sharded along dim 0 ov
 keeps rows ``[r c, min((r + 1) c, rows))`` with ``c = ceil(rows / world)`` (``torch.chunk``; the last
 processes may hold fewer rows, or none). ``gathered`` packs the local shards of a bucket of such
 parameters, each cast to its target dtype first (bf16: half the bytes of float32) and padded to ``c``
-rows, into one byte buffer, gathers it with one collective (``all_gather_single``), and cuts every full tensor
-out of the result. Other tensors: a plain tensor is only cast; a DTensor placed otherwise (tensor
-parallelism, a 2-D mesh) is cast and gathered on its own (``full_tensor``).
+rows, into one byte buffer (each section starting at a multiple of ``ALIGN`` bytes, so that a float32 section
+after a bf16 one of an odd element count can be viewed as float32), gathers it with one collective
+(``all_gather_single``), and cuts every full tensor out of the result. Other tensors: a plain tensor is only
+cast; a DTensor placed otherwise (tensor parallelism, a 2-D mesh) is cast and gathered on its own
+(``full_tensor``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from torch import Tensor
 
 #: (key, tensor, dtype to cast it to before it is gathered, or None: its own)
 Item = tuple[Hashable, Tensor, "torch.dtype | None"]
+
+#: byte alignment of each tensor's section in a gathered bucket (the largest dtype's itemsize: complex128)
+ALIGN = 16
 
 
 def gathered(items: Iterable[Item], bucket_bytes: int = 0) -> Iterator[tuple[Hashable, Tensor]]:
@@ -83,8 +88,10 @@ def _gather_rows(pairs: list[tuple[Tensor, torch.dtype | None]], group) -> list[
         dtype = dtype or tensor.dtype
         c = math.ceil(tensor.shape[0] / world)
         row_bytes = math.prod(tensor.shape[1:]) * dtype.itemsize
+        offset = _aligned(offset)
         layout.append((dtype, c, tuple(tensor.shape), row_bytes, offset))
         offset += c * row_bytes
+    offset = _aligned(offset)  # every process's part of the received buffer starts aligned too
     device = pairs[0][0].to_local().device
     send = torch.zeros(offset, dtype=torch.uint8, device=device)
     for (tensor, _), (dtype, c, shape, _, start) in zip(pairs, layout):
@@ -110,3 +117,8 @@ def _gather_rows(pairs: list[tuple[Tensor, torch.dtype | None]], group) -> list[
 def _rows_of(rank: int, rows: int, c: int) -> int:
     """Rows that process ``rank`` holds of ``rows`` split in chunks of ``c`` (``torch.chunk``)."""
     return max(0, min(c, rows - rank * c))
+
+
+def _aligned(offset: int) -> int:
+    """``offset`` rounded up to a multiple of ``ALIGN``."""
+    return -(-offset // ALIGN) * ALIGN
