@@ -55,6 +55,7 @@ from sgrpo.run.guards import EnvironmentFailure, GuardError
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
     check_config_files,
+    check_launch_nodes,
     check_nodes,
     check_policy,
     check_splits,
@@ -135,6 +136,7 @@ class SgrpoCLI(LightningCLI):
         check_strategy(trainer.strategy)
         check_tensor_parallel(trainer.strategy)
         check_nodes(trainer)
+        check_launch_nodes(trainer, self.model)
         if self.mode == "fit":
             RunFitLoop.install(trainer)  # a resume at max_steps runs the validation its checkpoint owes
             check_weight_precision(trainer.precision_plugin.precision, self.model, trainer.max_steps)

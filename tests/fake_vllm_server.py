@@ -76,6 +76,7 @@ class FakeServer:
         #: (request payload, choice index) -> that choice's token ids (None: ``completion`` for every choice)
         self.answer: Callable[[Any, int], list[int]] | None = None
         self.fail_after = 0  # calls of the fail_on paths that still succeed first
+        self.pause_delay = 0.0  # seconds /pause takes on top of ``delay`` (vLLM's mode=wait: requests in flight finish)
         self.paused = self.active = False
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -101,6 +102,8 @@ class FakeServer:
                 if path == "/update_weights":  # vLLM's worker ends the update when a chunk fails to load
                     self.active = False
                 raise RuntimeError(f"fake failure on {path}")
+        if path == "/pause":
+            time.sleep(self.pause_delay)
         if path in ("/pause", "/resume"):
             self.paused = path == "/pause"
         if path == "/start_weight_update":

@@ -2,7 +2,8 @@
 gloo, no vLLM): what the other process learns when rank 0 fails to start its servers, or fails a push.
 
 ``server_ranks``: first ``launch`` with PYTHON as the servers' interpreter (rank 0 starts them), then ``urls=[URL]``
-(a server whose RL calls fail); each process's errors and the seconds each took to OUT/rankR.json.
+(a server whose RL calls fail), then the same with the model FSDP2-sharded; each process's errors and the seconds
+each took to OUT/rankR.json.
 ``check_server_ranks``: the test's side.
 """
 
@@ -44,6 +45,10 @@ def server_ranks(python: str, url: str, out: str) -> None:
     results = {"start": attempt(VLLMServerRollout(launch=launch, max_new_tokens=4), model, tokenizer)}
     dist.barrier()
     results["push"] = attempt(VLLMServerRollout(urls=[url], max_new_tokens=4, sync_timeout=5), model, tokenizer)
+    from sgrpo.model.loading import shard_model
+
+    shard_model(model, dist.device_mesh.init_device_mesh("cpu", (2,)))  # the push's gathers are now collectives
+    results["push_sharded"] = attempt(VLLMServerRollout(urls=[url], max_new_tokens=4, sync_timeout=5), model, tokenizer)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
@@ -72,3 +77,8 @@ def check_server_ranks(out: Path) -> None:
     assert rank1["start"]["seconds"] < 20, rank1  # not the 60 s startup_timeout
     assert "/init_weight_transfer_engine: HTTP 500" in rank0["push"]["error"]
     assert rank1["push"]["error"] == f"rank 0: {rank0['push']['error']}"
+    # FSDP2: rank 0's failed connect reached rank 1 before its gathers (before: rank 1 gathered, rank 0 broadcast
+    # its error, and both waited for the process group's timeout)
+    assert rank1["push_sharded"]["error"] == f"rank 0: {rank0['push_sharded']['error']}", rank1
+    assert "/init_weight_transfer_engine: HTTP 500" in rank0["push_sharded"]["error"]
+    assert rank1["push_sharded"]["seconds"] < 20, rank1

@@ -35,6 +35,19 @@ def test_a_push_that_fails_midway_raises_and_the_next_rollout_pushes_again(serve
     assert time.monotonic() - start < 3 and engine._pushed is None
 
 
+def test_a_pause_that_waits_for_requests_in_flight_may_take_as_long_as_a_request(servers, tiny):
+    """``/pause?mode=wait`` returns once the requests in flight finished (an async step's long generations): it gets
+    ``request_timeout``, not ``sync_timeout`` (which used to drop a server that waited, still paused)."""
+    model, tokenizer = tiny
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, sync_timeout=0.5, request_timeout=5)
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    bump_weights_version(model)
+    server.pause_delay = 1.5
+    engine.sync_weights(model)
+    assert engine._pushed == server.version and not server.paused
+
+
 def rl_state(server: FakeServer) -> tuple[bool, bool]:
     return server.paused, server.active
 
@@ -114,3 +127,17 @@ def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_
     server.version = "default"  # restarted
     with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
         engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    # the same after an optimiser step (new weights: a push to every server, which used to skip the check), and
+    # through the asynchronous producer's push (sync_weights itself)
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, transport=GroupTransport())
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    bump_weights_version(model)
+    server.version = "default"
+    with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
+        engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    server.version = engine._pushed
+    bump_weights_version(model)
+    engine.sync_weights(model)  # every server holds the last push: no refusal
+    server.version = "default"
+    with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
+        engine.sync_weights(model, pause="keep")

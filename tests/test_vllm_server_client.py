@@ -131,6 +131,17 @@ def tiny():
     return build_tiny_llama(tokenizer), tokenizer
 
 
+def test_servers_started_on_the_first_node_at_a_loopback_host_are_refused_on_several_nodes():
+    from sgrpo.run.preflight import check_launch_nodes
+
+    policy = SimpleNamespace(rollout=VLLMServerRollout(launch=VLLMServers(ports=[8000], model="M")), val_rollout=None)
+    check_launch_nodes(SimpleNamespace(num_nodes=1), policy)
+    with pytest.raises(ConfigError, match="model.rollout.launch: the servers start on the first node at 127.0.0.1"):
+        check_launch_nodes(SimpleNamespace(num_nodes=2), policy)
+    policy.rollout.launch.host = "10.0.0.5"  # an address the other nodes reach
+    check_launch_nodes(SimpleNamespace(num_nodes=2), policy)
+
+
 def test_generate_builds_a_batch_and_pushes_only_changed_weights(servers, tiny):
     model, tokenizer = tiny
     a, b = servers(completion=[5, 6, 2]), servers(completion=[5, 6, 2])

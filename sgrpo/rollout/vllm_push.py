@@ -120,9 +120,9 @@ class PushCalls:
             with ThreadPoolExecutor(max_workers=len(live)) as executor:
                 list(executor.map(run, live))
 
-    def post(self, path: str, payload: Any = None) -> None:
-        """POST ``payload`` to ``path`` of every live server."""
-        self.each(lambda url: self.pool.post(url, path, payload))
+    def post(self, path: str, payload: Any = None, timeout: float | None = None) -> None:
+        """POST ``payload`` to ``path`` of every live server (within the pool's timeout, or ``timeout``)."""
+        self.each(lambda url: self.pool.post(url, path, payload, timeout))
 
     def start(self) -> None:
         """``/start_weight_update`` on every live server. One that refuses because it is still in an update (a push
@@ -176,7 +176,10 @@ def push(
     if not sender:
         transport.send(calls, weights, chunk_bytes, sender=False)
         return
-    calls.post("/pause?" + ("mode=keep&clear_cache=false" if pause == "keep" else "mode=wait&clear_cache=true"))
+    if pause == "keep":
+        calls.post("/pause?mode=keep&clear_cache=false")
+    else:  # requests in flight finish first: as long as a generation request may take
+        calls.post("/pause?mode=wait&clear_cache=true", timeout=max(servers.timeout, servers.request_timeout))
     if not transport.drives_update:
         calls.start()
     stream = iter(weights)

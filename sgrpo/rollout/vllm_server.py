@@ -262,6 +262,10 @@ class VLLMServerRollout(RolloutEngine):
                         "to it", url, held, self._pushed)  # fmt: skip
         return list(lost)
 
+    def _restarted_servers(self) -> list[str]:
+        """Rank 0: the servers that hold another weight version than the last push's (restarted since)."""
+        return [url for url, held in server_versions(self.pool).items() if held != self._pushed]
+
     @torch.no_grad()
     def sync_weights(
         self, model: nn.Module, only: list[str] | None = None, pause: Literal["wait", "keep"] = "wait"
@@ -271,10 +275,12 @@ class VLLMServerRollout(RolloutEngine):
         rank, world = _rank_world()
         dtype = dtype_of(self.dtype)
         chunk = int(self.weight_chunk_mib * 2**20)
-        if only is not None and self._pushed is not None and not self.transport.rejoins:
-            raise ServerError(f"{', '.join(only)}: restarted; {type(self.transport).__name__} cannot bring a server "
-                              "back into its transfer group: restart the servers and resume the run (--ckpt_path "
-                              "last)")  # fmt: skip
+        if self._pushed is not None and not self.transport.rejoins:  # a push to a group with a member gone would hang
+            restarted = only if only is not None else _decided_by_rank0(self._restarted_servers, world)
+            if restarted:
+                raise ServerError(f"{', '.join(restarted)}: restarted; {type(self.transport).__name__} cannot bring a "
+                                  "server back into its transfer group: restart the servers and resume the run "
+                                  "(--ckpt_path last)")  # fmt: skip
         # new weights get a new version; a restarted server gets the others' weights and version
         version = f"sgrpo-{self._tag}-{self.syncs + 1}" if only is None or self._pushed is None else self._pushed
         start = time.perf_counter()
@@ -283,13 +289,13 @@ class VLLMServerRollout(RolloutEngine):
             return as_dtype(engine_weights(model, dtype, bucket_bytes=chunk), dtype)
 
         def send() -> str:
-            if not self._connected:
-                self.transport.connect(self.pool, weights, sender=rank == 0)
-                self._connected = True
             push(self.pool, self.transport, weights(), version, chunk, sender=rank == 0, only=only, pause=pause)
             return version
 
         try:
+            if not self._connected:  # a round of its own: rank 0's failure here reaches the others before any gather
+                _decided_by_rank0(lambda: self.transport.connect(self.pool, weights, sender=rank == 0), world, True)
+                self._connected = True
             version = _decided_by_rank0(send, world, everyone=True)  # rank 0's version: the one the servers hold
         except Exception:
             self._pushed = None  # a server may hold part of a push: the next rollout pushes everything again

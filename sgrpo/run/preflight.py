@@ -361,6 +361,18 @@ def check_tensor_parallel(strategy: Any) -> None:
         )
 
 
+def check_launch_nodes(trainer: Any, policy: Any) -> None:
+    """``launch`` starts vLLM servers on the first node; at a loopback ``host`` another node's processes would call
+    their own machine: refused with ``trainer.num_nodes > 1`` in one line naming the key."""
+    nodes = getattr(trainer, "num_nodes", 1) or 1
+    for key in ("rollout", "val_rollout"):
+        launch = getattr(getattr(policy, key, None), "launch", None)
+        if nodes > 1 and launch is not None and str(launch.host).startswith(("127.", "localhost", "::1")):
+            raise ConfigError(f"model.{key}.launch: the servers start on the first node at {launch.host}, which the "
+                              f"other {nodes - 1} node(s) cannot reach: give launch.host an address they can, or start "
+                              f"the servers yourself and list them in model.{key}.urls (docs/servers.md)")  # fmt: skip
+
+
 #: environment variables that describe the other nodes of a job launched by hand (Lightning's default environment)
 _NODE_VARIABLES = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
 
