@@ -4,6 +4,8 @@ forward a stale update skips is proved in tests/test_offpolicy_update.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -45,6 +47,7 @@ class Policy(AsyncRollouts):
     model_path, model_dtype, tokenizer, rollout = "unused", "float32", None, HFRollout()
     seed, global_rank, group_size, device, producer_timeout = 0, 0, 2, torch.device("cpu"), 60.0
     _refill, max_sampling_rounds = None, 1  # dynamic sampling's refill stream (unused here)
+    trainer = SimpleNamespace(precision="32-true")  # the sampling precision's source
 
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness

@@ -31,6 +31,7 @@ checkpointed: its blocks are a function of (step, weights), so a resumed run res
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -45,6 +46,7 @@ import torch
 from torch import Tensor
 
 from sgrpo.rollout.engine import RolloutEngine
+from sgrpo.rollout.shared_weights import shared_weights, weight_views
 from sgrpo.types import Example, RolloutBatch
 
 #: test hooks, read when a producer starts (``ProducerSpec.delay_s`` and ``fault``): seconds it sleeps after each
@@ -83,6 +85,8 @@ class ProducerSpec:
     end_step: int  # steps start_step .. end_step - 1 are sampled
     threads: int
     device: str = "cpu"  # where the producer's copy samples (the trainer's device: colocated on one GPU)
+    convert: str | None = None  # the dtype the loaded model is converted to, buffers too (trainer's bf16-true, ...)
+    autocast: str | None = None  # the dtype it samples under autocast in (the trainer's bf16-mixed / 16-mixed)
     delay_s: float = 0.0  # test hook: seconds slept after each block
     fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
     refill_prompts: Callable[[int, int], list[Example]] | None = None  # (step, round >= 1) -> dynamic sampling's
@@ -132,7 +136,9 @@ class RolloutProducer:
         spec = dataclasses.replace(spec, **{k: v for k, v in hooks.items() if v})
         self.spec, self.timeout = spec, timeout
         context = producer_context()
-        self._shared = {name: value.detach().to("cpu", copy=True).share_memory_() for name, value in weights}
+        # one shared buffer for every weight: one file descriptor to the fork server, which refuses 252 or more
+        self._flat, self._layout = shared_weights(weights)
+        self._shared = weight_views(self._flat, self._layout)
         self._version = context.Value("q", spec.start_step, lock=False)
         self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
         self._blocks = context.Queue(maxsize=spec.max_staleness + 1)  # paths of block files in self.folder
@@ -143,12 +149,16 @@ class RolloutProducer:
         self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
         self.process = context.Process(
             target=_produce,
-            args=(spec, self._shared, self._version, self._lock, self._pushed, (self._blocks, self._refills),
-                  self._asked, self._stop, self._lifeline, self.folder, self._ready),
+            args=(spec, (self._flat, self._layout), self._version, self._lock, self._pushed,
+                  (self._blocks, self._refills), self._asked, self._stop, self._lifeline, self.folder, self._ready),
             name="sgrpo-rollout-producer",
             daemon=True,
         )
-        self.process.start()
+        try:
+            self.process.start()
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
 
     def describe(self) -> str:
         return f"the rollout producer (process {self.process.pid})"
@@ -157,10 +167,16 @@ class RolloutProducer:
         """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken."""
         started = time.perf_counter()
         values = [(name, value) for name, value in weights]  # gathered first (FSDP2: collectives, in step)
-        with self._lock:
+        while not self._lock.acquire(timeout=0.2):  # a producer killed while copying never releases the lock
+            if self.process.exitcode is not None:
+                raise ProducerError(f"{self.describe()} ended with exit code {self.process.exitcode} while it copied "
+                                    "the weights (-9: killed, e.g. out of memory)")  # fmt: skip
+        try:
             for name, value in values:
                 self._shared[name].copy_(value.detach())
             self._version.value = version
+        finally:
+            self._lock.release()
         self._pushed.set()
         return time.perf_counter() - started
 
@@ -245,23 +261,40 @@ def _alive(lifeline) -> bool:
 
 def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, stop, parent, folder: str,
              ready) -> None:  # fmt: skip
-    """The producer process: sample each admitted step's groups under the newest weights and queue them; serve
-    dynamic sampling's refill requests first, whenever they come."""
+    """The producer process (``_sample_steps``). A trainer that ended without ``close`` (an error in another
+    interpreter's fit, ``os._exit``, a kill) leaves the block folder to it: it deletes it as it ends."""
+    try:
+        _sample_steps(spec, shared, version, lock, pushed, queues, asked, stop, parent, folder, ready)
+    finally:
+        if not _alive(parent):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sample_steps(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, stop, parent, folder: str,
+                  ready) -> None:  # fmt: skip
+    """Sample each admitted step's groups under the newest weights and queue them; serve dynamic sampling's
+    refill requests first, whenever they come."""
     from transformers import AutoModelForCausalLM
 
     from sgrpo.model.loading import disable_dropout, resolve_model_path
 
     blocks, refills = queues
+    shared = weight_views(*shared)
     for out in queues:
         out.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
     torch.set_num_threads(spec.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec.model_path), dtype=getattr(torch, spec.dtype))
     disable_dropout(model)
+    if spec.convert:  # as Lightning converts the trainer's (RoPE's inverse frequencies included)
+        model.to(getattr(torch, spec.convert))
     model.to(spec.device)
     targets = dict(model.named_parameters(remove_duplicate=False))
     missing = set(targets) - set(shared) - {"lm_head.weight"}
     if missing:
         raise ProducerError(f"the trainer's weights lack {sorted(missing)[:3]}: the producer cannot copy them")
+    device_type = torch.device(spec.device).type
+    autocast = (torch.autocast(device_type, dtype=getattr(torch, spec.autocast)) if spec.autocast
+                else contextlib.nullcontext())  # fmt: skip
     ready.set()  # started: from now on the trainer's timeout counts
     held, idle, step = None, 0.0, spec.start_step
 
@@ -287,7 +320,7 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, s
         """Sample ``prompts`` under the held weights with ``seed`` and queue them as a block; False once stopped."""
         nonlocal idle
         started = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), autocast:
             torch.manual_seed(seed)
             rollout = spec.engine.generate(model, spec.tokenizer, prompts, spec.group_size)
         rows = rollout.input_ids.shape[0]

@@ -25,6 +25,16 @@ def stand_in_optimizer(policy: Any) -> torch.optim.Optimizer:
 
 #: the dtype a "-true" precision converts the weights to; other precisions train them in ``model.dtype``
 _CONVERTED = {"16-true": "float16", "bf16-true": "bfloat16", "64-true": "float64"}
+#: trainer.precision -> the dtype Lightning's autocast computes in around each step
+_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+
+
+def sampling_precision(precision: str) -> tuple[str | None, str | None]:
+    """(the dtype Lightning converts the whole module to, buffers included, or None; autocast's dtype around a step,
+    or None) under ``precision``: what a process sampling outside the trainer (the async producer) must apply to a
+    model loaded as the trainer's was, to sample the same policy."""
+    return _CONVERTED.get(precision), _AUTOCAST.get(precision)
+
 #: the learning rate below which bfloat16 rounds away an Adam-family step of a typical weight: bfloat16 keeps
 #: 8 significant bits, so w + d differs from w only where |d| > |w| * 2^-9 at least (half a unit in the last
 #: place); Adam's step is about lr, and |w| ~ 0.02 (the usual initializer_range) gives 0.02 * 2^-9 = 3.9e-5

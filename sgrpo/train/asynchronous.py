@@ -9,6 +9,7 @@ import functools
 import time
 
 import torch
+from lightning.pytorch import Callback
 from torch import Tensor
 
 from sgrpo.model.lora import plain_weights
@@ -17,6 +18,7 @@ from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
 from sgrpo.rollout.server_producer import ServerProducer
 from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.data import StepBatches, mix_seed
+from sgrpo.run.precision import sampling_precision
 from sgrpo.types import Example, RolloutBatch
 
 
@@ -75,6 +77,14 @@ def refill_prompts(refill: StepBatches, rounds: int, step: int, sampling_round: 
     return refill.batch(step * rounds + sampling_round)
 
 
+class StopProducerOnError(Callback):
+    """Stops the policy's rollout producer when the fit raises: its process and block files would otherwise outlive
+    the fit in this interpreter (a notebook, a second fit)."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        pl_module.stop_producer()
+
+
 class AsyncRollouts:
     """The producer's lifetime (``start_producer``, ``stop_producer``) and its use in a step (``take_rollout``,
     ``push_weights``, ``async_logs``)."""
@@ -95,6 +105,7 @@ class AsyncRollouts:
                                             self.producer_timeout, refills, lambda: self.rollout_step)  # fmt: skip
             return
         trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
+        convert, autocast = sampling_precision(str(self.trainer.precision))
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
@@ -108,10 +119,16 @@ class AsyncRollouts:
             end_step=last_step,
             threads=producer_threads,
             device=str(self.device),
+            convert=convert,
+            autocast=autocast,
             refill_prompts=refills,
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
         torch.set_num_threads(trainer_threads)  # once the producer runs (stop_producer gives them back)
+
+    def configure_callbacks(self):
+        """With ``async_rollout``: the producer stopped when the fit raises (Lightning runs no ``teardown`` then)."""
+        return [StopProducerOnError()] if self.async_rollout else []
 
     def stop_producer(self) -> None:
         if self._producer is not None:

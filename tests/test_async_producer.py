@@ -1,0 +1,148 @@
+"""The asynchronous rollouts' producer process as a process: it starts for a model of hundreds of tensors, it is
+stopped when a fit raises, it cleans up after a trainer that is gone, and a push never waits on a lock a killed
+producer holds. The path's equalities and bounds: tests/test_async.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from estimators import SoftmaxGRPO
+from sgrpo.model.lora import plain_weights
+from sgrpo.policy import GRPOPolicy
+from sgrpo.rollout import HFRollout
+from sgrpo.rollout.producer import ProducerError
+from sgrpo.train.update import PolicyUpdate
+from tasks.synthetic import SyntheticTask
+from tests.engine_helpers import run_steps
+from tests.test_async import REPO, SHIPPED, asynchronous, fit, same_weights, untimed
+
+
+def test_a_model_of_hundreds_of_tensors_starts_its_producer(tmp_path):
+    """30 layers: 281 weight tensors. The fork server passes each shared storage as a file descriptor and refuses 252
+    or more: with a shared tensor per weight, the producer of any Qwen2.5 or Llama 3 model could not start."""
+    from sgrpo.model.tiny import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "model", hidden_size=16, num_layers=30)
+    assert len(load_file(str(model / "model.safetensors"))) > 252
+    metrics = fit(tmp_path / "run", f"--model.model={model}", *asynchronous(1), steps=2)
+    assert len(metrics["train/loss"]) == 2
+
+
+def test_a_fit_that_raises_stops_its_producer_and_leaves_no_block_files(monkeypatch):
+    """Lightning runs no ``teardown`` when a fit raises: the producer process and its folder of block files used to
+    outlive the fit in the interpreter. A producer whose trainer is gone deletes the folder itself."""
+    from sgrpo.rollout import producer as producer_module
+
+    started = []
+    init = producer_module.RolloutProducer.__init__
+    monkeypatch.setattr(producer_module.RolloutProducer, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), started.append(self))[0])  # fmt: skip
+    update, calls = PolicyUpdate.update, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("an update that fails")
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyUpdate, "update", failing)
+    task = SyntheticTask(kind="sort", levels=[3, 5], num_train=64, num_validation=4)
+    policy = GRPOPolicy(SHIPPED, task, SoftmaxGRPO(temperature=0.5), HFRollout(max_new_tokens=8), group_size=4,
+                        prompts_per_step=4, async_rollout=True, max_staleness=2)  # fmt: skip
+    with pytest.raises(RuntimeError, match="an update that fails"):
+        run_steps(policy, steps=4)
+    (producer,) = started
+    assert not producer.process.is_alive() and not os.path.exists(producer.folder) and policy._producer is None
+
+
+def test_a_producer_whose_trainer_is_gone_deletes_its_block_folder(tmp_path):
+    """The trainer ended without ``close`` (``os._exit``, a kill): its lifeline closes, and the producer removes the
+    folder of block files as it ends."""
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from tests.test_async_producer import orphan_producer\n"
+        "if __name__ == '__main__':\n"
+        "    orphan_producer()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    folder, pid = done.stdout.split()
+    deadline = time.monotonic() + 30
+    while (os.path.exists(folder) or running(int(pid))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(folder) and not running(int(pid)), done.stderr[-2000:]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_push_while_a_killed_producer_holds_the_weights_lock_raises_naming_it():
+    """A producer killed while copying the weights never releases their lock: the trainer's push used to wait on it
+    for good (its other processes in their collectives); it raises once the producer has ended."""
+    producer, model = shipped_producer()
+    try:
+        producer._lock.acquire()  # as the producer holds it while it copies
+        producer.process.kill()
+        started = time.monotonic()
+        with pytest.raises(ProducerError, match="ended with exit code -9 while it copied the weights"):
+            producer.push(plain_weights(model, buffers=False), 1)
+        assert time.monotonic() - started < 5
+    finally:
+        producer.close()
+
+
+def shipped_producer():
+    """A producer of the shipped model (two prompts a step, steps 0 and 1), and the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
+
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    spec = ProducerSpec(model_path=SHIPPED, dtype="float32", tokenizer=AutoTokenizer.from_pretrained(SHIPPED),
+                        engine=HFRollout(max_new_tokens=4), prompts=two_prompts, seed_of=zero_seed, group_size=2,
+                        max_staleness=1, start_step=0, end_step=2, threads=1)  # fmt: skip
+    return RolloutProducer(spec, plain_weights(model, buffers=False), timeout=60), model
+
+
+def orphan_producer() -> None:
+    """(A child process of the test above.) Start a producer, wait until it queued a block file, print its folder
+    and pid, and end without ``close``."""
+    producer, _ = shipped_producer()
+    deadline = time.monotonic() + 60
+    while not any(name.endswith(".pt") for name in os.listdir(producer.folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print(producer.folder, producer.process.pid, flush=True)
+    os._exit(0)
+
+
+def two_prompts(step: int):
+    return list(SyntheticTask(kind="sort", levels=[3, 5], num_train=16, num_validation=4).examples("train")[:2])
+
+
+def zero_seed(*_) -> int:
+    return 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_staleness_0_under_bf16_is_the_synchronous_run(precision, tmp_path):
+    """The producer samples in the trainer's precision (bf16-mixed: under autocast; bf16-true: bf16 weights), as the
+    synchronous path does: every logged value but timings, and the final weights, bit for bit at S = 0 (it used
+    to sample in float32: other tokens by step 1)."""
+    option = f"--trainer.precision={precision}"
+    sync = fit(tmp_path / "sync", option, "--model.optimizer.init_args.lr=0.01")
+    stale0 = fit(tmp_path / "async0", option, "--model.optimizer.init_args.lr=0.01", *asynchronous(0))
+    assert untimed(stale0) == untimed(sync)
+    assert same_weights(tmp_path / "sync", tmp_path / "async0")
