@@ -209,6 +209,18 @@ def test_sharing_refused_where_the_mask_cannot_say_it():
     model = tiny("sdpa")
     model.config.layer_types = ["full_attention", "sliding_attention"]
     assert "sliding window" in sharing_problem(model)
+    # Mistral (and Phi-3, Starcoder2) slide whenever ``sliding_window`` is set, with no ``use_sliding_window`` and
+    # no ``layer_types``: shared prompts were run under the block mask without the window (log-probs off by 0.015
+    # past it); Qwen2 sets a window it uses only with ``use_sliding_window``
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "attn_implementation": "sdpa"}  # fmt: skip
+    assert "sliding window" in sharing_problem(MistralForCausalLM(MistralConfig(sliding_window=40, **small)))
+    assert sharing_problem(MistralForCausalLM(MistralConfig(sliding_window=None, **small))) is None
+    assert sharing_problem(Qwen2ForCausalLM(Qwen2Config(sliding_window=40, use_sliding_window=False, **small))) is None
+    assert "sliding window" in sharing_problem(
+        Qwen2ForCausalLM(Qwen2Config(sliding_window=40, use_sliding_window=True, **small)))
 
 
 def test_shared_pays_by_the_cost_model():
@@ -301,12 +313,41 @@ def test_attention_chosen_by_device_and_named():
     assert preferred_attention("cuda", True, True) == "flash_attention_2"
     assert preferred_attention("cuda", False, True) == "flex_attention"
     assert preferred_attention("cuda", False, False) is None
+    assert preferred_attention("cuda", True, True, half=False) == "flex_attention"  # flash-attention takes no float32
+    assert preferred_attention("cuda", True, False, half=False) is None
     model = tiny("sdpa")
     assert choose_attention(model, "cpu") == "sdpa"
     model.config._attn_implementation = "flash_attention_2"
     assert attention_path(model, False).startswith("flash_attention_2: the varlen kernel over one packed row")
     model.config._attn_implementation = "flex_attention"
     assert attention_path(model, True).startswith("flex attention with a BlockMask")
+
+
+def test_a_probe_that_raises_falls_back_to_the_padded_path_with_the_attention_it_had(monkeypatch, caplog):
+    """An attention kernel that refuses the probe's inputs (flash-attention given float32) ends in the padded path
+    with one warning naming the error, and the model gets back the attention implementation it ran before."""
+    import logging
+
+    import sgrpo.train.micro_logprobs as micro
+
+    def switch(model, device_type):
+        model.config._attn_implementation = "eager"  # stands in for a switch to flash-attention
+
+    def refuse(model):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+
+    monkeypatch.setattr(micro, "choose_attention", switch)
+    monkeypatch.setattr(micro, "packing_problem", refuse)
+    model = tiny("sdpa")
+    restored = []
+    monkeypatch.setattr(type(model), "set_attn_implementation", lambda self, impl: restored.append(impl) or setattr(
+        self.config, "_attn_implementation", impl), raising=False)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="sgrpo.train.update"):
+        assert verdict_of(model) == (False, False)
+    assert restored == ["sdpa"] and model.config._attn_implementation == "sdpa"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("model.packing: falling back to padded log-probs: the check raised RuntimeError: FlashAttention "
+                    "only support fp16 and bf16 data type")
 
 
 def saved_masks(loss: torch.Tensor) -> set[int]:
@@ -339,3 +380,18 @@ def test_sdpa_saves_one_block_mask_for_every_layer_and_the_bool_masks_values(dty
     with torch.no_grad():
         plain = final_hidden_states(model, packed.input_ids, packed.allowed(), position_ids=packed.position_ids)
     assert torch.equal(hidden.detach(), plain)
+
+
+def test_a_row_without_trained_tokens_runs_none_and_leaves_the_others_whole():
+    """``sequence_lengths`` keeps no column of a row with no trained token (its prompt used to be kept, and
+    ``pack_shared`` wrote it at offset 0 over the first segment's tokens)."""
+    from sgrpo.model.packing import sequence_lengths
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12, 13], [1, 2, 3, 4, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    completion = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 0]]).bool()
+    keep, counts = sequence_lengths(mask, completion)
+    assert counts.tolist() == [5, 5, 0] and not keep[2].any()
+    alone = pack_shared(ids[:2], mask[:2], completion[:2], None)
+    with_empty = pack_shared(ids, mask, completion, None)
+    assert torch.equal(with_empty.input_ids, alone.input_ids) and torch.equal(with_empty.segment, alone.segment)

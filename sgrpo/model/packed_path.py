@@ -20,27 +20,41 @@ from sgrpo.model.head import head_dtype
 from sgrpo.model.logprobs import completion_logprobs
 from sgrpo.model.packing import VARLEN_ATTENTION, attention_implementation, shared_pays, sharing_problem
 
+#: torch.compile's recompile limits while flex attention runs: transformers compiles ``flex_attention`` once, and the
+#: update calls it with and without gradients, with several mask functions and row counts; at the default limit (8)
+#: dynamo gives up and flex runs unfused, materialising every [rows, heads, C, C] score matrix
+FLEX_RECOMPILE_LIMIT = 64
 
-def preferred_attention(device_type: str, flash: bool, flex: bool) -> str | None:
+
+def preferred_attention(device_type: str, flash: bool, flex: bool, half: bool = True) -> str | None:
     """The attention implementation packed log-probs run on ``device_type``, or None to keep the model's (SDPA with
     a packed mask): on an accelerator flash-attention's varlen kernel where the ``flash_attn`` package is
-    installed (``flash``), else flex attention where torch has it (``flex``: a ``BlockMask`` skips masked blocks);
-    on CPU none (flash does not run there, flex needs a C++ compiler and a compile per shape)."""
+    installed (``flash``) and the model computes in half precision (``half``: flash-attention takes no float32),
+    else flex attention where torch has it (``flex``: a ``BlockMask`` skips masked blocks); on CPU none (flash does
+    not run there, flex needs a C++ compiler and a compile per shape)."""
     if device_type == "cpu":
         return None
-    return "flash_attention_2" if flash else "flex_attention" if flex else None
+    return "flash_attention_2" if flash and half else "flex_attention" if flex else None
 
 
 def choose_attention(model: nn.Module, device_type: str) -> str | None:
     """Switch ``model`` to ``preferred_attention`` where it still has transformers' default (SDPA) and its class
-    supports the switch; returns the implementation it runs."""
+    supports the switch; returns the implementation it runs. Half precision is read from the LM head's compute dtype
+    (``head_dtype``: autocast's where it is on), so call this where the update runs."""
     from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
 
     if attention_implementation(model) == "sdpa" and hasattr(model, "set_attn_implementation"):
-        wanted = preferred_attention(device_type, is_flash_attn_2_available(), is_torch_flex_attn_available())
+        half = head_dtype(model.get_output_embeddings().weight).itemsize < 4
+        wanted = preferred_attention(device_type, is_flash_attn_2_available(), is_torch_flex_attn_available(), half)
         if wanted is not None:
             with contextlib.suppress(ImportError, ValueError):  # the model's class does not support it: SDPA stays
                 model.set_attn_implementation(wanted)
+        if attention_implementation(model) == "flex_attention":
+            import torch._dynamo
+
+            for name in ("recompile_limit", "accumulated_recompile_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), FLEX_RECOMPILE_LIMIT))
     return attention_implementation(model)
 
 

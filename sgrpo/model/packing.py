@@ -71,7 +71,7 @@ def sequence_lengths(attention_mask: Tensor, completion_mask: Tensor) -> tuple[T
     last = torch.where(mask.any(-1), t - 1 - mask.flip(-1).int().argmax(-1), -1)  # last trained column or -1
     stop = total - t + last  # [N]: columns < stop run
     columns = torch.arange(total, device=attention_mask.device)
-    keep = attention_mask.bool() & (columns < stop.unsqueeze(-1))
+    keep = attention_mask.bool() & (columns < stop.unsqueeze(-1)) & mask.any(-1, keepdim=True)
     return keep, keep.sum(-1)
 
 
@@ -339,7 +339,9 @@ def sharing_problem(model: nn.Module) -> str | None:
         return f"attention implementation {impl!r} takes no block mask"
     config = getattr(model, "config", None)
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+    # Mistral, Phi-3, Starcoder2: a window whenever ``sliding_window`` is set; Qwen2/3: only with use_sliding_window
+    window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if kinds != {"full_attention"} or window:
         return f"layers of kinds {sorted(kinds)} or a sliding window: the block mask would not hold their windows"
     return None
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from sgrpo.distributed import any_process, max_over_processes
 from sgrpo.model.logprobs import completion_logprobs, packing_problem
 from sgrpo.model.packed_path import attention_path, choose_attention, sharing_verdict
-from sgrpo.model.packing import layout_tokens, one_row, shared_layout_tokens, shared_pays
+from sgrpo.model.packing import attention_implementation, layout_tokens, one_row, shared_layout_tokens, shared_pays
 from sgrpo.train.batching import trim, update_micro_batches
 from sgrpo.types import RolloutBatch
 
@@ -84,9 +84,15 @@ class MicroBatchLogprobs:
         if not self.packing:
             return False, False
         if id(model) not in verdicts:
+            before = attention_implementation(model)
             choose_attention(model, self.device.type)
-            problem = packing_problem(model)
+            try:
+                problem = packing_problem(model)
+            except Exception as err:  # a kernel that refuses the probe's inputs (dtype, shape): the padded path
+                problem = f"the check raised {type(err).__name__}: {err}"
             packs = not any_process(problem is not None, self.device)
+            if not packs and attention_implementation(model) != before:  # the padded path runs as it ran before
+                model.set_attn_implementation(before)
             sharing = sharing_verdict(model, self.device) if packs and self.share_prompts else None
             verdicts[id(model)] = packs, packs and self.share_prompts and sharing is None
             if self.trainer.is_global_zero:
