@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from estimators import SoftmaxGRPO
@@ -146,3 +147,25 @@ def test_staleness_0_under_bf16_is_the_synchronous_run(precision, tmp_path):
     stale0 = fit(tmp_path / "async0", option, "--model.optimizer.init_args.lr=0.01", *asynchronous(0))
     assert untimed(stale0) == untimed(sync)
     assert same_weights(tmp_path / "sync", tmp_path / "async0")
+
+
+def test_a_push_copies_each_weight_as_it_comes_under_the_lock():
+    """Each weight reaches the shared buffer before the next is gathered (under FSDP2 a gathered full tensor each, not
+    the whole model, on the device at once), with the producer's lock held throughout."""
+    producer, model = shipped_producer()
+    try:
+        pushed = [(name, value + 1) for name, value in plain_weights(model, buffers=False)]
+        copied = []
+
+        def stream():
+            for i, (name, value) in enumerate(pushed):
+                if i:
+                    copied.append(torch.equal(producer._shared[pushed[i - 1][0]], pushed[i - 1][1]))
+                assert not producer._lock.acquire(block=False)  # held by the push
+                yield name, value
+
+        producer.push(stream(), 1)
+        assert len(copied) == len(pushed) - 1 > 10 and all(copied)
+        assert all(torch.equal(producer._shared[name], value) for name, value in pushed)
+    finally:
+        producer.close()

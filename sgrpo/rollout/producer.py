@@ -164,15 +164,17 @@ class RolloutProducer:
         return f"the rollout producer (process {self.process.pid})"
 
     def push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> float:
-        """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken."""
+        """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken.
+
+        Each weight is copied as ``weights`` yields it, under the lock the producer reads them under: under FSDP2 one
+        gathered bucket of full tensors is on the device at a time, not the whole model."""
         started = time.perf_counter()
-        values = [(name, value) for name, value in weights]  # gathered first (FSDP2: collectives, in step)
         while not self._lock.acquire(timeout=0.2):  # a producer killed while copying never releases the lock
             if self.process.exitcode is not None:
                 raise ProducerError(f"{self.describe()} ended with exit code {self.process.exitcode} while it copied "
                                     "the weights (-9: killed, e.g. out of memory)")  # fmt: skip
         try:
-            for name, value in values:
+            for name, value in weights:  # gathered as they are iterated (FSDP2: collectives, every process in step)
                 self._shared[name].copy_(value.detach())
             self._version.value = version
         finally:
@@ -293,6 +295,8 @@ def _sample_steps(spec: ProducerSpec, shared, version, lock, pushed, queues, ask
     if missing:
         raise ProducerError(f"the trainer's weights lack {sorted(missing)[:3]}: the producer cannot copy them")
     device_type = torch.device(spec.device).type
+    if device_type == "cuda":  # the trainer's GPU: CUDA graphs' streams and the current context there, not on GPU 0
+        torch.cuda.set_device(torch.device(spec.device))
     autocast = (torch.autocast(device_type, dtype=getattr(torch, spec.autocast)) if spec.autocast
                 else contextlib.nullcontext())  # fmt: skip
     ready.set()  # started: from now on the trainer's timeout counts

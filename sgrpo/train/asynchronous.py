@@ -77,6 +77,11 @@ def refill_prompts(refill: StepBatches, rounds: int, step: int, sampling_round: 
     return refill.batch(step * rounds + sampling_round)
 
 
+#: bytes of full tensors gathered per collective in a push to the producer (FSDP2): fewer collectives than one per
+#: parameter, and one bucket on the device at a time (the producer copies each as it comes)
+PUSH_BUCKET_BYTES = 256 * 2**20
+
+
 class StopProducerOnError(Callback):
     """Stops the policy's rollout producer when the fit raises: its process and block files would otherwise outlive
     the fit in this interpreter (a notebook, a second fit)."""
@@ -137,7 +142,8 @@ class AsyncRollouts:
             torch.set_num_threads(self._threads)
 
     def _plain_weights(self):
-        return plain_weights(self.model, buffers=False)  # adapters merged, FSDP2 shards gathered (collectives)
+        """Adapters merged, FSDP2 shards gathered (collectives), ``PUSH_BUCKET_BYTES`` per collective."""
+        return plain_weights(self.model, buffers=False, bucket_bytes=PUSH_BUCKET_BYTES)
 
     def take_rollout(self, examples: list[Example], sampling_round: int = 0) -> RolloutBatch:
         """This step's groups from the producer (waiting for them: ``train/async/trainer_wait_s``); with dynamic
