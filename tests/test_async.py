@@ -331,7 +331,8 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_run(tmp_path):
     command = [sys.executable, "-m", "sgrpo.fit", "--config", TINY, f"--trainer.default_root_dir={root}",
                "--trainer.max_steps=1000", "--trainer.val_check_interval=1000", "--checkpoint_every=1",
                "--trainer.enable_progress_bar=false", *asynchronous(0)]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, start_new_session=True,
+    slow = {"OMP_NUM_THREADS": "1", DELAY_ENV: "0.3"}  # steps of 0.3 s or more: killed well before step 8
+    process = subprocess.Popen(command, cwd=REPO, env=os.environ | slow, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 180
     while not (root / "checkpoints" / "last.ckpt").exists():

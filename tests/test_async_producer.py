@@ -169,3 +169,17 @@ def test_a_push_copies_each_weight_as_it_comes_under_the_lock():
         assert all(torch.equal(producer._shared[name], value) for name, value in pushed)
     finally:
         producer.close()
+
+
+def test_the_engine_sent_to_the_producer_carries_no_model_or_graphs():
+    """An engine that already sampled (a validation before the fit, a second fit) holds the weights' shell and, with
+    ``cuda_graphs``, graphs over the trainer's model and buffers: none of it is pickled into the producer's spec."""
+    import pickle
+
+    engine = HFRollout(max_new_tokens=4, weights_snapshot=True)
+    engine._graphs = "graphs over the trainer's model"  # what a cuda_graphs rollout leaves
+    engine._weights._shell = torch.nn.Linear(1000, 1000)  # the shell a snapshot rollout leaves
+    copy = pickle.loads(pickle.dumps(engine))
+    assert copy._graphs is None and copy._weights._shell is None
+    assert (copy.max_new_tokens, copy.weights_snapshot) == (4, True) and engine._graphs is not None
+    assert len(pickle.dumps(engine)) < 10_000  # the 4 MB of the shell's weights left behind

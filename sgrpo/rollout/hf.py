@@ -89,6 +89,13 @@ class HFRollout(RolloutEngine):
         self._weights = RolloutWeights(weights_snapshot)
         self._graphs = None  # cuda_graphs: the decode steps and graphs kept across rollouts (GraphCache)
 
+    def __getstate__(self) -> dict:
+        """The settings without what a rollout keeps (the weights' shell, CUDA graphs and their buffers): what the
+        async producer is sent, which must not carry the trainer's model or graphs into its process."""
+        state = dict(self.__dict__)
+        state["_weights"], state["_graphs"] = RolloutWeights(self.weights_snapshot), None
+        return state
+
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False,
         environment=None,
