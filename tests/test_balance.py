@@ -248,3 +248,37 @@ def test_refusals_in_one_line():
         policy = make_policy("unused", rollout, GRPO(), balance_batch="rows", environment=Env.__new__(Env))
     policy = make_policy("unused", rollout, GRPO(), balance_batch="groups")
     assert policy.balance_batch == "groups" and isinstance(policy.rollout, FixedRollout)
+
+
+def test_episodes_send_their_trajectories_whether_or_not_they_continued_in_new_rows():
+    """``balance_batch: groups`` with an environment: one process's episodes all ended in one row each (no
+    trajectory of its own), another's continued in a new row. Each sends the same tensors (before: one fewer, and
+    the all-gathers mismatched: gloo aborted, NCCL would hang), and the rebuilt batches keep every row's
+    trajectory."""
+    from sgrpo.rollout.hf import HFRollout
+    from tasks.environment import Environment, Observation
+    from tests.multiturn_helpers import EXAMPLES, STRIP, chat_model, chat_tokenizer
+
+    class Turns(Environment):
+        def __init__(self, more: bool) -> None:
+            super().__init__(max_turns=2)
+            self.more = more
+
+        def step(self, example, messages):
+            return Observation([{"role": "user", "content": "go on"}] if self.more else [], done=not self.more)
+
+    tokenizer = chat_tokenizer(STRIP)
+    model = chat_model(tokenizer)
+    rollouts = []
+    for more in (True, False):
+        torch.manual_seed(0)
+        rollouts.append(HFRollout(max_new_tokens=8).generate_episodes(model, tokenizer, EXAMPLES, 2, Turns(more)))
+    assert rollouts[0].trajectory is not None and rollouts[1].trajectory is None  # the case: forked on one only
+    adv, keep = torch.zeros(2, 2), torch.ones(2, dtype=torch.bool)
+    sent = [BalancedRows._exchanged_payload(None, r, adv, keep) for r in rollouts]
+    assert len(sent[0][0]) == len(sent[1][0]) and sent[0][1]["present"] == sent[1][1]["present"]
+    gathered = [list(column) for column in zip(sent[0][0], sent[1][0])]  # what all_gather_rows hands every process
+    batches, _, _ = _rebuild(rollouts[0], gathered, [objects for _, objects in sent])
+    for batch, rollout in zip(batches, rollouts):
+        assert torch.equal(batch.row_trajectory(), rollout.row_trajectory())
+        assert torch.equal(batch.input_ids, rollout.input_ids)

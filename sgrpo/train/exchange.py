@@ -127,14 +127,17 @@ class BalancedRows:
         self, rollout: RolloutBatch, advantages: Tensor, keep_groups: Tensor
     ) -> tuple[list[Tensor], dict[str, Any]]:
         """This process's rows as the tensors ``all_gather_rows`` moves and the objects ``all_gather_object`` moves.
-        Optional fields are absent alike on every process (one engine samples for all)."""
+        Optional fields are absent alike on every process (one engine samples for all); multi-turn episodes always
+        send their rows' trajectories (a process none of whose episodes continued in a new row has none of its own,
+        while another's may: else the processes would send different numbers of tensors)."""
+        fields = {name: getattr(rollout, name) for name in OPTIONAL}
+        if rollout.episodes is not None:
+            fields["trajectory"] = rollout.row_trajectory()
         per_row = [rollout.input_ids, rollout.attention_mask, rollout.completion_mask]
-        for name in OPTIONAL:
-            value = getattr(rollout, name)
-            per_row += [] if value is None else [value]
+        per_row += [value for value in fields.values() if value is not None]
         per_trajectory = [rollout.truncated, advantages.reshape(-1),
                           keep_groups.bool().repeat_interleave(rollout.group_size)]  # fmt: skip
-        present = [getattr(rollout, name) is not None for name in OPTIONAL]
+        present = [fields[name] is not None for name in OPTIONAL]
         objects = {"completions": rollout.completions, "episodes": rollout.episodes, "present": present}
         return per_row + per_trajectory, objects
 
