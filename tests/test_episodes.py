@@ -27,9 +27,9 @@ class Recorder:
         self.eos, self.pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
         self.sampled: dict[tuple[int, ...], list[list[int]]] = {}
 
-    def __call__(self, ids, mask, row_prompt):
+    def __call__(self, ids, mask, row_prompt, limit=None):
         tokens, logprobs, masses = self.engine._generate_rows(self.model, ids, mask, row_prompt, self.eos, self.pad,
-                                                              False)  # fmt: skip
+                                                              False, limit)  # fmt: skip
         for r, u in enumerate(row_prompt.tolist()):
             context = tuple(ids[u][mask[u].bool()].tolist())
             self.sampled.setdefault(context, []).append(tokens[r].tolist())
@@ -212,3 +212,20 @@ def test_concurrent_steps_run_in_threads_and_give_the_same_episodes():
     together, _, _, _ = episodes(PREFIX, concurrent := Waiting(4))
     assert sequential.most == 1 and concurrent.most > 1
     assert torch.equal(alone.input_ids, together.input_ids) and alone.episodes == together.episodes
+
+
+@pytest.mark.parametrize("decoder", ["lean", "generate"])
+def test_a_turn_near_the_model_s_positions_is_decoded_within_them(decoder):
+    """A context with less room than ``max_new_tokens`` is decoded only as far as the model's positions go: a
+    learned-position model (GPT-2, 64 positions) used to index past its table (IndexError; on CUDA a device assert);
+    the turn is cut at the room and the episode ends truncated."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = chat_tokenizer(PREFIX)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    model = GPT2LMHeadModel(config).eval()
+    batch = HFRollout(max_new_tokens=40, decoder=decoder).generate_episodes(model, tokenizer, EXAMPLES, 2,
+                                                                             Reply(max_turns=4))  # fmt: skip
+    assert batch.attention_mask.sum(-1).max() <= 64 and bool(batch.truncated.all())

@@ -33,7 +33,8 @@ from sgrpo.rollout.engine import left_padded
 from sgrpo.types import Episode, Example, Messages, RolloutBatch
 
 #: (prompt ids [U, P], prompt mask [U, P], row -> prompt [R]) -> (tokens [R, T], log-probs or None, masses or None)
-GenerateRows = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None, Tensor | None]]
+#: (prompt ids, their mask, each row's prompt, at most this many new tokens or None: the engine's own) -> new tokens
+GenerateRows = Callable[[Tensor, Tensor, Tensor, "int | None"], tuple[Tensor, Tensor | None, Tensor | None]]
 #: one sampled turn: its token ids (a stop token ends it; padding after it is cut), their log-probs, their nucleus
 #: masses (each None where the sampler has none)
 Turn = tuple[list[int], list[float] | None, list[float] | None]
@@ -180,19 +181,35 @@ def episode_positions(model, max_model_len: int | None) -> int | None:
     return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
-def batched_turns(generate_rows: GenerateRows, pad: int, device: torch.device) -> SampleTurns:
+def batched_turns(generate_rows: GenerateRows, pad: int, device: torch.device, max_new_tokens: int | None = None,
+                  max_positions: int | None = None) -> SampleTurns:  # fmt: skip
     """``SampleTurns`` of a batch decoder (``HFRollout``): the contexts left-padded into one batch, identical ones
-    (an example's G openings) prefilled once."""
+    (an example's G openings) prefilled once. With ``max_positions``, a context with less room than
+    ``max_new_tokens`` is decoded in a batch of its own limit (those of one limit together): a decoder asked for
+    more would run past the model's positions (an index error for learned positions, wasted steps for RoPE)."""
 
-    def sample(contexts: list[list[int]]) -> list[Turn]:
+    def batch(contexts: list[list[int]], limit: int | None) -> list[Turn]:
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
         ids, mask = left_padded(list(distinct), pad, device)
-        tokens, logprobs, masses = generate_rows(ids, mask, torch.tensor(row_prompt, device=device))
+        tokens, logprobs, masses = generate_rows(ids, mask, torch.tensor(row_prompt, device=device), limit)
         rows = tokens.tolist()
         lp = logprobs.float().tolist() if logprobs is not None else [None] * len(rows)
         ms = masses.float().tolist() if masses is not None else [None] * len(rows)
         return list(zip(rows, lp, ms))
+
+    def sample(contexts: list[list[int]]) -> list[Turn]:
+        if max_positions is None or max_new_tokens is None:
+            return batch(contexts, None)
+        limits = [max(1, min(max_new_tokens, max_positions - len(c))) for c in contexts]
+        if min(limits) == max_new_tokens:
+            return batch(contexts, None)
+        turns: list[Turn | None] = [None] * len(contexts)
+        for limit in sorted(set(limits), reverse=True):
+            at = [i for i, n in enumerate(limits) if n == limit]
+            for i, turn in zip(at, batch([contexts[i] for i in at], limit)):
+                turns[i] = turn
+        return turns
 
     return sample
 

@@ -123,9 +123,10 @@ class HFRollout(RolloutEngine):
                              "run different numbers of turns, so decoding must not gather per forward)")  # fmt: skip
         eos, pad = stop_and_pad_ids(model, tokenizer)
         positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        rows = lambda ids, mask, row_prompt: self._generate_rows(sampler, ids, mask, row_prompt, eos, pad, greedy)  # noqa: E731
+        rows = lambda ids, mask, row_prompt, limit: self._generate_rows(sampler, ids, mask, row_prompt, eos, pad,  # noqa: E731
+                                                                        greedy, limit)  # fmt: skip
         device = next(model.parameters()).device
-        turns = batched_turns(rows, pad, device)
+        turns = batched_turns(rows, pad, device, self.max_new_tokens, positions)
         return run_episodes(turns, tokenizer, examples, group_size, environment, eos, pad, device, self.max_batch_rows,
                             positions)  # fmt: skip
 
@@ -195,21 +196,23 @@ class HFRollout(RolloutEngine):
         return joined.masked_fill(~mask, 0.0)
 
     def _generate_rows(
-        self, model, ids: Tensor, mask: Tensor, row_prompt: Tensor, eos: list[int], pad: int, greedy: bool
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """New tokens ``[R, <= max_new_tokens]`` for rows ``row_prompt`` of the prompts ``ids``/``mask`` ``[U, P]``,
-        their sampling log-probs (the full softmax's) and the nucleus mass kept for each (lean decoder, top-p < 1
-        and not greedy; None from ``generate``)."""
+        self, model, ids: Tensor, mask: Tensor, row_prompt: Tensor, eos: list[int], pad: int, greedy: bool,
+        limit: int | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+        """New tokens ``[R, <= max_new_tokens]`` (``limit``: at most that many) for rows ``row_prompt`` of the prompts
+        ``ids``/``mask`` ``[U, P]``, their sampling log-probs (the full softmax's) and the nucleus mass kept for each
+        (lean decoder, top-p < 1 and not greedy; None from ``generate``)."""
         sampling = {} if greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        new_tokens = self.max_new_tokens if limit is None else limit
         if self.decoder == "lean":
             from sgrpo.rollout.decode import decode  # imports transformers: not needed to check a config
 
             masses = None
             if not greedy and self.top_p < 1.0:
-                masses = torch.zeros(len(row_prompt), self.max_new_tokens, dtype=torch.float32, device=ids.device)
+                masses = torch.zeros(len(row_prompt), new_tokens, dtype=torch.float32, device=ids.device)
             tokens, logprobs = decode(
-                model, ids, mask, row_prompt, self.max_new_tokens, eos, pad,
-                greedy=greedy, min_new_tokens=self.min_new_tokens, cuda_graphs=self.cuda_graphs,
+                model, ids, mask, row_prompt, new_tokens, eos, pad,
+                greedy=greedy, min_new_tokens=min(self.min_new_tokens, new_tokens), cuda_graphs=self.cuda_graphs,
                 graph_cache=self._graph_cache(), nucleus_mass=masses, **sampling,
             )  # fmt: skip
             return tokens, logprobs, None if masses is None else masses[:, : tokens.shape[1]]
@@ -217,8 +220,8 @@ class HFRollout(RolloutEngine):
             input_ids=ids[row_prompt],
             attention_mask=mask[row_prompt],
             do_sample=not greedy,
-            max_new_tokens=self.max_new_tokens,
-            min_new_tokens=self.min_new_tokens,
+            max_new_tokens=new_tokens,
+            min_new_tokens=min(self.min_new_tokens, new_tokens),
             eos_token_id=eos,
             pad_token_id=pad,
             use_cache=True,
