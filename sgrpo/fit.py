@@ -47,7 +47,7 @@ from sgrpo.eval.metrics_file import MarkResume, MetricsFile
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.policy import GRPOPolicy
-from sgrpo.run.checkpoints import AtomicCheckpointIO
+from sgrpo.run.checkpoints import AtomicCheckpointIO, resume_failure
 from sgrpo.run.cli_errors import one_line_errors, union_error
 from sgrpo.run.faults import FailFast, command_ended, disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
@@ -68,7 +68,7 @@ from sgrpo.run.preflight import (
 )
 from sgrpo.run.progress import ParameterCount, StepProgressBar
 from sgrpo.run.resume import experiment_record
-from sgrpo.run.saving import RunCheckpoint, RunFitLoop, resume_failure
+from sgrpo.run.saving import RunCheckpoint, RunFitLoop
 
 MODES = ("fit", "validate", "test")
 #: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir

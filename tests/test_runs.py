@@ -51,6 +51,26 @@ def test_keep_last_prunes_a_run_that_moved_to_another_folder(tmp_path):
         "last.ckpt", "step4.ckpt", "step5.ckpt"]  # fmt: skip  (step2 and step3 stayed, before)
 
 
+def test_a_resume_with_a_smaller_keep_last_prunes_to_it_and_keeps_pruning(tmp_path):
+    """Written with ``keep_last: null`` (every step kept), resumed with ``--keep_last=2``: Lightning deletes its
+    oldest only while it holds exactly that many, so the 3 steps already there (plus each new one) stayed for good;
+    now the oldest go as the fit starts, and every new step prunes as usual. Their checksums go with them."""
+    from pathlib import Path
+
+    from sgrpo.fit import main
+
+    def fit(keep, *extra):
+        config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+        main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+              "--checkpoint_every=1", f"--keep_last={keep}", "--trainer.limit_val_batches=0", *extra])  # fmt: skip
+
+    fit("null", "--trainer.max_steps=3")
+    fit("2", "--trainer.max_steps=5", "--ckpt_path=last")
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["last.ckpt", "step4.ckpt", "step5.ckpt"]
+    assert sorted(p.name for p in folder.glob(".step*.sha256")) == [".step4.ckpt.sha256", ".step5.ckpt.sha256"]
+
+
 def test_a_full_disk_at_run_time_is_one_line_naming_the_folder_and_the_fix(tmp_path, monkeypatch, capsys):
     import errno
     from pathlib import Path

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from sgrpo.run.resume import ProcessesDisagree
+
 log = logging.getLogger(__name__)
 
 #: hidden names of unfinished writes (``.last.ckpt.partial``) and of a folder being swapped out (``.old``)
@@ -280,3 +282,15 @@ def checkpoint_identity(path: Path) -> list:
 def numbered_checkpoints(folder: Path) -> dict[Path, int]:
     """The periodic checkpoints in ``folder`` (``stepN.ckpt``, files or sharded folders) and their steps N."""
     return {p: int(m.group(1)) for p in folder.glob("step*.ckpt") if (m := _STEP_FILE.fullmatch(p.name))}
+
+
+def resume_failure(ckpt_path, exception: BaseException) -> str:
+    """One line for a checkpoint that failed to load into this run (nothing is written after it)."""
+    if isinstance(exception, ProcessesDisagree):
+        return str(exception)
+    message = str(exception).splitlines()[0] if str(exception) else ""
+    return (
+        f"--ckpt_path {ckpt_path} does not load into this run ({type(exception).__name__}: {message}); it was "
+        "left as it was. Resume with the config that wrote it (model, model.peft, model.optimizer), or start "
+        "a fresh run in another --trainer.default_root_dir"
+    )

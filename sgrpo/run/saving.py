@@ -29,10 +29,11 @@ from sgrpo.run.checkpoints import (
     link_checkpoint,
     numbered_checkpoints,
     replace_folder,
+    resume_failure,
 )
 from sgrpo.run.faults import EVERY_PROCESS, Stopped, StoppedNow, StopRequests, fail_fast, forward_signal
 from sgrpo.run.folders import agree_checkpoint
-from sgrpo.run.resume import ProcessesDisagree, ResumeError, apply_optimizer_settings, experiment_changes
+from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +105,6 @@ class RunFitLoop(_FitLoop):
         return self.restarting and at_max_steps and begun and not val._has_run
 
 
-def resume_failure(ckpt_path, exception: BaseException) -> str:
-    """One line for a checkpoint that failed to load into this run (nothing is written after it)."""
-    if isinstance(exception, ProcessesDisagree):
-        return str(exception)
-    message = str(exception).splitlines()[0] if str(exception) else ""
-    return (
-        f"--ckpt_path {ckpt_path} does not load into this run ({type(exception).__name__}: {message}); it was "
-        "left as it was. Resume with the config that wrote it (model, model.peft, model.optimizer), or start "
-        "a fresh run in another --trainer.default_root_dir"
-    )
-
-
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -179,6 +168,10 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
+        for path in self.__dict__.pop("_excess", []):  # keep_last's oldest beyond it; never the one resumed from
+            if Path(path).resolve() != resumed:
+                self._remove_checkpoint(trainer, path)
         ours = [_qualified(type(o)) for o in trainer.optimizers]
         if self._loaded_optimizers is not None and self._loaded_optimizers != ours:
             # its state loads into another optimiser's groups and fails at the first step (SGD: KeyError 'momentum')
@@ -350,6 +343,10 @@ class RunCheckpoint(ModelCheckpoint):
             return
         steps = {str(path): torch.tensor(step, device="cpu")  # as Lightning records "step"
                  for path, step in numbered_checkpoints(Path(self.dirpath)).items()}
+        if self.save_top_k > 0 and len(steps) > self.save_top_k:  # written under a larger keep_last (or none):
+            kept = sorted(steps, key=steps.get)[-self.save_top_k :]  # Lightning deletes only at exactly k, never above
+            self._excess = [path for path in steps if path not in kept]  # deleted as the fit starts
+            steps = {path: steps[path] for path in kept}
         self.best_k_models = steps
         if steps:  # "best" is the newest (monitor "step", mode "max"); the k-th the oldest kept
             self.best_model_path = max(steps, key=steps.get)
