@@ -1,6 +1,8 @@
 """The asynchronous rollouts' producer process as a process: it starts for a model of hundreds of tensors, it is
-stopped when a fit raises, it cleans up after a trainer that is gone, and a push never waits on a lock a killed
-producer holds. The path's equalities and bounds: tests/test_async.py."""
+stopped when a fit raises, it cleans up after a trainer that is gone, a push never waits on a lock a killed
+producer holds and copies each weight as it comes, the engine it is sent carries no model, and it samples in the
+trainer's precision (S = 0 under bf16 is the synchronous run). The path's equalities and bounds:
+tests/test_async.py."""
 
 from __future__ import annotations
 
