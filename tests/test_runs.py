@@ -105,3 +105,31 @@ def test_a_full_disk_at_run_time_is_one_line_naming_the_folder_and_the_fix(tmp_p
         "left as it was"]  # fmt: skip
     assert (tmp_path / "checkpoints" / "step1.ckpt").is_file()  # the one write that fit, kept
     assert disk_fault(RuntimeError("another error")) is None
+
+
+def test_a_run_resumed_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, caplog):
+    """Resumed from step 2 of a folder holding steps 1-5: steps 3-5 and ``last.ckpt`` (step 5) belong to the run it
+    branched from, and ``--ckpt_path last`` would have taken them (the newest step) after a kill before this run
+    caught up. They move to ``checkpoints/abandoned_step2/`` with their checksums, and ``last`` is this run's."""
+    import logging
+    from pathlib import Path
+
+    from sgrpo.fit import main
+    from sgrpo.run.checkpoints import checkpoint_step, resumable
+
+    def fit(*extra):
+        config = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+        main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+              "--checkpoint_every=1", "--keep_last=null", "--trainer.limit_val_batches=0", *extra])  # fmt: skip
+
+    folder = tmp_path / "checkpoints"
+    fit("--trainer.max_steps=5")
+    with caplog.at_level(logging.WARNING, logger="sgrpo.run.checkpoints"):
+        fit("--trainer.max_steps=3", f"--ckpt_path={folder / 'step2.ckpt'}")
+    aside = folder / "abandoned_step2"
+    assert sorted(p.name for p in aside.glob("*.ckpt")) == ["last.ckpt", "step3.ckpt", "step4.ckpt", "step5.ckpt"]
+    assert len(list(aside.glob(".*.sha256"))) == 4
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["last.ckpt", "step1.ckpt", "step2.ckpt", "step3.ckpt"]
+    path, _ = resumable(folder)
+    assert path.name == "last.ckpt" and checkpoint_step(path) == 3
+    assert any("resumed at step 2, before the newest checkpoints" in r.getMessage() for r in caplog.records)

@@ -284,6 +284,44 @@ def numbered_checkpoints(folder: Path) -> dict[Path, int]:
     return {p: int(m.group(1)) for p in folder.glob("step*.ckpt") if (m := _STEP_FILE.fullmatch(p.name))}
 
 
+def branched_checkpoints(folder: Path, step: int, resumed: Path) -> list[Path]:
+    """The checkpoints of ``folder`` newer than ``step``, the step of ``resumed`` (the checkpoint a run resumed from):
+    those of the run it branched from, ``last.ckpt`` too unless it is ``resumed`` (``--ckpt_path last`` would take
+    the newest of them)."""
+    newer = [path for path, n in numbered_checkpoints(folder).items() if n > step]
+    last = folder / "last.ckpt"
+    same = resumed.exists() and last.exists() and os.path.samefile(last, resumed)
+    if last.exists() and not same and (checkpoint_step(last) or -1) > step:
+        newer.append(last)
+    return newer
+
+
+def set_aside(folder: Path, paths: list[Path], step: int) -> Path:
+    """``paths`` (checkpoints of ``folder``) and their checksums moved into ``folder/abandoned_stepS``, S = ``step``."""
+    aside = folder / f"abandoned_step{step}"
+    aside.mkdir(exist_ok=True)
+    for item in (x for path in paths for x in (path, checksum_path(path))):
+        if item.exists():
+            os.replace(item, aside / item.name)
+    return aside
+
+
+def tidy_resumed(folder: Path, step: int, resumed: Path, keep: int, leader: bool, barrier) -> tuple[list[str], dict]:
+    """A resume at ``step`` from ``resumed`` in ``folder``: the checkpoints newer than it (``branched_checkpoints``) set
+    aside by the ``leader`` (with a warning), every process waiting for it (``barrier``); then the ``stepN.ckpt`` to
+    delete (the oldest beyond ``keep`` when > 0, never ``resumed``) and those kept (path: step)."""
+    newer = branched_checkpoints(folder, step, resumed)
+    if newer and leader:
+        log.warning("resumed at step %d, before the newest checkpoints of this folder (%s): they are moved to %s, so "
+                    "that --ckpt_path last continues this run", step, ", ".join(p.name for p in newer),
+                    set_aside(folder, newer, step))  # fmt: skip
+    barrier()
+    steps = sorted(((str(p), n) for p, n in numbered_checkpoints(folder).items()), key=lambda item: item[1])
+    cut = max(0, len(steps) - keep) if keep > 0 else 0
+    same = lambda path: resumed.exists() and os.path.samefile(path, resumed)  # noqa: E731
+    return [path for path, _ in steps[:cut] if not same(path)], dict(steps[cut:])
+
+
 def resume_failure(ckpt_path, exception: BaseException) -> str:
     """One line for a checkpoint that failed to load into this run (nothing is written after it)."""
     if isinstance(exception, ProcessesDisagree):

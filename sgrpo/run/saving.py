@@ -30,6 +30,7 @@ from sgrpo.run.checkpoints import (
     numbered_checkpoints,
     replace_folder,
     resume_failure,
+    tidy_resumed,
 )
 from sgrpo.run.faults import EVERY_PROCESS, Stopped, StoppedNow, StopRequests, fail_fast, forward_signal
 from sgrpo.run.folders import agree_checkpoint
@@ -168,10 +169,8 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
-        resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
-        for path in self.__dict__.pop("_excess", []):  # keep_last's oldest beyond it; never the one resumed from
-            if Path(path).resolve() != resumed:
-                self._remove_checkpoint(trainer, path)
+        if trainer.ckpt_path and self.dirpath is not None:
+            self._tidy_after_resume(trainer, Path(self.dirpath), Path(trainer.ckpt_path))
         ours = [_qualified(type(o)) for o in trainer.optimizers]
         if self._loaded_optimizers is not None and self._loaded_optimizers != ours:
             # its state loads into another optimiser's groups and fails at the first step (SGD: KeyError 'momentum')
@@ -341,12 +340,21 @@ class RunCheckpoint(ModelCheckpoint):
             super().load_state_dict(state_dict)
         if self.dirpath is None:
             return
-        steps = {str(path): torch.tensor(step, device="cpu")  # as Lightning records "step"
-                 for path, step in numbered_checkpoints(Path(self.dirpath)).items()}
-        if self.save_top_k > 0 and len(steps) > self.save_top_k:  # written under a larger keep_last (or none):
-            kept = sorted(steps, key=steps.get)[-self.save_top_k :]  # Lightning deletes only at exactly k, never above
-            self._excess = [path for path in steps if path not in kept]  # deleted as the fit starts
-            steps = {path: steps[path] for path in kept}
+        self._keep({str(path): step for path, step in numbered_checkpoints(Path(self.dirpath)).items()})
+
+    def _tidy_after_resume(self, trainer, folder: Path, resumed: Path) -> None:
+        """A resume's folder: checkpoints newer than the step resumed (a run branched from an older one) set aside in
+        ``abandoned_stepS/``; then the oldest beyond ``keep_last``, never the one resumed from, deleted (Lightning
+        deletes only while it holds exactly ``keep_last``: a folder written under a larger one kept growing)."""
+        drop, kept = tidy_resumed(folder, trainer.global_step, resumed, self.save_top_k, trainer.is_global_zero,
+                                  trainer.strategy.barrier)  # fmt: skip
+        for path in drop:
+            self._remove_checkpoint(trainer, path)
+        self._keep(kept)
+
+    def _keep(self, steps: dict[str, int]) -> None:
+        """Lightning's record of the ``stepN.ckpt`` that ``keep_last`` prunes: ``steps`` (path: step)."""
+        steps = {path: torch.tensor(step, device="cpu") for path, step in steps.items()}  # as Lightning records "step"
         self.best_k_models = steps
         if steps:  # "best" is the newest (monitor "step", mode "max"); the k-th the oldest kept
             self.best_model_path = max(steps, key=steps.get)
