@@ -256,15 +256,15 @@ class VLLMServerRollout(RolloutEngine):
         """Rank 0: the servers to push to (all if the weights changed; else those that lost them)."""
         if changed or self._pushed is None:
             return list(self.pool.urls)
-        lost = {url: v for url, v in server_versions(self.pool).items() if v != self._pushed}
+        lost = self._restarted_servers()
         for url, held in lost.items():
             log.warning("VLLMServerRollout: %s holds weight version %s, not %s: it restarted; pushing all weights "
                         "to it", url, held, self._pushed)  # fmt: skip
         return list(lost)
 
-    def _restarted_servers(self) -> list[str]:
-        """Rank 0: the servers that hold another weight version than the last push's (restarted since)."""
-        return [url for url, held in server_versions(self.pool).items() if held != self._pushed]
+    def _restarted_servers(self) -> dict[str, str | None]:
+        """Rank 0: the servers that hold another weight version than the last push's (restarted since), and theirs."""
+        return {url: held for url, held in server_versions(self.pool).items() if held != self._pushed}
 
     @torch.no_grad()
     def sync_weights(
@@ -276,7 +276,7 @@ class VLLMServerRollout(RolloutEngine):
         dtype = dtype_of(self.dtype)
         chunk = int(self.weight_chunk_mib * 2**20)
         if self._pushed is not None and not self.transport.rejoins:  # a push to a group with a member gone would hang
-            restarted = only if only is not None else _decided_by_rank0(self._restarted_servers, world)
+            restarted = only if only is not None else _decided_by_rank0(lambda: list(self._restarted_servers()), world)
             if restarted:
                 raise ServerError(f"{', '.join(restarted)}: restarted; {type(self.transport).__name__} cannot bring a "
                                   "server back into its transfer group: restart the servers and resume the run "

@@ -310,8 +310,7 @@ def tidy_resumed(folder: Path, step: int, resumed: Path, keep: int, leader: bool
     """A resume at ``step`` from ``resumed`` in ``folder``: the checkpoints newer than it (``branched_checkpoints``) set
     aside by the ``leader`` (with a warning), every process waiting for it (``barrier``); then the ``stepN.ckpt`` to
     delete (the oldest beyond ``keep`` when > 0, never ``resumed``) and those kept (path: step)."""
-    newer = branched_checkpoints(folder, step, resumed)
-    if newer and leader:
+    if leader and (newer := branched_checkpoints(folder, step, resumed)):  # the leader alone reads and moves them
         log.warning("resumed at step %d, before the newest checkpoints of this folder (%s): they are moved to %s, so "
                     "that --ckpt_path last continues this run", step, ", ".join(p.name for p in newer),
                     set_aside(folder, newer, step))  # fmt: skip
