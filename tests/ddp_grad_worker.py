@@ -18,6 +18,9 @@ from estimators import DrGRPO
 from tests.engine_helpers import EXAMPLES, fixed_batch, run_steps
 from tests.test_policy_gradients import MAX_NEW, G, make_policy, surrogate
 
+#: metrics over the loss tokens of every process (each process's own means, averaged, weighed them unequally)
+TOKEN_METRICS = ("train/entropy", "train/update/rows_skipped")
+
 
 class Recorder:
     rows: list[int] = []
@@ -59,7 +62,7 @@ def run(model_dir: str, aggregation: str, out: Path, balance: str | None = None)
     if trainer.is_global_zero:
         torch.save(policy.captured[0], out / f"grads_{name}.pt")
         info = {
-            **{k: float(v) for k, v in trainer.callback_metrics.items() if "token_imbalance" in k},
+            **{k: float(v) for k, v in trainer.callback_metrics.items() if k in TOKEN_METRICS or "imbalance" in k},
             "world_size": trainer.world_size,
             "rows_per_rank": [int(c[0]) for c in gathered],
             "allreduce_rounds_per_rank": [int(c[1]) for c in gathered],

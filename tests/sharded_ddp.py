@@ -106,12 +106,15 @@ def nonfinite(model_dir: str, out: str) -> None:
 # ------------------------------------------------------------------------------------------- the test's side
 def single_process_gradients(model_dir: str) -> dict[str, torch.Tensor]:
     """The fixed batch's gradient in one process, flattened, per loss aggregation (what the DDP jobs are checked
-    against: computed once for all of them)."""
+    against: computed once for all of them), and under "<aggregation>/<metric>" the run's ``TOKEN_METRICS``."""
+    from tests.ddp_grad_worker import TOKEN_METRICS
+
     batch, single = fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW), {}
     for aggregation in AGGREGATIONS:
         policy = make_policy(model_dir, batch, DrGRPO(), loss=surrogate(aggregation))
-        run_steps(policy)
+        metrics = run_steps(policy).callback_metrics
         single[aggregation] = flat(policy.captured[0])
+        single |= {f"{aggregation}/{key}": metrics[key].clone() for key in TOKEN_METRICS}
     return single
 
 

@@ -293,21 +293,23 @@ def test_packing_with_lora_and_under_bf16_autocast():
 
 
 def test_layout_logs_with_a_reduce_that_works_in_place():
-    """Lightning's DDP/FSDP2 ``strategy.reduce`` all-reduces the tensor it is given in place: the padding share must
-    stay this process's own (it read the other process's maximum once). Here the other process ran 300 tokens."""
+    """Lightning's DDP/FSDP2 ``strategy.reduce`` all-reduces the tensor it is given in place: the maximum must not
+    overwrite the sums (it read the other process's maximum once). The layout metrics are over every process (each
+    process's own ratio, averaged over processes, weighed them unequally). Here the other process ran 300 tokens,
+    150 of them real, in 2 micro-batches (400 padded)."""
     from types import SimpleNamespace
 
     from sgrpo.train.update import LAYOUT, PolicyUpdate
 
     def reduce(tensor, reduce_op):
-        other = torch.tensor(300.0)
-        tensor.copy_(torch.maximum(tensor, other) if reduce_op == "max" else (tensor + other) / 2)
+        other = torch.tensor([150.0, 400.0, 300.0, 2.0, 1.0]) if tensor.dim() else torch.tensor(300.0)
+        tensor.copy_(torch.maximum(tensor, other) if reduce_op == "max" else tensor + other)
         return tensor
 
     policy = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace(reduce=reduce)))
     sums = dict(zip(LAYOUT, map(torch.tensor, (90.0, 150.0, 100.0, 2.0))))
     logs = PolicyUpdate._layout_logs(policy, sums)
-    assert float(logs["train/padding_fraction"]) == pytest.approx(0.1)  # (100 - 90) / 100
-    assert float(logs["train/padding_fraction_padded"]) == pytest.approx(0.4)  # (150 - 90) / 150
-    assert float(logs["train/tokens_per_micro_batch"]) == 45.0
+    assert float(logs["train/padding_fraction"]) == pytest.approx(160 / 400)  # (400 - 240) / 400
+    assert float(logs["train/padding_fraction_padded"]) == pytest.approx(310 / 550)  # (550 - 240) / 550
+    assert float(logs["train/tokens_per_micro_batch"]) == 60.0  # 240 / 4
     assert float(logs["train/update/token_imbalance"]) == pytest.approx(300 / 200)

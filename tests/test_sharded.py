@@ -19,6 +19,7 @@ from sgrpo.export import main as export
 from sgrpo.fit import main
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.train.loss import AGGREGATIONS
+from tests.ddp_grad_worker import TOKEN_METRICS
 from tests.preloaded import run
 from tests.server_ranks_job import check_server_ranks, prepare_server_ranks
 from tests.sharded_async import async_jobs, check_async_rollouts_over_two_processes
@@ -245,11 +246,15 @@ def check_sharded_rollouts_sample_the_unsharded_policy(out: Path) -> None:
 
 def check_two_ddp_processes_give_the_single_process_gradient(single: dict[str, torch.Tensor], out: Path) -> None:
     """2 DDP processes, each running several micro-batches (tests/ddp_grad_worker.py), give the single-process
-    gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation."""
+    gradient with a single all-reduce (DDP's no_sync on all but the last backward), for every aggregation, and
+    logs its entropy (a mean over every process's loss tokens; their counts differ) and skipped rows (a sum) as one
+    process does (before: each process's mean, averaged over processes, 3e-4 off; the count halved)."""
     for aggregation in AGGREGATIONS:
         info = json.loads((out / f"grads_{aggregation}.json").read_text())
         assert info["world_size"] == 2 and info["rows_per_rank"] == [8, 8], aggregation
         assert rel_err(flat(torch.load(out / f"grads_{aggregation}.pt")), single[aggregation]) < 1e-6, aggregation
+        for key in TOKEN_METRICS:
+            assert info[key] == pytest.approx(float(single[f"{aggregation}/{key}"]), rel=1e-6), (aggregation, key)
         # micro-batches of 2 rows: several backwards per process, but one gradient all-reduce per optimiser step
         assert info["allreduce_rounds_per_rank"] == [1, 1], aggregation
 

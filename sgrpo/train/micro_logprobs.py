@@ -106,16 +106,18 @@ class MicroBatchLogprobs:
         return verdicts[id(model)]
 
     def _layout_logs(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The update's layout metrics, from ``LAYOUT``'s sums (popped): padding share of what ran and of what the
-        padded path runs, real tokens per micro-batch, and the largest process's tokens over the mean (1: balanced)."""
-        real, padded, ran, chunks = (sums.pop(name) for name in LAYOUT)
-        most = self.trainer.strategy.reduce(ran.clone(), reduce_op="max")  # reduce all-reduces in place
-        mean = self.trainer.strategy.reduce(ran.clone(), reduce_op="mean")
+        """The update's layout metrics, from ``LAYOUT``'s sums (popped), over every process: padding share of what ran
+        and of what the padded path runs, real tokens per micro-batch, and the largest process's tokens over the mean
+        (1: balanced)."""
+        local = torch.stack([sums.pop(name).float() for name in LAYOUT])
+        local = torch.cat([local, torch.ones_like(local[:1])])  # and 1 per process: their count
+        most = self.trainer.strategy.reduce(local[2].clone(), reduce_op="max")  # reduce all-reduces in place
+        real, padded, ran, chunks, processes = self.trainer.strategy.reduce(local, reduce_op="sum")
         return {
             "train/padding_fraction": (ran - real) / ran.clamp_min(1.0),
             "train/padding_fraction_padded": (padded - real) / padded.clamp_min(1.0),
             "train/tokens_per_micro_batch": real / chunks.clamp_min(1.0),
-            "train/update/token_imbalance": most / mean.clamp_min(1.0),
+            "train/update/token_imbalance": most / (ran / processes).clamp_min(1.0),
         }
 
     def _micro_batches(self, rollout: RolloutBatch, rows: Tensor, token_mask: Tensor, model=None) -> list[Tensor]:

@@ -54,7 +54,7 @@ class StepLogging:
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             }
             | self._objective(rewards)
-            | nucleus_log(rollout)
+            | nucleus_log(rollout, lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum"))
             | episode_log(rollout),
             prog_bar=("train/reward", "train/success_rate"),
         )
@@ -82,13 +82,15 @@ class StepLogging:
             self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
 
 
-def nucleus_log(rollout) -> dict[str, Tensor]:
+def nucleus_log(rollout, add_up=lambda sums: sums) -> dict[str, Tensor]:
     """``train/rollout/nucleus_mass``: the mean over sampled tokens of the mass top-p kept (the full softmax's mass
-    on the nucleus the token was drawn from; 1 without top-p), where the engine reports it (the lean decoder)."""
+    on the nucleus the token was drawn from; 1 without top-p), where the engine reports it (the lean decoder; the
+    same engine on every process), over every process's tokens (``add_up`` sums a tensor over processes)."""
     if rollout.nucleus_mass is None:
         return {}
     mask = rollout.completion_mask.float()
-    return {"train/rollout/nucleus_mass": (rollout.nucleus_mass * mask).sum() / mask.sum().clamp_min(1.0)}
+    mass, tokens = add_up(torch.stack([(rollout.nucleus_mass * mask).sum(), mask.sum()]))
+    return {"train/rollout/nucleus_mass": mass / tokens.clamp_min(1.0)}
 
 
 def episode_log(rollout) -> dict[str, Tensor]:

@@ -106,13 +106,12 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
             scheduler.step()
         steps = self.ppo_epochs * self.num_minibatches
         logs = self._layout_logs(sums) | {k: torch.tensor(v, device=self.device) for k, v in balance_logs.items()}
-        tokens = sums.pop("tokens").clamp_min(1.0)
-        logs |= {f"train/{name}": sums[name] / tokens for name in (*self.loss.stats, "entropy")}
+        local_tokens = sums.pop("tokens")
+        logs |= self._token_means(sums, local_tokens)
         logs |= {
             "train/loss": sums["loss"] / steps,
             "train/grad_norm": sums["grad_norm"] / steps,
-            "train/throughput/update_tok_s": tokens / max(time.perf_counter() - started, 1e-9),
-            "train/update/rows_skipped": sums["rows_skipped"] / steps,
+            "train/throughput/update_tok_s": local_tokens / max(time.perf_counter() - started, 1e-9),
             "train/skipped_steps": sums["skipped_steps"],
         }
         if sampler_logp is not None:  # every process logs the same keys (sync_dist pairs them up)
@@ -145,6 +144,18 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
                 "(RolloutBatch.logprobs) for the importance weights: use an engine that reports them"
             )
         return stale
+
+    def _token_means(self, sums: dict[str, Tensor], tokens: Tensor) -> dict[str, Tensor]:
+        """The loss's per-token stats (``PolicyLoss.stats``: clip fractions, kl, the importance weight) and the
+        entropy, each sum over every process's loss tokens divided by their count, and ``train/update/rows_skipped``
+        summed over processes (one all-reduce). Each process's own ratio, averaged over processes by the logger,
+        weighed processes with few tokens like those with many, and one with none (constant groups only) as 0."""
+        names = (*self.loss.stats, "entropy", "rows_skipped")
+        local = torch.stack([torch.as_tensor(sums[n], dtype=torch.float32, device=self.device) for n in names])
+        totals = self.trainer.strategy.reduce(torch.cat([local, tokens.float().reshape(1)]), reduce_op="sum")
+        steps = self.ppo_epochs * self.num_minibatches
+        means = {f"train/{n}": total / totals[-1].clamp_min(1.0) for n, total in zip(names[:-1], totals[:-2])}
+        return means | {"train/update/rows_skipped": totals[-2] / steps}
 
     def _offpolicy_logs(self, sums: dict[str, Tensor]) -> dict[str, Tensor]:
         """``train/offpolicy/*`` (``sgrpo.train.correction.offpolicy_metrics``) from the loss's ``offpolicy_stats``
