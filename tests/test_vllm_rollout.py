@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from sgrpo.model.logprobs import logprob_mismatch
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny_model
 from sgrpo.rollout.engine import bump_weights_version
-from sgrpo.rollout.vllm_engine import INSTALL_HINT, VLLMRollout
+from sgrpo.rollout.vllm_engine import INSTALL_HINT, VLLMRollout, engine_rng
 from sgrpo.rollout.vllm_requests import rollout_batch_from_outputs, sampling_kwargs
 from sgrpo.train.loss import tis_weights
 from sgrpo.types import Example
@@ -71,6 +72,28 @@ def test_tis_weights_and_mismatch_by_hand():
 
 
 # ---------------------------------------------------------------------------------------------- engine
+def test_the_step_seed_decides_what_vllm_v2_draws_for_an_unseeded_request():
+    """vLLM's V2 model runner (its default on CUDA) gives a request without a seed one drawn from numpy's global RNG
+    (``np.random.randint`` over int64 in ``vllm.v1.worker.gpu.sample.states``); under ``engine_rng`` that draw
+    follows the step seed alone, whatever numpy's state before, and numpy's state is put back (torch's too)."""
+    v2_request_seed = lambda: int(np.random.randint(-(2**63), 2**63 - 1))  # noqa: E731 - vLLM's own call
+
+    def drawn(step_seed: int, outer: int) -> tuple[int, float]:
+        np.random.seed(outer)
+        torch.manual_seed(outer)
+        with engine_rng(step_seed):
+            seed, sample = v2_request_seed(), float(torch.rand(()))
+        assert v2_request_seed() == (np.random.seed(outer), v2_request_seed())[1]  # numpy's stream carries on
+        return seed, sample
+
+    assert drawn(7, outer=0) == drawn(7, outer=1)  # before: numpy's outer state decided the request seeds
+    assert drawn(7, outer=0)[0] != drawn(8, outer=0)[0]
+    state = np.random.get_state()[1].copy()
+    with engine_rng(None):  # greedy or per-request seeds: nothing seeded
+        pass
+    assert (np.random.get_state()[1] == state).all()
+
+
 def test_constructor_checks_and_lazy_import(monkeypatch, tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as on a machine without it
     engine = VLLMRollout(max_new_tokens=4)  # constructing needs no vLLM

@@ -20,6 +20,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -83,9 +84,9 @@ class VLLMRollout(RolloutEngine):
         max_model_len: Prompt + completion tokens per row (null: the model's).
         dtype: vLLM's weights dtype.
         seed: Engine seed.
-        seed_per_request: Per-request seeds from torch's RNG (vLLM then samples each sequence with its own
-            generator, a Python loop per decode step); off: the engine is seeded per step from torch's RNG.
-            Either way a resumed run draws the same.
+        seed_per_request: Per-request seeds from torch's RNG (vLLM's V1 runner then samples each sequence with
+            its own generator, a Python loop per decode step); off: the engine is seeded per step from torch's
+            RNG (``engine_rng``). Either way a resumed run draws the same.
         enforce_eager: No CUDA graphs in vLLM.
         weight_chunk_mib: Size of a weight sync chunk.
         engine_kwargs: Passed to ``vllm.LLM`` as they are (``max_num_seqs``, ``enable_prefix_caching``, ...).
@@ -315,21 +316,29 @@ def empty_device_cache() -> None:
 
 @contextlib.contextmanager
 def engine_rng(seed: int | None):
-    """Seed torch's generators (the CPU's and every CUDA device's) with ``seed`` while the block runs, then put
-    their states back; nothing without a seed.
+    """Seed torch's generators (the CPU's and every CUDA device's) and numpy's global one with ``seed`` while the
+    block runs, then put their states back; nothing without a seed.
 
-    The colocated engine samples in this process (external launcher), requests without a seed of their own
-    from the device's default generator: seeded per step (``seed`` drawn from torch's RNG, which
-    ``GRPOPolicy`` seeds from (seed, step, rank)) a run and its resume draw the same, and vLLM's sampler keeps
-    its batched path (per-request seeds take a Python loop over the sequences at every decode step).
+    The colocated engine samples in this process (external launcher). Requests without a seed of their own draw
+    from the device's default generator under vLLM's V1 model runner (the CPU build's), and under the V2 runner
+    (vLLM's default on CUDA) from a seed each request takes from numpy's global RNG
+    (``vllm.v1.worker.gpu.sample.states``): both seeded per step (``seed`` drawn from torch's RNG, which
+    ``GRPOPolicy`` seeds from (seed, step, rank)), a run and its resume draw the same, validations do not shift
+    the training samples, and vLLM's sampler keeps its batched path (per-request seeds take a Python loop over
+    the sequences at every decode step under V1).
     """
     if seed is None:
         yield
         return
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
+    numpy_state = np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            yield
+    finally:
+        np.random.set_state(numpy_state)
 
 
 def sleep_mode_available() -> bool:
