@@ -46,10 +46,10 @@ def _start_method() -> str:
     """fork where it is safe, else forkserver (Linux) or spawn (macOS / Windows, where fork is unsafe or absent).
 
     fork: workers start in milliseconds with the parent's imports (math-verify already loaded) and need no
-    ``if __name__ == "__main__"`` guard; the children never touch CUDA or torch threads, as with DataLoader
-    workers. But a process that has initialised CUDA runs native threads (the CUDA driver's, NCCL's watchdog and
-    proxy threads) that may hold locks at the fork, which the child then inherits held:
-    such a process starts its pool from a forkserver, a clean single-threaded process.
+    ``if __name__ == "__main__"`` guard; the children never touch CUDA, and run torch on one thread
+    (``_init_worker``), as DataLoader workers do. But a process that has initialised CUDA runs native threads
+    (the CUDA driver's, NCCL's watchdog and proxy threads) that may hold locks at the fork, which the child then
+    inherits held: such a process starts its pool from a forkserver, a clean single-threaded process.
     """
     if not sys.platform.startswith("linux"):
         return "spawn"
@@ -62,11 +62,22 @@ def _runs_native_threads() -> bool:
     return torch is not None and bool(torch.cuda.is_initialized())
 
 
-def _init_worker() -> None:
-    # A worker must die on the parent's terminate() (SIGTERM) even if the parent installed a handler
-    # (Lightning does), and must leave Ctrl-C to the parent.
+#: in a worker: where each call announces its round, index and start time (``time.monotonic``, system-wide)
+_STARTED = None
+
+
+def _init_worker(started=None) -> None:
+    """A worker must die on the parent's terminate() (SIGTERM) even if the parent installed a handler (Lightning
+    does), and must leave Ctrl-C to the parent. torch runs on one thread here: a worker forked from a trainer whose
+    OpenMP threads had run (any CPU fit) hung in its first parallel torch op (GNU OpenMP's pool does not survive a
+    fork), so a reward using torch timed out on every call."""
+    global _STARTED
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _STARTED = started
+    torch = sys.modules.get("torch")  # imported by the parent (fork) or by the reward itself later: both covered
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def _terminate(pool: multiprocessing.pool.Pool, grace: float = 1.0, deadline: float = 10.0) -> None:
@@ -93,10 +104,12 @@ class WorkerPool:
 
     Calls are queued in order; the wait for a result starts once every earlier call has finished, so
     each call gets at least ``timeout`` seconds of running time. A call that times out marks the pool
-    as hung: it is terminated (killing the stuck worker), restarted, and the calls still pending are
-    submitted again. A worker that dies (a non-zero exit code) fails the first call still waiting, in order
-    (the one it ran when there is one worker), and the pool is restarted likewise. The pool is created on first
-    use and re-created in a forked child process.
+    as hung: it fails, with every other call running then that is still unfinished once it has run ``timeout``
+    seconds (k calls hanging together cost about one timeout per ``workers`` of them, not k), the pool is
+    terminated (killing the stuck workers), restarted, and the calls still pending are submitted again. A worker
+    that dies (a non-zero exit code) fails the first call still waiting, in order (the one it ran when there is
+    one worker), and the pool is restarted likewise. The pool is created on first use and re-created in a forked
+    child process.
     """
 
     def __init__(self, workers: int) -> None:
@@ -106,12 +119,17 @@ class WorkerPool:
         self.restarts = 0
         self._pool: multiprocessing.pool.Pool | None = None
         self._pid = -1
-        self._workers: set = set()  # every worker process seen since the pool started (the pool forgets dead ones)
+        self._workers: set = set()  # worker processes seen since the pool started (the pool forgets dead ones)
+        self._started = None  # the queue on which the workers announce each call's start
+        self._round = 0  # submissions so far
 
     def _get(self) -> multiprocessing.pool.Pool:
         if self._pool is None or self._pid != os.getpid():
             context = multiprocessing.get_context(_start_method())
-            self._pool = context.Pool(self.workers, _init_worker, maxtasksperchild=MAX_TASKS_PER_CHILD)
+            self._started = context.SimpleQueue()
+            self._pool = context.Pool(
+                self.workers, _init_worker, (self._started,), maxtasksperchild=MAX_TASKS_PER_CHILD
+            )
             self._pid = os.getpid()
         return self._pool
 
@@ -120,7 +138,7 @@ class WorkerPool:
         if self._pool is not None and self._pid == os.getpid():
             _terminate(self._pool)
         self._pool = None
-        self._workers = set()
+        self._workers, self._started = set(), None
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple], timeout: float) -> list[Outcome]:
         """``[fn(*args) for args in calls]`` in the workers; never raises for a failing call."""
@@ -128,38 +146,62 @@ class WorkerPool:
         pending = list(range(len(calls)))
         while pending:
             pool = self._get()
-            futures = {i: pool.apply_async(_guarded, (fn, *calls[i])) for i in pending}
+            self._round += 1  # the start queue's announcements name their round: older ones are ignored
+            futures = {i: pool.apply_async(_guarded, ((self._round, i), fn, *calls[i])) for i in pending}
             failed = self._collect(futures, pending, outcomes, timeout)
             if failed is None:
                 break
             hung, error = failed
-            outcomes[hung] = Outcome(False, error=error)
             for i in pending:  # results that arrived before the restart are kept
                 if outcomes[i] is None and futures[i].ready():
                     outcomes[i] = _outcome(futures[i], 0)
+            for i in hung:
+                outcomes[i] = Outcome(False, error=error)
             self.restarts += 1
-            log.warning("scoring call %d failed: %s; restarting the worker pool", hung, error)
+            calls_failed = f"call {hung[0]}" if len(hung) == 1 else f"{len(hung)} calls ({', '.join(map(str, hung))})"
+            log.warning("scoring %s failed: %s; restarting the worker pool", calls_failed, error)
             self.close()
             pending = [i for i in pending if outcomes[i] is None]
         return outcomes  # type: ignore[return-value]
 
-    def _collect(self, futures: dict, pending: list[int], outcomes: list, timeout: float) -> tuple[int, str] | None:
-        """Fill ``outcomes`` in order; return the first call that timed out or whose worker died, and why."""
+    def _collect(self, futures: dict, pending: list[int], outcomes: list, timeout: float):
+        """Fill ``outcomes`` in order; return the calls that failed and why (``None``: none did): the first one whose
+        worker died, or the first one that timed out with every unfinished call that has run ``timeout`` seconds."""
         for i in pending:
             deadline = time.monotonic() + timeout
             while not futures[i].ready():
                 code = self._dead_worker()
                 if code is not None:
-                    return i, f"worker process died (exit code {code})"
+                    return [i], f"worker process died (exit code {code})"
                 if time.monotonic() >= deadline:
-                    return i, f"timeout after {timeout:g} s"
+                    return [i, *self._overdue(futures, pending, outcomes, timeout, i)], f"timeout after {timeout:g} s"
                 futures[i].wait(POLL_S)
             outcomes[i] = _outcome(futures[i], 0)
         return None
 
+    def _overdue(self, futures: dict, pending: list[int], outcomes: list, timeout: float, first: int) -> list[int]:
+        """The calls other than ``first`` (which timed out) that hang too: each unfinished call that had started by
+        now (as announced on the start queue) is given until it has run ``timeout`` seconds (at most ``timeout``
+        more), and those still unfinished then are returned; the ones not started are left to the restart."""
+        started = {}
+        while not self._started.empty():
+            (round_, index), at = self._started.get()
+            if round_ == self._round:  # not a call of an earlier run (the pool serves every run of the process)
+                started[index] = at
+        running = [i for i in pending if i != first and outcomes[i] is None and i in started]
+        end = max((started[i] + timeout for i in running), default=0.0)
+        while time.monotonic() < end and not all(futures[i].ready() for i in running):
+            if self._dead_worker() is not None:  # the restart kills them anyway: they run again after it
+                break
+            time.sleep(POLL_S)
+        now = time.monotonic()
+        return [i for i in running if not futures[i].ready() and now - started[i] >= timeout]
+
     def _dead_worker(self) -> int | None:
-        """The exit code of a worker that died (non-zero; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``)."""
+        """The exit code of a worker that died (non-zero; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``, which
+        is forgotten: each one kept held its pipe's two file descriptors open until ``close``)."""
         self._workers.update(getattr(self._pool, "_pool", []))  # the pool drops exited workers within 0.1 s
+        self._workers = {worker for worker in self._workers if worker.exitcode != 0}
         for worker in self._workers:
             if worker.exitcode not in (None, 0):
                 return worker.exitcode
@@ -175,9 +217,11 @@ def _outcome(future: multiprocessing.pool.AsyncResult, timeout: float) -> Outcom
         return Outcome(False, error=f"{type(err).__name__}: {err}")
 
 
-def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a worker, where ``sys.exit`` (which the pool would let end the worker, losing the call)
-    is an error like any other."""
+def _guarded(call: tuple[int, int], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker, its start announced first (``call``: the round and the call's index), where
+    ``sys.exit`` (which the pool would let end the worker, losing the call) is an error like any other."""
+    if _STARTED is not None:
+        _STARTED.put((call, time.monotonic()))
     try:
         return fn(*args)
     except SystemExit as err:

@@ -11,7 +11,7 @@ import torch
 from sgrpo.types import Example
 from tasks import EditSimilarity, ExactMatch, Reward, RewardResult, SampleReward, Task, WeightedSum
 from tasks.base import fill
-from tasks.pool import WorkerPool
+from tasks.pool import Outcome, WorkerPool
 
 
 class Scripted(SampleReward):
@@ -62,6 +62,62 @@ def test_pool_keeps_results_that_arrived_before_a_restart():
         outcomes = pool.run(time.sleep, [(0.0,), (30.0,), (0.0,), (0.0,)], timeout=0.5)
         assert [o.ok for o in outcomes] == [True, False, True, True]
         assert "timeout" in outcomes[1].error and pool.restarts == 1
+    finally:
+        pool.close()
+
+
+def test_calls_hanging_together_cost_one_timeout_not_one_each():
+    """4 calls that hang at once in 4 workers fail together at the first timeout, one restart (before: the first
+    one failed, the pool restarted, and each other one got a fresh timeout: 4 restarts, 4 timeouts one after
+    another); a call queued behind them still gets its full run after the restart."""
+    pool = WorkerPool(4)
+    try:
+        pool.run(time.sleep, [(0.0,)] * 5, timeout=10.0)  # an earlier run: its starts, long past, are not this run's
+        start = time.perf_counter()
+        outcomes = pool.run(time.sleep, [(30.0,)] * 4 + [(0.0,)], timeout=0.5)
+        assert [o.ok for o in outcomes] == [False] * 4 + [True]
+        assert all("timeout after 0.5 s" in o.error for o in outcomes[:4])
+        assert pool.restarts == 1 and time.perf_counter() - start < 1.9
+    finally:
+        pool.close()
+
+
+def _torch_reward(n: int) -> float:
+    a = torch.ones(n, n)
+    return float((a @ a)[0, 0]) / n
+
+
+def test_a_worker_forked_after_the_trainers_threads_ran_scores_with_torch():
+    """A forked worker of a process whose OpenMP threads had run (any CPU fit) hung in its first parallel torch op,
+    so a reward using torch timed out on every call; workers run torch on one thread, as DataLoader's do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(256, 256) @ torch.ones(256, 256)  # the parent's OpenMP pool is up
+        pool = WorkerPool(1)
+        try:
+            assert pool.run(_torch_reward, [(256,)], timeout=10.0)[0] == Outcome(True, 1.0)
+        finally:
+            pool.close()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_retired_workers_do_not_keep_file_descriptors_open(monkeypatch):
+    """A worker retired after MAX_TASKS_PER_CHILD calls was kept in the pool's set of workers seen, its pipe's two
+    file descriptors with it, until close: a long run ran out of them ("Too many open files")."""
+    import os
+
+    import tasks.pool
+
+    monkeypatch.setattr(tasks.pool, "MAX_TASKS_PER_CHILD", 1)
+    pool = WorkerPool(1)
+    try:
+        pool.run(abs, [(-1,)], timeout=10.0)
+        opened = len(os.listdir("/proc/self/fd"))
+        for _ in range(15):  # one call at a time: a worker retires after each
+            assert pool.run(abs, [(-1,)], timeout=10.0)[0].value == 1
+        assert len(os.listdir("/proc/self/fd")) - opened < 6  # before: +2 per retired worker
     finally:
         pool.close()
 
