@@ -86,6 +86,33 @@ def test_the_paper_recipes_settings_in_a_tiny_fit(tmp_path, model_dir):
     assert cli.model.loss.rows_per_group == 3 and cli.model.rollout.top_p == 0.9
 
 
+def test_each_validation_of_a_fit_logs_its_own_mean_reward(tmp_path, model_dir, monkeypatch):
+    """Lightning builds a fit's validation loader, and with it the mean-reward metric, once: the metric was never
+    reset, so every validation after the first logged the first one's reward again (``val_reward``, the paper's
+    OpenThoughts figure). Here validation v scores every completion v / 10, a stand-in for a policy that learns."""
+    from sgrpo.eval.evaluation import PolicyEvaluation
+    from sgrpo.eval.metrics import MeanReward
+
+    validations, start, update = [], PolicyEvaluation.on_validation_epoch_start, MeanReward.update
+    monkeypatch.setattr(PolicyEvaluation, "on_validation_epoch_start",
+                        lambda self: (validations.append(len(validations)), start(self))[1])  # fmt: skip
+    monkeypatch.setattr(MeanReward, "update", lambda self, index, rewards: update(
+        self, index, torch.full_like(rewards, validations[-1] / 10) if self in rewarded else rewards))  # fmt: skip
+    loader = PolicyEvaluation._evaluation_loader
+    rewarded = []
+
+    def building(self, *args, **kwargs):
+        result = loader(self, *args, **kwargs)
+        rewarded.extend(self._evaluation_rewards.values())
+        return result
+
+    monkeypatch.setattr(PolicyEvaluation, "_evaluation_loader", building)
+    cli = fit(tmp_path, model_dir, "--trainer.max_steps=3", "--trainer.val_check_interval=1",
+              "--model.val_reward=true")  # fmt: skip
+    assert [v["step"] for v in cli.model.val_history] == [1, 2, 3]
+    assert [v["reward"] for v in cli.model.val_history] == pytest.approx([0.0, 0.1, 0.2])  # before: 0, 0, 0
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
 def test_the_sampler_is_the_trained_policy(tmp_path, precision):
     """The shipped model (rows with rewards that vary, so the update runs) logs the gap between the rollout's

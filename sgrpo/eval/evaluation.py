@@ -143,6 +143,8 @@ class PolicyEvaluation:
             values |= {key: values[key].reshape(-1) for key in ("pass_at_k", "by_difficulty", "successes")}
             prompts = int(values["successes"].sum())
             if prompts == 0:  # none of this set's prompts was evaluated (limit_val_batches)
+                if mean_reward is not None:
+                    mean_reward.reset()
                 continue
             present = [i for i, acc in enumerate(values["by_difficulty"].tolist()) if not math.isnan(acc)]
             passes = {k: value for k, value in enumerate(values["pass_at_k"].tolist(), start=1)}
@@ -154,7 +156,7 @@ class PolicyEvaluation:
             }
             prefix = f"{SPLITS[split][0]}/{name}/" if name else f"{SPLITS[split][0]}/"
             if mean_reward is not None:
-                sets[name]["reward"] = mean_reward.compute().item()
+                sets[name]["reward"] = computed(mean_reward, self.val_samples).item()
                 metrics[f"{prefix}reward"] = sets[name]["reward"]
             metrics |= {f"{prefix}pass@{k}": value for k, value in passes.items()}
             metrics[f"{prefix}accuracy"] = sets[name]["accuracy"]
@@ -176,12 +178,17 @@ class PolicyEvaluation:
         return result
 
 
-def computed(metric: PromptOutcomes, samples: int) -> torch.Tensor:
-    """``metric.compute()`` (synced over the processes), then reset. A process that evaluated none of the set's
-    prompts first adds an empty update, so that it syncs like the others (and torchmetrics does not warn)."""
+def computed(metric: PromptOutcomes | MeanReward, samples: int) -> torch.Tensor:
+    """``metric.compute()`` (synced over the processes), then reset: each validation of a fit counts its own rows
+    (Lightning builds the validation loader, and these metrics, once per fit). A process that evaluated none of the
+    set's prompts first adds an empty update, so that it syncs like the others (and torchmetrics does not warn)."""
     if not metric.update_called:
         empty = torch.zeros(0, dtype=torch.long, device="cpu")
-        metric.update(empty, torch.zeros(0, samples, dtype=torch.bool, device="cpu"), empty)
+        rows = torch.zeros(0, samples, dtype=torch.bool, device="cpu")
+        if isinstance(metric, MeanReward):
+            metric.update(empty, rows)
+        else:
+            metric.update(empty, rows, empty)
     value = metric.compute()
     metric.reset()
     return value.cpu()
