@@ -35,8 +35,8 @@ from sgrpo.checks import exit_with_error
 from sgrpo.model.loading import largest_magnitude, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
-from sgrpo.run.faults import Stopped
 from sgrpo.run.folders import logger_versions
+from sgrpo.run.signals import Stopped
 
 
 class CheckpointError(Exception):
@@ -87,8 +87,20 @@ def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merg
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {name: tensor for name, tensor in state.items() if name not in tied_aliases(model)}
     if leader:
         save_hf(model, tokenizer, path, state)
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """The second and later names of a parameter the model holds under several (a tied LM head): a full state dict
+    gathered from FSDP2 holds a copy under each name, which ``save_pretrained`` would write twice."""
+    seen, aliases = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
 
 
 class ExportInterrupted(Stopped):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from sgrpo.eval.report import read_run_metrics
@@ -263,7 +264,7 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
     """A 3-step FSDP2 fit wrote one checkpoint shard per process (``step3.ckpt`` once, ``last.ckpt`` a tree of hard
     links to it, replaced by the resume's own at step 5); the resume picked up at step 3; the run's
     export and ``python -m sgrpo.export`` of the sharded checkpoint (gathered in this one process) both hold
-    the trained policy."""
+    the trained policy, the tied LM head written once (the gathered state dict held a copy under each name)."""
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
     steps = []
     for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
@@ -280,6 +281,8 @@ def check_sharded_fit_resumed_and_exports(root: Path, checkpoint: Path, exported
         model = AutoModelForCausalLM.from_pretrained(folder)
         torch.testing.assert_close(probe(model), torch.load(root / "probe_logprobs.pt"), atol=1e-6, rtol=1e-5)
         assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        saved = {key for file in folder.glob("*.safetensors") for key in safe_open(file, "pt").keys()}  # noqa: SIM118
+        assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved  # tied: written once
 
 
 def check_a_resume_as_another_experiment_is_refused_in_one_line(root: Path) -> None:
