@@ -69,6 +69,7 @@ from sgrpo.run.preflight import (
 from sgrpo.run.progress import ParameterCount, StepProgressBar
 from sgrpo.run.resume import experiment_record
 from sgrpo.run.saving import RunCheckpoint, RunFitLoop
+from sgrpo.run.signals import sigterm_without_collective
 
 MODES = ("fit", "validate", "test")
 #: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir
@@ -133,6 +134,7 @@ class SgrpoCLI(LightningCLI):
         config["logger"] = loggers or False
         config["strategy"] = fsdp_as_fsdp2(config.get("strategy", "auto"))  # FSDP1 runs as FSDP2, with a notice
         trainer = self._instantiate_trainer(config, callbacks)
+        sigterm_without_collective(trainer)  # Lightning's SIGTERM handler broadcast (a hang under several processes)
         check_strategy(trainer.strategy)
         check_tensor_parallel(trainer.strategy)
         check_nodes(trainer)

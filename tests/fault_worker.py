@@ -15,6 +15,8 @@ fault_worker.py raise_hang RANK STEP FIT_ARGS... the same, while the other proce
 fault_worker.py raise_validate RANK 0 ARGS...    ``sgrpo.fit validate`` (ARGS start with "validate") where process
                                                 RANK raises in its first validation batch while the others wait on
                                                 the store there
+fault_worker.py sigterm_validate RANK 0 ARGS...  process RANK sends itself SIGTERM in its first validation batch
+                                                (ROOT/raised.RANK marks it) while the others validate on
 fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
 fault_worker.py slow_rollout 0 STEP FIT_ARGS...  every process's rollout of training step STEP (1-based) sleeps
                                                 0.3 s before each decode step (ROOT/rollout.RANK marks its start),
@@ -70,16 +72,21 @@ def this_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-def raise_in_validation(rank: int) -> None:
+def raise_in_validation(rank: int, sigterm: bool = False) -> None:
     from sgrpo.policy import GRPOPolicy
 
-    validation_step = GRPOPolicy.validation_step
+    validation_step, sent = GRPOPolicy.validation_step, []
 
     def failing(self, *args, **kwargs):
-        if this_rank() == rank:
+        if this_rank() == rank and sigterm and not sent:
+            sent.append(os.getpid())
+            Path(self.trainer.default_root_dir, f"raised.{rank}").touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif this_rank() == rank and not sigterm:
             Path(self.trainer.default_root_dir, f"raised.{rank}").touch()
             raise RuntimeError(f"{INJECTED} (process {rank}, validation)")
-        wait_on_the_store()
+        elif not sigterm:
+            wait_on_the_store()
         return validation_step(self, *args, **kwargs)
 
     GRPOPolicy.validation_step = failing
@@ -159,8 +166,8 @@ if __name__ == "__main__":
         stall_at(int(first), Path(second))
     elif mode == "slow_rollout":
         slow_rollout(int(second))
-    elif mode == "raise_validate":
-        raise_in_validation(int(first))
+    elif mode in ("raise_validate", "sigterm_validate"):
+        raise_in_validation(int(first), sigterm=mode == "sigterm_validate")
     else:
         raise_at(int(first), int(second), others_hang=mode == "raise_hang", sigterm=mode == "sigterm")
     from sgrpo.fit import main

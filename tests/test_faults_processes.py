@@ -67,6 +67,21 @@ def test_an_error_on_one_of_3_processes_in_validate_ends_them_all(model_dir, tmp
     assert "error: process 0 stops: process 2 failed" in text and " of 3 failed" not in text.replace("2 of 3", "")
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_of_2_processes_in_validate_ends_both(model_dir, tmp_path):
+    """``sgrpo.fit validate`` on 2 processes started separately (as srun starts them): process 1 gets SIGTERM in its
+    first validation batch while process 0 validates on. Lightning's handler broadcast from inside the signal
+    handler, a collective process 0 never joined: both hung until the process group's timeout. Now process 1
+    stops at its batch's end (143) and process 0 is ended through the store, both within 60 s."""
+    root = tmp_path / "run"
+    command = [sys.executable, str(WORKER), "sigterm_validate", "1", "0", "validate", "--config", TINY,
+               f"--trainer.default_root_dir={root}", f"--model.model={model_dir}", "--trainer.devices=2",
+               "--trainer.strategy=ddp", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=3",
+               "--model.val_prompts_per_batch=2"]  # 3 batches each: Lightning stops at a batch's end but the last
+    text, codes = run_failing(command, root, "1", 2, tmp_path, injected=("SIGTERMException",))
+    assert codes[1] == 143 and "error: process 0 stops: process 1 failed" in text, (codes, text[-3000:])
+
+
 @pytest.mark.bench  # 23 s: with the kill trials, in `make test-bench` (make test keeps the 1-process case, test_async)
 def test_a_rollout_producer_that_dies_on_one_of_2_processes_ends_every_process(model_dir, tmp_path):
     """Async rollouts (docs/async.md) on 2 processes started separately: process 1's producer is killed before it

@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sgrpo.distributed import ROLLOUT_STOP, RolloutStop, RolloutStopped
 from sgrpo.rollout import decode as decoding
-from sgrpo.run.faults import STOP_KEY, AbortWatch, StopRequests
+from sgrpo.run.faults import STOP_KEY, AbortWatch
+from sgrpo.run.signals import StopRequests
 
 
 @pytest.fixture

@@ -5,8 +5,7 @@ Every checkpoint holds the state at the end of a training step, the one state a 
 It is written after Lightning logged that step's metrics (a failed write loses no metrics row), before
 the validation or the step that follows, and its loop counters are those of that step's end
 (``step_end_loops``), noting whether the validation due after it has run. Files are written by
-``sgrpo.run.checkpoints``; what a fault does is ``sgrpo.run.faults``.
-"""
+``sgrpo.run.checkpoints``; what a fault does is ``sgrpo.run.faults``, and a signal ``sgrpo.run.signals``."""
 
 from __future__ import annotations
 
@@ -32,9 +31,10 @@ from sgrpo.run.checkpoints import (
     resume_failure,
     tidy_resumed,
 )
-from sgrpo.run.faults import EVERY_PROCESS, Stopped, StoppedNow, StopRequests, fail_fast, forward_signal
+from sgrpo.run.faults import EVERY_PROCESS, fail_fast
 from sgrpo.run.folders import agree_checkpoint
 from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
+from sgrpo.run.signals import Stopped, StoppedNow, StopRequests, forward_signal
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._checked_step, self._training = None, True
         self.stops.install(forward_signal(trainer), now=lambda: self._may_save_now(trainer),
                            agree=lambda signum: self._at_step_end(trainer) and ROLLOUT_STOP.request(signum))
+        self.stops.adopt_noted(trainer)  # a SIGTERM since the fit started (a sanity check)
 
     def on_train_end(self, trainer, pl_module) -> None:
         """The last step's checkpoints, if no validation followed it; ``last.ckpt`` also where a fit ended before

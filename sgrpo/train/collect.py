@@ -13,8 +13,8 @@ from estimators.base import constant_groups
 from sgrpo.distributed import ROLLOUT_STOP, any_process
 from sgrpo.rollout.episodes import EpisodeError
 from sgrpo.run.data import mix_seed
-from sgrpo.run.faults import StoppedNow
 from sgrpo.run.guards import EnvironmentFailure
+from sgrpo.run.signals import StoppedNow
 from sgrpo.types import Example, RolloutBatch
 
 
