@@ -149,7 +149,9 @@ def held_out_count(size: int | float, n: int) -> int:
 
 
 def check_source(path: str, field: str = "path") -> str:
-    """Classify ``path`` as "file", "dir" or "hub", or raise a clear error."""
+    """Classify ``path`` as "file", "dir" or "hub", or raise a clear error. A path that is not there but names a
+    local folder (``./``, ``/``, ``~``, or a first part that exists here: ``data/openthoughts`` before
+    ``sgrpo.prepare_data`` ran, or on a node without ``data/``) is refused as missing, not looked up on the hub."""
     p = Path(path).expanduser()
     if p.is_dir():
         return "dir"
@@ -157,6 +159,12 @@ def check_source(path: str, field: str = "path") -> str:
         if not path.endswith(EXTENSIONS):
             raise ValueError(f"{field}={path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
         return "file"
+    local = path.startswith((".", "/", "~")) or Path(path).parts[:1] and Path(Path(path).parts[0]).is_dir()
+    if local and not p.exists():
+        raise FileNotFoundError(
+            f"{field}={path!r}: no such file or folder (looked from {Path.cwd()}); if it is a data set sgrpo "
+            f"prepares, run python -m sgrpo.prepare_data (--only NAME) from there first, else give a hub id"
+        )
     if _HUB_ID.fullmatch(path) and not path.endswith(EXTENSIONS):
         return "hub"
     raise FileNotFoundError(
@@ -188,9 +196,13 @@ def read_rows(path: str | Path, columns: Sequence[str] | None = None) -> tuple[l
     return rows, names, locate
 
 
-def split_of(file: Path) -> str:
-    """The split a folder's file holds, by its name's first word (``test-00000-of-00001.parquet``); else train."""
-    return _SPLIT_NAMES.get(re.split(r"[-_.]", file.name, maxsplit=1)[0].lower(), "train")
+def split_of(file: Path, root: Path) -> str:
+    """The split a file of the folder ``root`` holds: by its name's first word (``test-00000-of-00001.parquet``),
+    else by the nearest folder under ``root`` named as a split (``test/0000.parquet``, the hub's other layout,
+    whose test rows were read as training data), else train."""
+    first_word = re.split(r"[-_.]", file.name, maxsplit=1)[0].lower()
+    folders = reversed(file.relative_to(root).parent.parts)
+    return next((_SPLIT_NAMES[n.lower()] for n in (first_word, *folders) if n.lower() in _SPLIT_NAMES), "train")
 
 
 def _row_number(index: int) -> str:
@@ -323,7 +335,7 @@ class SplitTable:
             raise FileNotFoundError(f"{self.path!r} holds no {'/'.join(EXTENSIONS)} files")
         by_split: dict[str, list[Row]] = {}
         for file in files:
-            by_split.setdefault(split_of(file), []).extend(self._read(file))
+            by_split.setdefault(split_of(file, Path(self.path).expanduser()), []).extend(self._read(file))
         return by_split
 
     def _read_hub(self) -> dict[str, list[Row]]:

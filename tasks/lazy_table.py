@@ -65,7 +65,7 @@ class LazySplitTable(SplitTable):
             files = [path] if self.kind == "file" else sorted(p for p in path.rglob("*") if p.suffix == ".parquet")
             for file in files:
                 dataset, names = open_parquet(file, self.columns)
-                segments.setdefault(split_of(file), []).append((dataset, names, str(file), _row_number, False))
+                segments.setdefault(split_of(file, path), []).append((dataset, names, str(file), _row_number, False))
         if "train" not in segments:
             raise ValueError(f"{self.path!r} has no train split (found {sorted(segments)})")
         missing = [s for s in ("test", "validation") if s not in segments and self.sizes.get(s)]

@@ -91,7 +91,7 @@ def test_the_patterns_pick_exactly_the_config_files_from_the_hub_layout(name):
     listing, expected, splits = LAYOUTS[name]
     chosen = select(name, listing, "abc")
     assert chosen == sorted(expected)
-    assert {split_of(Path(path)) for path in chosen} == splits
+    assert {split_of(Path(path), Path()) for path in chosen} == splits  # the paths from the repository root
 
 
 def build(spec):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks import GSM8K, DeepMath, MeetingBank, PoetryClassification, PoetryWriting, ReferenceText
-from tasks.data import SplitTable, check_rows, read_rows
+from tasks.data import SplitTable, check_rows, check_source, read_rows
 from tasks.deepmath import SCHEMAS
 from tasks.gsm8k import SCHEMA as GSM8K_SCHEMA
 
@@ -211,3 +211,29 @@ def test_an_empty_file_says_it_holds_no_rows(tmp_path):
     path.write_text("\n")
     with pytest.raises(ValueError, match=re.escape(f"{path} holds no rows; give path= a file with data")):
         _reference(str(path)).examples("train")
+
+
+def test_split_folders_hold_their_splits(tmp_path):
+    """The hub's other layout, ``train/0000.parquet`` and ``test/0000.parquet``: the split by the folder (a split
+    by the file name's first word alone read the test rows as training data)."""
+    for split, rows in (("train", GSM[:3]), ("test", GSM[3:])):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        _write(tmp_path / "data" / split / "0000.parquet", rows)
+    _write(tmp_path / "data" / "validation-00000-of-00001.parquet", GSM[:1])  # a file's own name still decides
+    table = SplitTable(str(tmp_path / "data"), schema=GSM8K_SCHEMA)
+    assert {split: len(table.rows(split)) for split in table.splits()} == {"train": 3, "test": len(GSM) - 3,
+                                                                           "validation": 1}  # fmt: skip
+
+
+def test_a_missing_local_folder_is_refused_as_missing_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """``data/openthoughts`` before ``sgrpo.prepare_data`` ran looked like a hub id (owner/name): offline a
+    ConnectionError from the hub, online retries on every process, and no word of the folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"path='data/gsm8k': no such file or folder \(looked from .*run "
+                                                r"python -m sgrpo.prepare_data"):
+        GSM8K(path="data/gsm8k")
+    for path in ("./gsm8k", "~/no-such-folder/gsm8k"):
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            GSM8K(path=path)
+    assert check_source("openai/gsm8k") == "hub"  # a hub id whose owner is no folder here

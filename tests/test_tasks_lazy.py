@@ -54,6 +54,18 @@ def write_openthoughts(folder, rows: int, files: int = 1, trace_chars: int = 200
     return total
 
 
+def test_the_lazy_table_reads_split_folders_as_the_eager_table(tmp_path):
+    """``train/`` and ``test/`` folders of parquet files: the lazy table takes the split from the folder, as the
+    eager one does (both read every file as training data before)."""
+    write_openthoughts(tmp_path / "ot" / "train", 30)
+    write_openthoughts(tmp_path / "ot" / "test", 12, seed=1)
+    for path in (tmp_path / "ot" / "test").glob("*.parquet"):
+        path.rename(path.with_name("0000.parquet"))  # no split in the file's name
+    lazy = LazySplitTable(str(tmp_path / "ot"), None, COLUMNS, SCHEMA, {"validation": 5}, 42)
+    assert len(list(lazy.rows("test"))) == 12
+    assert len(list(lazy.rows("train"))) + len(list(lazy.rows("validation"))) == 30
+
+
 @pytest.mark.parametrize("holdout", ["paper", "hash"])
 def test_the_lazy_table_holds_out_the_eager_table_s_rows(tmp_path, holdout):
     """Three files, repeated prompts: the same rows in the same order in every split, checked by the schema."""
