@@ -97,9 +97,30 @@ class LazySplitTable(SplitTable):
             positions.append(offset + kept)
             digests.append(these)
             offset += len(dataset)
-        whole = parts[0][0] if len(parts) == 1 else datasets.concatenate_datasets([part[0] for part in parts])
+        whole = parts[0][0] if len(parts) == 1 else self._concatenated(datasets, parts)
         joined = None if digest is None else np.concatenate(digests)
         return ArrowRows(whole, np.concatenate(positions)), joined
+
+    def _concatenated(self, datasets, parts: list[tuple]):
+        """One dataset of the parts' (memory-mapped, not copied); files that disagree on a column's type (int64 in
+        one shard, double in another) are refused naming the column, two of the files and the fix: datasets' own
+        error named neither file."""
+        try:
+            return datasets.concatenate_datasets([part[0] for part in parts])
+        except ValueError:
+            types: dict[str, dict[str, str]] = {}
+            for dataset, _, source, _, _ in parts:
+                for name, feature in dataset.features.items():
+                    types.setdefault(name, {}).setdefault(str(feature), source)
+            column, seen = next(((n, t) for n, t in types.items() if len(t) > 1), (None, {}))
+            if column is None:
+                raise
+            (first, a), (second, b) = list(seen.items())[:2]
+            raise ValueError(
+                f"{self.field}={self.path!r}: its files disagree on column {column!r}'s type ({a}: {first}; {b}: "
+                f"{second}); write every file with one type for it (pyarrow: table.cast), the lazy table maps them "
+                f"as they are"
+            ) from None
 
     def _checker(self, names: Sequence[str], source: str, locate, drop: bool) -> Callable[[list[Row], int], list[int]]:
         def check(rows: list[Row], first: int) -> list[int]:

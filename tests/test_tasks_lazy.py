@@ -66,6 +66,20 @@ def test_the_lazy_table_reads_split_folders_as_the_eager_table(tmp_path):
     assert len(list(lazy.rows("train"))) + len(list(lazy.rows("validation"))) == 30
 
 
+def test_shards_that_disagree_on_a_column_s_type_are_refused_naming_column_and_files(tmp_path):
+    """``difficulty`` int64 in one shard and double in the other: datasets' concatenation failed naming no file."""
+    from tasks.deepmath import DeepMath
+
+    for k, difficulty in enumerate((lambda i: i, lambda i: i + 0.5)):
+        rows = [{"question": f"q{k}-{i}", "final_answer": str(i), "difficulty": difficulty(i), "topic": "t"}
+                for i in range(20)]  # fmt: skip
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"train-0000{k}-of-00002.parquet")
+    with pytest.raises(ValueError, match=r"path='.*': its files disagree on column 'difficulty''s type \(.*"
+                                         r"train-00000-of-00002.parquet: Value\('int64'\); .*train-00001-of-00002"
+                                         r".parquet: Value\('float64'\)\); write every file with one type"):
+        DeepMath(path=str(tmp_path), validation_size=2).examples("train")
+
+
 @pytest.mark.parametrize("holdout", ["paper", "hash"])
 def test_the_lazy_table_holds_out_the_eager_table_s_rows(tmp_path, holdout):
     """Three files, repeated prompts: the same rows in the same order in every split, checked by the schema."""
