@@ -108,6 +108,20 @@ def test_dropout_is_off_in_training_unless_asked_for(tmp_path):
     assert disable_dropout(with_module) == 1 and with_module[1].p == 0.0
 
 
+def test_dropout_a_model_reads_from_its_config_in_forward_is_off_too():
+    """Falcon reads ``hidden_dropout`` and ``attention_dropout`` from its config at each forward (no ``nn.Dropout``):
+    two train-mode forwards differed (0.17 in the logits) with dropout off."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          hidden_dropout=0.1, attention_dropout=0.1)  # fmt: skip
+    model = FalconForCausalLM(config).train()
+    assert disable_dropout(model) >= 2 and model.config.hidden_dropout == model.config.attention_dropout == 0.0
+    ids = torch.randint(0, 64, (2, 10))
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_top_p_is_allowed_for_training_as_verl_allows_it():
     """The paper's recipes sample with top-p 0.999: the engine draws from the nucleus, the loss keeps the full
     softmax's log-probs (verl's way), so top-p alone is no truncation training refuses."""

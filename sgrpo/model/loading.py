@@ -66,13 +66,23 @@ def resolve_model_path(path: str) -> str:
 
 
 def disable_dropout(model: torch.nn.Module) -> int:
-    """Set every dropout probability of ``model`` to 0 (``nn.Dropout`` modules and attention-dropout rates).
+    """Set every dropout probability of ``model`` to 0: ``nn.Dropout`` modules, attention-dropout rates that
+    modules keep, and the rates of the configs they read in forward (Falcon's ``hidden_dropout`` and
+    ``attention_dropout``; any float config field named ``*dropout*``, ``*pdrop*`` or ``layerdrop``).
 
     RL on a policy's own samples needs the trained log-probs to be the sampling ones: with dropout
     on in training the on-policy ratio is not 1 (TRL and verl turn it off too). Returns how many
-    modules changed.
+    modules and config fields changed.
     """
     changed = 0
+    configs = {id(c): c for m in model.modules() for c in (getattr(m, "config", None),) if hasattr(c, "to_dict")}
+    for config in list(configs.values()):
+        configs |= {id(sub): sub for sub in vars(config).values() if hasattr(sub, "to_dict")}  # text/vision configs
+    for config in configs.values():
+        for name, value in list(vars(config).items()):
+            if any(key in name for key in ("dropout", "pdrop", "layerdrop")) and isinstance(value, float) and value:
+                setattr(config, name, 0.0)
+                changed += 1
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
             module.p, changed = 0.0, changed + 1
