@@ -114,7 +114,39 @@ def close_before_release(close: Callable[[], None]) -> None:
     _BEFORE_RELEASE.append(weakref.WeakMethod(close))
 
 
-def release_process_group() -> None:
+#: in the default group's store: a process that left without ``release_process_group`` (``leave_process_group``)
+LEFT_KEY, RELEASED_KEY = "sgrpo/left", "sgrpo/released"
+
+
+def default_store():
+    """The default process group's store, else None (no group, or a torch without it)."""
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def leave_process_group(why: str) -> None:
+    """Post in the store that this process leaves without ``release_process_group`` (its command failed here
+    alone, or a signal cut the export here), so that the others' final barrier does not wait for it."""
+    store = default_store() if world_size() > 1 else None
+    if store is not None:
+        with contextlib.suppress(Exception):  # the store's host is gone: no one is waiting on it
+            store.set(LEFT_KEY, f"process {torch.distributed.get_rank()} {why}")
+
+
+def released_after(command: Callable[[], Any]) -> None:
+    """``command()``, then ``release_process_group``; if it raises (on this process alone, maybe: process 0's
+    report), ``leave_process_group`` first, so that no other process's final barrier waits for this one."""
+    try:
+        command()
+    except BaseException as err:
+        leave_process_group(f"ended with {type(err).__name__}")
+        raise
+    release_process_group()
+
+
+def release_process_group(period: float = 0.05) -> None:
     """Destroy the default process group once every process is done with it (a barrier first).
 
     Lightning leaves it alive; a gloo group left to the interpreter's exit can abort a process there
@@ -122,14 +154,32 @@ def release_process_group() -> None:
     failed job after a run that finished. Engines registered by ``close_before_release`` are closed
     first (vLLM's shutdown destroys its groups, and raised at exit once the default one was gone). A
     no-op without a process group.
+
+    The processes first meet in the store, which also tells of a process that will not come: one that left
+    (``leave_process_group``: process 0's report failed, a signal cut the export on one process) or whose
+    store host (process 0) is gone. Then they skip the group's own barrier, where they waited for the process
+    group's timeout (NCCL's: 30 minutes, holding every GPU), and leave the group to the interpreter's exit.
     """
     while _BEFORE_RELEASE:
         close = _BEFORE_RELEASE.pop()()
         if close is not None:
             close()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    store, world = default_store(), world_size()
+    if store is not None and world > 1:
+        try:
+            arrived = store.add(RELEASED_KEY, 1)
+            while arrived < world:
+                if store.check([LEFT_KEY]):
+                    print(f"a process left before the end: {store.get(LEFT_KEY).decode()}", file=sys.stderr)
+                    return
+                time.sleep(period)
+                arrived = store.add(RELEASED_KEY, 0)
+        except Exception:  # the store's host, process 0, is gone
+            return
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def any_process(flag: bool, device: torch.device) -> bool:

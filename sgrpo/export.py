@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -32,11 +32,13 @@ import yaml
 from torch import Tensor, nn
 
 from sgrpo.checks import exit_with_error
+from sgrpo.distributed import leave_process_group
 from sgrpo.model.loading import largest_magnitude, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
+from sgrpo.run.faults import FAILING, announce
 from sgrpo.run.folders import logger_versions
-from sgrpo.run.signals import Stopped
+from sgrpo.run.signals import Stopped, forward_signal
 
 
 class CheckpointError(Exception):
@@ -103,16 +105,34 @@ def tied_aliases(model: nn.Module) -> set[str]:
     return aliases
 
 
+def stop_every_process(trainer) -> Callable[[int, str], None]:
+    """What a signal during the export tells the other processes: it is forwarded to those Lightning's launcher
+    started, and with several processes posted in the store, where the fault watch of a process still in the
+    export ends it (exit 1) within a second, and the final barrier of one past it stops waiting
+    (``sgrpo.distributed.release_process_group``). The export is a collective under FSDP2 (the full state dict's
+    gather): the others waited in it for the process group's timeout; under DDP, in the final barrier."""
+
+    def stop(signum: int, name: str) -> None:
+        forward_signal(trainer)(signum)
+        if trainer.world_size > 1:
+            FAILING.set()  # this process leaves by its own exception (143 / 130), not by its watch
+            announce(f"process {trainer.global_rank} was stopped by {name} during the export")
+            leave_process_group(f"was stopped by {name} during the export")  # DDP: the others are past the export
+
+    return stop
+
+
 class ExportInterrupted(Stopped):
     """SIGTERM or Ctrl-C while the end of a fit exported the policy: nothing was put in place (exit 143 / 130)."""
 
 
 @contextmanager
-def staged_export(path: Path, leader: bool = True) -> Iterator[Path]:
+def staged_export(path: Path, leader: bool = True, others: Callable[[int, str], None] | None = None) -> Iterator[Path]:
     """Where to write an export that lands at ``path`` whole or not at all: a hidden folder beside it
     (``.NAME.partial``), swapped in once complete (``replace_folder``). A SIGTERM or Ctrl-C meanwhile (from the main
-    thread) stops the write, says so and raises ``ExportInterrupted``; ``path`` is left as it was, and a resume
-    with ``--ckpt_path last`` (the same ``trainer.max_steps``) exports again."""
+    thread) stops the write, says so, tells the other processes (``others(signum, name)``) and raises
+    ``ExportInterrupted``; ``path`` is left as it was, and a resume with ``--ckpt_path last`` (the same
+    ``trainer.max_steps``) exports again."""
     staged = hidden_name(path, PARTIAL)
     previous: dict[int, Any] = {}
 
@@ -120,6 +140,8 @@ def staged_export(path: Path, leader: bool = True) -> Iterator[Path]:
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
         print(f"\n{name} during the export to {path}: it was not written (the checkpoints are whole); resume with "
               "--ckpt_path last to export again", file=sys.stderr, flush=True)  # fmt: skip
+        if others is not None:
+            others(signum, name)
         raise ExportInterrupted(signum)
 
     if threading.current_thread() is threading.main_thread():
@@ -154,7 +176,7 @@ class PolicyExport:
         base = self.policy_record()["base"]
         merged = self.peft is not None and self.peft.export_merged
         leader = self.trainer.is_global_zero
-        with staged_export(self.export_path, leader) as staged:
+        with staged_export(self.export_path, leader, stop_every_process(self.trainer)) as staged:
             save_policy(self.model, self.tokenizer, staged, self.peft, base, merged, leader=leader,
                         sharded=self.device_mesh is not None)  # fmt: skip
 

@@ -40,7 +40,7 @@ from sgrpo.distributed import (
     first_refusal,
     fsdp_as_fsdp2,
     join_started_processes,
-    release_process_group,
+    released_after,
 )
 from sgrpo.eval.evaluation import evaluation_table
 from sgrpo.eval.metrics_file import MarkResume, MetricsFile
@@ -394,5 +394,4 @@ def fit(trainer, policy: GRPOPolicy, ckpt_path: str | os.PathLike | None) -> Non
 
 
 if __name__ == "__main__":
-    main()
-    release_process_group()  # only here: a caller of main() may still use a sharded model's collectives
+    released_after(main)  # only here: a caller of main() may still use a sharded model's collectives

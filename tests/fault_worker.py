@@ -17,6 +17,8 @@ fault_worker.py raise_validate RANK 0 ARGS...    ``sgrpo.fit validate`` (ARGS st
                                                 the store there
 fault_worker.py sigterm_validate RANK 0 ARGS...  process RANK sends itself SIGTERM in its first validation batch
                                                 (ROOT/raised.RANK marks it) while the others validate on
+fault_worker.py report_fails RANK 0 FIT_ARGS...  process RANK's report raises after the fit (the others are done)
+fault_worker.py sigterm_export RANK 0 FIT_ARGS... process RANK sends itself SIGTERM in its part of the export
 fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
 fault_worker.py slow_rollout 0 STEP FIT_ARGS...  every process's rollout of training step STEP (1-based) sleeps
                                                 0.3 s before each decode step (ROOT/rollout.RANK marks its start),
@@ -90,6 +92,34 @@ def raise_in_validation(rank: int, sigterm: bool = False) -> None:
         return validation_step(self, *args, **kwargs)
 
     GRPOPolicy.validation_step = failing
+
+
+def fail_at_the_end(rank: int, where: str) -> None:
+    """Process ``rank`` fails after the fit alone: its report raises (``report``), or it gets SIGTERM in its part of
+    the end-of-fit export (``export``); ROOT/raised.RANK marks the moment."""
+    if this_rank() != rank:
+        return
+    import sgrpo.eval.report
+    import sgrpo.export
+
+    def mark(trainer_root) -> None:
+        Path(trainer_root, f"raised.{rank}").touch()
+
+    if where == "report":
+        def failing_report(policy, trainer):
+            mark(trainer.default_root_dir)
+            raise RuntimeError(f"{INJECTED} (process {rank}, report)")
+
+        sgrpo.eval.report.write_report = failing_report
+        return
+    save = sgrpo.export.save_policy
+
+    def cut(model, tokenizer, path, *args, **kwargs):
+        mark(path.parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save(model, tokenizer, path, *args, **kwargs)
+
+    sgrpo.export.save_policy = cut
 
 
 def raise_at(rank: int, step: int, others_hang: bool = False, sigterm: bool = False) -> None:
@@ -166,10 +196,13 @@ if __name__ == "__main__":
         stall_at(int(first), Path(second))
     elif mode == "slow_rollout":
         slow_rollout(int(second))
+    elif mode in ("report_fails", "sigterm_export"):
+        fail_at_the_end(int(first), "report" if mode == "report_fails" else "export")
     elif mode in ("raise_validate", "sigterm_validate"):
         raise_in_validation(int(first), sigterm=mode == "sigterm_validate")
     else:
         raise_at(int(first), int(second), others_hang=mode == "raise_hang", sigterm=mode == "sigterm")
+    from sgrpo.distributed import released_after
     from sgrpo.fit import main
 
-    main(fit_args)
+    released_after(lambda: main(fit_args))  # as python -m sgrpo.fit ends

@@ -82,6 +82,26 @@ def test_sigterm_to_one_of_2_processes_in_validate_ends_both(model_dir, tmp_path
     assert codes[1] == 143 and "error: process 0 stops: process 1 failed" in text, (codes, text[-3000:])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "rank", "status"), [("report_fails", "0", 1), ("sigterm_export", "1", 143)])
+def test_a_process_that_fails_after_the_fit_alone_leaves_the_others_a_clean_exit(mode, rank, status, model_dir,
+                                                                                   tmp_path):  # fmt: skip
+    """2 DDP processes started separately: process 0's report raises, or process 1 gets SIGTERM in its part of the
+    export, once the others are past the fit. They waited in the final barrier for the failed one: on NCCL until the
+    process group's timeout (on gloo here, the peer's closed socket ended them with a traceback). It posts its
+    leaving in the store; the others' final barrier stops waiting and they exit 0."""
+    root = tmp_path / "run"
+    command = [sys.executable, str(WORKER), mode, rank, "0",
+               *args(root, model_dir, "--trainer.max_steps=1", "--trainer.devices=2", "--trainer.strategy=ddp",
+                     *(["--report=true"] if mode == "report_fails" else []))]  # fmt: skip
+    processes, logs = start(command, 2, tmp_path)
+    codes, text = finish(processes, logs, timeout=240)
+    other = 1 - int(rank)
+    assert codes[int(rank)] == status and codes[other] == 0, (codes, text[-3000:])
+    assert "Traceback" not in logs[other].read_text(), logs[other].read_text()[-3000:]
+    assert (root / f"raised.{rank}").exists()
+
+
 @pytest.mark.bench  # 23 s: with the kill trials, in `make test-bench` (make test keeps the 1-process case, test_async)
 def test_a_rollout_producer_that_dies_on_one_of_2_processes_ends_every_process(model_dir, tmp_path):
     """Async rollouts (docs/async.md) on 2 processes started separately: process 1's producer is killed before it

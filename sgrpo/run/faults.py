@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
-from sgrpo.distributed import ROLLOUT_STOP, RolloutStop
+from sgrpo.distributed import ROLLOUT_STOP, RolloutStop, default_store
 from sgrpo.run.guards import GuardError
 from sgrpo.run.resume import ResumeError
 from sgrpo.run.signals import Stopped
@@ -83,10 +83,7 @@ def command_ended(trainer, interrupt, terminate=None) -> None:
 
 
 def _store():
-    try:
-        return torch.distributed.distributed_c10d._get_default_store()
-    except Exception:  # no process group, or a torch without it: the launchers still end the others
-        return None
+    return default_store()  # None without a process group: the launchers still end the others
 
 
 class AbortWatch:
@@ -152,7 +149,7 @@ def share_stop(store, stop: RolloutStop) -> None:
 
 
 #: set once this process is in ``fail_fast``: its own watch then leaves the report and the exit to it (the watch
-#: could read this process's own notice between ``_announce`` and the report, and end the process first)
+#: could read this process's own notice between ``announce`` and the report, and end the process first)
 FAILING = threading.Event()
 
 
@@ -166,7 +163,7 @@ def fail_fast(trainer, exception: BaseException, line: str | None = None, status
     rank, world = trainer.global_rank, trainer.world_size
     summary = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}".rstrip(": ")
     where = f"after {trainer.global_step} training steps"
-    first, notice = _announce(f"process {rank} failed {where} ({summary})")
+    first, notice = announce(f"process {rank} failed {where} ({summary})")
     if line is None and not first:  # most likely a consequence (a peer gone mid-collective): one line
         line = f"error: process {rank} stops: {notice}; here: {summary}"
     elif line is None:
@@ -249,7 +246,7 @@ class FailFast(Callback):
             self.watch.stop()
 
 
-def _announce(notice: str) -> tuple[bool, str]:
+def announce(notice: str) -> tuple[bool, str]:
     """Publish ``notice`` in the store if this is the job's first failure; return (first, the first's notice)."""
     store = _store()
     if store is None:
