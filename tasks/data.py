@@ -162,8 +162,8 @@ def check_source(path: str, field: str = "path") -> str:
     local = path.startswith((".", "/", "~")) or Path(path).parts[:1] and Path(Path(path).parts[0]).is_dir()
     if local and not p.exists():
         raise FileNotFoundError(
-            f"{field}={path!r}: no such file or folder (looked from {Path.cwd()}); if it is a data set sgrpo "
-            f"prepares, run python -m sgrpo.prepare_data (--only NAME) from there first, else give a hub id"
+            f"{field}={path!r} does not exist (looked from {Path.cwd()}); if it is a data set sgrpo prepares, run "
+            f"python -m sgrpo.prepare_data (--only NAME) from there first, else give a hub id"
         )
     if _HUB_ID.fullmatch(path) and not path.endswith(EXTENSIONS):
         return "hub"
