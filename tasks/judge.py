@@ -34,7 +34,7 @@ RUBRIC = (
     "(as well as the reference)? Reply with one line: Score: <number>"
 )
 _SCORE = re.compile(r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?")  # a minus after a digit is a range's dash ("0-10"), not a sign
 
 
 def after_thought(reply: str, thinking: bool = False) -> str | None:
@@ -49,9 +49,14 @@ def after_thought(reply: str, thinking: bool = False) -> str | None:
 
 
 def read_score(reply: str, max_score: float) -> float | None:
-    """``reply``'s score / ``max_score``: the number after the last "Score:", else the reply's last number; None when
-    there is none or it lies outside [0, ``max_score``]. ``read_score("Score: 7", 10)`` -> 0.7."""
-    found = _SCORE.findall(reply) or _NUMBER.findall(reply)
+    """``reply``'s score / ``max_score``: the number after the last "Score:", else one given out of ``max_score``
+    ("7/10", "7 out of 10"), else the reply's last number outside mentions of the scale ("0-10", "0 to 10"); None
+    when there is none or it lies outside [0, ``max_score``]. ``read_score("Score: 7", 10)`` -> 0.7. (The reply's
+    last number of "I rate it 7 out of 10", "7/10" or "3 (on a 0-10 scale)" was the scale's 10.)"""
+    scale = re.escape(f"{max_score:g}")
+    out_of = re.findall(rf"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:/|out\s+of)\s*{scale}(?!\.?\d)", reply, re.IGNORECASE)
+    unscaled = re.sub(rf"(?<![\d.])\d+(?:\.\d+)?\s*(?:-|–|to)\s*{scale}(?!\.?\d)", " ", reply)
+    found = _SCORE.findall(reply) or out_of or _NUMBER.findall(unscaled)
     if not found:
         return None
     value = float(found[-1])

@@ -28,8 +28,11 @@ from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, severa
 from tasks.reward import SampleReward, Scale
 from tasks.similarity import final_text, strip_think, template_opens_think
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_BOX = re.compile(r"\\(?:boxed|fbox)")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+#: a box's content read as one number (``numeric_answer``): a signed decimal, then at most words (units) and a period
+_BOX_NUMBER = re.compile(r"\s*(?:[A-Za-z]\w*\s*=)?\s*(-?\s*(?:\d+(?:\.\d*)?|\.\d+))\s*(?:[A-Za-z][A-Za-z\s]*)?\.?\s*")
+_FRACTION = re.compile(r"\s*(-?)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}\s*|\s*(-?\d+)\s*/\s*(\d+)\s*")
 _YES_NO = {"yes", "no"}
 #: math-verify's deadline for one answer, in seconds of CPU time, as a fraction of the reward's ``timeout`` (the
 #: pool's wall-clock limit per answer). The wall limit is 4 times the CPU deadline so that load alone does not
@@ -49,24 +52,40 @@ def _box_end(text: str, open_brace: int) -> int | None:
     return None
 
 
+def _box_at(text: str, after: int) -> tuple[str, int] | None:
+    """The argument of the box command ending at ``after`` and the index past it: ``{...}`` with balanced braces,
+    or, without a brace, the token that follows (``\\boxed 5``, as TeX reads it: not a brace further on, which
+    graded ``\\boxed 5 ... \\frac{10}{2}`` as 10); None when the braces never close (cut off) or nothing follows."""
+    start = len(text) - len(text[after:].lstrip(" "))
+    if start < len(text) and text[start] == "{":
+        end = _box_end(text, start)
+        return None if end is None else (text[start + 1 : end], end + 1)
+    token = re.match(r"[^\s${}\\]+", text[start:])
+    return None if token is None else (token.group().rstrip("."), start + token.end())
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    open_brace = text.find("{", start) if start >= 0 else -1
-    end = None if open_brace < 0 else _box_end(text, open_brace)
-    return None if end is None else text[open_brace + 1 : end]  # None when unbalanced: the box was cut off
+    last = _last_box(text)
+    found = None if last is None else _box_at(text, last.end())
+    return None if found is None else found[0]  # None when unbalanced: the box was cut off
+
+
+def _last_box(text: str) -> re.Match | None:
+    """The last box command of ``text`` (``\\boxed`` or ``\\fbox``), else None."""
+    matches = list(_BOX.finditer(text))
+    return matches[-1] if matches else None
 
 
 def all_boxed(text: str) -> list[str]:
     """Contents of every outermost ``\\boxed{...}`` (or ``\\fbox{...}``), in order, up to one cut off."""
     boxes, position = [], 0
     while match := _BOX.search(text, position):
-        open_brace = text.find("{", match.end())
-        end = None if open_brace < 0 else _box_end(text, open_brace)
-        if end is None:  # cut off: every later box lies inside it
+        found = _box_at(text, match.end())
+        if found is None:  # cut off: every later box lies inside it
             break
-        boxes.append(text[open_brace + 1 : end])
-        position = end + 1
+        boxes.append(found[0])
+        position = found[1]
     return boxes
 
 
@@ -264,11 +283,33 @@ class PaperMathVerify(MathVerifyReward):
 
 
 def numeric_answer(text: str) -> float | None:
-    """The number a response gives: the last number in its last ``\\boxed{}``, else in the text."""
+    """The number a response gives: its last ``\\boxed{}`` read as one number (``box_number``), else the text's last
+    number; None for a box that holds no single number or was cut off (the last number of a cut box's start was read
+    as the answer, and ``\\boxed{\\frac{1}{2}}`` or ``\\boxed{2^{10}}`` as 2 or 10)."""
     text = strip_think(text)
-    box = last_boxed(text)
-    numbers = _NUMBER.findall((text if box is None else box).replace(",", "").replace("$", ""))
+    last = _last_box(text)
+    if last is not None:
+        found = _box_at(text, last.end())
+        return None if found is None else box_number(found[0])
+    numbers = _NUMBER.findall(text.replace(",", "").replace("$", ""))
     return float(numbers[-1]) if numbers else None
+
+
+def box_number(box: str) -> float | None:
+    """A box's content as one number: a signed decimal (``.25``, ``-.5``, ``1,000``, ``1{,}000``, ``25\\%``), words
+    after it (units, ``\\text{ apples}``), a name before it (``x = 12``) and a final period allowed, or a fraction
+    (``\\frac{1}{2}``, ``3/4``); else None (an expression, several numbers)."""
+    plain = re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r" \1", box)
+    for mark in ("{,}", ",", "$", "\\!", "\\,", "\\%", "%", "\\ "):
+        plain = plain.replace(mark, "" if mark in ("{,}", ",", "\\!") else " ")
+    if number := _BOX_NUMBER.fullmatch(plain):
+        return float(number.group(1).replace(" ", ""))
+    if fraction := _FRACTION.fullmatch(plain):
+        sign, top, bottom = (fraction.group(1), fraction.group(2), fraction.group(3))
+        if top is None:
+            sign, top, bottom = "", fraction.group(4), fraction.group(5)
+        return None if float(bottom) == 0 else float(f"{sign}{top}") / float(bottom)
+    return None
 
 
 class NumericMatch(SampleReward):

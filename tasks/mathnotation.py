@@ -50,10 +50,15 @@ def normalize_answer(text: str) -> str:
     return _SCRIPT.sub(r"\1\2", text).rstrip(".")
 
 
+#: a comma between digits with three after it (and no fourth): a thousands separator, LaTeX's ``,\\!`` too
+_THOUSANDS = re.compile(r"(?<=\d),(?:\\!)?(\d{3})(?!\d)")
+
+
 def several_parts(gold: str) -> bool:
-    """Does ``gold`` list several answers: a comma or semicolon outside brackets (set braces ``\\{ \\}`` aside)?"""
+    """Does ``gold`` list several answers: a comma or semicolon outside brackets (set braces ``\\{ \\}`` aside)? A
+    thousands separator (``1,000``, ``1,\\!000``, ``12,345,678``) is none: such a gold joined every box."""
     depth = 0
-    for char in gold.replace("\\{", "").replace("\\}", ""):
+    for char in _THOUSANDS.sub(r"\1", gold).replace("\\{", "").replace("\\}", ""):
         if char in "([{":
             depth += 1
         elif char in ")]}":

@@ -29,6 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
         ("Score: 11", None),  # out of [0, max_score]
         ("Score: -1", None),
         ("I cannot grade this", None),
+        ("7/10", 0.7),  # out of the scale: before, the last number, 10
+        ("I rate it 7 out of 10.", 0.7),
+        ("Rating: 3 (on a 0-10 scale)", 0.3),  # before: -10, then 10
     ],
 )
 def test_read_score(reply, expected):

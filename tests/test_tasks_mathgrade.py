@@ -139,6 +139,10 @@ def test_by_default_an_unboxed_answer_scores_zero():
         ("(2, 3)", "$\\boxed{2}$ and $\\boxed{3}$", 0.0),  # a pair is one answer: the last box is graded
         ("1", "\\boxed{1} or maybe \\boxed{2}", 0.0),  # a single answer: the last box, as before
         ("2", "\\boxed{1}, no: \\boxed{2}", 1.0),
+        ("1,000", "So $a=\\boxed{12}$ first; the total is \\boxed{1000}.", 1.0),  # thousands: one part (was 0)
+        ("1,\\!000", "So $a=\\boxed{12}$ first; the total is \\boxed{1000}.", 1.0),
+        ("5", "The answer is $\\boxed 5$. Check: $\\frac{10}{2} = 5$.", 1.0),  # the box's token, not a later brace
+        ("10", "The answer is $\\boxed 5$. Check: $\\frac{10}{2} = 5$.", 0.0),
     ],
 )
 def test_several_boxes_are_graded_together_when_the_gold_has_several_parts(gold, completion, score):

@@ -121,6 +121,26 @@ def test_gsm8k_answers_rewards_and_success():
     assert NumericMatch().score([ex], ["no number"]).counts == {"no_number": 1}
 
 
+@pytest.mark.parametrize(("gold", "completion", "expected"), [
+    ("2", "\\boxed{\\frac{1}{2}}", 0.0),  # before: the box's last number, 2
+    ("10", "\\boxed{2^{10}}", 0.0),
+    ("25", "\\boxed{.25}", 0.0),  # before: .25 read as 25
+    ("5", "\\boxed{-.5}", 0.0),
+    ("12", "x = 12.5, so the answer is \\boxed{12", 0.0),  # a box cut off: no answer (before: the text's 12)
+    ("0.5", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("0.75", "\\boxed{3/4}", 1.0),
+    ("12", "\\boxed{12 \\text{ apples}}", 1.0),
+    ("12", "\\boxed{x = 12}.", 1.0),
+    ("1000", "\\boxed{1{,}000}", 1.0),
+    ("18", "\\boxed{\\$18}", 1.0),
+    ("5", "The answer is $\\boxed 5$. Check: $\\frac{10}{2} = 5$.", 1.0),  # before: the next brace, 10
+])  # fmt: skip
+def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
+    """GSM8K's default reward and success test (``NumericMatch``): the last box read as one number, not its last
+    number; a box cut at the token cap holds no answer."""
+    assert NumericMatch().score([Example("q", gold)], [completion]).total.tolist() == [expected]
+
+
 def test_generic_reference_text(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps({"q": f"say {w}", "a": w}) for w in ["red", "green", "blue", "gold"]))
