@@ -120,8 +120,9 @@ def test_real_fp32_output_matmuls_stack_the_parts_along_the_inner_dimension_on_m
     """The real ``torch.mm(..., out_dtype=torch.float32)`` / ``torch.addmm`` calls of the bf16 head, run on the meta
     device (CUDA's branch: meta has the kernels' shape and dtype rules): the forward's two parts of h go in as one
     GEMM of inner size 2H writing the ``[chunk, V]`` logits once (no ``[2 chunk, V]`` float32 temporary); the
-    backward's grad_h is one GEMM of inner size 2V, and grad_W accumulates in place (beta = 1), never writing a
-    ``[V, H]`` float32 product per chunk."""
+    backward's grad_h is one GEMM of inner size 2V, and grad_W accumulates in place (beta = 1) in two GEMMs, never
+    writing a ``[V, H]`` float32 product per chunk; the backward's only vocabulary-sized memory is the logits buffer
+    and each chunk's two bf16 parts (``grads_in_parts_``)."""
     vocab, hidden, tokens, chunk = 40, 8, 10, 4
     h = torch.randn(tokens, hidden, device="meta", requires_grad=True)
     weight = torch.randn(vocab, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
@@ -159,20 +160,38 @@ def test_real_fp32_output_matmuls_stack_the_parts_along_the_inner_dimension_on_m
     bf16, f32 = torch.bfloat16, torch.float32
     rows = [4, 4, 2]
     assert forward == [("mm", (n, 2 * hidden), (2 * hidden, vocab), bf16, f32) for n in rows]
-    logp.sum().backward()
+    with FreshVocabSized(vocab, hidden) as fresh:
+        logp.sum().backward()
     for n in rows:  # per chunk: the logits again, grad_h, grad_W
         assert ("mm", (n, 2 * hidden), (2 * hidden, vocab), bf16, f32) in calls
-        assert ("mm", (n, 2 * vocab), (2 * vocab, hidden), bf16, f32) in calls  # [dr_hi, dr_lo] @ [W; W]
-        assert ("addmm", (vocab, 3 * n), (3 * n, hidden), bf16, f32) in calls  # hi hi + hi lo + lo hi, into grad_W
-    assert len(calls) == 3 * len(rows)
+        assert ("mm", (n, 2 * vocab), (2 * vocab, hidden), bf16, f32) in calls  # [dr_hi | dr_lo] @ [W; W]
+        assert ("addmm", (vocab, 2 * n), (2 * n, hidden), bf16, f32) in calls  # hi hi + hi lo, into grad_W
+        assert ("addmm", (vocab, n), (n, hidden), bf16, f32) in calls  # lo hi
+    assert len(calls) == 4 * len(rows)
     assert h.grad.shape == h.shape and h.grad.dtype == f32 and weight.grad.dtype == bf16
+    # vocabulary-sized memory: the reused logits buffer, then per chunk only dr's two bf16 parts (one float32 chunk
+    # in all; the parts are stacked in dr's own storage); before, 3.5 to 4.5 chunks: a float32 copy and a difference
+    # per split, split twice, and the stacked [2c, V] and [V, 3c] operands
+    assert fresh.bytes == 4 * chunk * vocab + sum(2 * (2 * n * vocab) for n in rows), fresh.seen
 
 
-def test_logit_chunks_fill_accelerator_tiles():
-    from sgrpo.model.logprobs import logit_chunk_tokens
+class FreshVocabSized(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bytes of each fresh tensor (not a view or an in-place result of an input) of ``[rows, vocab]``-like
+    shape (a dimension of ``vocab`` or ``2 vocab``, none of ``hidden``: ``grad_W`` aside) that the ops under it
+    return."""
 
-    vocab = 151936  # Qwen2.5
-    assert logit_chunk_tokens(128, vocab, "cpu") == 220  # 128 MiB / (4 x 151,936 B)
-    assert logit_chunk_tokens(128, vocab, "cuda") == 1024  # at least 1,024 on an accelerator
-    assert logit_chunk_tokens(2048, vocab, "cuda") == 3584  # 3,533 rounded up to whole 256-token tiles
-    assert logit_chunk_tokens(0.001, 50, "cpu") == 5
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.vocab, self.hidden, self.bytes, self.seen = vocab, hidden, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            sized = isinstance(t, torch.Tensor) and {self.vocab, 2 * self.vocab} & set(t.shape)
+            if sized and not {self.hidden, 2 * self.hidden} & set(t.shape) and not t._is_view() and not any(
+                t.untyped_storage()._cdata == a.untyped_storage()._cdata for a in inputs
+            ):
+                self.bytes += t.numel() * t.element_size()
+                self.seen.append((str(func), tuple(t.shape), t.dtype))
+        return out

@@ -168,6 +168,31 @@ def activations_mm_(acc: Tensor, a: Tensor, b: Tensor, dtype: torch.dtype) -> Te
     return _addmm_fp32_(acc, torch.cat([x for x, _ in pairs], 1), torch.cat([y for _, y in pairs], 0))
 
 
+def grads_in_parts_(z: Tensor, h: Tensor, head: LMHead, dtype: torch.dtype, grad_h: Tensor | None,
+                    grad_w: Tensor | None) -> None:  # fmt: skip
+    """The head's backward matmuls for one chunk on a device that multiplies ``dtype`` into float32 (CUDA):
+    ``grad_h = dr W`` into ``grad_h`` and ``grad_W += dr^T h``, with ``dr`` = ``z`` (float32 ``[c, V]``) and ``h``
+    in two ``dtype`` parts each, as ``weight_mm`` and ``activations_mm_`` compute them (``hi hi + hi lo + lo hi``
+    for ``grad_W``), the parts written into ``z``'s own storage, which holds ``2 c V`` values of ``dtype``: ``[hi;
+    hi]`` (or ``[hi; lo]``) as ``[2c, V]`` for ``grad_W``, then ``[hi | lo]`` as ``[c, 2V]`` for ``grad_h``. So a
+    chunk's backward holds ``z`` and its two parts (two chunks of float32 in all), where stacking fresh copies
+    held ``z``, a float32 copy and a difference per split, and the ``[V, 3c]`` stacked operand (3.5 to 4.5)."""
+    rows, vocab = z.shape
+    hi = z.to(dtype)
+    lo = z.sub_(hi).to(dtype)  # z: the rest; from here its storage holds the parts
+    parts = z.view(dtype)  # [c, 2V]
+    if grad_w is not None:
+        h_parts = _parts(h, dtype)
+        stacked = parts.view(2 * rows, vocab)
+        stacked[:rows], stacked[rows:] = hi, hi if len(h_parts) == 2 else lo
+        _addmm_fp32_(grad_w, stacked.t(), torch.cat(h_parts if len(h_parts) == 2 else h_parts * 2, 0))
+        if len(h_parts) == 2:  # lo hi, the third product
+            _addmm_fp32_(grad_w, lo.t(), h_parts[0])
+    if grad_h is not None:
+        parts[:, :vocab], parts[:, vocab:] = hi, lo
+        grad_h.copy_(_mm_fp32(parts, head.stacked(0)))  # [hi | lo] @ [W; W]
+
+
 class LMHead:
     """An LM head ready to run: ``logits(h) = transform(h W^T + b) / T``, float32 ``[M, V]`` for ``h`` ``[M, H]``.
 
@@ -264,9 +289,10 @@ class TokenLogprobs(torch.autograd.Function):
     onehot(target) - softmax(z)`` and ``d z / d raw = (s / T)(1 - (T z / c)^2)`` (``LogitTransform``):
     with ``dr = g (onehot - p) d z / d raw``, ``grad_h = dr W``, ``grad_W = dr^T h``, ``grad_b = sum dr``;
     the two matmuls run in the compute dtype with float32 accumulation (``weight_mm``,
-    ``activations_mm_``: ``W`` rounded, ``dr`` and ``h`` in two parts). Unlike autograd over a checkpointed
-    ``log_softmax``, no chunk allocates fresh vocabulary-sized temporaries, so peak memory is one or two
-    ``[chunk, vocab]`` float32 buffers plus ``grad_W``.
+    ``activations_mm_``: ``W`` rounded, ``dr`` and ``h`` in two parts; on CUDA ``grads_in_parts_``, the parts in
+    ``dr``'s own storage). Unlike autograd over a checkpointed ``log_softmax``, no chunk allocates fresh
+    vocabulary-sized float32 temporaries, so peak memory is two ``[chunk, vocab]`` float32 buffers plus ``grad_W``
+    (the logits and a scratch in the forward, the logits and their two half-precision parts in the backward).
     """
 
     @staticmethod
@@ -315,6 +341,8 @@ class TokenLogprobs(torch.autograd.Function):
             z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
             if slope is not None:
                 z.mul_(slope)
+            if need_b:
+                grad_b += z.sum(0)
             if dtype in (torch.float32, torch.float64):  # 32-true: the float32 matmuls as they always were
                 if need_h and grad_h.dtype == acc:
                     torch.mm(z, weight, out=grad_h[i : i + chunk])
@@ -322,13 +350,14 @@ class TokenLogprobs(torch.autograd.Function):
                     grad_h[i : i + chunk] = torch.mm(z, weight)
                 if need_w:
                     grad_w.addmm_(z.t(), hc.to(acc))
-            else:
+            elif not _fp32_output(z.device.type, dtype):  # CPU: float32 products of the rounded weight
                 if need_h:
                     grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype, stacked=head.stacked(0))
                 if need_w:
                     activations_mm_(grad_w, z.t(), hc, dtype)
-            if need_b:
-                grad_b += z.sum(0)
+            else:
+                rows_h = grad_h[i : i + chunk] if need_h else None
+                grads_in_parts_(z, hc, head, dtype, rows_h, grad_w if need_w else None)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         grad_bias = None if bias is None else cast(grad_b, bias)
         return grad_h, cast(grad_w, weight), grad_bias, None, None, None, None, None, None
