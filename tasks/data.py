@@ -150,7 +150,7 @@ def held_out_count(size: int | float, n: int) -> int:
 
 def check_source(path: str, field: str = "path") -> str:
     """Classify ``path`` as "file", "dir" or "hub", or raise a clear error. A path that is not there but names a
-    local folder (``./``, ``/``, ``~``, or a first part that exists here: ``data/openthoughts`` before
+    local folder (``./``, ``/``, ``~``, ``data/``, or a first part that exists here: ``data/openthoughts`` before
     ``sgrpo.prepare_data`` ran, or on a node without ``data/``) is refused as missing, not looked up on the hub."""
     p = Path(path).expanduser()
     if p.is_dir():
@@ -159,7 +159,8 @@ def check_source(path: str, field: str = "path") -> str:
         if not path.endswith(EXTENSIONS):
             raise ValueError(f"{field}={path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
         return "file"
-    local = path.startswith((".", "/", "~")) or Path(path).parts[:1] and Path(Path(path).parts[0]).is_dir()
+    first = Path(path).parts[:1]  # data/: sgrpo.prepare_data's folder, on a fresh checkout not there yet either
+    local = path.startswith((".", "/", "~")) or first == ("data",) or first and Path(first[0]).is_dir()
     if local and not p.exists():
         raise FileNotFoundError(
             f"{field}={path!r} does not exist (looked from {Path.cwd()}); if it is a data set sgrpo prepares, run "

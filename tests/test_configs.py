@@ -150,7 +150,8 @@ DEEPMATH = {
 def test_deepmath_configs_are_the_papers_recipe_with_one_estimator_each(capsys):
     """configs/deepmath_softmax.yaml, the command users run first, is configs/paper/deepmath.yaml number for number
     (model, data, batch, steps, lengths, optimiser, loss, validation, rollout, layout); its twins differ from it in
-    the estimator block alone, and the scale_deepmath_* configs in the layout alone."""
+    the estimator block alone, the scale_deepmath_* configs in the layout alone, and the server configs in the layout,
+    the rollout and the batch (510 prompts over 6 processes) alone."""
     load = lambda name: yaml.safe_load((REPO / "configs" / name).read_text())  # noqa: E731
     recipe, paper = load("deepmath_softmax.yaml"), load("paper/deepmath.yaml")
     # the task alone differs: sgrpo's own grading and holdout there, the authors' in the paper's (issue 32)
@@ -173,6 +174,9 @@ def test_deepmath_configs_are_the_papers_recipe_with_one_estimator_each(capsys):
         assert raw["trainer"]["strategy"]["init_args"]["data_parallel_size"] == 8 * nodes, name
         assert raw["model"]["prompts_per_step"] % (8 * nodes) == 0, name
         assert _without(raw, *layout) == _without(recipe, *layout), name
+    served = ("trainer", "model.rollout", "model.prompts_per_step")  # the layout, the servers, 510 = 6 x 85 prompts
+    for name in ("scale_deepmath_server_1node", "scale_deepmath_server_multinode"):  # lacked seed and balance_batch
+        assert _without(load(f"{name}.yaml"), *served) == _without(recipe, *served), name
     with pytest.raises(SystemExit) as exit_:  # as a user runs it; hub ids stay unread
         main(["--config", str(REPO / "configs" / "deepmath_softmax.yaml"), "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)

@@ -229,11 +229,13 @@ def test_a_missing_local_folder_is_refused_as_missing_not_looked_up_on_the_hub(t
     """``data/openthoughts`` before ``sgrpo.prepare_data`` ran looked like a hub id (owner/name): offline a
     ConnectionError from the hub, online retries on every process, and no word of the folder."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"path='data/gsm8k' does not exist \(looked from .*run "
-                                                r"python -m sgrpo.prepare_data"):
-        GSM8K(path="data/gsm8k")
-    for path in ("./gsm8k", "~/no-such-folder/gsm8k"):
+    for _ in range(2):  # a fresh checkout (no data/), then data/ without this set
+        with pytest.raises(FileNotFoundError, match=r"path='data/gsm8k' does not exist \(looked from .*run "
+                                                    r"python -m sgrpo.prepare_data"):
+            GSM8K(path="data/gsm8k")
+        (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "gsm").mkdir()
+    for path in ("./gsm8k", "~/no-such-folder/gsm8k", "gsm/main"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
             GSM8K(path=path)
     assert check_source("openai/gsm8k") == "hub"  # a hub id whose owner is no folder here
