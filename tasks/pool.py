@@ -122,6 +122,7 @@ class WorkerPool:
         self._workers: set = set()  # worker processes seen since the pool started (the pool forgets dead ones)
         self._started = None  # the queue on which the workers announce each call's start
         self._round = 0  # submissions so far
+        self._starts: dict[int, float] = {}  # this round's calls' start times, by index (read from the queue)
 
     def _get(self) -> multiprocessing.pool.Pool:
         if self._pool is None or self._pid != os.getpid():
@@ -146,7 +147,7 @@ class WorkerPool:
         pending = list(range(len(calls)))
         while pending:
             pool = self._get()
-            self._round += 1  # the start queue's announcements name their round: older ones are ignored
+            self._round, self._starts = self._round + 1, {}  # announcements name their round: older ones are ignored
             futures = {i: pool.apply_async(_guarded, ((self._round, i), fn, *calls[i])) for i in pending}
             failed = self._collect(futures, pending, outcomes, timeout)
             if failed is None:
@@ -169,7 +170,9 @@ class WorkerPool:
         worker died, or the first one that timed out with every unfinished call that has run ``timeout`` seconds."""
         for i in pending:
             deadline = time.monotonic() + timeout
+            self._read_starts()
             while not futures[i].ready():
+                self._read_starts()
                 code = self._dead_worker()
                 if code is not None:
                     return [i], f"worker process died (exit code {code})"
@@ -183,11 +186,8 @@ class WorkerPool:
         """The calls other than ``first`` (which timed out) that hang too: each unfinished call that had started by
         now (as announced on the start queue) is given until it has run ``timeout`` seconds (at most ``timeout``
         more), and those still unfinished then are returned; the ones not started are left to the restart."""
-        started = {}
-        while not self._started.empty():
-            (round_, index), at = self._started.get()
-            if round_ == self._round:  # not a call of an earlier run (the pool serves every run of the process)
-                started[index] = at
+        self._read_starts()
+        started = self._starts
         running = [i for i in pending if i != first and outcomes[i] is None and i in started]
         end = max((started[i] + timeout for i in running), default=0.0)
         while time.monotonic() < end and not all(futures[i].ready() for i in running):
@@ -196,6 +196,15 @@ class WorkerPool:
             time.sleep(POLL_S)
         now = time.monotonic()
         return [i for i in running if not futures[i].ready() and now - started[i] >= timeout]
+
+    def _read_starts(self) -> None:
+        """Take the start announcements waiting on the queue (this round's into ``_starts``): read all along, as the
+        queue's pipe holds about 1,800 of them, and a worker whose announcement did not fit blocked before its call
+        (which then timed out)."""
+        while self._started is not None and not self._started.empty():
+            (round_, index), at = self._started.get()
+            if round_ == self._round:  # not a call of an earlier run (the pool serves every run of the process)
+                self._starts[index] = at
 
     def _dead_worker(self) -> int | None:
         """The exit code of a worker that died (non-zero; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``, which
