@@ -31,7 +31,14 @@ from tasks.similarity import final_text, strip_think, template_opens_think
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 #: a box's content read as one number (``numeric_answer``): a signed decimal, then at most words (units) and a period
-_BOX_NUMBER = re.compile(r"\s*(?:[A-Za-z]\w*\s*=)?\s*(-?\s*(?:\d+(?:\.\d*)?|\.\d+))\s*(?:[A-Za-z][A-Za-z\s]*)?\.?\s*")
+_BOX_NUMBER = re.compile(r"(?:[^\d=]*=)?\s*\+?(-?\s*(?:\d+(?:\.\d*)?|\.\d+))(?![\d.]*\d)[^\d=+*^]*")
+#: what a box holds around its number that is no number: wrappers (their text kept), spacing, degrees, unit powers
+_WRAPPER = re.compile(
+    r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mathit|boldsymbol|mbox|operatorname)\s*\{([^{}]*)\}"
+)
+_LAYOUT = re.compile(r"\\(?:displaystyle|textstyle|left|right|quad|qquad|[;:!, ])|~")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
+_UNIT_POWER = re.compile(r"(?<=[A-Za-z}])\s*\^\s*\{?[23]\}?")
 _FRACTION = re.compile(r"\s*(-?)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}\s*|\s*(-?\d+)\s*/\s*(\d+)\s*")
 _YES_NO = {"yes", "no"}
 #: math-verify's deadline for one answer, in seconds of CPU time, as a fraction of the reward's ``timeout`` (the
@@ -56,7 +63,7 @@ def _box_at(text: str, after: int) -> tuple[str, int] | None:
     """The argument of the box command ending at ``after`` and the index past it: ``{...}`` with balanced braces,
     or, without a brace, the token that follows (``\\boxed 5``, as TeX reads it: not a brace further on, which
     graded ``\\boxed 5 ... \\frac{10}{2}`` as 10); None when the braces never close (cut off) or nothing follows."""
-    start = len(text) - len(text[after:].lstrip(" "))
+    start = len(text) - len(text[after:].lstrip())
     if start < len(text) and text[start] == "{":
         end = _box_end(text, start)
         return None if end is None else (text[start + 1 : end], end + 1)
@@ -296,12 +303,19 @@ def numeric_answer(text: str) -> float | None:
 
 
 def box_number(box: str) -> float | None:
-    """A box's content as one number: a signed decimal (``.25``, ``-.5``, ``1,000``, ``1{,}000``, ``25\\%``), words
-    after it (units, ``\\text{ apples}``), a name before it (``x = 12``) and a final period allowed, or a fraction
+    """A box's content as one number: a signed decimal (``.25``, ``-.5``, ``+18``, ``1,000``, ``1{,}000``,
+    ``25\\%``), with what holds no number around it (``\\text{...}``, ``\\mathbf{...}`` and such wrappers, spacing,
+    ``^\\circ``, a unit's ``^2``, outer braces, words after it, ``Total = `` before it), or a fraction
     (``\\frac{1}{2}``, ``3/4``); else None (an expression, several numbers)."""
-    plain = re.sub(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}", r" \1", box)
-    for mark in ("{,}", ",", "$", "\\!", "\\,", "\\%", "%", "\\ "):
-        plain = plain.replace(mark, "" if mark in ("{,}", ",", "\\!") else " ")
+    plain = box
+    while (unwrapped := _WRAPPER.sub(r" \1 ", plain)) != plain:
+        plain = unwrapped
+    plain = _UNIT_POWER.sub("", _DEGREES.sub("", plain))
+    for mark, by in (("{,}", ""), (",", ""), ("$", " "), ("\\%", " "), ("%", " ")):
+        plain = plain.replace(mark, by)
+    plain = _LAYOUT.sub(" ", plain).strip()
+    while plain.startswith("{") and plain.endswith("}") and _box_end(plain, 0) == len(plain) - 1:
+        plain = plain[1:-1].strip()
     if number := _BOX_NUMBER.fullmatch(plain):
         return float(number.group(1).replace(" ", ""))
     if fraction := _FRACTION.fullmatch(plain):

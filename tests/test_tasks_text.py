@@ -134,6 +134,16 @@ def test_gsm8k_answers_rewards_and_success():
     ("1000", "\\boxed{1{,}000}", 1.0),
     ("18", "\\boxed{\\$18}", 1.0),
     ("5", "The answer is $\\boxed 5$. Check: $\\frac{10}{2} = 5$.", 1.0),  # before: the next brace, 10
+    ("18", "\\boxed\n{18}", 1.0),
+    ("18", "\\boxed{18^\\circ}", 1.0),  # what holds no number around it: as the box's last number read it
+    ("60", "\\boxed{60 \\text{ km/h}}", 1.0),
+    ("18", "\\boxed{\\mathbf{18}}", 1.0),
+    ("18", "\\boxed{18~\\text{dollars}}", 1.0),
+    ("18", "\\boxed{\\displaystyle {18}}", 1.0),
+    ("18", "\\boxed{+18 \\text{ (dollars)}}", 1.0),
+    ("18", "\\boxed{\\text{Total cost} = 18}", 1.0),
+    ("36", "\\boxed{36 \\text{ cm}^2}", 1.0),  # before: its last number, 2
+    ("56", "\\boxed{5, 6}", 0.0),  # two numbers
 ])  # fmt: skip
 def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
     """GSM8K's default reward and success test (``NumericMatch``): the last box read as one number, not its last
