@@ -79,6 +79,13 @@ _ROUNDS = itertools.count()  # every process calls first_refusal as often as the
 _NONE = "-"
 
 
+def store_key(name: str) -> str:
+    """sgrpo's key ``name`` in the process group's store, under the job's attempt: torchrun's agent keeps one store
+    over the restarts of ``--max-restarts``, where an earlier attempt's keys (a failure's notice, a process that
+    left) would end or release the next one at once."""
+    return f"sgrpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
 def first_refusal(refusal: str | None, read_wait: float = 30.0) -> str | None:
     """The refusal of the lowest-ranked process that has one (else None), the same on every process: each calls
     this with its own (a collective, through the default group's store, which needs no device). ``refusal``
@@ -90,7 +97,7 @@ def first_refusal(refusal: str | None, read_wait: float = 30.0) -> str | None:
     if world_size() == 1:
         return refusal
     store = torch.distributed.distributed_c10d._get_default_store()
-    rank, world, name = torch.distributed.get_rank(), world_size(), f"sgrpo/refusal/{next(_ROUNDS)}"
+    rank, world, name = torch.distributed.get_rank(), world_size(), store_key(f"refusal/{next(_ROUNDS)}")
     store.set(f"{name}/{rank}", _NONE if refusal is None else f"!{refusal}")
     if rank == 0:
         answers = [store.get(f"{name}/{r}").decode() for r in range(world)]  # each waits for its process
@@ -115,7 +122,7 @@ def close_before_release(close: Callable[[], None]) -> None:
 
 
 #: in the default group's store: a process that left without ``release_process_group`` (``leave_process_group``)
-LEFT_KEY, RELEASED_KEY = "sgrpo/left", "sgrpo/released"
+LEFT_KEY, RELEASED_KEY = store_key("left"), store_key("released")
 
 
 def default_store():
@@ -136,17 +143,23 @@ def leave_process_group(why: str) -> None:
 
 
 def released_after(command: Callable[[], Any]) -> None:
-    """``command()``, then ``release_process_group``; if it raises (on this process alone, maybe: process 0's
-    report), ``leave_process_group`` first, so that no other process's final barrier waits for this one."""
+    """``command()``, then ``release_process_group``; if either raises (on this process alone, maybe: process 0's
+    report, an engine's shutdown), ``leave_process_group`` first, so that no other process's final barrier waits
+    for this one."""
     try:
         command()
+        release_process_group()
     except BaseException as err:
         leave_process_group(f"ended with {type(err).__name__}")
         raise
-    release_process_group()
 
 
-def release_process_group(period: float = 0.05) -> None:
+#: seconds the final barrier waits in the store for a process that neither arrives nor says it left (killed: the
+#: OOM killer, a crash), as long as the process group's own timeout
+RELEASE_WAIT_S = 1800.0
+
+
+def release_process_group(period: float = 0.05, wait: float = RELEASE_WAIT_S) -> None:
     """Destroy the default process group once every process is done with it (a barrier first).
 
     Lightning leaves it alive; a gloo group left to the interpreter's exit can abort a process there
@@ -158,7 +171,8 @@ def release_process_group(period: float = 0.05) -> None:
     The processes first meet in the store, which also tells of a process that will not come: one that left
     (``leave_process_group``: process 0's report failed, a signal cut the export on one process) or whose
     store host (process 0) is gone. Then they skip the group's own barrier, where they waited for the process
-    group's timeout (NCCL's: 30 minutes, holding every GPU), and leave the group to the interpreter's exit.
+    group's timeout (NCCL's: 30 minutes, holding every GPU), and leave the group to the interpreter's exit. One
+    that neither comes nor says so (killed) is waited for ``wait`` seconds, then left likewise, with a line.
     """
     while _BEFORE_RELEASE:
         close = _BEFORE_RELEASE.pop()()
@@ -168,11 +182,13 @@ def release_process_group(period: float = 0.05) -> None:
         return
     store, world = default_store(), world_size()
     if store is not None and world > 1:
+        deadline = time.monotonic() + wait
         try:
             arrived = store.add(RELEASED_KEY, 1)
             while arrived < world:
-                if store.check([LEFT_KEY]):
-                    print(f"a process left before the end: {store.get(LEFT_KEY).decode()}", file=sys.stderr)
+                if store.check([LEFT_KEY]) or time.monotonic() > deadline:
+                    left = store.get(LEFT_KEY).decode() if store.check([LEFT_KEY]) else "none said why"
+                    print(f"{world - arrived} of {world} processes did not reach the end ({left})", file=sys.stderr)
                     return
                 time.sleep(period)
                 arrived = store.add(RELEASED_KEY, 0)

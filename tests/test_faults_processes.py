@@ -83,7 +83,10 @@ def test_sigterm_to_one_of_2_processes_in_validate_ends_both(model_dir, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "rank", "status"), [("report_fails", "0", 1), ("sigterm_export", "1", 143)])
+@pytest.mark.parametrize(("mode", "rank", "status"), [
+    pytest.param("report_fails", "0", 1, marks=pytest.mark.bench),  # 17 s: make test-bench (make test's margin)
+    ("sigterm_export", "1", 143),
+])  # fmt: skip
 def test_a_process_that_fails_after_the_fit_alone_leaves_the_others_a_clean_exit(mode, rank, status, model_dir,
                                                                                    tmp_path):  # fmt: skip
     """2 DDP processes started separately: process 0's report raises, or process 1 gets SIGTERM in its part of the
