@@ -31,14 +31,19 @@ from tasks.similarity import final_text, strip_think, template_opens_think
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 #: a box's content read as one number (``numeric_answer``): a signed decimal, then at most words (units) and a period
-_BOX_NUMBER = re.compile(r"(?:[^\d=]*=)?\s*\+?(-?\s*(?:\d+(?:\.\d*)?|\.\d+))(?![\d.]*\d)[^\d=+*^]*")
+_BOX_NUMBER = re.compile(
+    r"(?:[A-Za-z][A-Za-z\s]*=)?\s*\+?(-?\s*(?:\d+(?:\.\d*)?|\.\d+))\s*(?:[A-Za-z(][A-Za-z\s/()'.]*)?\.?"
+)
 #: what a box holds around its number that is no number: wrappers (their text kept), spacing, degrees, unit powers
 _WRAPPER = re.compile(
     r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mathit|boldsymbol|mbox|operatorname)\s*\{([^{}]*)\}"
 )
 _LAYOUT = re.compile(r"\\(?:displaystyle|textstyle|left|right|quad|qquad|[;:!, ])|~")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
-_UNIT_POWER = re.compile(r"(?<=[A-Za-z}])\s*\^\s*\{?[23]\}?")
+_UNIT_POWER = re.compile(
+    r"(?<![A-Za-z])((?:cm|mm|km|m|in|ft|yd|mi|units?|meters?|metres?|feet|inches))\s*\^\s*\{?[23]\}?"
+)
+_DIGIT_GROUP = re.compile(r"(?<=\d)(?:\{,\}|,|\\[,!]|\\ )(?=\d{3}(?!\d))")  # 1,000 1{,}000 1\,000 1\!000
 _FRACTION = re.compile(r"\s*(-?)\s*\\[dt]?frac\{(\d+)\}\{(\d+)\}\s*|\s*(-?\d+)\s*/\s*(\d+)\s*")
 _YES_NO = {"yes", "no"}
 #: math-verify's deadline for one answer, in seconds of CPU time, as a fraction of the reward's ``timeout`` (the
@@ -306,12 +311,13 @@ def box_number(box: str) -> float | None:
     """A box's content as one number: a signed decimal (``.25``, ``-.5``, ``+18``, ``1,000``, ``1{,}000``,
     ``25\\%``), with what holds no number around it (``\\text{...}``, ``\\mathbf{...}`` and such wrappers, spacing,
     ``^\\circ``, a unit's ``^2``, outer braces, words after it, ``Total = `` before it), or a fraction
-    (``\\frac{1}{2}``, ``3/4``); else None (an expression, several numbers)."""
+    (``\\frac{1}{2}``, ``3/4``); else None: an expression (``5\\pi``, ``18!``, ``20/x``, ``50 - x``, ``{18}^2``,
+    ``x != 18``), several numbers."""
     plain = box
     while (unwrapped := _WRAPPER.sub(r" \1 ", plain)) != plain:
         plain = unwrapped
-    plain = _UNIT_POWER.sub("", _DEGREES.sub("", plain))
-    for mark, by in (("{,}", ""), (",", ""), ("$", " "), ("\\%", " "), ("%", " ")):
+    plain = _DIGIT_GROUP.sub("", _UNIT_POWER.sub(r"\1", _DEGREES.sub("", plain)))
+    for mark, by in (("\\!", ""), (",", " "), ("$", " "), ("\\%", " "), ("%", " ")):
         plain = plain.replace(mark, by)
     plain = _LAYOUT.sub(" ", plain).strip()
     while plain.startswith("{") and plain.endswith("}") and _box_end(plain, 0) == len(plain) - 1:

@@ -144,6 +144,11 @@ def test_gsm8k_answers_rewards_and_success():
     ("18", "\\boxed{\\text{Total cost} = 18}", 1.0),
     ("36", "\\boxed{36 \\text{ cm}^2}", 1.0),  # before: its last number, 2
     ("56", "\\boxed{5, 6}", 0.0),  # two numbers
+    ("1000", "\\boxed{1\\!000}", 1.0),
+    *[(gold, f"\\boxed{{{box}}}", 0.0) for gold, box in (  # expressions: no number (the lenient reading took them)
+        ("18", "{18}^2"), ("3", "3e^2"), ("5", "5\\pi"), ("50", "50 - x"), ("18", "x != 18"), ("18", "18!"),
+        ("20", "20/x"), ("12", "12 \\cdot n"), ("18", "\\sqrt{x} = 18"), ("18", "-x = 18"),
+        ("5", "5 \\times \\text{rate}"))],
 ])  # fmt: skip
 def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
     """GSM8K's default reward and success test (``NumericMatch``): the last box read as one number, not its last
