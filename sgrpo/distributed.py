@@ -80,10 +80,11 @@ _NONE = "-"
 
 
 def store_key(name: str) -> str:
-    """sgrpo's key ``name`` in the process group's store, under the job's attempt: torchrun's agent keeps one store
-    over the restarts of ``--max-restarts``, where an earlier attempt's keys (a failure's notice, a process that
-    left) would end or release the next one at once."""
-    return f"sgrpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    """sgrpo's key ``name`` in the process group's store. Not per torchrun attempt: ``TORCHELASTIC_RESTART_COUNT``
+    differs between the nodes after a restart (a node restarted for another's failure counts none), so keys built
+    from it parted the processes of one attempt; an earlier attempt's keys in the agent's store stay a known
+    limit (docs/scaling.md)."""
+    return f"sgrpo/{name}"
 
 
 def first_refusal(refusal: str | None, read_wait: float = 30.0) -> str | None:

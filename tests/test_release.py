@@ -1,6 +1,5 @@
 """The final barrier (``sgrpo.distributed.release_process_group``) over 2 gloo processes: a process that fails at the
-end alone says so in the store, and one that says nothing is waited for only so long; the store's keys are per
-attempt of a torchrun job."""
+end alone says so in the store, and one that says nothing is waited for only so long."""
 
 from __future__ import annotations
 
@@ -103,12 +102,3 @@ def test_the_final_barrier_leaves_when_the_other_left_or_never_comes(one_of_two,
     distributed.release_process_group(period=0.01, wait=60.0)
     assert time.monotonic() - started < 5.0
     assert "did not reach the end (process 1 ended with RuntimeError)" in capsys.readouterr().err
-
-
-def test_store_keys_are_per_attempt(monkeypatch):
-    """torchrun keeps one store over the attempts of ``--max-restarts``: an earlier attempt's failure notice or
-    departure would end or release the next at once."""
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert distributed.store_key("left") == "sgrpo/2/left"
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-    assert distributed.store_key("left") == "sgrpo/0/left"
