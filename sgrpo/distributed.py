@@ -187,8 +187,9 @@ def release_process_group(period: float = 0.05, wait: float = RELEASE_WAIT_S) ->
         try:
             arrived = store.add(RELEASED_KEY, 1)
             while arrived < world:
-                if store.check([LEFT_KEY]) or time.monotonic() > deadline:
-                    left = store.get(LEFT_KEY).decode() if store.check([LEFT_KEY]) else "none said why"
+                said = store.check([LEFT_KEY])
+                if said or time.monotonic() > deadline:
+                    left = store.get(LEFT_KEY).decode() if said else "none said why"
                     print(f"{world - arrived} of {world} processes did not reach the end ({left})", file=sys.stderr)
                     return
                 time.sleep(period)

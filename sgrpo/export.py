@@ -89,7 +89,8 @@ def save_policy(model, tokenizer, path: Path, peft: LoRA | None, base: str, merg
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        state = {name: tensor for name, tensor in state.items() if name not in tied_aliases(model)}
+        aliases = tied_aliases(model)
+        state = {name: tensor for name, tensor in state.items() if name not in aliases}
     if leader:
         save_hf(model, tokenizer, path, state)
 

@@ -299,10 +299,9 @@ def numeric_answer(text: str) -> float | None:
     number; None for a box that holds no single number or was cut off (the last number of a cut box's start was read
     as the answer, and ``\\boxed{\\frac{1}{2}}`` or ``\\boxed{2^{10}}`` as 2 or 10)."""
     text = strip_think(text)
-    last = _last_box(text)
-    if last is not None:
-        found = _box_at(text, last.end())
-        return None if found is None else box_number(found[0])
+    if _BOX.search(text):
+        box = last_boxed(text)
+        return None if box is None else box_number(box)
     numbers = _NUMBER.findall(text.replace(",", "").replace("$", ""))
     return float(numbers[-1]) if numbers else None
 
