@@ -47,6 +47,7 @@ class Workload:
     share_prompts: bool = True  # sgrpo only: each prompt's forward once per micro-batch (the padded path's)
     packing: bool = True  # sgrpo only: model.packing, each micro-batch's real tokens packed (False: padded rows)
     lean_mlp: bool = True  # sgrpo only: model.lean_mlp, the MLP's backward recomputes silu(gate) * up
+    lean_norm: bool = True  # sgrpo only: model.lean_norm, an RMSNorm's backward recomputes its normalised input
     sgrpo_decoder: str = "lean"  # sgrpo only: HFRollout's decoder ("generate": transformers' generate)
     sgrpo_cuda_graphs: bool = False  # sgrpo only: HFRollout(cuda_graphs=True), fixed-shape steps replayed as graphs
     device: str = "cpu"  # "cuda": both in bf16-mixed (fp32 master weights); peak memory is then the GPU's
@@ -165,6 +166,7 @@ def sgrpo_policy(work: Workload):
         share_prompts=work.share_prompts,
         packing=work.packing,
         lean_mlp=work.lean_mlp,
+        lean_norm=work.lean_norm,
         logits_chunk_mib=work.logits_chunk_mib,
         max_grad_norm=1.0,
         optimizer=lambda params: torch.optim.AdamW(params, lr=work.lr, weight_decay=0.0, fused=True),

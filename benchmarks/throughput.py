@@ -117,8 +117,9 @@ ABLATIONS = (  # (label, the sgrpo workload fields that undo one optimisation)
     ("no packing, prompts not shared", {"packing": False, "share_prompts": False}),
     ("no token-budget micro-batches", {"micro_batch_tokens": None}),
     ("MLP keeps its four activations (lean_mlp off)", {"lean_mlp": False}),
+    ("norms keep their normalised input (lean_norm off)", {"lean_norm": False}),
     ("none of these", {"sgrpo_decoder": "generate", "micro_batch_tokens": None, "packing": False,
-                       "share_prompts": False, "lean_mlp": False}),
+                       "share_prompts": False, "lean_mlp": False, "lean_norm": False}),
 )
 
 

@@ -17,6 +17,7 @@ from sgrpo.eval.evaluation import PolicyEvaluation
 from sgrpo.export import PolicyExport
 from sgrpo.model.head import check_logit_head
 from sgrpo.model.lean_mlp import apply_lean_mlp
+from sgrpo.model.lean_norm import apply_lean_norm
 from sgrpo.model.loading import disable_dropout, resolve_model_path, shard_model
 from sgrpo.model.lora import LoRA, apply_lora, is_adapter
 from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_token
@@ -93,6 +94,7 @@ class GRPOPolicy(
         dtype: str = "float32",
         activation_checkpointing: bool = False,
         lean_mlp: bool = True,
+        lean_norm: bool = True,
         gradient_sync: Literal["auto", "step", "micro_batch"] = "auto",
         keep_dropout: bool = False,
         peft: LoRA | None = None,
@@ -146,6 +148,8 @@ class GRPOPolicy(
             activation_checkpointing: Recompute activations in the backward (less memory, ~1/3 more compute).
             lean_mlp: A SwiGLU MLP's backward recomputes silu(gate) * up (``sgrpo.model.lean_mlp``): the same
                 gradients, about a third less activation memory per layer.
+            lean_norm: An RMSNorm's backward recomputes its normalised input (``sgrpo.model.lean_norm``): the same
+                gradients, 4 bytes less activation memory per norm, token and hidden unit.
             gradient_sync: FSDP2 reduces gradients per optimiser "step" or "micro_batch"; "auto": "step" where it fits.
             keep_dropout: Keep the model's dropout in training (off by default: the trained policy is the sampled one).
             peft: LoRA adapters (``sgrpo.model.lora.LoRA``); null trains every weight.
@@ -229,7 +233,8 @@ class GRPOPolicy(
         self.val_reward = val_reward
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts, self.packing = share_prompts, packing
-        self.export_dir, self.activation_checkpointing, self.lean_mlp = export_dir, activation_checkpointing, lean_mlp
+        self.export_dir, self.activation_checkpointing = export_dir, activation_checkpointing
+        self.lean_mlp, self.lean_norm = lean_mlp, lean_norm
         require(gradient_sync in ("auto", "step", "micro_batch"), "gradient_sync must be auto, step or micro_batch")
         self.gradient_sync, self.defer_gradient_sync = gradient_sync, False  # decided once sharded (configure_model)
         self.keep_dropout, self.peft = keep_dropout, peft
@@ -280,6 +285,8 @@ class GRPOPolicy(
         self.model.train()
         if self.lean_mlp:
             apply_lean_mlp(self.model)  # LoRA'd or hooked projections take the module's own forward at each call
+        if self.lean_norm:
+            apply_lean_norm(self.model)
         if self.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if mesh is not None:

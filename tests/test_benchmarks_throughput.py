@@ -40,7 +40,8 @@ def test_the_workload_reaches_sgrpo_with_packing_and_prompt_sharing_as_set(tmp_p
         work = Workload(model_dir=str(tmp_path), **changes)
         policy = sgrpo_policy(work)  # no model loads here (configure_model does)
         assert (policy.packing, policy.share_prompts) == (work.packing, work.share_prompts)
-        assert policy.lean_mlp == work.lean_mlp
+        assert (policy.lean_mlp, policy.lean_norm) == (work.lean_mlp, work.lean_norm)
         assert policy.micro_batch_tokens == work.micro_batch_tokens
     assert {"packing": False} in [changes for _, changes in ABLATIONS]
     assert {"lean_mlp": False} in [changes for _, changes in ABLATIONS]
+    assert {"lean_norm": False} in [changes for _, changes in ABLATIONS]

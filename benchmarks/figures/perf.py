@@ -110,7 +110,9 @@ def throughput_ablation(stamp: dict) -> str:
         f"{r['wall_s']:.0f} s): sgrpo on the workload above, as configured and with one optimisation undone per "
         f"variant, every variant in its own process, steps alternating. The lean MLP (`model.lean_mlp`) lowers the "
         f"peak RSS from {num(lean['peak_mib'], 0)} to {num(base['peak_mib'], 0)} MiB "
-        f"({num(lean['peak_mib'] - base['peak_mib'], 0)} MiB less)."
+        f"({num(lean['peak_mib'] - base['peak_mib'], 0)} MiB less)"
+        + (f"; without the lean norms (`model.lean_norm`) the peak is {num(norm['peak_mib'], 0)} MiB."
+           if (norm := variants.get("norms keep their normalised input (lean_norm off)")) else ".")
     )
     rows = [[label, f"{v['step_s']:.3f}", f"{v['vs_configured']:.2f}x", f"{v['rollout_s']:.3f}", f"{v['update_s']:.3f}",
              num(v["peak_mib"], 0)] for label, v in variants.items()]  # fmt: skip

@@ -27,7 +27,8 @@ from typing import Any
 #: ``model.*`` keys a resume may change without changing the experiment (prefixes match their sub-keys)
 OPERATIONAL = (
     "model.micro_batch_size", "model.micro_batch_tokens", "model.logits_chunk_mib", "model.share_prompts",
-    "model.activation_checkpointing", "model.lean_mlp", "model.gradient_sync", "model.log_completions_every",
+    "model.activation_checkpointing", "model.lean_mlp", "model.lean_norm", "model.gradient_sync",
+    "model.log_completions_every",
     "model.log_completions_groups", "model.export_dir", "model.val_rollout", "model.val_samples",
     "model.val_greedy", "model.val_prompts_per_batch", "model.reward_failure_share", "model.reward_failure_steps",
     "model.task.init_args.workers", "model.task.init_args.reward.init_args.workers",
