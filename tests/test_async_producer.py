@@ -38,15 +38,21 @@ def test_a_model_of_hundreds_of_tensors_starts_its_producer(tmp_path):
     assert len(metrics["train/loss"]) == 2
 
 
-def test_a_fit_that_raises_stops_its_producer_and_leaves_no_block_files(monkeypatch):
-    """Lightning runs no ``teardown`` when a fit raises: the producer process and its folder of block files used to
-    outlive the fit in the interpreter. A producer whose trainer is gone deletes the folder itself."""
+def started_producers(monkeypatch) -> list:
+    """The ``RolloutProducer`` s started from now on, in order."""
     from sgrpo.rollout import producer as producer_module
 
     started = []
     init = producer_module.RolloutProducer.__init__
     monkeypatch.setattr(producer_module.RolloutProducer, "__init__",
                         lambda self, *a, **k: (init(self, *a, **k), started.append(self))[0])  # fmt: skip
+    return started
+
+
+def test_a_fit_that_raises_stops_its_producer_and_leaves_no_block_files(monkeypatch):
+    """Lightning runs no ``teardown`` when a fit raises: the producer process and its folder of block files used to
+    outlive the fit in the interpreter. A producer whose trainer is gone deletes the folder itself."""
+    started = started_producers(monkeypatch)
     update, calls = PolicyUpdate.update, []
 
     def failing(self, *args, **kwargs):
@@ -63,6 +69,31 @@ def test_a_fit_that_raises_stops_its_producer_and_leaves_no_block_files(monkeypa
         run_steps(policy, steps=4)
     (producer,) = started
     assert not producer.process.is_alive() and not os.path.exists(producer.folder) and policy._producer is None
+
+
+def test_a_signal_to_the_job_s_process_group_leaves_the_producer_sampling(monkeypatch):
+    """SIGINT and SIGTERM sent to the whole job (Ctrl-C, a scheduler's preemption) reach the producer too: it used to
+    die of them, and its trainer, which stops at the end of the step, raised ``ProducerError`` waiting for the
+    step's groups (no checkpoint). The producer ignores them and the steps go on."""
+    import signal
+
+    started = started_producers(monkeypatch)
+    update, calls = PolicyUpdate.update, []
+
+    def signalled(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                os.kill(started[0].process.pid, signum)
+            time.sleep(0.5)
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyUpdate, "update", signalled)
+    task = SyntheticTask(kind="sort", levels=[3, 5], num_train=64, num_validation=4)
+    policy = GRPOPolicy(SHIPPED, task, SoftmaxGRPO(temperature=0.5), HFRollout(max_new_tokens=8), group_size=4,
+                        prompts_per_step=4, async_rollout=True, max_staleness=0)  # fmt: skip
+    run_steps(policy, steps=4)
+    assert len(calls) == 4 and policy.rollout_step == 4
 
 
 def test_a_producer_whose_trainer_is_gone_deletes_its_block_folder(tmp_path):

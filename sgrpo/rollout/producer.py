@@ -36,6 +36,7 @@ import dataclasses
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -264,7 +265,13 @@ def _alive(lifeline) -> bool:
 def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, stop, parent, folder: str,
              ready) -> None:  # fmt: skip
     """The producer process (``_sample_steps``). A trainer that ended without ``close`` (an error in another
-    interpreter's fit, ``os._exit``, a kill) leaves the block folder to it: it deletes it as it ends."""
+    interpreter's fit, ``os._exit``, a kill) leaves the block folder to it: it deletes it as it ends.
+
+    It ignores SIGINT and SIGTERM: a signal to the job's process group (Ctrl-C, a scheduler's preemption) reaches
+    the producer too, and the trainer, which stops at the end of its step, still waits for that step's groups;
+    the producer ends by ``stop`` or by its trainer's end, as always."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _sample_steps(spec, shared, version, lock, pushed, queues, asked, stop, parent, folder, ready)
     finally:
