@@ -60,6 +60,8 @@ class FakeServer:
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
+                    if path in fake.cut_on:  # the answer cut short: part of the body, then the connection closes
+                        data, self.close_connection = data[: len(data) // 2], True
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
@@ -73,6 +75,7 @@ class FakeServer:
         self.version = "default"
         self.hold: threading.Event | None = None
         self.fail_on: set[str] = set()  # paths answered with HTTP 500 (the others as usual)
+        self.cut_on: set[str] = set()  # paths whose answer is cut short (the server died while answering)
         #: (request payload, choice index) -> that choice's token ids (None: ``completion`` for every choice)
         self.answer: Callable[[Any, int], list[int]] | None = None
         self.fail_after = 0  # calls of the fail_on paths that still succeed first

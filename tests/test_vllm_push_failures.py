@@ -75,6 +75,25 @@ def test_a_server_failing_mid_push_is_named_after_the_others_finished_and_resume
     assert a.version == b.version == engine._pushed and rl_state(a) == rl_state(b) == (False, False)
 
 
+def test_a_server_whose_answer_is_cut_short_is_named_after_the_others_finished_and_resumed(servers, tiny):
+    """b's answer to ``/pause`` stops mid-body (it died answering): urllib raises ``http.client.IncompleteRead``, which
+    used to leave the push from rank 0 before it read any weight (under FSDP2 the other processes then waited in the
+    gathers until the process group's timeout) and a paused, never resumed. Now b is left out like any failed
+    server: a gets every weight, the version and /resume, then b is named."""
+    model, tokenizer = tiny
+    a, b = servers(), servers()
+    engine = VLLMServerRollout(urls=[a.url, b.url], max_new_tokens=4, dtype="float32", weight_chunk_mib=0.01)
+    bump_weights_version(model)
+    b.cut_on = {"/pause"}
+    with pytest.raises(ServerError, match=f"^{b.url}/pause.*broken answer \\(IncompleteRead"):
+        engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    assert len(sent(a, "/update_weights")) > 3 and not sent(b, "/update_weights")
+    assert a.version == f"sgrpo-{engine._tag}-1" and rl_state(a) == (False, False) and not a.paused
+    b.cut_on = set()
+    engine.generate(model, tokenizer, [Example(prompt="s:4=", answer="4")], group_size=1)
+    assert a.version == b.version == engine._pushed
+
+
 def test_the_first_push_completes_an_update_an_earlier_run_left_active(servers, tiny, caplog):
     """A trainer that died mid-push left the server paused in an update; a new run's first push carries on in it
     (vLLM 0.32 has no abort, and refuses a second /start_weight_update), sends every weight and finishes it."""

@@ -8,6 +8,7 @@ in flight when it leaves, and returns the answers in request order, each tagged 
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -27,7 +28,8 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
     """One HTTP call: POST ``payload`` as JSON (GET without one); the JSON answer (None for an empty body).
 
     Raises ``ServerError`` naming ``url`` on a refused connection, a timeout (``timeout`` seconds per socket
-    operation), an HTTP error status (with the start of the server's message) or a body that is not JSON.
+    operation), an HTTP error status (with the start of the server's message), an answer cut short or garbled, or a
+    body that is not JSON.
     """
     data = None if payload is None else json.dumps(payload).encode()
     method = method or ("GET" if payload is None else "POST")
@@ -36,7 +38,10 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as err:
-        detail = err.read()[:300].decode(errors="replace").strip()
+        try:
+            detail = err.read()[:300].decode(errors="replace").strip()
+        except (http.client.HTTPException, OSError):  # the error's body cut short too
+            detail = "(its message cut short)"
         raise ServerError(f"{url}: HTTP {err.code} {err.reason}: {detail}") from None
     except TimeoutError as err:
         raise ServerError(f"{url}: no answer within {timeout:g} s ({err or 'timed out'})") from None
@@ -46,6 +51,8 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
         raise ServerError(f"{url}: unreachable ({err.reason}); is the vLLM server running there?") from None
     except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
         raise ServerError(f"{url}: connection lost ({err}); did the vLLM server stop?") from None
+    except http.client.HTTPException as err:  # an answer cut short (IncompleteRead) or garbled (BadStatusLine)
+        raise ServerError(f"{url}: broken answer ({type(err).__name__}: {err}); did the vLLM server stop?") from None
     if not body.strip():
         return None
     try:

@@ -114,6 +114,8 @@ class PushCalls:
                 action(url)
             except ServerError as err:
                 self.failures.setdefault(url, err)
+            except Exception as err:  # whatever else one server's call raised leaves that server out, not the push
+                self.failures.setdefault(url, ServerError(f"{url}: {type(err).__name__}: {err}"))
 
         live = self.live
         if live:
@@ -176,14 +178,14 @@ def push(
     if not sender:
         transport.send(calls, weights, chunk_bytes, sender=False)
         return
-    if pause == "keep":
-        calls.post("/pause?mode=keep&clear_cache=false")
-    else:  # requests in flight finish first: as long as a generation request may take
-        calls.post("/pause?mode=wait&clear_cache=true", timeout=max(servers.timeout, servers.request_timeout))
-    if not transport.drives_update:
-        calls.start()
     stream = iter(weights)
     try:
+        if pause == "keep":
+            calls.post("/pause?mode=keep&clear_cache=false")
+        else:  # requests in flight finish first: as long as a generation request may take
+            calls.post("/pause?mode=wait&clear_cache=true", timeout=max(servers.timeout, servers.request_timeout))
+        if not transport.drives_update:
+            calls.start()
         transport.send(calls, stream, chunk_bytes, sender=True)
     except Exception:
         for _ in stream:  # the other processes' gathers are collectives: iterate to the end with them
