@@ -157,7 +157,8 @@ class ToolEnvironment(Environment):
         return f"You may call these tools:\n{listed}\nTo call one, write {TOOL_CALL_FORMAT}"
 
     def step(self, example: Example, messages: Messages) -> Observation:
-        turns = sum(1 for m in messages if m["role"] == "assistant")
+        opening = self.start(example)  # a few-shot prompt's own assistant messages are not the model's turns
+        turns = sum(m["role"] == "assistant" for m in messages[len(opening) :])
         calls = parse_tool_calls(messages[-1]["content"])
         if not calls or turns >= self.max_turns:
             return Observation([], done=True)

@@ -43,15 +43,16 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     for body in _CALL.findall(text):
         try:
             data = json.loads(body.strip())
-        except json.JSONDecodeError as err:
-            calls.append(ToolCall(None, error=f"the tool call is not valid JSON ({err.msg}); write {TOOL_CALL_FORMAT}"))
+        except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: brackets nested a thousand deep
+            why = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            calls.append(ToolCall(None, error=f"the tool call is not valid JSON ({why}); write {TOOL_CALL_FORMAT}"))
             continue
         name = data.get("name") if isinstance(data, dict) else None
         arguments = data.get("arguments", {}) if isinstance(data, dict) else None
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 arguments = None
         if not isinstance(name, str) or not isinstance(arguments, dict):
             calls.append(ToolCall(name if isinstance(name, str) else None,

@@ -85,6 +85,8 @@ def test_a_turn_without_a_tool_call_ends_the_episode_and_the_last_turn_runs_no_t
         ("<tool_call>{not json}</tool_call>", "Error: the tool call is not valid JSON"),
         ('<tool_call>{"name": "multiply"}', "Error: wrong arguments for multiply"),  # unclosed, no arguments
         ('<tool_call>["multiply"]</tool_call>', 'Error: a tool call needs "name" (text) and "arguments"'),
+        ("<tool_call>" + "[" * 5000, "Error: the tool call is not valid JSON (nested too deeply)"),  # was a crash
+        ('<tool_call>{"name": "multiply", "arguments": "' + "[" * 5000 + '"}', 'Error: a tool call needs "name"'),
     ],
 )
 def test_every_failure_is_an_error_observation_and_the_episode_goes_on(env, text, error, capsys):
@@ -94,6 +96,20 @@ def test_every_failure_is_an_error_observation_and_the_episode_goes_on(env, text
     assert obs.messages[0]["role"] == "tool" and obs.messages[0]["content"].startswith(error)
     assert time.perf_counter() - started < 2.0
     assert capsys.readouterr().out == ""  # what a tool prints does not reach the run's output
+
+
+def test_a_few_shot_prompt_s_assistant_messages_are_not_the_model_s_turns(env):
+    """``max_turns`` counts the model's turns: a prompt holding an earlier exchange used to cost the model a turn per
+    assistant message in it, and with ``max_turns`` of them its first call ran no tool."""
+    shot = call("multiply", a=2, b=3)
+    few_shot = Example([{"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": shot},
+                        {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"},
+                        {"role": "user", "content": "1234 * 5678?"}], "7006652")  # fmt: skip
+    messages = env.start(few_shot) + [{"role": "assistant", "content": call("multiply", a=1234, b=5678)}]
+    assert env.step(few_shot, messages).tool_calls == 1
+    messages += [{"role": "tool", "content": "7006652"}, {"role": "assistant", "content": call("multiply", a=1, b=1)}]
+    messages += [{"role": "tool", "content": "1"}, {"role": "assistant", "content": call("multiply", a=1, b=2)}]
+    assert env.step(few_shot, messages) == Observation([], done=True)  # the model's third turn: max_turns 3
 
 
 def test_failures_are_counted_beside_successes(env):
