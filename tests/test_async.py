@@ -92,6 +92,15 @@ def test_sync_every_up_to_s_plus_1_is_exactly_what_keeps_every_step_reachable():
             assert reachable == (k <= S + 1) == (not refused), (S, k)
 
 
+def test_a_decoder_without_the_sampler_s_log_probs_is_refused_where_groups_can_be_stale():
+    """transformers' ``generate`` returns no log-probs: with S >= 1 the first stale group raised in the update, at a
+    step that depends on timing; the config check refuses it, naming the field. At S = 0 no group is stale."""
+    error = async_rollout_error(True, 1, HFRollout(decoder="generate"))
+    assert error is not None and "model.rollout.decoder='generate'" in error and "model.max_staleness=0" in error
+    assert async_rollout_error(True, 0, HFRollout(decoder="generate")) is None
+    assert async_rollout_error(True, 1, HFRollout()) is None
+
+
 def test_rollout_versions_travel_with_their_rows():
     n, g = 6, 2
     batch = RolloutBatch(torch.zeros(n, 5, dtype=torch.long), torch.ones(n, 5, dtype=torch.long),

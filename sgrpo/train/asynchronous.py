@@ -44,6 +44,10 @@ def async_rollout_error(
         return (f"model.async_rollout=true needs model.rollout to be sgrpo.rollout.HFRollout (it samples in a "
                 f"producer process holding its own weights) or sgrpo.rollout.VLLMServerRollout (the servers are the "
                 f"producer), got {type(rollout).__name__}; set model.async_rollout=false")  # fmt: skip
+    if isinstance(rollout, HFRollout) and rollout.decoder != "lean" and max_staleness > 0:
+        return (f"model.async_rollout=true with model.max_staleness={max_staleness} needs the sampler's log-probs "
+                f"(a stale group's importance weights), which model.rollout.decoder={rollout.decoder!r} does not "
+                f"return: set model.rollout.decoder=lean or model.max_staleness=0")  # fmt: skip
     if environment is not None:
         return ("model.async_rollout=true does not run with model.environment yet (the producer samples single-turn "
                 "completions): set model.async_rollout=false or model.environment=null")  # fmt: skip
@@ -179,8 +183,8 @@ class AsyncRollouts:
         staleness = (trained_at - rollout.versions.view(-1, rollout.group_size)[:, 0]).float()  # [B] per group
         self.log("train/async/staleness_max", staleness.max(), sync_dist=True, reduce_fx="max")
         for key, groups in (("groups", rollout.num_groups), ("groups_sampled", self._async["groups_sampled"])):
-            self.log(f"train/async/{key}", torch.tensor(float(groups), device=self.device), sync_dist=True,
-                     reduce_fx="sum")  # fmt: skip
+            count = torch.tensor(float(groups), dtype=torch.float32, device=self.device)  # not bf16 under bf16-true
+            self.log(f"train/async/{key}", count, sync_dist=True, reduce_fx="sum")
         logs: dict[str, Tensor | float] = {"train/async/staleness_mean": staleness.mean()}
         for k in range(self.max_staleness + 1):
             logs[f"train/async/staleness_hist/{k}"] = (staleness == k).float().mean()
