@@ -273,7 +273,8 @@ def data_parallel_rank(strategy) -> int:
 
 def max_over_processes(strategy, n: int) -> int:
     """The largest ``n`` over the processes of a Lightning ``strategy`` (a collective)."""
-    return int(strategy.reduce(torch.tensor(float(n), device=strategy.root_device), reduce_op="max"))
+    value = torch.tensor(float(n), dtype=torch.float64, device=strategy.root_device)  # exact under bf16-true
+    return int(strategy.reduce(value, reduce_op="max"))
 
 
 class FSDP2Strategy(ModelParallelStrategy):

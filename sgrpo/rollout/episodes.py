@@ -315,15 +315,15 @@ def _batch(tokenizer, trajectories: list[_Trajectory], group_size: int, pad: int
     input_ids = torch.full((n, p + width), pad, dtype=torch.long, device="cpu")
     attention = torch.zeros(n, p + width, dtype=torch.long, device="cpu")
     mask = torch.zeros(n, width, dtype=torch.bool, device="cpu")
-    logprobs, masses = torch.zeros(n, width, device="cpu"), torch.zeros(n, width, device="cpu")
+    logprobs, masses = (torch.zeros(n, width, dtype=torch.float32, device="cpu") for _ in range(2))
     for r, (_, row) in enumerate(rows):
         a, c = len(row.prompt), len(row.completion)
         input_ids[r, p - a : p] = torch.tensor(row.prompt, dtype=torch.long, device="cpu")
         input_ids[r, p : p + c] = torch.tensor(row.completion, dtype=torch.long, device="cpu")
         attention[r, p - a : p + c] = 1
         mask[r, :c] = torch.tensor(row.mask, dtype=torch.bool, device="cpu")
-        logprobs[r, :c] = torch.tensor(row.logprobs, device="cpu")
-        masses[r, :c] = torch.tensor(row.masses, device="cpu")
+        logprobs[r, :c] = torch.tensor(row.logprobs, dtype=logprobs.dtype, device="cpu")
+        masses[r, :c] = torch.tensor(row.masses, dtype=masses.dtype, device="cpu")
     episodes = [Episode(t.messages, t.rewards, **t.counts) for t in trajectories]
     forked = n != len(trajectories)
     with_logprobs = all(t.with_logprobs for t in trajectories)

@@ -110,7 +110,8 @@ class GroupCollection:
         self.reward_watch.observe(result.failures, len(repeated), self.trainer.strategy)
         rewards = result.total.to(self.device, torch.float32).view(len(examples), self.group_size)
         if rollout.episodes is not None:  # the environment's per-turn rewards, added to the task's
-            turn_rewards = torch.tensor([e.reward for e in rollout.episodes], device=self.device).view_as(rewards)
+            turn_rewards = torch.tensor([e.reward for e in rollout.episodes], dtype=rewards.dtype, device=self.device)
+            turn_rewards = turn_rewards.view_as(rewards)
             rewards = rewards + turn_rewards
         success = result.success.to(self.device).view_as(rewards)
         log = {

@@ -100,12 +100,13 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
                 gap = merge_gaps(gap, pass_gap)
                 last = (epoch, i) == self._last_step()
                 stats["grad_norm"], stats["skipped_steps"] = self._optimizer_step(optimizer, last, stats["loss"])
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
+                for key, value in stats.items():  # float32 sums (the norm of bf16-true's gradients is bf16)
+                    sums[key] = sums.get(key, 0.0) + value.float()
         if scheduler is not None:  # once per training step: a schedule sized by trainer.max_steps ends on time
             scheduler.step()
         steps = self.ppo_epochs * self.num_minibatches
-        logs = self._layout_logs(sums) | {k: torch.tensor(v, device=self.device) for k, v in balance_logs.items()}
+        logs = self._layout_logs(sums) | {k: torch.tensor(v, dtype=torch.float32, device=self.device)
+                                           for k, v in balance_logs.items()}
         local_tokens = sums.pop("tokens")
         logs |= self._token_means(sums, local_tokens)
         logs |= {
@@ -214,9 +215,9 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         backwards = max(max_over_processes(self.trainer.strategy, len(chunks)), 1 if sequences > 0 else 0)
         scale = float(data_parallel_size(self.trainer.strategy))
         names = ("loss", "entropy", "tokens", *self.loss.stats, *self.loss.offpolicy_stats)
-        stats = {name: torch.zeros((), device=self.device) for name in names}
-        stats["rows_skipped"] = torch.tensor(float(skipped), device=self.device)
-        stats |= {name: torch.zeros((), device=self.device) for name in LAYOUT}
+        stats = {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in names}  # not bf16-true's
+        stats["rows_skipped"] = torch.tensor(float(skipped), dtype=torch.float32, device=self.device)
+        stats |= {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in LAYOUT}
         gap = None
         for j, chunk in enumerate(chunks):
             logp, entropy, mask = self._chunk_logprobs(self.model, rollout, chunk, token_mask, stats)
@@ -261,7 +262,7 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         taken and clipped, and a non-finite step's gradients dropped), then steps (a GradScaler skips
         steps with non-finite gradients).
         """
-        self._grad_norm = torch.zeros((), device=self.device)
+        self._grad_norm = torch.zeros((), dtype=torch.float32, device=self.device)
         self._step_loss, self._step_skipped = loss, False
         if last:  # the step Lightning counts: trainer.global_step == training steps
             optimizer.step()
@@ -277,7 +278,7 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
             )
         if not self._step_skipped:
             bump_weights_version(self.model)  # an engine with its own copy of the weights (vLLM) syncs again
-        return self._grad_norm, torch.tensor(float(self._step_skipped), device=self.device)
+        return self._grad_norm, torch.tensor(float(self._step_skipped), dtype=torch.float32, device=self.device)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Norm and clip the (unscaled) gradients: Lightning calls this after the plugin's ``unscale_``. A step
@@ -306,7 +307,7 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
 
     def _reduce_gap(self, gap: dict[str, Tensor] | None) -> dict[str, Tensor]:
         """``logprob_gap`` sums over all processes (a process whose rows all had advantage 0 has none)."""
-        zero = torch.zeros((), device=self.device)
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
         gap = gap or {"kl": zero, "abs_diff": zero, "max_abs": zero, "tokens": zero}
         sums = self.trainer.strategy.reduce(torch.stack([gap["kl"], gap["abs_diff"], gap["tokens"]]), reduce_op="sum")
         largest = self.trainer.strategy.reduce(gap["max_abs"].float(), reduce_op="max")
@@ -317,7 +318,7 @@ def clip_gradients(model: nn.Module, max_norm: float | None) -> Tensor:
     """Total L2 norm of ``model``'s gradients (over all shards under FSDP2), then clip it to ``max_norm``."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
-        return torch.zeros((), device=next(model.parameters()).device)
+        return torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded (DTensor) gradients, reduced over shards
         norm = norm.full_tensor()

@@ -1,0 +1,81 @@
+"""Under ``trainer.precision: bf16-true`` Lightning makes bfloat16 torch's default dtype inside ``training_step``:
+every tensor built there without a dtype is bf16, which holds integers exactly only up to 256 and about three
+significant digits. Counts, sums of metrics, sampler log-probs and the micro-batch count that every process must
+agree on are built in float32 (float64 for that count) whatever the default."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sgrpo.distributed import max_over_processes
+from sgrpo.rollout.episodes import _batch, _Row, _Trajectory
+from sgrpo.types import Example
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+class OneProcess:
+    root_device = torch.device("cpu")
+
+    def reduce(self, tensor, reduce_op):
+        return tensor
+
+
+def test_the_micro_batch_count_every_process_agrees_on_is_exact():
+    """257 micro-batches used to read 256 in bf16: that process ran one backward more than the others pad to,
+    and FSDP2's collectives no longer paired up."""
+    with default_dtype(torch.bfloat16):
+        assert [max_over_processes(OneProcess(), n) for n in (255, 257, 1001)] == [255, 257, 1001]
+
+
+class Tokens:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["" for _ in ids]
+
+
+def test_multi_turn_rows_keep_the_sampler_s_log_probs_in_float32():
+    """The behaviour log-probs of a multi-turn rollout (the importance weights' denominator) were rounded to bf16."""
+    row = _Row(prompt=[1, 2])
+    row.extend([3, 4, 5], generated=True, logprobs=[-0.123456789, -1.000001, -2.5e-7], masses=[0.9999, 1.0, 0.3333333])
+    trajectory = _Trajectory(Example("p", "a"), [], {}, [row], "", final=[3, 4, 5])
+    with default_dtype(torch.bfloat16):
+        batch = _batch(Tokens(), [trajectory], group_size=1, pad=0, device="cpu")
+    expected = torch.tensor([[-0.123456789, -1.000001, -2.5e-7]], dtype=torch.float32)
+    assert batch.logprobs.dtype == torch.float32 and torch.equal(batch.logprobs, expected)
+    assert torch.equal(batch.nucleus_mass, torch.tensor([[0.9999, 1.0, 0.3333333]], dtype=torch.float32))
+
+
+def test_the_update_s_sums_and_counts_are_float32_under_bf16_true(monkeypatch):
+    """The update's token count and metric sums (entropy, clip fractions, loss) were bf16 accumulators: a count past
+    256 rounded, and each micro-batch's sum added to a bf16 total lost digits."""
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout import HFRollout
+    from sgrpo.train.update import PolicyUpdate
+    from tasks.synthetic import SyntheticTask
+    from tests.engine_helpers import run_steps
+    from tests.test_async import SHIPPED
+
+    seen = []
+    means = PolicyUpdate._token_means
+
+    def spy(self, sums, tokens):
+        seen.append({name: value.dtype for name, value in sums.items()} | {"tokens": tokens.dtype})
+        return means(self, sums, tokens)
+
+    monkeypatch.setattr(PolicyUpdate, "_token_means", spy)
+    task = SyntheticTask(kind="sort", levels=[3, 5], num_train=16, num_validation=4)
+    policy = GRPOPolicy(SHIPPED, task, GRPO(), HFRollout(max_new_tokens=8), group_size=4, prompts_per_step=4)
+    run_steps(policy, steps=1, precision="bf16-true")
+    assert seen and all(dtype == torch.float32 for step in seen for dtype in step.values()), [
+        {k: v for k, v in step.items() if v != torch.float32} for step in seen]
