@@ -110,8 +110,14 @@ def shared_packing_problem(model: nn.Module) -> str | None:
 
 def sharing_verdict(model: nn.Module, device: torch.device) -> str | None:
     """Why packed log-probs cannot run each group's prompt once on some process (``sharing_problem``, then
-    ``shared_packing_problem``), or None: the same answer on every process."""
-    problem = sharing_problem(model) or shared_packing_problem(model)
+    ``shared_packing_problem``), or None: the same answer on every process. A check that raises (a kernel refusing
+    the block mask) is a failed check: packed rows without sharing."""
+    problem = sharing_problem(model)
+    if problem is None:
+        try:
+            problem = shared_packing_problem(model)
+        except Exception as err:
+            problem = f"the check raised {type(err).__name__}: {err}"
     if any_process(problem is not None, device):
         return problem or "the check failed on another process"
     return None
