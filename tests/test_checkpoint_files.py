@@ -25,6 +25,7 @@ from sgrpo.run.checkpoints import (
     remove_unfinished,
     replace_folder,
     resumable,
+    tidy_resumed,
 )
 from sgrpo.run.resume import experiment_changes, experiment_record
 
@@ -194,3 +195,15 @@ def test_an_empty_run_folder_name_is_refused_in_one_line(tmp_path, monkeypatch, 
         assert refused.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
         assert "trainer.default_root_dir=" in errors[0] and "names no folder" in errors[0]
     assert list(tmp_path.iterdir()) == []  # nothing written where it ran
+
+
+@pytest.mark.parametrize("keep, dropped", [(0, ["step1.ckpt", "step2.ckpt"]), (1, ["step1.ckpt", "step2.ckpt"]),
+                                           (2, ["step1.ckpt"]), (-1, [])])  # fmt: skip
+def test_a_resume_with_a_smaller_keep_last_deletes_the_oldest_never_the_one_resumed_from(tmp_path, keep, dropped):
+    """``keep`` is Lightning's ``save_top_k``: ``--keep_last 0`` (0, only ``last.ckpt``) used to delete nothing, as
+    "keep all" (-1) does, so a folder written under a larger ``keep_last`` kept its old checkpoints for good."""
+    for n in (1, 2, 3):
+        (tmp_path / f"step{n}.ckpt").write_bytes(b"x")
+    drop, kept = tidy_resumed(tmp_path, 3, tmp_path / "step3.ckpt", keep, leader=True, barrier=lambda: None)
+    assert sorted(Path(p).name for p in drop) == dropped
+    assert {Path(p).name for p in kept} >= ({"step3.ckpt"} if keep != 0 else set())

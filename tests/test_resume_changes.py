@@ -29,6 +29,22 @@ def test_changes_name_each_key_and_a_new_class_in_one_line():
     assert experiment_changes(record(), experiment_record({"group_size": 4}, seed=1))[-1] == "seed_everything: 0 -> 1"
 
 
+def test_the_rollout_engine_s_memory_settings_may_change_on_resume():
+    """A resume after vLLM ran out of memory lowers ``gpu_memory_utilization``: it was refused as another experiment.
+    What the engine samples (its class, temperature, token caps) still counts."""
+    engine = {"class_path": "sgrpo.rollout.VLLMRollout", "init_args": {"gpu_memory_utilization": 0.4, "sleep": True,
+              "enforce_eager": False, "weight_chunk_mib": 512.0, "temperature": 1.0}}  # fmt: skip
+    lower = {"class_path": "sgrpo.rollout.VLLMRollout", "init_args": {"gpu_memory_utilization": 0.3, "sleep": False,
+             "enforce_eager": True, "weight_chunk_mib": 128.0, "temperature": 1.0}}  # fmt: skip
+    assert experiment_changes(record(rollout=engine), record(rollout=lower)) == []
+    hf = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"weights_snapshot": None, "cuda_graphs": False}}
+    graphs = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"weights_snapshot": False, "cuda_graphs": True}}
+    assert experiment_changes(record(rollout=hf), record(rollout=graphs)) == []
+    lower["init_args"]["temperature"] = 0.7
+    assert experiment_changes(record(rollout=engine), record(rollout=lower)) == [
+        "model.rollout.init_args.temperature: 1.0 -> 0.7"]
+
+
 def test_a_setting_added_since_the_checkpoint_is_a_change_only_when_set():
     """A checkpoint from before ``model.environment`` existed resumes with it null (single-turn, as it trained)."""
     tool = {"class_path": "tasks.environment.ToolEnvironment", "init_args": {"tools": ["m.f"]}}

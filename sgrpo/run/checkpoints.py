@@ -309,14 +309,14 @@ def set_aside(folder: Path, paths: list[Path], step: int) -> Path:
 def tidy_resumed(folder: Path, step: int, resumed: Path, keep: int, leader: bool, barrier) -> tuple[list[str], dict]:
     """A resume at ``step`` from ``resumed`` in ``folder``: the checkpoints newer than it (``branched_checkpoints``) set
     aside by the ``leader`` (with a warning), every process waiting for it (``barrier``); then the ``stepN.ckpt`` to
-    delete (the oldest beyond ``keep`` when > 0, never ``resumed``) and those kept (path: step)."""
+    delete (the oldest beyond ``keep`` when >= 0, never ``resumed``) and those kept (path: step)."""
     if leader and (newer := branched_checkpoints(folder, step, resumed)):  # the leader alone reads and moves them
         log.warning("resumed at step %d, before the newest checkpoints of this folder (%s): they are moved to %s, so "
                     "that --ckpt_path last continues this run", step, ", ".join(p.name for p in newer),
                     set_aside(folder, newer, step))  # fmt: skip
     barrier()
     steps = sorted(((str(p), n) for p, n in numbered_checkpoints(folder).items()), key=lambda item: item[1])
-    cut = max(0, len(steps) - keep) if keep > 0 else 0
+    cut = max(0, len(steps) - keep) if keep >= 0 else 0  # keep: save_top_k, -1 for all, 0 for only last.ckpt
     same = lambda path: resumed.exists() and os.path.samefile(path, resumed)  # noqa: E731
     return [path for path, _ in steps[:cut] if not same(path)], dict(steps[cut:])
 
