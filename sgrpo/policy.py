@@ -25,7 +25,7 @@ from sgrpo.rollout.episodes import multi_turn_problem
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
-from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch
+from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch, guard_state, restore_guards
 from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error
 from sgrpo.train.collect import GroupCollection
 from sgrpo.train.exchange import balance_error, balance_mode
@@ -358,6 +358,7 @@ class GRPOPolicy(
             "rollout_step": self.rollout_step,
             "val_history": self.val_history,
             "policy": self.policy_record(),  # for `python -m sgrpo.export`
+            "guards": guard_state(self.reward_watch, self.divergence_watch),
         }
         # LoRA: the frozen base is the model folder. FSDP2's distributed checkpoint loads every key of the
         # model, so sharded checkpoints keep the whole state
@@ -368,6 +369,7 @@ class GRPOPolicy(
         state = checkpoint.get("sgrpo", {})
         self.rollout_step = state.get("rollout_step", 0)
         self.val_history = state.get("val_history", [])
+        restore_guards(state.get("guards", {}), self.reward_watch, self.divergence_watch)
         if self.model is not None:  # the checkpoint's weights replace the model's: engine copies sync again
             bump_weights_version(self.model)
         # A checkpoint saved on an exception is saved mid-batch (batch "ready" but not "completed"), and

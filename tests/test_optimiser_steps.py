@@ -122,3 +122,23 @@ def test_non_finite_steps_in_a_row_stop_the_run_naming_the_step_and_the_cause(mo
     with pytest.raises(DivergenceError, match="ended at step 3 on 1 skipped optimiser step"):
         run_steps(policy, steps=3, root=str(tmp_path))
     assert not (tmp_path / "hf_model").exists()
+
+
+def test_the_guards_streaks_travel_in_checkpoints(model_dir, batch):
+    """A run that ended on a skipped step is refused its export; resuming its last.ckpt (no step left to train) used
+    to export it, the streak back at 0. A resumed run counts on where the interrupted one stood, rewards too."""
+    from sgrpo.run.guards import DivergenceError
+
+    policy = poisoned_policy(model_dir, batch, poison=())
+    policy.divergence_watch.observe(True, 3, "a learning rate too high (lr 0.5)")
+    policy.reward_watch.streak = 2
+    checkpoint = {}
+    policy.on_save_checkpoint(checkpoint)
+    resumed = poisoned_policy(model_dir, batch, poison=())
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.reward_watch.streak == 2
+    with pytest.raises(DivergenceError, match=r"ended at step 3 on 1 skipped optimiser step.*\(lr 0.5\)"):
+        resumed.divergence_watch.finish(3)
+    fresh = poisoned_policy(model_dir, batch, poison=())
+    fresh.on_load_checkpoint({"sgrpo": {"rollout_step": 3}})  # a checkpoint from before the streaks were kept
+    assert (fresh.divergence_watch.streak, fresh.reward_watch.streak) == (0, 0)

@@ -102,3 +102,17 @@ class RewardFailureWatch:
         """Raise the error ``observe`` kept, if any (after the step's metrics were logged)."""
         if self.pending is not None:
             raise self.pending
+
+
+def guard_state(reward: RewardFailureWatch, divergence: DivergenceWatch) -> dict:
+    """What a checkpoint keeps of the guards: their streaks (a resumed run goes on counting where the interrupted one
+    stood, as an uninterrupted run would: a run that ended diverged is not exported by resuming it) and the hint."""
+    return {"reward_failure_streak": reward.streak, "nonfinite_streak": divergence.streak,
+            "nonfinite_hint": divergence.hint}  # fmt: skip
+
+
+def restore_guards(state: dict, reward: RewardFailureWatch, divergence: DivergenceWatch) -> None:
+    """``guard_state``'s streaks back into the guards (a checkpoint from before they were kept: 0)."""
+    reward.streak = int(state.get("reward_failure_streak", 0))
+    divergence.streak = int(state.get("nonfinite_streak", 0))
+    divergence.hint = str(state.get("nonfinite_hint", ""))
