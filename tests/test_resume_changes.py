@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgrpo.run.resume import apply_optimizer_settings, experiment_changes, experiment_record
+from sgrpo.run.resume import apply_optimizer_settings, drop_scheduler_state, experiment_changes, experiment_record
 
 
 def record(**model):
@@ -121,3 +121,47 @@ def test_seed_everything_true_is_recorded_as_the_setting_so_a_resume_is_the_same
         seeds.append(cli.config["seed_everything"])
     assert seeds == [11, 22]  # Lightning still seeds each start
     assert records[0]["seed_everything"] == "true" and experiment_changes(records[0], records[1]) == []
+
+
+def trained(schedule, steps: int, lr: float = 1e-3):
+    """An AdamW (and its ``schedule(optimizer)`` or None) after ``steps`` training steps: (optimizer, scheduler)."""
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([parameter], lr=lr)
+    scheduler = schedule(optimizer) if schedule else None
+    for _ in range(steps):
+        parameter.grad = torch.ones(2)
+        optimizer.step()
+        if scheduler:
+            scheduler.step()
+    return optimizer, scheduler
+
+
+def linear(total):
+    return lambda optimizer: torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=total)
+
+
+@pytest.mark.parametrize("before, after", [(4, 8), (None, 8), (4, None), (4, 4)],
+                         ids=["changed", "added", "removed", "unchanged"])  # fmt: skip
+def test_a_schedule_changed_on_resume_stands_where_a_run_with_it_from_the_start_would(before, after):
+    """Resumed after 2 steps with another LinearLR (``total_iters`` ``before`` -> ``after``; None: no scheduler):
+    torch's ``load_state_dict`` put the old arguments back (the old 4-step schedule ran on, the log saying 8); one
+    added raised ``KeyError: 'initial_lr'``; one removed kept its last factor for good. A changed schedule now
+    restarts, stepped once per step done; an unchanged one loads as before."""
+    schedule = lambda total: None if total is None else linear(total)  # noqa: E731
+    old_optimizer, old_scheduler = trained(schedule(before), 2)
+    checkpoint = {"lr_schedulers": [old_scheduler.state_dict()] if old_scheduler else []}
+    changes = experiment_changes(record(scheduler=before), record(scheduler=after))
+    assert bool(changes) == (before != after)
+    drop_scheduler_state(checkpoint, changes)
+    optimizer, scheduler = trained(schedule(after), 0)  # configure_optimizers with the new config, then the state loads
+    optimizer.load_state_dict(old_optimizer.state_dict())
+    for state in checkpoint["lr_schedulers"]:
+        scheduler.load_state_dict(state)
+    apply_optimizer_settings([optimizer], [scheduler] if scheduler else [], changes, steps=2)
+    reference, _ = trained(schedule(after), 2)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
+    assert ("initial_lr" in optimizer.param_groups[0]) == (after is not None)
+    if scheduler:  # a third step continues the new schedule: LinearLR's closed form, lr (1 - 0.9 min(t, T) / T)
+        scheduler.step()
+        assert scheduler.total_iters == after
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 0.9 * min(3, after) / after), rel=1e-9)

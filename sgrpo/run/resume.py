@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -130,18 +131,41 @@ def experiment_changes(trained: dict[str, str], resumed: dict[str, str]) -> list
     return [f"{k}: {trained.get(k, 'unset')} -> {resumed.get(k, 'unset')}" for k in keys if not k.startswith(classes)]
 
 
-def apply_optimizer_settings(optimizers, schedulers) -> None:
+def rescheduled(changes: list[str]) -> bool:
+    """Whether ``changes`` (``experiment_changes``) change the LR schedule: its class or arguments, or one added or
+    removed."""
+    return any(change.startswith("model.scheduler") for change in changes)
+
+
+def drop_scheduler_state(checkpoint: dict, changes: list[str]) -> None:
+    """A changed schedule does not load the checkpoint's scheduler state: torch's ``load_state_dict`` would put the
+    old arguments back over the new ones (``apply_optimizer_settings`` restarts the new schedule instead)."""
+    if rescheduled(changes):
+        checkpoint["lr_schedulers"] = []
+
+
+def apply_optimizer_settings(optimizers, schedulers, changes: list[str] = (), steps: int = 0) -> None:
     """Set every parameter group's settings (lr, weight decay, betas, ...) from its optimiser's ``defaults``, the
-    new config's, over those the loaded state put back; a scheduler's base learning rates follow."""
+    new config's, over those the loaded state put back; a scheduler's base learning rates follow. A changed schedule
+    (``rescheduled``) runs from its start, stepped ``steps`` times (once per training step done, as the update steps
+    it), as a run with it from the start would stand."""
     for optimizer in optimizers:
         lr = optimizer.defaults["lr"]
         for group in optimizer.param_groups:
             group.update({k: v for k, v in optimizer.defaults.items() if k in group and k not in ("params", "lr")})
-            if "initial_lr" in group:  # scheduled: the step's lr in the new base's proportion
+            if "initial_lr" in group and not rescheduled(changes):  # scheduled: the step's lr in the new proportion
                 group["lr"], group["initial_lr"] = group["lr"] * lr / group["initial_lr"], lr
-            else:
+            else:  # no schedule now (one removed: its initial_lr goes), or a new one restarted below
+                group.pop("initial_lr", None)
                 group["lr"] = lr
     for config in schedulers:
         scheduler = getattr(config, "scheduler", config)
-        if hasattr(scheduler, "base_lrs"):
+        if rescheduled(changes) and hasattr(scheduler, "_last_lr"):  # built for this run, its state not loaded
+            for group, base, first in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler._last_lr):
+                group["initial_lr"], group["lr"] = base, first
+            with warnings.catch_warnings():  # "step() before optimizer.step()": no step is trained here
+                warnings.simplefilter("ignore")
+                for _ in range(steps):
+                    scheduler.step()
+        elif hasattr(scheduler, "base_lrs"):
             scheduler.base_lrs = [group["initial_lr"] for group in scheduler.optimizer.param_groups]

@@ -1,11 +1,10 @@
 """``RunCheckpoint``: which state a run saves, and when; what is never saved (after an error mid-update, while a
 checkpoint loads, after one process's error); and a signal's stop at a step's end.
 
-Every checkpoint holds the state at the end of a training step, the one state a resume continues exactly.
-It is written after Lightning logged that step's metrics (a failed write loses no metrics row), before
-the validation or the step that follows, and its loop counters are those of that step's end
-(``step_end_loops``), noting whether the validation due after it has run. Files are written by
-``sgrpo.run.checkpoints``; what a fault does is ``sgrpo.run.faults``, and a signal ``sgrpo.run.signals``."""
+Every checkpoint holds the state at the end of a training step, the one state a resume continues exactly. It is
+written after Lightning logged that step's metrics (a failed write loses no metrics row), before the validation or
+the step that follows, and its loop counters are those of that step's end (``step_end_loops``), noting whether the
+validation due after it has run. Files: ``sgrpo.run.checkpoints``; faults: ``.faults``; signals: ``.signals``."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from sgrpo.run.checkpoints import (
 )
 from sgrpo.run.faults import EVERY_PROCESS, fail_fast
 from sgrpo.run.folders import agree_checkpoint
-from sgrpo.run.resume import ResumeError, apply_optimizer_settings, experiment_changes
+from sgrpo.run.resume import ResumeError, apply_optimizer_settings, drop_scheduler_state, experiment_changes
 from sgrpo.run.signals import Stopped, StoppedNow, StopRequests, forward_signal
 
 log = logging.getLogger(__name__)
@@ -177,8 +176,8 @@ class RunCheckpoint(ModelCheckpoint):
             trained = ", ".join(self._loaded_optimizers)
             raise ResumeError(f"it was trained with {trained}, this run has {', '.join(ours)}")
         changes = experiment_changes(self._loaded_experiment, self.experiment) if self._loaded_experiment else []
-        if changes:  # allowed (else refused while loading): applied, the optimiser's settings too
-            apply_optimizer_settings(trainer.optimizers, trainer.lr_scheduler_configs)
+        if changes:  # allowed (else refused while loading): applied, the optimiser's and the schedule's settings too
+            apply_optimizer_settings(trainer.optimizers, trainer.lr_scheduler_configs, changes, pl_module.rollout_step)
             log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
         self._checked_step, self._training = None, True
@@ -310,10 +309,10 @@ class RunCheckpoint(ModelCheckpoint):
             state["_batches_that_stepped"] = mark["step"] - (2 if mark["validation_pending"] else 1)
             self._loaded_optimizers = mark.get("optimizers")
             self._loaded_experiment = mark.get("experiment")
-        self._check_resume(trainer, checkpoint)
+        drop_scheduler_state(checkpoint, self._check_resume(trainer, checkpoint))
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
 
-    def _check_resume(self, trainer, checkpoint: dict[str, Any]) -> None:
+    def _check_resume(self, trainer, checkpoint: dict[str, Any]) -> list[str]:
         """Refuse, while it loads (on every process, before anything trains or exports), a checkpoint this run would
         continue as another experiment (``sgrpo.run.resume``: the model block, seed, precision, data files), unless
         ``--resume_changes allow``; and one whose step is past ``trainer.max_steps``: the fit would stop at once and
@@ -331,6 +330,7 @@ class RunCheckpoint(ModelCheckpoint):
                 f"it holds step {step}, past --trainer.max_steps={trainer.max_steps}: give --trainer.max_steps={step} "
                 "or more, or export it with python -m sgrpo.export"
             )
+        return changes  # allowed ones
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The numbered checkpoints that ``keep_last`` prunes are the ``stepN.ckpt`` in this run's folder, wherever
