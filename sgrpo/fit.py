@@ -46,6 +46,7 @@ from sgrpo.eval.evaluation import evaluation_table
 from sgrpo.eval.metrics_file import MarkResume, MetricsFile
 from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
 from sgrpo.model.loading import resolve_model_path
+from sgrpo.model.lora import peft_mismatch
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO, resume_failure
 from sgrpo.run.cli_errors import one_line_errors, union_error
@@ -356,7 +357,7 @@ def evaluate(cli: SgrpoCLI, mode: str) -> None:
 
 def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> str | None:
     """The checkpoint to evaluate, refused in one line when missing, broken, sharded under a strategy that
-    cannot read it, or trained with(out) LoRA when the config says otherwise."""
+    cannot read it, or trained with other LoRA settings (or with(out) LoRA) than the config's."""
     if ckpt_path == "last":
         hint = "give a checkpoint's path, or evaluate a model folder with --model.model"
         ckpt_path = latest_checkpoint(Path(trainer.default_root_dir) / "checkpoints", hint)
@@ -369,9 +370,8 @@ def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> 
             f"(python -m sgrpo.export {ckpt_path} OUT) and evaluate OUT with --model.model=OUT"
         )
     record = recorded_policy(checkpoint)
-    if record is not None and (record["peft"] is None) != (policy.peft is None):
-        trained = "with LoRA adapters" if record["peft"] else "without LoRA"
-        raise CheckpointError(f"{ckpt_path} was trained {trained}; give model.peft as the run's config does")
+    if record is not None and (problem := peft_mismatch(record["peft"], policy.peft)):
+        raise CheckpointError(f"{ckpt_path} {problem}")
     return ckpt_path
 
 

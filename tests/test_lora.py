@@ -116,3 +116,63 @@ def test_merged_state_is_kept_by_the_leader_alone(monkeypatch, tmp_path):
     for leader in (False, True):
         sgrpo.export.save_policy(model, tokenizer, tmp_path / str(leader), LoRA(rank=4), SHIPPED, True, leader=leader)
     assert kept == [False, True]
+
+
+def random_adapters(model) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B.default.weight"):
+                param.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+
+
+def test_gpt2_s_transposed_conv1d_layers_merge_into_the_adapted_model_s_weights():
+    """GPT-2 keeps its linear layers as ``Conv1D`` ([in, out]): the merge added B A untransposed, which raised for
+    c_attn and the MLP and, for the square attention output, gave logits off by 0.39 without a word (the export,
+    the FSDP2 snapshot and vLLM's weights all merge so)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2)).eval()
+    base = GPT2LMHeadModel(model.config).eval()
+    apply_lora(model, LoRA(rank=2, alpha=4))
+    random_adapters(model)
+    missing, unexpected = base.load_state_dict(dict(plain_weights(model)), strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the token embedding
+    base.tie_weights()
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_target_modules_that_are_not_linear_layers_or_match_nothing_are_refused_before_the_weights_load():
+    """An embedding's adapters (``lora_embedding_A``) crashed the merge with ``KeyError: 'default'`` at the end of a
+    fit; a misspelled module loaded every process's weights before peft's traceback. Both are one line now, from
+    the model built on the meta device; so is a dropout that training would set to 0."""
+    from sgrpo.model.lora import lora_problem
+
+    assert lora_problem(LoRA(rank=2), keep_dropout=False, model_path=str(SHIPPED)) is None
+    wrong = lora_problem(LoRA(rank=2, target_modules=["q_projj"]), keep_dropout=False, model_path=str(SHIPPED))
+    assert wrong.startswith("model.peft.target_modules=['q_projj'] adapts nothing")
+    embedding = lora_problem(LoRA(rank=2, target_modules=["embed_tokens"]), False, str(SHIPPED))
+    assert embedding.startswith("model.peft.target_modules=['embed_tokens'] adapts model.embed_tokens (Embedding)")
+    dropout = lora_problem(LoRA(rank=2, dropout=0.05), keep_dropout=False, model_path=str(SHIPPED))
+    assert dropout.startswith("model.peft.dropout=0.05 would be set to 0") and "model.keep_dropout=true" in dropout
+    assert lora_problem(LoRA(rank=2, dropout=0.05), keep_dropout=True, model_path=str(SHIPPED)) is None
+
+
+def test_a_checkpoint_is_evaluated_only_with_its_lora_settings():
+    """``validate``/``test`` load adapters non-strictly: another alpha rescaled them (accuracy 0.44 -> 0.0) and other
+    target modules dropped most of them, silently."""
+    from dataclasses import asdict
+
+    from sgrpo.model.lora import peft_mismatch
+
+    trained = asdict(LoRA(rank=4, alpha=8))
+    assert peft_mismatch(trained, LoRA(rank=4, alpha=8, dropout=0.1, export_merged=True)) is None
+    assert peft_mismatch(None, None) is None
+    assert peft_mismatch(trained, LoRA(rank=4, alpha=64)) == (
+        "was trained with model.peft.alpha=8 (this config: 64); give model.peft as the run's config does")
+    assert "model.peft.target_modules='all-linear' (this config: ['q_proj'])" in peft_mismatch(
+        trained, LoRA(rank=4, alpha=8, target_modules=["q_proj"]))
+    assert peft_mismatch(trained, None) == "was trained with LoRA adapters; give model.peft as the run's config does"
+    assert peft_mismatch(None, LoRA()) == "was trained without LoRA; give model.peft as the run's config does"

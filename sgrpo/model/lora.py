@@ -32,7 +32,7 @@ class LoRA:
     Args:
         rank: Rank r of each adapter.
         alpha: Scaling numerator: the update is alpha / r * B A.
-        dropout: Dropout on the adapters' input.
+        dropout: Dropout on the adapters' input (needs model.keep_dropout: training turns dropout off otherwise).
         target_modules: Linear modules adapted: "all-linear" (every Linear but the LM head) or names ([q_proj, v_proj]).
         export_merged: Also write the merged model to ``<export>/merged`` at the end of fit.
     """
@@ -56,13 +56,65 @@ class LoRA:
 
 
 def apply_lora(model: nn.Module, spec: LoRA) -> nn.Module:
-    """Inject LoRA layers into ``model`` in place and freeze every other parameter."""
+    """Inject LoRA layers into ``model`` in place and freeze every other parameter. Raises ``ValueError`` naming
+    ``model.peft.target_modules`` where no module matches, or where one is not a linear layer (``nn.Linear``, or
+    GPT-2's transposed ``Conv1D``): an embedding's or convolution's adapters are not merged into its weight."""
     from peft import inject_adapter_in_model
+    from peft.tuners.lora import Linear
 
-    inject_adapter_in_model(spec.config(), model, adapter_name=ADAPTER)
+    try:
+        inject_adapter_in_model(spec.config(), model, adapter_name=ADAPTER)
+    except ValueError as err:  # peft's "Target modules ... not found in the base model"
+        raise ValueError(f"model.peft.target_modules={spec.target_modules!r} adapts nothing: {err}") from None
+    others = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
+              if hasattr(module, "base_layer") and not isinstance(module, Linear)]  # fmt: skip
+    if others:
+        raise ValueError(f"model.peft.target_modules={spec.target_modules!r} adapts {', '.join(others[:3])}: only "
+                         f"linear layers take adapters here; name linear modules (q_proj, v_proj, ...) or all-linear")
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return model
+
+
+def lora_problem(spec: LoRA, keep_dropout: bool, model_path: str) -> str | None:
+    """Why the ``model.peft`` block cannot train as written, in one line naming the field, or None; checked before
+    any weight loads: a dropout that ``disable_dropout`` would zero (every dropout is off in training unless
+    ``model.keep_dropout``), and target modules that adapt nothing or not a linear layer (``apply_lora`` on the
+    model built from its config on the meta device; a config that does not read is the model loader's to report)."""
+    if spec.dropout > 0 and not keep_dropout:
+        return (f"model.peft.dropout={spec.dropout:g} would be set to 0: dropout is off in training (the trained "
+                f"policy is the sampled one) unless model.keep_dropout=true; set one of the two")  # fmt: skip
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sgrpo.model.loading import resolve_model_path
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(model_path))
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError):
+        return None
+    try:
+        apply_lora(skeleton, spec)
+    except ValueError as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def peft_mismatch(trained: dict | None, spec: LoRA | None) -> str | None:
+    """Why a checkpoint trained with the LoRA settings ``trained`` (its record's ``peft``: None without LoRA) cannot
+    be evaluated with ``spec``, in words that follow its path, or None. Rank, alpha and target modules make the
+    adapters: others than the checkpoint's dropped adapters or rescaled them without a word (loading is not strict
+    under LoRA); dropout and ``export_merged`` do not."""
+    if (trained is None) != (spec is None):
+        trained_with = "with LoRA adapters" if trained else "without LoRA"
+        return f"was trained {trained_with}; give model.peft as the run's config does"
+    if trained is None:
+        return None
+    ours = asdict(spec)
+    differ = [f"model.peft.{key}={trained[key]!r} (this config: {ours[key]!r})"
+              for key in ("rank", "alpha", "target_modules") if key in trained and trained[key] != ours[key]]
+    return f"was trained with {', '.join(differ)}; give model.peft as the run's config does" if differ else None
 
 
 def is_adapter(name: str) -> bool:
@@ -122,7 +174,8 @@ def plain_weights(
             parts[kind] = value
         else:  # the base weight, A, B of one adapted layer are consecutive
             w, a, scaling = parts.pop("W"), parts.pop("A"), adapted[name].scaling[ADAPTER]
-            merged = w + (value.float() @ a.float()).to(w.dtype) * scaling
+            delta = value.float() @ a.float()  # [out, in]; GPT-2's Conv1D keeps its weight as [in, out]
+            merged = w + (delta.T if adapted[name].fan_in_fan_out else delta).to(w.dtype) * scaling
             yield f"{name}.weight", merged if dtype is None else merged.to(dtype)
     for name, buffer in model.named_buffers() if buffers else ():
         yield name.replace(".base_layer.", "."), buffer

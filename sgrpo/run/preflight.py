@@ -25,6 +25,7 @@ import yaml
 
 from sgrpo.checks import ConfigError
 from sgrpo.model.loading import resolve_model_path
+from sgrpo.model.lora import lora_problem
 from sgrpo.run.data import stopping_rule_error
 from sgrpo.run.precision import stand_in_optimizer
 from tasks.data import SplitTable
@@ -233,6 +234,8 @@ def check_policy(policy: Any) -> None:
     check_model(policy.model_path)
     check_prompt_room(policy)
     check_rollout_servers(policy)
+    if policy.peft is not None and (problem := lora_problem(policy.peft, policy.keep_dropout, policy.model_path)):
+        raise ConfigError(problem)
     optimizer = stand_in_optimizer(policy)
     for group in optimizer.param_groups:
         lr = float(group.get("lr", 1.0))
