@@ -98,7 +98,9 @@ class ToolEnvironment(Environment):
     past ``tool_timeout`` seconds, returns something other than text, or prints), counted in ``tool_failures``
     and the episode goes on. At most ``max_calls_per_turn`` calls run per turn; outputs are cut to
     ``max_output_chars`` characters. The last allowed turn (``max_turns``) runs no tools. ``concurrent_steps``
-    episodes run their calls at once (threads: for tools that wait, and that are thread-safe).
+    episodes run their calls at once (threads: for tools that wait, and that are thread-safe). ``tool_workers``
+    runs each call in one of that many worker processes instead, killed at ``tool_timeout`` even inside one long C
+    call (a thread's timeout cannot end that); its tools must be importable functions.
     """
 
     observation_role = "tool"
@@ -113,6 +115,7 @@ class ToolEnvironment(Environment):
         max_output_chars: int = 2000,
         system_prompt: str | None = None,
         concurrent_steps: int = 1,
+        tool_workers: int = 0,
     ) -> None:
         super().__init__(max_turns, max_episode_tokens)
         require(concurrent_steps >= 1, f"concurrent_steps must be >= 1, got {concurrent_steps}")
@@ -127,7 +130,8 @@ class ToolEnvironment(Environment):
             require(f.__name__ not in self.tools, f"tools: two tools are named {f.__name__!r}")
             self.tools[f.__name__] = f
         self.schemas = [tool_schema(f) for f in functions]
-        self.runner = ToolRunner(tool_timeout, max_output_chars)
+        require(tool_workers >= 0, f"tool_workers must be >= 0 (0: threads), got {tool_workers}")
+        self.runner = ToolRunner(tool_timeout, max_output_chars, tool_workers)
         self.tool_timeout, self.max_calls_per_turn = tool_timeout, max_calls_per_turn
         self.max_output_chars = max_output_chars
         self.system_prompt = system_prompt

@@ -1,4 +1,4 @@
-"""A lazily started, reusable pool of worker processes that runs scoring calls with a timeout.
+"""A lazily started, reusable pool of worker processes that runs calls (scoring, tools) with a timeout.
 
 Graders such as math-verify use ``signal.alarm`` (main thread only) and sympy calls that can run
 away; running them here keeps the training process safe: a call that raises or outlives its timeout
@@ -160,7 +160,7 @@ class WorkerPool:
                 outcomes[i] = Outcome(False, error=error)
             self.restarts += 1
             calls_failed = f"call {hung[0]}" if len(hung) == 1 else f"{len(hung)} calls ({', '.join(map(str, hung))})"
-            log.warning("scoring %s failed: %s; restarting the worker pool", calls_failed, error)
+            log.warning("worker pool: %s failed: %s; restarting the worker pool", calls_failed, error)
             self.close()
             pending = [i for i in pending if outcomes[i] is None]
         return outcomes  # type: ignore[return-value]

@@ -2,12 +2,16 @@
 typed functions, and running a call with a timeout, its failures turned into error text.
 
 Every failure is an observation, never an exception: a malformed call, an unknown tool, arguments that do
-not fit the signature, a tool that raises, runs past its timeout (its thread is left behind: Python cannot
-stop a thread), returns something other than ``str``, or prints to stdout.
+not fit the signature, a tool that raises, runs past its timeout, returns something other than ``str``, or prints
+to stdout. A call runs in a thread (the default), whose timeout fires only while the tool gives Python's
+interpreter lock back: one long C call (``9**9**9**9``, a runaway regex) holds it, and the step waits for it; and
+a timed-out thread is left behind (Python cannot stop one). With ``workers`` a call runs in a worker process
+(``tasks.pool``) that is killed at the timeout, whatever it runs; its tools must then be importable functions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import io
@@ -136,10 +140,11 @@ _CAPTURE = _Capture()
 
 
 class ToolRunner:
-    """Runs one ``ToolCall`` in a thread with a ``timeout`` (seconds); returns (text, failed)."""
+    """Runs one ``ToolCall`` with a ``timeout`` (seconds), in a thread or, with ``workers``, in one of that many
+    worker processes (killed at the timeout); returns (text, failed)."""
 
-    def __init__(self, timeout: float = 5.0, max_output_chars: int = 2000) -> None:
-        self.timeout, self.max_output_chars = timeout, max_output_chars
+    def __init__(self, timeout: float = 5.0, max_output_chars: int = 2000, workers: int = 0) -> None:
+        self.timeout, self.max_output_chars, self.workers = timeout, max_output_chars, workers
 
     def run(self, call: ToolCall, tools: dict[str, Callable[..., Any]]) -> tuple[str, bool]:
         if call.error is not None:
@@ -151,6 +156,14 @@ class ToolRunner:
             inspect.signature(function).bind(**call.arguments)
         except TypeError as err:
             return f"Error: wrong arguments for {call.name}: {err}", True
+        if self.workers:
+            from tasks.pool import get_pool
+
+            (outcome,) = get_pool(self.workers).run(_call_tool, [(function, call.arguments)], self.timeout)
+            if outcome.ok:
+                return self._reply(call.name, False, *outcome.value)
+            hung = outcome.error.startswith("timeout")
+            return self._reply(call.name, hung, {} if hung else {"error": outcome.error}, "")
         result: dict[str, Any] = {}
         printed = io.StringIO()
 
@@ -178,3 +191,15 @@ class ToolRunner:
         if not isinstance(value, str):
             return f"Error: tool {name} returned {type(value).__name__}, not text (a tool returns a str)", True
         return value[: self.max_output_chars], False
+
+
+def _call_tool(function: Callable[..., Any], arguments: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A tool call in a worker process: ({"value": ...} or {"error": ...}, what it printed)."""
+    printed = io.StringIO()
+    result: dict[str, Any] = {}
+    with contextlib.redirect_stdout(printed):
+        try:
+            result["value"] = function(**arguments)
+        except BaseException as err:  # noqa: BLE001 (sys.exit in a tool is the tool's failure)
+            result["error"] = f"{type(err).__name__}: {err}"
+    return result, printed.getvalue()

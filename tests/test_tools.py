@@ -112,6 +112,27 @@ def test_a_few_shot_prompt_s_assistant_messages_are_not_the_model_s_turns(env):
     assert env.step(few_shot, messages) == Observation([], done=True)  # the model's third turn: max_turns 3
 
 
+def power(base: int, exponent: int) -> str:
+    return str(len(str(base**exponent)))  # one C call that holds the interpreter lock for as long as it runs
+
+
+def test_tool_workers_end_a_call_stuck_in_one_long_c_call_at_the_timeout():
+    """A thread's timeout waits for the interpreter lock: this call held it for 65 s against a 0.5 s timeout. In a
+    worker process (``tool_workers``) the call is killed at the timeout, the other failures read as in a thread,
+    and the next call runs."""
+    env = ToolEnvironment([multiply, raises, prints, exits, power], tool_timeout=0.5, tool_workers=1)
+    started = time.perf_counter()
+    obs = step(env, call("power", base=7, exponent=7**9))
+    assert obs.messages[0]["content"] == "Error: tool power did not return within 0.5 s" and obs.tool_failures == 1
+    assert time.perf_counter() - started < 5.0
+    assert step(env, call("multiply", a=6, b=7)).messages[0]["content"] == "42"
+    replies = [step(env, call(name, **args)).messages[0]["content"] for name, args in
+               (("raises", {"x": 1}), ("prints", {}), ("exits", {}))]  # fmt: skip
+    assert replies == ["Error: tool raises raised ZeroDivisionError: integer division or modulo by zero",
+                       "Error: tool prints printed to stdout instead of returning its output as text",
+                       "Error: tool exits raised SystemExit: 3"]  # fmt: skip
+
+
 def test_failures_are_counted_beside_successes(env):
     obs = step(env, call("multiply", a=2, b=2) + call("number") + call("raises", x=0))
     assert (obs.tool_calls, obs.tool_failures) == (3, 2)
