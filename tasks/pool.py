@@ -123,6 +123,7 @@ class WorkerPool:
         self._started = None  # the queue on which the workers announce each call's start
         self._round = 0  # submissions so far
         self._starts: dict[int, float] = {}  # this round's calls' start times, by index (read from the queue)
+        self._lock = threading.Lock()  # one run at a time
 
     def _get(self) -> multiprocessing.pool.Pool:
         if self._pool is None or self._pid != os.getpid():
@@ -142,7 +143,12 @@ class WorkerPool:
         self._workers, self._started = set(), None
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple], timeout: float) -> list[Outcome]:
-        """``[fn(*args) for args in calls]`` in the workers; never raises for a failing call."""
+        """``[fn(*args) for args in calls]`` in the workers; never raises for a failing call. Callers from several
+        threads (an environment's ``concurrent_steps``) take turns: a restart would kill another's calls."""
+        with self._lock:
+            return self._run(fn, calls, timeout)
+
+    def _run(self, fn: Callable[..., Any], calls: Sequence[tuple], timeout: float) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(calls)
         pending = list(range(len(calls)))
         while pending:
@@ -245,6 +251,15 @@ def get_pool(workers: int) -> WorkerPool:
     if workers not in _POOLS:
         _POOLS[workers] = WorkerPool(workers)
     return _POOLS[workers]
+
+
+def _unlock_pools() -> None:
+    """In a forked child, every pool's lock free (a thread of the parent may have held one at the fork)."""
+    for pool in _POOLS.values():
+        pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_pools)
 
 
 @atexit.register

@@ -164,3 +164,34 @@ def test_qwen3s_per_head_query_and_key_norms_take_the_lean_path_too(dtype, autoc
     lean_logits, lean_grads = logits_and_grads(lean, x, autocast)
     assert torch.equal(lean_logits, logits)
     assert all(torch.equal(lean_grads[n], grads[n]) for n in grads) and len(grads) == len(lean_grads)
+
+
+class GatedNorm(nn.Module):
+    """A gated RMSNorm (Granite 4.0-H, Bamba, Zamba2, Qwen3-Next): ``forward(x, gate=None)``, the formula when the
+    gate is None, another one with a gate."""
+
+    def __init__(self, hidden=HIDDEN):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(hidden)), 1e-6
+
+    def forward(self, hidden_states, gate=None):
+        if gate is not None:
+            hidden_states = hidden_states * torch.nn.functional.silu(gate)
+        x32 = hidden_states.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x32.to(hidden_states.dtype)
+
+
+class WantsTwo(GatedNorm):
+    def forward(self, hidden_states, gate):  # the gate required (Qwen3.5's)
+        return super().forward(hidden_states, gate)
+
+
+def test_a_gated_norm_keeps_its_own_forward():
+    """Its gate argument made the swapped class's one-input forward raise ``TypeError`` in every forward (gate
+    optional), or the probe raise at load (gate required): both keep their own forward now."""
+    gated, two = GatedNorm(), WantsTwo()
+    assert apply_lean_norm(nn.ModuleList([gated, two])) == 0 and type(gated) is GatedNorm
+    x, gate = torch.randn(2, 3, HIDDEN, requires_grad=True), torch.randn(2, 3, HIDDEN)
+    gated(x, gate).sum().backward()
+    assert x.grad is not None

@@ -133,6 +133,23 @@ def test_tool_workers_end_a_call_stuck_in_one_long_c_call_at_the_timeout():
                        "Error: tool exits raised SystemExit: 3"]  # fmt: skip
 
 
+def test_tool_workers_serve_calls_from_several_threads_at_once():
+    """``concurrent_steps`` runs episodes' calls in threads: the shared worker pool was not thread-safe (one thread's
+    restart killed another's calls; others raised ``Pool not running`` out of the runner, or hung). They take
+    turns now: 8 threads x 25 calls, every one answered right, no restart."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.pool import get_pool
+
+    env = ToolEnvironment([multiply], tool_timeout=5.0, tool_workers=3)
+    restarts = get_pool(3).restarts
+    calls = [(a, b) for a in range(8) for b in range(25)]
+    with ThreadPoolExecutor(8) as threads:
+        replies = list(threads.map(lambda ab: step(env, call("multiply", a=ab[0], b=ab[1])).messages[0]["content"],
+                                   calls, timeout=60))  # fmt: skip
+    assert replies == [str(a * b) for a, b in calls] and get_pool(3).restarts == restarts
+
+
 def test_failures_are_counted_beside_successes(env):
     obs = step(env, call("multiply", a=2, b=2) + call("number") + call("raises", x=0))
     assert (obs.tool_calls, obs.tool_failures) == (3, 2)

@@ -20,13 +20,15 @@ key values) that is 52 KiB per token and layer.
 
 ``apply_lean_norm`` swaps each module whose own forward is that formula bit for bit (``computes_rms_norm``, probed
 on a random weight in float32 and bfloat16) for a subclass (``Lean<Class>``, as ``sgrpo.model.lean_mlp`` does for
-the MLP); parameters, state dict and checkpoints are unchanged. Without gradients, or with a weight that is not a
-plain local tensor (a tensor-parallel shard), the module runs its own forward.
+the MLP); parameters, state dict and checkpoints are unchanged. A gated norm (``forward(x, gate)``: Granite 4.0-H,
+Bamba, Qwen3-Next) keeps its own. Without gradients, or with a weight that is not a plain local tensor (a
+tensor-parallel shard), the module runs its own forward.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -86,9 +88,9 @@ def lean_class(cls: type) -> type:
     """``Lean<cls>``: ``cls`` with the lean gradient pass (cached; falls back to ``cls.forward`` by name)."""
     if cls not in _LEAN_CLASSES:
 
-        def forward(self, hidden_states: Tensor) -> Tensor:
-            if not torch.is_grad_enabled() or lean_norm_problem(self) is not None:
-                return cls.forward(self, hidden_states)
+        def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+            if args or kwargs or not torch.is_grad_enabled() or lean_norm_problem(self) is not None:
+                return cls.forward(self, hidden_states, *args, **kwargs)  # a gated norm's gate: its own forward
             again = hidden_states if hidden_states.dtype == torch.float32 else None
             return RMSNormLean.apply(hidden_states, again, self.weight, _eps(self))
 
@@ -103,7 +105,7 @@ def computes_rms_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dim() != 1 or weight.is_meta:
         return False
-    if _eps(module) is None or len(module._parameters) != 1:
+    if _eps(module) is None or len(module._parameters) != 1 or not _takes_one_input(type(module)):
         return False
     probe = copy.deepcopy(module)
     generator = torch.Generator(device=weight.device).manual_seed(0)
@@ -113,9 +115,23 @@ def computes_rms_norm(module: nn.Module) -> bool:
             x = torch.randn(2, 3, weight.shape[0], generator=generator, device=weight.device).to(dtype)
             x32 = x.to(torch.float32)
             r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + _eps(module))
-            if not torch.equal(probe(x), probe.weight * _normalised(x, r)):
+            try:
+                if not torch.equal(probe(x), probe.weight * _normalised(x, r)):
+                    return False
+            except Exception:  # a module whose forward wants more than the input (or another shape)
                 return False
     return True
+
+
+def _takes_one_input(cls: type) -> bool:
+    """Whether ``cls.forward`` takes the hidden states alone: not a gated norm's ``forward(x, gate=None)`` (Granite
+    4.0-H, Bamba, Zamba2, Qwen3-Next), where the gate changes the formula."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(parameters) == 1 and parameters[0].kind in positional
 
 
 def apply_lean_norm(model: nn.Module) -> int:

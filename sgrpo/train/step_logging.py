@@ -101,4 +101,5 @@ def episode_log(rollout) -> dict[str, Tensor]:
     if rollout.episodes is None:
         return {}
     values = episode_values(rollout.episodes)
-    return {f"train/episode/{name}": torch.tensor(v, dtype=torch.float32).mean() for name, v in values.items()}
+    return {f"train/episode/{name}": torch.tensor(v, dtype=torch.float32, device="cpu").mean()
+            for name, v in values.items()}
