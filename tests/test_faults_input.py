@@ -156,6 +156,19 @@ def test_a_reward_that_always_fails_stops_the_run(model_dir, tmp_path, capsys):
     assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 16.0), (1, 16.0)]
 
 
+def test_under_dynamic_sampling_the_failing_reward_counts_steps_not_rounds(model_dir, tmp_path, capsys):
+    """A reward that always fails leaves every group constant, so every refill round runs: each round used to count
+    as a failed step (4 rounds: stopped within step 1 of reward_failure_steps 2), and the metric held round 1's."""
+    with pytest.raises(SystemExit) as stopped:
+        main(args(tmp_path, model_dir, "--trainer.max_steps=10", "--model.reward_failure_steps=2",
+                  "--model.dynamic_sampling=true", "--model.max_sampling_rounds=3",
+                  "--model.task.init_args.reward=tests.test_faults_input.AlwaysFails"))  # fmt: skip
+    assert stopped.value.code == 1
+    assert "the reward failed for 48 of 48 completions" in error_line(capsys)
+    assert last_step(tmp_path) == 2
+    assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 48.0), (1, 48.0)]
+
+
 def test_an_empty_train_split_is_refused_in_one_line(model_dir, tmp_path, capsys):
     """num_train: 0 ended in a ValueError traceback from the prompt stream."""
     with pytest.raises(SystemExit) as refused:

@@ -37,8 +37,10 @@ class GroupCollection:
         scored = time.perf_counter()
         rewards, success, parts, log = self.score(examples, rollout)
         log["rollout_s"] = scored - started
+        scored_rows = len(examples) * self.group_size
         if not self.dynamic_sampling:
             log["train/zero_variance_groups"] = constant_groups(rewards).float().mean()
+            self.reward_watch.observe(log["train/reward/failures"], scored_rows, self.trainer.strategy)
             return rollout, rewards, success, parts, log
         kept, sampled, rounds = [], 0, 0
         while True:
@@ -53,7 +55,11 @@ class GroupCollection:
             started = time.perf_counter()
             rollout = self.sample(more, rounds)
             log["rollout_s"] += time.perf_counter() - started
-            rewards, success, parts, _ = self.score(more, rollout)
+            rewards, success, parts, refill = self.score(more, rollout)
+            log["train/reward/failures"] += refill["train/reward/failures"]
+            scored_rows += len(more) * self.group_size
+        # the step's failures over every round, counted once (the guard counts steps, not rounds)
+        self.reward_watch.observe(log["train/reward/failures"], scored_rows, self.trainer.strategy)
         log |= {
             "train/sampling/rounds": float(rounds),
             "train/sampling/groups_dropped": float(sampled - have),
@@ -102,12 +108,12 @@ class GroupCollection:
     def score(self, examples: list[Example], rollout: RolloutBatch) -> tuple[Tensor, Tensor, dict[str, Tensor], dict]:
         """Rewards, success flags and each reward component ``[B, G]`` for a rollout, and the metrics to log.
 
-        Stops the run (``sgrpo.run.guards.RewardFailureWatch``) when too many rewards failed too long.
+        ``train/reward/failures`` counts its failed scorings; ``collect`` hands the step's, every round's together,
+        to ``sgrpo.run.guards.RewardFailureWatch`` (which stops the run when too many failed too long).
         """
         repeated = [ex for ex in examples for _ in range(self.group_size)]
         with torch.device("cpu"):  # tasks (user code) build host tensors whatever the default device is
             result = self.task.score(repeated, rollout.completions)  # reward and success, graded once if they can be
-        self.reward_watch.observe(result.failures, len(repeated), self.trainer.strategy)
         rewards = result.total.to(self.device, torch.float32).view(len(examples), self.group_size)
         if rollout.episodes is not None:  # the environment's per-turn rewards, added to the task's
             turn_rewards = torch.tensor([e.reward for e in rollout.episodes], dtype=rewards.dtype, device=self.device)
