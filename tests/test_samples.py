@@ -60,3 +60,13 @@ def test_rows_go_to_tensorboard_text_and_a_wandb_table(tmp_path):
     assert wandb.tables == [{"key": "completions", "columns": ["step", "prompt", "completion", "reward"],
                              "data": [[3, "a|b", "x\ny", 0.25]], "step": 3}]  # fmt: skip
     assert json.loads((tmp_path / "completions.jsonl").read_text()) == rows[0]
+
+
+def test_a_row_cut_short_by_a_kill_leaves_the_next_rows_whole(tmp_path):
+    """A kill mid-write left a cut line, and the resumed run's first row was glued onto it (neither parsed); the
+    metrics file already ended such a line first, the completions log does too now."""
+    (tmp_path / "completions.jsonl").write_text('{"step": 1, "group": 0}\n{"step": 2, "gro')
+    write_rows([{"step": 2, "group": 0}, {"step": 2, "group": 1}], tmp_path, [], step=2)
+    lines = (tmp_path / "completions.jsonl").read_text().splitlines()
+    assert lines[1] == '{"step": 2, "gro'  # the cut line stays, on its own
+    assert [json.loads(line) for line in lines[2:]] == [{"step": 2, "group": 0}, {"step": 2, "group": 1}]

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
+from sgrpo.eval.metrics_file import append_lines
 from sgrpo.types import RolloutBatch
 
 
@@ -54,10 +55,7 @@ def write_rows(rows: list[dict[str, Any]], run_dir: Path, loggers: list, step: i
     """Append ``rows`` to ``run_dir/completions.jsonl`` and hand them to TensorBoard / W&B loggers."""
     if not rows:
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    append_lines(run_dir / "completions.jsonl", [json.dumps(row, ensure_ascii=False) for row in rows])
     columns = list(rows[0])
     for logger in loggers:
         kind = type(logger).__name__

@@ -73,14 +73,19 @@ class MetricsFile(Logger):
         self._resuming = True if step is None else step
 
     def _append(self, record: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a+b") as f:
-            if not self._line_started:  # a kill mid-line left a partial record: end it, so this one stays whole
-                self._line_started = True
-                end = f.seek(0, 2)
-                if end and (f.seek(end - 1), f.read(1))[1] != b"\n":
-                    f.write(b"\n")
-            f.write(json.dumps(record).encode() + b"\n")
+        append_lines(self.path, [json.dumps(record)], check_end=not self._line_started)
+        self._line_started = True
+
+
+def append_lines(path: Path, lines: list[str], check_end: bool = True) -> None:
+    """Append ``lines`` (each a JSON record) to ``path``; with ``check_end``, first end a line a kill left cut short
+    (the file not ending with a newline), so that the new records stay whole, each on its own line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        end = f.seek(0, 2)
+        if check_end and end and (f.seek(end - 1), f.read(1))[1] != b"\n":
+            f.write(b"\n")
+        f.write("".join(line + "\n" for line in lines).encode())
 
 
 class MarkResume(Callback):
