@@ -133,12 +133,18 @@ def test_validation_logs_the_means_of_its_episodes(chat_dir, forked, tmp_path):
     from sgrpo.policy import GRPOPolicy
 
     policy = GRPOPolicy(str(chat_dir), ChatTask(), GRPO(), FixedEpisodes(forked), group_size=G, prompts_per_step=2,
-                        val_samples=G, environment=Reply(max_turns=3), optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+                        val_samples=G, environment=Reply(max_turns=3), optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                        val_reward=True)  # fmt: skip
     metrics = run_steps(policy, root=tmp_path, limit_val_batches=1, val_check_interval=1).callback_metrics
     values = episode_values(forked.episodes)
     assert set(values) == set(EPISODE_METRICS) and max(values["forks"]) > 0
     for key, per_episode in values.items():
         assert float(metrics[f"val/episode/{key}"]) == pytest.approx(sum(per_episode) / len(per_episode)), key
+    # val/reward is the training reward: the task's and the environment's per-turn rewards (left out before)
+    task_rewards = Length().score([None] * len(forked.completions), forked.completions).total
+    trained = task_rewards + torch.tensor([e.reward for e in forked.episodes])
+    assert max(e.reward for e in forked.episodes) > 0
+    assert float(metrics["val/reward"]) == pytest.approx(float(trained.double().mean()))
 
 
 def test_select_groups_and_cat_carry_forked_rows(forked):
