@@ -94,7 +94,9 @@ class AccuracyByDifficulty(PromptOutcomes):
     def compute(self) -> Tensor:
         solved, level = self.outcomes()
         count = torch.bincount(level, minlength=len(self.levels)).to(torch.float64)
-        total = torch.bincount(level, weights=solved.to(torch.float64), minlength=len(self.levels))
+        # index_add_, not a weighted bincount: CUDA has no deterministic one (trainer.deterministic raised)
+        total = torch.zeros(len(self.levels), dtype=torch.float64, device=level.device)
+        total.index_add_(0, level, solved.to(torch.float64))
         return total / (count * self.samples)  # 0 / 0 = NaN where a label has no prompt
 
 
