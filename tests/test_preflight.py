@@ -251,6 +251,11 @@ def test_parser_errors_are_one_line_with_the_nearest_name(tmp_path, capsys):
         ("--config", str(tmp_path / "typed.yaml")): 'Parser key "model.group_size": Expected a <class \'int\'>. '
         "Got value: eight",
         ("--model.estimator=estimators.GRPo",): "has no attribute 'GRPo' (did you mean estimators.GRPO?)",
+        # an optional field, or one in a class_path block: the union dump lost the key ("Expected a <class 'float'>")
+        ("--model.max_grad_norm=abc",): "model.max_grad_norm: Expected a <class 'float'> (Given value: abc)",
+        ("--model.task.init_args.levels=3",): "model.task.levels: Expected a <class 'list'> (Given value: 3)",
+        ("--model.rollout.init_args.max_new_tokens=abc",): "model.rollout.max_new_tokens: Problem with given "
+        "class_path 'sgrpo.rollout.HFRollout': Expected a <class 'int'>. Got value: abc",
     }
     for extra, needle in cases.items():
         with pytest.raises(SystemExit) as refused:

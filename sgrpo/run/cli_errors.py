@@ -24,12 +24,27 @@ _NO_CLASS = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 
 def union_error(message: str) -> str:
     """The parser's dump for a value that fits no type of a union (``rollout: RolloutEngine | None`` with
-    ``temperature: 0``: eight lines, the constructor's message in the middle) as the constructor's message alone."""
+    ``temperature: 0``; ``max_grad_norm: float | None`` with ``abc``: eight lines) as ``key: error (given value)``:
+    the keys it names joined into one path, each non-None subtype's error with its nested lines, the value."""
     if "Does not validate against any of the Union subtypes" not in message:
         return message
-    errors = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")]
-    errors = [e for e in errors if not e.startswith("Expected a <class 'NoneType'>")]
-    return "; ".join(errors) if errors else message
+    lines = message.splitlines()
+    keys = [m.group(1) for line in lines if (m := re.match(r'\s*Parser key "([^"]+)"', line))]
+    errors, current, indent = [], None, 0
+    for line in lines:
+        text, depth = line.strip(), len(line) - len(line.lstrip())
+        if text.startswith("- "):
+            current, indent = [text[2:]], depth
+            errors.append(current)
+        elif current is not None and depth > indent:
+            if not text.startswith("Parser key"):  # a nested key: in the path already
+                current.append(text)
+        else:
+            current = None
+    errors = [" ".join(e) for e in errors if not e[0].startswith("Expected a <class 'NoneType'>")]
+    given = next((line.strip() for line in lines if line.strip().startswith("Given value:")), "")
+    given = "" if not given or "NestedArg" in given else f" ({given})"
+    return f"{'.'.join(keys)}: {'; '.join(errors) or message}{given}" if keys else "; ".join(errors) or message
 
 
 def one_line(message: str, keys: list[str]) -> str:
@@ -37,8 +52,9 @@ def one_line(message: str, keys: list[str]) -> str:
     of ``keys`` suggested."""
     message = union_error(message)
     if "Problem with given class_path" in message:  # the class path's own error, not the parser's other attempts
-        key = message.split(":", 1)[0] if message.startswith("Parser key") else ""
-        message = f"{key}: " + message[message.index("Problem with given class_path") :]
+        key = message[: message.index("Problem with given class_path")].strip().rstrip(":")
+        key = key.removeprefix("Parser key ").strip('"')
+        message = (f"{key}: " if key else "") + message[message.index("Problem with given class_path") :]
     unknown, no_class = _UNKNOWN.search(message), _NO_CLASS.search(message)
     nearest = []
     if unknown:
