@@ -119,3 +119,28 @@ def test_validate_and_test_build_no_reference_and_a_fit_after_them_does(model_di
     reference = policy._reference
     assert reference is not None and reference is not policy.model
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), policy.model.parameters()))
+
+
+def test_the_reference_and_the_rollout_snapshot_keep_the_model_s_buffer_dtypes(tmp_path):
+    """A bf16 model (``model.dtype: bfloat16``) under bf16-mixed keeps RoPE's inverse frequencies in float32; the
+    copies were cast whole, buffers too, so the reference's rotations drifted (KL 2.1 at positions past 1,024,
+    where it starts at 0) and so did the FSDP2 rollout snapshot's. Now the copies' logits are the model's."""
+    from transformers import LlamaConfig
+
+    from sgrpo.rollout.snapshot import copy_weights, plain_shell
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1, vocab_size=64, max_position_embeddings=4096, rope_theta=1e6,
+                         initializer_range=0.2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert policy.model.rotary_emb.inv_freq.dtype == torch.float32
+    snapshot = plain_shell(policy).to_empty(device="cpu")
+    copy_weights(policy, snapshot)
+    ids = torch.randint(0, 64, (1, 1500), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = policy(ids).logits
+        for copy in (build_reference(policy, "bf16-mixed"), snapshot):
+            assert copy.model.rotary_emb.inv_freq.dtype == torch.float32
+            assert torch.equal(copy(ids).logits, logits)

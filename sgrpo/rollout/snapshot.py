@@ -82,7 +82,9 @@ def plain_shell(
     """The model's own module tree on the meta device (eval mode, frozen), each parameter in the dtype a forward
     of ``model`` uses it in: ``dtype`` (default: the model's), then ``block_dtype`` for every parameter of the
     transformer blocks (FSDP2 mixed precision gathers them in it), then ``linear_dtype`` for every ``nn.Linear``
-    but the LM head (autocast casts those at each use; the head is ``sgrpo.model.head``'s, outside autocast)."""
+    but the LM head (autocast casts those at each use; the head is ``sgrpo.model.head``'s, outside autocast). Without
+    ``dtype`` every buffer keeps its dtype in ``model`` (the casts above took them along: RoPE's inverse frequencies,
+    float32 in a bf16 model, were rounded to bf16, and a 2,048th position's rotation was another)."""
     with torch.device("meta"):
         shell = plain_class(model)(model.config).to(dtype or next(model.parameters()).dtype)
     if block_dtype is not None:
@@ -93,6 +95,14 @@ def plain_shell(
         for module in shell.modules():
             if isinstance(module, nn.Linear) and module is not head:
                 module.to(linear_dtype)
+    # a given dtype is Lightning's -true conversion, yet to come for the model's buffers too (the reference is built
+    # before it); otherwise the buffers stay as the model has them
+    kept = {} if dtype is not None else {n.replace(".base_layer.", "."): b.dtype for n, b in model.named_buffers()}
+    for prefix, module in shell.named_modules():
+        for key, buffer in module._buffers.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if buffer is not None and name in kept and buffer.dtype != kept[name]:
+                module._buffers[key] = buffer.to(kept[name])
     return shell.eval().requires_grad_(False)
 
 
