@@ -273,7 +273,12 @@ def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
         raise CheckpointError("the checkpoint holds LoRA adapters but its record has no LoRA settings")
     if peft is not None:
         apply_lora(model, peft)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # shapes that differ: another model than the one it trained
+        why = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))
+        raise CheckpointError(f"the checkpoint does not fit the base model {record['base']} ({why}); give the "
+                              f"model it trained with --base") from None  # fmt: skip
     own = model.state_dict()
     if unexpected:
         raise CheckpointError(f"the checkpoint does not fit the base model {record['base']}: {unexpected[0]} unknown")

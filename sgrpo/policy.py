@@ -181,7 +181,8 @@ class GRPOPolicy(
             f"micro_batch_tokens must be >= 1, 'auto' or null, got {micro_batch_tokens!r}",
         )
         require(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm must be > 0 or null")
-        require(val_samples >= 1, f"val_samples must be >= 1, got {val_samples}")
+        require(val_samples >= 1 and val_prompts_per_batch >= 1, f"val_samples and val_prompts_per_batch must be >= 1, "
+                f"got {val_samples} and {val_prompts_per_batch}")  # fmt: skip
         require(dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32/bfloat16/float16, got {dtype}")
         require(max_prompt_tokens is None or max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1 or null")
         error = async_rollout_error(async_rollout, max_staleness, rollout or HFRollout(), sync_every, environment)

@@ -177,7 +177,7 @@ def test_a_checkpoint_without_its_record_takes_the_base_from_the_run_config_or_b
 
 
 @pytest.mark.parametrize("case", ["missing", "hf_folder", "truncated", "out_not_empty", "merged_without_lora",
-                                  "base_missing", "out_is_file", "nan_weights"])
+                                  "base_missing", "out_is_file", "nan_weights", "base_of_other_shapes"])
 def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
     ckpt, out, extra = run / "checkpoints" / "last.ckpt", tmp_path / "out", []
     if case == "missing":
@@ -199,6 +199,10 @@ def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
         checkpoint["state_dict"] = {k: torch.full_like(v, float("nan")) for k, v in checkpoint["state_dict"].items()}
         ckpt = tmp_path / "nan.ckpt"
         torch.save(checkpoint, ckpt)
+    elif case == "base_of_other_shapes":  # another model's weights, wider: was a size-mismatch traceback
+        from sgrpo.model.tiny import ensure_tiny_model
+
+        extra = [f"--base={ensure_tiny_model(tmp_path / 'wide', hidden_size=48)}"]
     else:
         extra = ["--base=/nonexistent/model"]
     with pytest.raises(SystemExit) as refused:
@@ -208,7 +212,8 @@ def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
     assert {"missing": "no checkpoint at", "hf_folder": "an HF model folder already", "truncated": "does not load",
             "out_not_empty": "is not empty", "merged_without_lora": "--merged applies to LoRA",
             "base_missing": "cannot load the base model /nonexistent/model", "out_is_file": "is a file: give a folder",
-            "nan_weights": "weights are not all finite (NaN or infinite)"}[case] in line
+            "nan_weights": "weights are not all finite (NaN or infinite)",
+            "base_of_other_shapes": "does not fit the base model"}[case] in line
     assert case in ("out_not_empty", "out_is_file") or not out.exists()
 
 

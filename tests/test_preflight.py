@@ -228,8 +228,11 @@ def test_a_scheduler_that_takes_bfloat16_steps_below_the_bound_is_warned():
         (["--trainer.val_check_interval=0"], "error: invalid configuration: trainer.val_check_interval must be >= 1"),
         (["--model.rollout.init_args.temperature=0"], "error: invalid configuration: temperature must be > 0"),
         (["--model.rollout.init_args.max_new_tokens=0"], "error: invalid configuration: max_new_tokens must be"),
+        (["--model.scheduler=torch.optim.lr_scheduler.StepLR", "--model.scheduler.init_args.step_size=0"],
+         "error: invalid configuration: model.scheduler: integer modulo by zero"),
+        (["--model.val_prompts_per_batch=0"], "error: invalid configuration: val_samples and val_prompts_per_batch"),
     ],
-    ids=["val_check_interval", "temperature", "max_new_tokens"],
+    ids=["val_check_interval", "temperature", "max_new_tokens", "scheduler_step", "val_prompts_per_batch"],
 )
 def test_bad_values_fail_in_one_line_not_a_traceback_or_a_union_dump(extra, needle, model_dir, tmp_path, capsys):
     """val_check_interval 0 raised ZeroDivisionError once the model had loaded; temperature or max_new_tokens 0

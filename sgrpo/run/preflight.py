@@ -242,9 +242,11 @@ def check_policy(policy: Any) -> None:
         if not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"model.optimizer: lr must be a finite number > 0, got {lr}")
     if policy.scheduler_factory is not None:
-        try:
-            policy.scheduler_factory(optimizer)
-        except (TypeError, ValueError) as err:
+        try:  # built and stepped once (StepLR's step_size 0 divides by it at the first step)
+            scheduler = policy.scheduler_factory(optimizer)
+            optimizer.step()  # no gradient: nothing moves, and the scheduler sees its optimiser stepped first
+            scheduler.step()
+        except (TypeError, ValueError, ZeroDivisionError) as err:
             raise ConfigError(f"model.scheduler: {err}") from None
     for table in vars(policy.task).values():
         if isinstance(table, SplitTable):
