@@ -313,3 +313,23 @@ def test_layout_logs_with_a_reduce_that_works_in_place():
     assert float(logs["train/padding_fraction_padded"]) == pytest.approx(310 / 550)  # (550 - 240) / 550
     assert float(logs["train/tokens_per_micro_batch"]) == 60.0  # 240 / 4
     assert float(logs["train/update/token_imbalance"]) == pytest.approx(300 / 200)
+
+
+def test_a_sharing_probe_that_raises_packs_without_sharing(monkeypatch, caplog):
+    """The block mask's first use is the sharing probe (flex attention's ``create_block_mask``, SDPA's additive mask):
+    a kernel that refused it used to end the run at its first update. Now: packed rows, each with its own prompt
+    copy, and one warning naming the error."""
+    import logging
+
+    import sgrpo.model.packed_path as packed_path
+    from tests.test_packing_shared import tiny, verdict_of
+
+    def refuse(model):
+        raise RuntimeError("flex_attention: the kernel refused the BlockMask")
+
+    monkeypatch.setattr(packed_path, "shared_packing_problem", refuse)
+    with caplog.at_level(logging.WARNING, logger="sgrpo.train.update"):
+        assert verdict_of(tiny("sdpa")) == (True, False)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("model.share_prompts: packed rows hold each completion's own prompt copy: the check raised "
+                    "RuntimeError: flex_attention: the kernel refused the BlockMask")

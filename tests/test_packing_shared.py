@@ -350,25 +350,6 @@ def test_a_probe_that_raises_falls_back_to_the_padded_path_with_the_attention_it
                     "only support fp16 and bf16 data type")
 
 
-def test_a_sharing_probe_that_raises_packs_without_sharing(monkeypatch, caplog):
-    """The block mask's first use is the sharing probe (flex attention's ``create_block_mask``, SDPA's additive mask):
-    a kernel that refused it used to end the run at its first update. Now: packed rows, each with its own prompt
-    copy, and one warning naming the error."""
-    import logging
-
-    import sgrpo.model.packed_path as packed_path
-
-    def refuse(model):
-        raise RuntimeError("flex_attention: the kernel refused the BlockMask")
-
-    monkeypatch.setattr(packed_path, "shared_packing_problem", refuse)
-    with caplog.at_level(logging.WARNING, logger="sgrpo.train.update"):
-        assert verdict_of(tiny("sdpa")) == (True, False)
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line == ("model.share_prompts: packed rows hold each completion's own prompt copy: the check raised "
-                    "RuntimeError: flex_attention: the kernel refused the BlockMask")
-
-
 def saved_masks(loss: torch.Tensor) -> set[int]:
     """The storages of the attention masks the autograd graph under ``loss`` saved for its backward."""
     found, stack, seen = set(), [loss.grad_fn], set()
