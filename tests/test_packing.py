@@ -56,22 +56,21 @@ def test_pack_lays_out_a_small_batch_by_hand():
 
 
 def test_row_width_weighs_linear_against_quadratic_cost():
-    """Cost rows x C x (1 + C / 6H): with a large H, wider rows that drop padding win; with a tiny H they cost
-    more attention than they save (hand-computed: lengths 6, 3, 3, 2 at W = 6)."""
-    lengths = [6, 3, 3, 2]
-    # W=6: rows [6], [3, 3], [2] -> 3 x 6 = 18; 12: [6, 3, 3], [2] -> 2 x 12 = 24; 24: 1 x 24 = 24
-    assert row_width(lengths, 6, 10_000) == 6  # 18 (1.0006) < 24 (1.0012)
-    lengths = [6, 1, 1, 1, 1, 1, 1]  # W=6: [6], [1 x 6] -> 12; 12: one row -> 12; W wins the tie
-    assert row_width(lengths, 6, 10_000) == 6
-    lengths = [6, 4, 4, 4]  # W: 4 rows (24); 12: [6, 4], [4, 4] -> 2 x 12 = 24, 24: 1 x 24 -> the cost's C term
-    assert row_width(lengths, 6, 10_000) == 6
-    lengths = [6, 5, 5, 5, 2]  # W: [6], [5], [5], [5], [2] -> 30; 12: [6, 5], [5, 5, 2] -> 24; 24: one row, 24
-    assert row_width(lengths, 6, 10_000) == 12  # 24 x (1 + 12 / 6e4) < 24 x (1 + 24 / 6e4) < 30
-    lengths = [5, 5, 5, 5, 5, 5]  # W=6: 6 rows = 36; 12: 3 rows = 36; 24: 2 rows (20 used) = 48; 48: 1 row = 48
-    assert row_width(lengths, 6, 1) == 6 and row_width(lengths, 6, None) == 6
-    lengths = [4, 3, 3, 3, 3]  # W=6: [4], [3, 3], [3, 3] -> 18; 12: [4, 3, 3], [3, 3] -> 24; 24: one row, 24
-    assert row_width(lengths, 6, 10**6) == 6
-    assert row_width([4] * 6, 6, 10**6) == 12  # W: 6 rows, 36; 12: [4, 4, 4] x 2, 24; 24: 24 with a larger C term
+    """Cost rows x C x (1 + C / 6H), each capacity on the 2^(1/8) grid above W taken at its fullest row (hand-computed,
+    W = 6): with a large H rows that drop padding win, with a small H narrow rows (less attention) do."""
+    lengths = [6, 3, 3, 2]  # 14 tokens
+    # W: [6], [3, 3], [2] -> 3 x 6 = 18; capacity 7 the same rows; 8: [6, 2], [3, 3] -> 2 x 8 = 16; 9 and 10: [6, 3],
+    # [3, 2] -> 2 x 9; 11: [6, 3, 2], [3] -> 2 x 11; 12 and 13: [6, 3, 3], [2] -> 2 x 12; 14: one row, 14
+    assert row_width(lengths, 6, 10_000) == 14  # 14 x (1 + 14 / 6e4) < 16 x (1 + 8 / 6e4) < 18 x (1 + 6 / 6e4)
+    assert row_width(lengths, 6, 2) == 8  # 16 x (1 + 8 / 12) = 26.7 < 18 x 1.5 = 27 < 14 x (1 + 14 / 12) = 30.3
+    assert row_width(lengths, 6, 1) == 6  # 18 x 2 = 36 < 16 x (1 + 8 / 6) = 37.3 < 14 x (1 + 14 / 6) = 46.7
+    assert row_width(lengths, 6, None) == 6
+    # every row one sequence of 5: capacities 7 to 9 keep those rows, taken at their fill (5, below W), no padding
+    assert row_width([5] * 6, 6, 1) == 5  # 6 x 5 x (1 + 5 / 6) = 55 < W's 6 x 6 x 2 = 72; 10: 3 x 10 x (8 / 3) = 80
+    assert row_width([5] * 6, 6, 10**6) == 5  # 30 slots as six rows of 5 or one of 30: the C term picks 5
+    # 12: [6, 5], [5, 5, 2] -> 2 x 12 = 24 slots; 23: one row of every token, 23 slots, and 23 x (1 + 23 / 6e4) less
+    assert row_width([6, 5, 5, 5, 2], 6, 10_000) == 23
+    assert row_width([4] * 6, 6, 10**6) == 4  # six rows of 4: 24 slots like one row of 24, and the least C term
 
 
 @pytest.mark.parametrize(

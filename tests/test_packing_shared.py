@@ -296,10 +296,10 @@ def test_the_start_names_the_attention_path_and_sharing_falls_back_with_one_warn
             -2)).tril().unsqueeze(1))  # fmt: skip
         assert verdict_of(leaky) == (True, False)
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
-    assert lines[0] == ("INFO", "model.packing: packed log-probs, SDPA with a packed mask, rows of the padded width "
-                        "or a multiple (cost model), each group's prompt once where the cost model says it pays")
-    assert lines[1] == ("INFO", "model.packing: packed log-probs, SDPA with a packed mask, rows of the padded width "
-                        "or a multiple (cost model)")  # fmt: skip
+    assert lines[0] == ("INFO", "model.packing: packed log-probs, SDPA with a packed mask, rows of the width a cost "
+                        "model picks, each group's prompt once where the cost model says it pays")
+    assert lines[1] == ("INFO", "model.packing: packed log-probs, SDPA with a packed mask, rows of the width a cost "
+                        "model picks")  # fmt: skip
     fallback = "model.share_prompts: packed rows hold each completion's own prompt copy: "
     assert lines[3][0] == "WARNING" and lines[3][1].startswith(fallback + "layers of kinds ['sliding_attention']")
     assert lines[5][0] == "WARNING" and "one completion's log-probs change with another's tokens" in lines[5][1]

@@ -64,7 +64,7 @@ def attention_path(model: nn.Module, shares: bool) -> str:
     if impl in VARLEN_ATTENTION:
         return f"{impl}: the varlen kernel over one packed row (prompts not shared: it takes no block mask)"
     how = {"flex_attention": "flex attention with a BlockMask", "sdpa": "SDPA with a packed mask"}.get(impl, impl)
-    rows = "rows of the padded width or a multiple (cost model)"
+    rows = "rows of the width a cost model picks"
     return f"{how}, {rows}" + (", each group's prompt once where the cost model says it pays" if shares else "")
 
 

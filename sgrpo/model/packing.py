@@ -11,12 +11,12 @@ varlen kernel, which it does only for a batch of one row. Two conditions, both m
 on, transformers builds a cache before the mask and skips the packed mask: one sequence would attend
 into the one before it).
 
-Rows are filled first-fit by decreasing length. Their width is the padded forward's (W) or a multiple
+Rows are filled first-fit by decreasing length. Their width is the padded forward's (W) or another
 (``row_width``): a dense block-diagonal mask costs attention over the whole row, so wider rows skip
 more padding in the linear layers but pay more attention; a cost model picks. At width W each token's
 attention reduces over as many keys as in the padded path, so the per-token results are the padded
-path's bit for bit where the kernels allow (eager and SDPA on CPU, float32); wider rows sum in
-another order (float32: ~1e-7 apart). A flash-attention model gets one row (its varlen kernel costs
+path's bit for bit where the kernels allow (eager and SDPA on CPU, float32); rows of another width sum
+in another order (float32: ~1e-7 apart). A flash-attention model gets one row (its varlen kernel costs
 the sum of each sequence's own square).
 
 ``sgrpo.model.logprobs.packing_problem`` says why a model cannot pack, or None.
@@ -90,19 +90,30 @@ def first_fit(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
 
 
 def row_width(lengths: list[int], width: int, hidden_size: int | None) -> int:
-    """The packed rows' width: the padded forward's ``width`` W, or 2W, 4W, ... (up to one row of every token),
-    whichever costs least under ``rows x C x (1 + C / (6 hidden_size))`` (per token ~24 H^2 multiply-adds in
-    the linear layers, per query-key pair ~4 H in a dense-masked attention: the ratio 1 / (6 H)); W on a
-    tie, and W without ``hidden_size``."""
+    """The packed rows' width: the one of least cost ``rows x C x (1 + C / (6 hidden_size))`` (per token ~24 H^2
+    multiply-adds in the linear layers, per query-key pair ~4 H in a dense-masked attention: the ratio 1 / (6 H));
+    W without ``hidden_size``.
+
+    Candidates: the padded forward's ``width`` W, then wider capacities on a grid of ratio 2^(1/8) up to one row of
+    every token, each taken at its fill (the fullest row ``first_fit`` makes there: first-fit at that capacity
+    places every length as at the wider one, so the same rows cost less); W on a tie. The search ends where
+    ``total x (1 + C / (12 H))`` reaches the best: no capacity from C up costs less (rows x fill >= total, and the
+    fullest of two or more first-fit rows is over half full, else the later row's lengths would have fitted
+    before).
+    """
     total, best, best_cost, c = sum(lengths), width, float("inf"), width
-    while hidden_size:
-        rows = 1 + max((r for r, _ in first_fit(lengths, c)), default=0)
-        cost = rows * c * (1 + c / (6 * hidden_size))
+    while hidden_size and total * (1 + c / (12 * hidden_size)) < best_cost:
+        placed = first_fit(lengths, c)
+        fill = [0] * (1 + max((r for r, _ in placed), default=0))
+        for (r, _), n in zip(placed, lengths):
+            fill[r] += n
+        taken = width if c == width else max(fill)  # W itself keeps the padded forward's width (bit for bit)
+        cost = len(fill) * taken * (1 + taken / (6 * hidden_size))
         if cost < best_cost:
-            best, best_cost = c, cost
+            best, best_cost = taken, cost
         if c >= total:
             break
-        c *= 2
+        c = min(total, max(c + 1, int(c * 2 ** 0.125)))
     return best
 
 
