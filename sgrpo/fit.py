@@ -30,7 +30,6 @@ from pathlib import Path
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
@@ -42,16 +41,14 @@ from sgrpo.distributed import (
     join_started_processes,
     released_after,
 )
-from sgrpo.eval.evaluation import evaluation_table
 from sgrpo.eval.metrics_file import MarkResume, MetricsFile
-from sgrpo.export import CheckpointError, open_checkpoint, recorded_policy
-from sgrpo.model.loading import resolve_model_path
-from sgrpo.model.lora import peft_mismatch
+from sgrpo.evaluate import evaluate
+from sgrpo.export import CheckpointError
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO, resume_failure
 from sgrpo.run.cli_errors import one_line_errors, union_error
 from sgrpo.run.faults import FailFast, command_ended, disk_fault
-from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, latest_checkpoint, launches_run, run_folder
+from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, launches_run, run_folder
 from sgrpo.run.guards import EnvironmentFailure, GuardError
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
@@ -338,41 +335,6 @@ def last_step_unvalidated(policy: GRPOPolicy) -> bool:
     """Whether the fit trained a step after its last validation (verl validates at the last step as well)."""
     history = policy.val_history
     return policy.rollout_step > 0 and (not history or history[-1]["step"] != policy.rollout_step)
-
-
-def evaluate(cli: SgrpoCLI, mode: str) -> None:
-    """``validate`` or ``test`` the policy of ``--ckpt_path`` (a path or ``last``), else of ``model.model``, and
-    print its accuracy by difficulty. Writes no checkpoint, export or metrics file; the logger logs as usual."""
-    trainer, policy = cli.trainer, cli.model
-    ckpt_path = evaluated_checkpoint(cli.config.ckpt_path, trainer, policy)
-    with warnings.catch_warnings():  # that the callbacks which wrote the checkpoint are absent: on purpose
-        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
-        (trainer.validate if mode == "validate" else trainer.test)(policy, ckpt_path=ckpt_path, verbose=False)
-    result = policy.last_evaluation
-    if trainer.is_global_zero and result is not None:
-        source = f"{ckpt_path} (step {result['step']})" if ckpt_path else resolve_model_path(policy.model_path)
-        print(f"\n{result['split'].capitalize()} accuracy by difficulty: {source}")
-        print(evaluation_table(result))
-
-
-def evaluated_checkpoint(ckpt_path: str | None, trainer, policy: GRPOPolicy) -> str | None:
-    """The checkpoint to evaluate, refused in one line when missing, broken, sharded under a strategy that
-    cannot read it, or trained with other LoRA settings (or with(out) LoRA) than the config's."""
-    if ckpt_path == "last":
-        hint = "give a checkpoint's path, or evaluate a model folder with --model.model"
-        ckpt_path = latest_checkpoint(Path(trainer.default_root_dir) / "checkpoints", hint)
-    if ckpt_path is None:
-        return None
-    checkpoint = open_checkpoint(Path(ckpt_path))
-    if Path(ckpt_path).is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
-        raise CheckpointError(
-            f"{ckpt_path} is sharded: evaluate it with the strategy that wrote it (the run's config), or export it "
-            f"(python -m sgrpo.export {ckpt_path} OUT) and evaluate OUT with --model.model=OUT"
-        )
-    record = recorded_policy(checkpoint)
-    if record is not None and (problem := peft_mismatch(record["peft"], policy.peft)):
-        raise CheckpointError(f"{ckpt_path} {problem}")
-    return ckpt_path
 
 
 def fit(trainer, policy: GRPOPolicy, ckpt_path: str | os.PathLike | None) -> None:

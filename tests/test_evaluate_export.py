@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,18 +120,55 @@ def lora_record(run: Path, tmp_path: Path) -> str:
     return str(tmp_path / "lora.ckpt")
 
 
-@pytest.mark.parametrize("case", ["missing", "no_last", "truncated", "lora_without_peft"])
+def other_shapes(run: Path, tmp_path: Path) -> str:
+    """The full run's checkpoint with an embedding one row longer: a model of other shapes than model.model."""
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    key = next(k for k in checkpoint["state_dict"] if k.endswith("embed_tokens.weight"))
+    weight = checkpoint["state_dict"][key]
+    checkpoint["state_dict"][key] = torch.cat([weight, weight[:1]])
+    torch.save(checkpoint, tmp_path / "other.ckpt")
+    return str(tmp_path / "other.ckpt")
+
+
+@pytest.mark.parametrize("case", ["missing", "no_last", "truncated", "lora_without_peft", "other_shapes"])
 def test_evaluation_refuses_a_bad_checkpoint_in_one_line(case, run, tmp_path, capsys):
     if case == "truncated":
         (tmp_path / "cut.ckpt").write_bytes((run / "checkpoints" / "last.ckpt").read_bytes()[:5000])
     ckpt = {"missing": str(tmp_path / "nothing.ckpt"), "no_last": "last", "truncated": str(tmp_path / "cut.ckpt"),
-            "lora_without_peft": lora_record(run, tmp_path) if case == "lora_without_peft" else ""}[case]  # fmt: skip
+            "lora_without_peft": lora_record(run, tmp_path) if case == "lora_without_peft" else "",
+            "other_shapes": other_shapes(run, tmp_path) if case == "other_shapes" else ""}[case]  # fmt: skip
     with pytest.raises(SystemExit) as refused:
         main(["validate", *args(tmp_path / "eval", f"--ckpt_path={ckpt}")])
     assert refused.value.code == 2
     line = error_line(capsys)
     assert {"missing": "no such checkpoint", "no_last": "--ckpt_path last:", "truncated": "does not load",
-            "lora_without_peft": "trained with LoRA adapters"}[case] in line  # fmt: skip
+            "lora_without_peft": "trained with LoRA adapters",
+            "other_shapes": "does not load into model.model"}[case] in line  # fmt: skip
+    if case == "other_shapes":  # the first mismatch is named, not only Lightning's heading
+        assert "size mismatch for model.model.embed_tokens.weight" in line, line
+
+
+def test_on_several_processes_a_checkpoint_that_does_not_fit_ends_them_with_its_one_line(monkeypatch):
+    """Several processes: ``FailFast`` ends every process with the refusal's line and exit status 2 when the error
+    arose while the checkpoint loaded; any later error keeps the traceback path (line None, its own status)."""
+    import sgrpo.run.faults as faults
+
+    ended = []
+    monkeypatch.setattr(faults, "fail_fast", lambda trainer, err, line=None, status=None: ended.append((line, status)))
+    connector = SimpleNamespace(_loaded_checkpoint={"state_dict": {}})  # Lightning's, from resume_start to resume_end
+    trainer = SimpleNamespace(world_size=2, ckpt_path="a.ckpt", _checkpoint_connector=connector)
+    err = RuntimeError("Error(s) in loading state_dict for GRPOPolicy:\n\tsize mismatch for w: 3 against 2.")
+    watch = faults.FailFast()
+    watch.on_exception(trainer, None, err)
+    assert watch.failed_load is err
+    assert ended == [("error: --ckpt_path a.ckpt does not load into model.model (RuntimeError: Error(s) in loading "
+                      "state_dict for GRPOPolicy: size mismatch for w: 3 against 2.): evaluate it with the config that "
+                      "trained it (model.model, model.peft), or export it (python -m sgrpo.export CKPT OUT) and "
+                      "evaluate OUT with --model.model=OUT", 2)]  # fmt: skip
+    connector._loaded_checkpoint = {}  # loaded: a later error is not the checkpoint's
+    later = faults.FailFast()
+    later.on_exception(trainer, None, ValueError("a reward broke"))
+    assert later.failed_load is None and ended[-1] == (None, None)
 
 
 # ------------------------------------------------------------------------------------------ export

@@ -325,9 +325,25 @@ def resume_failure(ckpt_path, exception: BaseException) -> str:
     """One line for a checkpoint that failed to load into this run (nothing is written after it)."""
     if isinstance(exception, ProcessesDisagree):
         return str(exception)
-    message = str(exception).splitlines()[0] if str(exception) else ""
     return (
-        f"--ckpt_path {ckpt_path} does not load into this run ({type(exception).__name__}: {message}); it was "
+        f"--ckpt_path {ckpt_path} does not load into this run ({load_error(exception)}); it was "
         "left as it was. Resume with the config that wrote it (model, model.peft, model.optimizer), or start "
         "a fresh run in another --trainer.default_root_dir"
     )
+
+
+def evaluation_load_failure(ckpt_path, exception: BaseException) -> str:
+    """One line for a checkpoint that ``validate`` or ``test`` could not load into the configured model."""
+    return (
+        f"--ckpt_path {ckpt_path} does not load into model.model ({load_error(exception)}): evaluate it with the "
+        "config that trained it (model.model, model.peft), or export it (python -m sgrpo.export CKPT OUT) and "
+        "evaluate OUT with --model.model=OUT"
+    )
+
+
+def load_error(exception: BaseException) -> str:
+    """``Type: first line`` of a load error; where that line only heads a list (``load_state_dict``'s "Error(s) in
+    loading state_dict for X:"), with the list's first entry (the first missing key or size mismatch)."""
+    lines = [line.strip() for line in str(exception).splitlines() if line.strip()]
+    message = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(exception).__name__}: {message}".rstrip(": ")

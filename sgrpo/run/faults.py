@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
 from sgrpo.distributed import ROLLOUT_STOP, RolloutStop, default_store, store_key
+from sgrpo.run.checkpoints import evaluation_load_failure
 from sgrpo.run.guards import GuardError
 from sgrpo.run.resume import ResumeError
 from sgrpo.run.signals import Stopped
@@ -225,6 +226,7 @@ class FailFast(Callback):
         self.errors = errors
         self.watch: AbortWatch | None = None
         self._loggers: list = []
+        self.failed_load: BaseException | None = None  # an error while the checkpoint to evaluate loaded
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._loggers = list(trainer.loggers)
@@ -235,15 +237,25 @@ class FailFast(Callback):
             self.watch.start()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        loading = self.errors and loading_checkpoint(trainer, exception)
+        if loading:  # validate or test: the checkpoint does not fit model.model; one line, exit 2
+            self.failed_load = exception
         if trainer.world_size > 1 and isinstance(exception, EVERY_PROCESS):
             self.stop()
         elif trainer.world_size > 1 and self.errors:
-            fail_fast(trainer, exception)
+            line = f"error: {evaluation_load_failure(trainer.ckpt_path, exception)}" if loading else None
+            fail_fast(trainer, exception, line, status=2 if loading else None)
 
     def stop(self) -> None:
         """End the watch (at the end of the command, before the processes leave the process group)."""
         if self.watch is not None:
             self.watch.stop()
+
+
+def loading_checkpoint(trainer, exception: BaseException) -> bool:
+    """Whether ``exception`` arose while the trainer loaded a checkpoint (Lightning's connector holds it from
+    ``resume_start`` to ``resume_end``) or was sgrpo's refusal of one (``ResumeError``)."""
+    return bool(trainer._checkpoint_connector._loaded_checkpoint) or isinstance(exception, ResumeError)
 
 
 def announce(notice: str) -> tuple[bool, str]:

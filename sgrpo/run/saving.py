@@ -30,7 +30,7 @@ from sgrpo.run.checkpoints import (
     resume_failure,
     tidy_resumed,
 )
-from sgrpo.run.faults import EVERY_PROCESS, fail_fast
+from sgrpo.run.faults import EVERY_PROCESS, fail_fast, loading_checkpoint
 from sgrpo.run.folders import agree_checkpoint
 from sgrpo.run.resume import ResumeError, apply_optimizer_settings, drop_scheduler_state, experiment_changes
 from sgrpo.run.signals import Stopped, StoppedNow, StopRequests, forward_signal
@@ -208,8 +208,7 @@ class RunCheckpoint(ModelCheckpoint):
         error (or a second Ctrl-C) between a step's end and its metrics row (``_at_step_end``) saves the step
         without its row: the step's work is kept over its row."""
         self.stops.uninstall(stopping=isinstance(exception, Stopped))
-        loading = bool(trainer._checkpoint_connector._loaded_checkpoint)  # set from resume_start to resume_end
-        loading = loading or isinstance(exception, ResumeError)
+        loading = loading_checkpoint(trainer, exception)
         if trainer.world_size > 1 and not isinstance(exception, EVERY_PROCESS):
             line = None if not loading else f"error: {resume_failure(trainer.ckpt_path, exception)}"
             fail_fast(trainer, exception, line, status=2 if loading else None)
