@@ -4,12 +4,14 @@ cross-sequence attention, the start-of-run check, and a tiny fit with packing on
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 import torch
 
 from sgrpo.model.logprobs import completion_logprobs, final_hidden_states, packing_problem
-from sgrpo.model.packing import first_fit, layout_tokens, pack, row_width
+from sgrpo.model.packing import layout_tokens, pack
+from sgrpo.model.rows import first_fit, layout_cost, row_width
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
 from sgrpo.train.loss import BatchCounts, ClippedSurrogate, TokenBatch
 
@@ -71,6 +73,18 @@ def test_row_width_weighs_linear_against_quadratic_cost():
     # 12: [6, 5], [5, 5, 2] -> 2 x 12 = 24 slots; 23: one row of every token, 23 slots, and 23 x (1 + 23 / 6e4) less
     assert row_width([6, 5, 5, 5, 2], 6, 10_000) == 23
     assert row_width([4] * 6, 6, 10**6) == 4  # six rows of 4: 24 slots like one row of 24, and the least C term
+
+
+def test_row_width_costs_no_more_than_w_or_any_doubling_of_it():
+    """The chosen width's modelled cost (``layout_cost``) is at most that of W and of every capacity W x 2^k up to one
+    row, on random lengths, pads and hidden sizes (a 2^(1/8) grid alone missed the doublings: seeds 3 and 23)."""
+    for seed in range(600):
+        rng = random.Random(seed)
+        lengths = [rng.randint(1, 200) for _ in range(rng.randint(1, 40))]
+        w, h = max(lengths) + rng.randint(0, 50), rng.choice([4, 64, 256, 4096])
+        doublings = [w * 2**k for k in range(12) if k == 0 or w * 2 ** (k - 1) < sum(lengths)]
+        best = min(layout_cost(lengths, c, h) for c in doublings)
+        assert layout_cost(lengths, row_width(lengths, w, h), h) <= best + 1e-9, seed
 
 
 @pytest.mark.parametrize(

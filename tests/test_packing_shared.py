@@ -239,7 +239,7 @@ def test_segment_parts_by_hand():
     cost(123) - cost(63) = 990, a part of its own cost(63) = 393.75: two parts. H 256, prompt 300, completions 10,
     20, 30: one part (adding 20 to 330 tokens costs 28.9, a new part 386.7). With a budget of 410: 30 alone (cost
     400.9), 20 would pass it there (429.8): a new part, which 10 then joins (400.9)."""
-    from sgrpo.model.packing import segment_parts
+    from sgrpo.model.rows import segment_parts
 
     assert segment_parts(3, [60, 60], 2) == [[0], [1]]
     assert segment_parts(300, [10, 20, 30], 256) == [[2, 1, 0]]

@@ -12,7 +12,7 @@ on, transformers builds a cache before the mask and skips the packed mask: one s
 into the one before it).
 
 Rows are filled first-fit by decreasing length. Their width is the padded forward's (W) or another
-(``row_width``): a dense block-diagonal mask costs attention over the whole row, so wider rows skip
+(``sgrpo.model.rows.row_width``): a dense block-diagonal mask costs attention over the whole row, so wider rows skip
 more padding in the linear layers but pay more attention; a cost model picks. At width W each token's
 attention reduces over as many keys as in the padded path, so the per-token results are the padded
 path's bit for bit where the kernels allow (eager and SDPA on CPU, float32); rows of another width sum
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from sgrpo.model.rows import first_fit, layout_cost, row_width, segment_parts
 
 #: attention implementations that build the block-diagonal mask from restarting position ids (per row)
 MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
@@ -73,48 +75,6 @@ def sequence_lengths(attention_mask: Tensor, completion_mask: Tensor) -> tuple[T
     columns = torch.arange(total, device=attention_mask.device)
     keep = attention_mask.bool() & (columns < stop.unsqueeze(-1)) & mask.any(-1, keepdim=True)
     return keep, keep.sum(-1)
-
-
-def first_fit(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
-    """(row, offset) of each length, first-fit by decreasing length into rows of ``capacity`` (>= the longest)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    room: list[int] = []
-    placed = [(0, 0)] * len(lengths)
-    for i in order:
-        row = next((r for r, free in enumerate(room) if free >= lengths[i]), len(room))
-        if row == len(room):
-            room.append(capacity)
-        placed[i] = (row, capacity - room[row])
-        room[row] -= lengths[i]
-    return placed
-
-
-def row_width(lengths: list[int], width: int, hidden_size: int | None) -> int:
-    """The packed rows' width: the one of least cost ``rows x C x (1 + C / (6 hidden_size))`` (per token ~24 H^2
-    multiply-adds in the linear layers, per query-key pair ~4 H in a dense-masked attention: the ratio 1 / (6 H));
-    W without ``hidden_size``.
-
-    Candidates: the padded forward's ``width`` W, then wider capacities on a grid of ratio 2^(1/8) up to one row of
-    every token, each taken at its fill (the fullest row ``first_fit`` makes there: first-fit at that capacity
-    places every length as at the wider one, so the same rows cost less); W on a tie. The search ends where
-    ``total x (1 + C / (12 H))`` reaches the best: no capacity from C up costs less (rows x fill >= total, and the
-    fullest of two or more first-fit rows is over half full, else the later row's lengths would have fitted
-    before).
-    """
-    total, best, best_cost, c = sum(lengths), width, float("inf"), width
-    while hidden_size and total * (1 + c / (12 * hidden_size)) < best_cost:
-        placed = first_fit(lengths, c)
-        fill = [0] * (1 + max((r for r, _ in placed), default=0))
-        for (r, _), n in zip(placed, lengths):
-            fill[r] += n
-        taken = width if c == width else max(fill)  # W itself keeps the padded forward's width (bit for bit)
-        cost = len(fill) * taken * (1 + taken / (6 * hidden_size))
-        if cost < best_cost:
-            best, best_cost = taken, cost
-        if c >= total:
-            break
-        c = min(total, max(c + 1, int(c * 2 ** 0.125)))
-    return best
 
 
 def pack(
@@ -203,35 +163,6 @@ def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_length: int)
     return inverse, distinct.shape[0]
 
 
-def sequence_cost(length: int, hidden_size: int | None) -> float:
-    """Modelled cost of one packed sequence of ``length`` tokens: ``L + L^2 / (6 H)`` (per token ~24 H^2
-    multiply-adds in the linear layers; per query-key pair ~4 H in attention; in units of a token's linear
-    cost). Without ``hidden_size``, ``L``."""
-    return length + (length * length / (6 * hidden_size) if hidden_size else 0.0)
-
-
-def segment_parts(
-    prompt: int, completions: list[int], hidden_size: int | None, budget: float | None = None
-) -> list[list[int]]:
-    """One group's completions (run-token counts) cut into segments ``[prompt, c, c', ...]``, as index lists.
-
-    Greedy, longest completion first: each joins the part where it adds the least ``sequence_cost`` (a dense mask
-    makes a segment's attention quadratic in its length), unless a new part with its own prompt copy costs less
-    (``sequence_cost(prompt + c)``) or every part would pass ``budget``. Without ``hidden_size``, one part (under
-    ``budget``)."""
-    cost = lambda n: sequence_cost(n, hidden_size)  # noqa: E731
-    parts: list[tuple[list[int], int]] = []
-    for i in sorted(range(len(completions)), key=lambda i: -completions[i]):
-        c = completions[i]
-        fits = [k for k, (_, size) in enumerate(parts) if budget is None or cost(size + c) <= budget]
-        best = min(fits, key=lambda k: cost(parts[k][1] + c) - cost(parts[k][1]), default=None)
-        if best is None or cost(parts[best][1] + c) - cost(parts[best][1]) >= cost(prompt + c):
-            parts.append(([i], prompt + c))
-        else:
-            parts[best] = (parts[best][0] + [i], parts[best][1] + c)
-    return [members for members, _ in parts]
-
-
 @dataclass(frozen=True)
 class SharedParts:
     """``pack_shared``'s segments before placement: ``keep`` ``[N, P+T]`` (``sequence_lengths``); per row its
@@ -264,13 +195,6 @@ def shared_parts(
                 part[i], offset[i], size = len(lengths), size - prompt[i], size + completion[i]
             lengths.append(size)
     return SharedParts(keep, part, offset, lengths)
-
-
-def layout_cost(lengths: list[int], width: int, hidden_size: int | None) -> float:
-    """``row_width``'s cost of packing ``lengths`` into rows of ``width``: rows x C x (1 + C / (6 H)); rows x C
-    without ``hidden_size``."""
-    rows = 1 + max((r for r, _ in first_fit(lengths, width)), default=0)
-    return rows * width * (1 + (width / (6 * hidden_size) if hidden_size else 0.0))
 
 
 def shared_pays(attention_mask: Tensor, completion_mask: Tensor, input_ids: Tensor, hidden_size: int | None) -> bool:

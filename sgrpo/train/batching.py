@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sgrpo.model.packing import prompt_groups, segment_parts, sequence_cost, sequence_lengths
+from sgrpo.model.packing import prompt_groups, sequence_lengths
+from sgrpo.model.rows import segment_parts, sequence_cost
 from sgrpo.types import RolloutBatch
 
 #: padded tokens per micro-batch under ``micro_batch_tokens="auto"``: small matmuls are already efficient on
