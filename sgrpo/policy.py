@@ -162,7 +162,8 @@ class GRPOPolicy(
                 the run (docs/runs.md, "A diverged run").
             environment: Multi-turn episodes (``tasks.environment.Environment``, docs/environments.md); null: one
                 completion per sample.
-            async_rollout: Sample in a producer process that runs ahead of the trainer (docs/async.md); HFRollout only.
+            async_rollout: Sample in a producer process that runs ahead of the trainer (docs/async.md); HFRollout or
+                VLLMServerRollout.
             max_staleness: With async_rollout, versions (training steps) a trained group may lag the trainer, >= 0.
             producer_timeout: Seconds the trainer waits for the producer's next groups before it raises (a hang).
             sync_every: With async_rollout, training steps between weight pushes to the producer, <= max_staleness + 1.
