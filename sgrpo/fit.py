@@ -50,15 +50,18 @@ from sgrpo.run.cli_errors import one_line_errors, union_error
 from sgrpo.run.faults import FailFast, command_ended, disk_fault
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, launches_run, run_folder
 from sgrpo.run.guards import EnvironmentFailure, GuardError
+from sgrpo.run.launch_checks import (
+    check_launch_nodes,
+    check_nodes,
+    check_strategy,
+    check_strategy_name,
+    check_tensor_parallel,
+)
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
     check_config_files,
-    check_launch_nodes,
-    check_nodes,
     check_policy,
     check_splits,
-    check_strategy,
-    check_tensor_parallel,
     check_values,
     check_writable,
     needed_splits,
@@ -130,6 +133,7 @@ class SgrpoCLI(LightningCLI):
             checkpoints.resume_changes = self._get(self.config, "resume_changes")
             callbacks += [checkpoints, SignalExit(), MarkResume(metrics)]
         config["logger"] = loggers or False
+        check_strategy_name(config.get("strategy", "auto"))
         config["strategy"] = fsdp_as_fsdp2(config.get("strategy", "auto"))  # FSDP1 runs as FSDP2, with a notice
         trainer = self._instantiate_trainer(config, callbacks)
         sigterm_without_collective(trainer)  # Lightning's SIGTERM handler broadcast (a hang under several processes)

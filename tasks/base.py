@@ -51,6 +51,9 @@ class Task(ABC):
 
     success_grader: SampleReward | None = None  # whose raw value decides success, if the task has one
     success_threshold: float = 1.0  # ... by reaching this value
+    #: the examples are made in memory from the settings (no file, no hub; ``num_<split>`` of them): cheap enough
+    #: for the preflight to read each split the command needs before any model loads
+    generated: bool = False
 
     def __init__(
         self,

@@ -75,6 +75,8 @@ class CalculatorTask(Task):
     whatever the reward.
     """
 
+    generated = True  # Task.generated: made from num_train / num_validation / num_test
+
     def __init__(
         self,
         operations: list[Operation] | None = None,

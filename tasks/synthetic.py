@@ -50,6 +50,8 @@ class SyntheticTask(Task):
     path (normalised Levenshtein similarity). Success is exact match, whatever the reward.
     """
 
+    generated = True  # Task.generated: made from num_train / num_validation / num_test
+
     def __init__(
         self,
         kind: Kind = "sort",

@@ -16,7 +16,7 @@ from sgrpo.eval.report import read_run_metrics
 from sgrpo.fit import main
 from sgrpo.model.tiny import build_char_tokenizer
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
-from sgrpo.run.preflight import check_strategy
+from sgrpo.run.launch_checks import check_strategy
 from sgrpo.types import Example
 from tasks.base import Reward
 from tests.preloaded import run
@@ -43,6 +43,7 @@ BAD_CONFIGS = [
     ("clip-by-lightning", ["--trainer.gradient_clip_val=1.0"], "use model.max_grad_norm"),
     ("accumulate-by-lightning", ["--trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches is not for"),
     ("fractional-validation", ["--trainer.val_check_interval=0.5"], "val_check_interval must count training steps"),
+    ("deepspeed-by-name", ["--trainer.strategy=deepspeed"], "trainer.strategy: DeepSpeedStrategy is not supported"),
 ]  # fmt: skip
 
 
@@ -169,9 +170,20 @@ def test_under_dynamic_sampling_the_failing_reward_counts_steps_not_rounds(model
     assert read_run_metrics(tmp_path)["train/reward/failures"] == [(0, 48.0), (1, 48.0)]
 
 
-def test_an_empty_train_split_is_refused_in_one_line(model_dir, tmp_path, capsys):
-    """num_train: 0 ended in a ValueError traceback from the prompt stream."""
+@pytest.mark.parametrize("mode", ["fit", "validate"])
+def test_an_empty_generated_split_is_refused_in_one_line_before_the_model_loads(mode, model_dir, tmp_path, capsys,
+                                                                                  monkeypatch):  # fmt: skip
+    """num_train: 0 ended in a ValueError traceback from the prompt stream, later in one line but after the model had
+    loaded; ``validate`` of num_validation: 0 evaluated nothing, printed no table and exited 0. An empty validation
+    split in a fit only skips its validations (the fits of tests/vllm_fakes.py have none)."""
+    from sgrpo.policy import GRPOPolicy
+
+    monkeypatch.setattr(GRPOPolicy, "_load_model", lambda *a: pytest.fail("the model loaded"))
+    split = "train" if mode == "fit" else "validation"
+    command = ["validate"] if mode == "validate" else []
     with pytest.raises(SystemExit) as refused:
-        main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--model.task.init_args.num_train=0"))
+        main([*command, *args(tmp_path, model_dir, "--trainer.max_steps=2", f"--model.task.init_args.num_{split}=0")])
     assert refused.value.code == 2
-    assert "the task's train split is empty: give it rows" in error_line(capsys)
+    assert error_line(capsys) == (f"error: invalid configuration: model.task ({split} split): SyntheticTask makes "
+                                  f"no {split} examples: give "
+                                  f"model.task.init_args.num_{split} a count >= 1")  # fmt: skip

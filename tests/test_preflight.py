@@ -16,8 +16,8 @@ from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama, ensure_tiny
 from sgrpo.rollout import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_room
 from sgrpo.rollout.vllm_engine import VLLMRollout
+from sgrpo.run.launch_checks import check_tensor_parallel
 from sgrpo.run.precision import BF16_MIN_ADAM_LR, check_weight_precision
-from sgrpo.run.preflight import check_tensor_parallel
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -196,7 +196,7 @@ def test_several_nodes_started_by_hand_are_refused_in_one_line_not_left_waiting(
 
     from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 
-    from sgrpo.run.preflight import check_nodes
+    from sgrpo.run.launch_checks import check_nodes
 
     for name in ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)

@@ -132,7 +132,7 @@ def tiny():
 
 
 def test_servers_started_on_the_first_node_at_a_loopback_host_are_refused_on_several_nodes():
-    from sgrpo.run.preflight import check_launch_nodes
+    from sgrpo.run.launch_checks import check_launch_nodes
 
     policy = SimpleNamespace(rollout=VLLMServerRollout(launch=VLLMServers(ports=[8000], model="M")), val_rollout=None)
     check_launch_nodes(SimpleNamespace(num_nodes=1), policy)

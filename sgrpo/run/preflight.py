@@ -279,18 +279,25 @@ def needed_splits(mode: str, trainer: Any) -> dict[str, str]:
 
 
 def check_splits(task: Any, needed: dict[str, str]) -> None:
-    """Each split in ``needed`` (``needed_splits``) exists, for a task that reads only local files (already read by
-    ``check_table``; a hub dataset is not downloaded here): a one-row file with ``validation_size: 0`` fails now in
-    one line naming the key and the fixes, not in the validation loader after the model has loaded."""
+    """Each split in ``needed`` (``needed_splits``) exists and holds examples, for a task that reads only local files
+    (already read by ``check_table``; a hub dataset is not downloaded here) or makes its examples in memory
+    (``Task.generated``; there an empty split is refused where the command cannot do without it: a fit's train
+    split, the split ``validate`` or ``test`` reads): a one-row file with ``validation_size: 0``, or ``num_train: 0``,
+    fails now in one line naming the key and the fixes, not in a loader after the model has loaded (or, for
+    ``validate``, in an evaluation of nothing that printed no table)."""
     tables = [t for t in vars(task).values() if isinstance(t, SplitTable)]
-    if not tables or any(t.kind == "hub" for t in tables):
+    generated = getattr(task, "generated", False)
+    if not generated and (not tables or any(t.kind == "hub" for t in tables)):
         return
     for split, without in needed.items():
+        other = f", or fit without it: {without}" if without else ""
         try:
-            task.examples(split)
+            examples = task.examples(split)
         except ValueError as err:
-            other = f", or fit without it: {without}" if without else ""
             raise ConfigError(f"model.task ({split} split): {str(err).splitlines()[0]}{other}") from None
+        if generated and len(examples) == 0 and not without:  # an empty validation split only skips a fit's checks
+            raise ConfigError(f"model.task ({split} split): {type(task).__name__} makes no {split} examples: give "
+                              f"model.task.init_args.num_{split} a count >= 1")  # fmt: skip
 
 
 def check_prompt_room(policy: Any) -> None:
@@ -329,72 +336,3 @@ def configured_positions(model: str) -> int | None:
     except (OSError, ValueError, AttributeError):  # unreadable: loading will say so
         return None
     return positions if isinstance(positions, int) else None
-
-
-def check_strategy(strategy: Any) -> None:
-    """One device, DDP, or FSDP2 through ``ModelParallelStrategy``: the layouts sgrpo's rollouts and update keep
-    in step. Lightning's ``FSDPStrategy`` (FSDP1) and ``DeepSpeedStrategy`` shard in ways the rollout does not
-    see: each process would leave its decode loop at its own step while the other waits in a collective."""
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
-    supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
-    if not supported or type(strategy).__name__ == "DeepSpeedStrategy":  # DeepSpeed's derives from DDP's
-        raise ConfigError(
-            f"trainer.strategy: {type(strategy).__name__} is not supported; shard with FSDP2 through "
-            "lightning.pytorch.strategies.ModelParallelStrategy (configs/scale_deepmath_8gpu.yaml), or use ddp"
-        )
-
-
-def check_tensor_parallel(strategy: Any) -> None:
-    """``ModelParallelStrategy`` shards with FSDP2 over its data-parallel mesh only: no tensor-parallel plan is
-    applied, so the peers of a tensor-parallel group would each sample their own seeds for the same prompts and
-    the loss would count their tokens twice. ``tensor_parallel_size`` must be 1 (its "auto" means every device
-    of a node)."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if not isinstance(strategy, ModelParallelStrategy):
-        return
-    size = strategy._tensor_parallel_size
-    resolved = strategy.num_processes if size == "auto" else size  # Lightning's "auto": the devices of a node
-    if isinstance(resolved, int) and resolved > 1:
-        world = max(1, strategy.num_processes) * max(1, getattr(strategy, "num_nodes", 1) or 1)
-        raise ConfigError(
-            f"trainer.strategy: ModelParallelStrategy with tensor_parallel_size={size}"
-            f"{f' ({resolved} devices)' if size == 'auto' else ''} is not implemented in sgrpo (no tensor-parallel "
-            f"plan is applied; peers would sample the same prompts and count them twice): set "
-            f"data_parallel_size={world} and tensor_parallel_size=1 (FSDP2 over every process)"
-        )
-
-
-def check_launch_nodes(trainer: Any, policy: Any) -> None:
-    """``launch`` starts vLLM servers on the first node; at a loopback ``host`` another node's processes would call
-    their own machine: refused with ``trainer.num_nodes > 1`` in one line naming the key."""
-    nodes = getattr(trainer, "num_nodes", 1) or 1
-    for key in ("rollout", "val_rollout"):
-        launch = getattr(getattr(policy, key, None), "launch", None)
-        if nodes > 1 and launch is not None and str(launch.host).startswith(("127.", "localhost", "::1")):
-            raise ConfigError(f"model.{key}.launch: the servers start on the first node at {launch.host}, which the "
-                              f"other {nodes - 1} node(s) cannot reach: give launch.host an address they can, or start "
-                              f"the servers yourself and list them in model.{key}.urls (docs/servers.md)")  # fmt: skip
-
-
-#: environment variables that describe the other nodes of a job launched by hand (Lightning's default environment)
-_NODE_VARIABLES = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
-
-
-def check_nodes(trainer: Any) -> None:
-    """``trainer.num_nodes > 1`` started by hand (``python -m sgrpo.fit`` on one node, no srun or torchrun, none of
-    ``_NODE_VARIABLES`` set) has process 0 wait for the other nodes in the rendezvous, silently, for the process
-    group's timeout (30 minutes): refused in one line instead."""
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
-    nodes = getattr(trainer, "num_nodes", 1) or 1
-    environment = getattr(trainer.strategy, "cluster_environment", None)
-    if nodes > 1 and type(environment) is LightningEnvironment and not any(v in os.environ for v in _NODE_VARIABLES):
-        raise ConfigError(
-            f"trainer.num_nodes={nodes}, but nothing started the other node(s) (no srun, torchrun or NODE_RANK): this "
-            f"process would wait for them for 30 minutes. Launch on every node with srun (#SBATCH --nodes={nodes} "
-            f"--ntasks-per-node=trainer.devices) or torchrun --nnodes={nodes}, or set NODE_RANK, MASTER_ADDR and "
-            "MASTER_PORT on each node; on one node give --trainer.num_nodes=1 with data_parallel_size = the devices "
-            "(configs/scale_deepmath_8gpu.yaml)"
-        )
