@@ -51,19 +51,26 @@ class ArrowRows(Sequence):
 
 
 def open_parquet(file: Path, columns: Sequence[str] | None) -> tuple[Any, list[str]]:
-    """The memory-mapped dataset of one parquet ``file`` (``columns`` kept, those present) and the file's columns."""
+    """The memory-mapped dataset of one parquet ``file`` (``columns`` kept, those present; with none of them, the
+    file's first column, so that the row check names the missing ones) and the file's columns. A file without rows,
+    or one ``datasets`` cannot read past its schema, raises ``ValueError`` naming it."""
     import datasets  # slow to import: only lazy tables need it
     import pyarrow.parquet as pq
 
     try:
-        names = pq.read_schema(file).names
+        metadata = pq.read_metadata(file)
     except Exception as err:  # pyarrow's errors (ArrowInvalid, ...): name the file
         raise ValueError(f"{file}: not a readable parquet file ({type(err).__name__}: {err})") from None
-    keep = None if columns is None else [c for c in columns if c in names]
+    names = metadata.schema.to_arrow_schema().names
+    if metadata.num_rows == 0:  # datasets' own error (DatasetGenerationError) named neither the file nor the cause
+        raise ValueError(f"{file} holds no rows; give a file with data")
+    keep = None if columns is None else [c for c in columns if c in names] or names[:1]
     quiet = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # one bar a file would flood the log
     try:
         dataset = datasets.Dataset.from_parquet(str(file), columns=keep)
+    except datasets.exceptions.DatasetGenerationError as err:
+        raise ValueError(f"{file}: not a readable parquet file ({err.__cause__ or err})") from None
     finally:
         if not quiet:
             datasets.enable_progress_bars()

@@ -26,8 +26,10 @@ _TARGET = re.compile(r"equals\s*(\d+)")
 
 
 def integer_problem(value: object) -> str:
-    """The data ``Check`` of ``target``: "" for an integer (a whole float such as 24.0 too)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    """The data ``Check`` of ``target``: "" for an integer (a whole float such as 24.0 too; not NaN or infinity, the
+    float a missing value becomes)."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
         return f"is not an integer ({value!r})"
     return ""
 

@@ -4,6 +4,7 @@ subject, level, unique_id): the SoftmaxGRPO paper's Qwen3 base-model runs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from sgrpo.checks import require
@@ -18,8 +19,9 @@ EVALUATION_SETS = {"aime25": "math-ai/aime25", "math500": "HuggingFaceH4/MATH-50
 
 
 def answer_problem(value: object) -> str:
-    """The data ``Check`` of an answer: "" for non-blank text or a number (AIME answers are integers)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    """The data ``Check`` of an answer: "" for non-blank text or a finite number (AIME answers are integers; NaN, the
+    float a missing value becomes, would be the gold answer "nan")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return ""
     return not_blank(value)
 

@@ -139,6 +139,20 @@ def test_a_bad_row_of_a_lazy_file_names_the_file_and_the_row(tmp_path):
         OpenThoughts(path=str(tmp_path / "ot"), holdout="paper", validation_size=5).examples("train")
 
 
+def test_an_empty_or_other_schema_parquet_file_is_refused_naming_it(tmp_path):
+    """A file without rows failed in datasets (DatasetGenerationError: a traceback past the preflight), a file with
+    none of the schema's columns with "Instruction 'train' corresponds to no data!": each named neither file nor
+    column. Now as the eager table says them."""
+    pq.write_table(pa.table({c: pa.array([], pa.string()) for c in COLUMNS}), tmp_path / "empty.parquet")
+    with pytest.raises(ValueError, match=r"empty.parquet holds no rows; give a file with data"):
+        OpenThoughts(path=str(tmp_path / "empty.parquet")).examples("train")
+    chat = [{"messages": [{"role": "user", "content": "hi"}]}] * 5
+    pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
+    where = r"chat.parquet, row 1, column 'conversations': missing; the source has columns \['messages'\]"
+    with pytest.raises(ValueError, match=where):
+        OpenThoughts(path=str(tmp_path / "chat.parquet")).examples("train")
+
+
 RSS_SCRIPT = """
 import gc, json, sys
 from pathlib import Path

@@ -203,3 +203,18 @@ def test_bad_rows_fail_at_load_naming_file_row_and_column(task, row, needle, tmp
 def test_example_metadata_reaches_reward_functions():
     example = Countdown(path=str(F / "countdown.jsonl")).examples("train")[0]
     assert isinstance(example, Example) and example.metadata["nums"] == [int(n) for n in example.metadata["nums"]]
+
+
+def test_a_missing_value_is_neither_an_integer_nor_an_answer():
+    """pandas writes a missing integer as NaN: Countdown's target and nums checks refused NaN without naming the file,
+    row or column (``int(nan)`` raised inside the check) and infinity with a traceback (OverflowError); Polaris and
+    the evaluation sets took a NaN answer as the gold answer "nan"."""
+    from tasks.countdown import integer_problem, numbers_problem
+    from tasks.polaris import answer_problem
+
+    for value in (float("nan"), float("inf"), 2.5, "24", True):
+        assert integer_problem(value).startswith("is not an integer"), value
+    assert integer_problem(24) == integer_problem(24.0) == ""
+    assert numbers_problem([1, float("nan")]) == "holds nan, not an integer"
+    assert answer_problem(float("nan")) and answer_problem(float("-inf"))
+    assert answer_problem(17) == answer_problem(17.0) == answer_problem("x") == ""
