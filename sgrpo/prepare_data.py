@@ -10,8 +10,11 @@ resolved to. A data set already complete at its commit is not downloaded again.
 Every pattern of a data set must match at least one file of the repository at that commit (listed before anything
 is downloaded), else the run stops in one line naming the data set, the pattern and the fix. The files arrive in a
 hidden staging folder (``<root>/.<name>.partial``) that replaces ``<root>/<name>`` only once complete, and the
-manifest is rewritten after that: a failed or interrupted download leaves the previous folder and manifest as
-they were, and files of an earlier commit never stay beside a new commit's.
+manifest is rewritten after that, before the old folder goes: a failed or interrupted download leaves the previous
+folder and manifest as they were, and files of an earlier commit never stay beside a new commit's. A data set
+whose repository or patterns changed in ``SOURCES`` since it was pinned is downloaded again; one pinned at a full
+commit and complete needs no hub (offline, on a compute node). Runs on one root may overlap: each data set is
+taken by one of them at a time.
 
     python -m sgrpo.prepare_data                         # all of them, into data/
     python -m sgrpo.prepare_data --only deepmath gsm8k   # some
@@ -21,9 +24,12 @@ they were, and files of an earlier commit never stay beside a new commit's.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import re
 import shutil
+from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from functools import partial
 from pathlib import Path
@@ -76,40 +82,107 @@ def select(name: str, listing: list[str], commit: str) -> list[str]:
 def prepare(names: list[str], root: Path, revisions: dict[str, str], hub=None) -> dict[str, dict]:
     """Download ``names`` into ``root/<name>/`` at their pinned commits; returns (and writes) the manifest.
 
-    ``hub`` supplies ``resolve(repo, revision) -> commit`` (``LookupError`` for an unknown repository or revision),
-    ``files(repo, commit) -> paths`` and ``download(repo, commit, patterns, folder) -> paths under folder``
-    (default: huggingface_hub's; the tests give a fake).
+    ``hub`` supplies ``resolve(repo, revision) -> commit`` (``LookupError`` for an unknown repository or revision,
+    ``ConnectionError`` for a hub it cannot reach), ``files(repo, commit) -> paths`` and ``download(repo, commit,
+    patterns, folder) -> paths under folder`` (default: huggingface_hub's; the tests give a fake). Runs on one
+    ``root`` at once (two terminals, every node of a job) take each data set in turn (``root/.<name>.lock``) and
+    each rewrites only its own data sets' entries of the manifest.
     """
     hub = hub or HubClient()
-    manifest_path = root / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    root.mkdir(parents=True, exist_ok=True)
     for name in names:
-        repo, patterns = SOURCES[name]
-        pinned = manifest.get(name, {})
-        revision = revisions.get(name) or pinned.get("commit") or "main"
-        try:
-            commit = hub.resolve(repo, revision)
-        except LookupError as err:
+        with _locked(root / f".{name}.lock", f"{name}: waiting for another prepare_data run on {root}"):
+            _prepare_one(name, root, revisions.get(name), hub)
+    return read_manifest(root)
+
+
+def _prepare_one(name: str, root: Path, revision: str | None, hub) -> None:
+    repo, patterns = SOURCES[name]
+    pinned = read_manifest(root).get(name, {})
+    same = pinned.get("repo") == repo  # a data set moved to another repository: its old pin means nothing there
+    pin = pinned.get("commit") if same else None
+    folder, files = root / name, pinned.get("files") or []
+    on_disk = bool(files) and all((folder / f).is_file() for f in files)
+    complete = same and pinned.get("patterns") == list(patterns) and on_disk
+    if complete and revision in (None, pin) and _FULL_COMMIT.fullmatch(pin or ""):  # no hub call: works offline
+        print(f"{name}: {repo} at {pin} already in {folder}")
+        return
+    wanted_revision = revision or pin or "main"
+    commit = _resolve(hub, name, repo, wanted_revision)
+    if complete and pin == commit:
+        print(f"{name}: {repo} at {commit} already in {folder}")
+        return
+    wanted = select(name, hub.files(repo, commit), commit)
+    old = _download_into(folder, partial(hub.download, repo, commit, patterns), wanted, name)
+    _set_entry(root, name, {"repo": repo, "commit": commit, "patterns": list(patterns), "files": wanted})
+    shutil.rmtree(old, ignore_errors=True)  # only now: the manifest names what the folder holds
+    print(f"{name}: {repo} at {commit} -> {folder} ({len(wanted)} files)")
+
+
+#: a commit id in full: a pin that needs no lookup
+_FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _resolve(hub, name: str, repo: str, revision: str) -> str:
+    """``revision``'s commit, or ``ConfigError`` in one line saying what to do."""
+    try:
+        return hub.resolve(repo, revision)
+    except ConnectionError as err:
+        raise ConfigError(
+            f"{name}: cannot reach the hub to resolve {repo} at {revision!r} ({err}); run where the hub is reachable "
+            "(a data set already complete at a full commit needs no hub)"
+        ) from None
+    except LookupError as err:
+        if "Repository" in str(err) or "Gated" in str(err):
             raise ConfigError(
-                f"{name}: {repo} has no revision {revision!r} ({err}); give --revision {name}=COMMIT with a commit "
-                f"of {repo}"
+                f"{name}: cannot access {repo} ({err}): log in (hf auth login) and accept its terms if it is gated, "
+                f"or fix SOURCES[{name!r}] in sgrpo/prepare_data.py"
             ) from None
-        folder = root / name
-        files = pinned.get("files") or []
-        if pinned.get("commit") == commit and files and all((folder / f).is_file() for f in files):
-            print(f"{name}: {repo} at {commit} already in {folder}")
-            continue
-        wanted = select(name, hub.files(repo, commit), commit)
-        _download_into(folder, partial(hub.download, repo, commit, patterns), wanted, name)
-        manifest[name] = {"repo": repo, "commit": commit, "patterns": list(patterns), "files": wanted}
-        _write_atomically(manifest_path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        print(f"{name}: {repo} at {commit} -> {folder} ({len(wanted)} files)")
-    return manifest
+        raise ConfigError(
+            f"{name}: {repo} has no revision {revision!r} ({err}); give --revision {name}=COMMIT with a commit "
+            f"of {repo}"
+        ) from None
 
 
-def _download_into(folder: Path, download, wanted: list[str], name: str) -> None:
+def read_manifest(root: Path) -> dict[str, dict]:
+    """``root/manifest.json`` (empty if none), or ``ConfigError`` naming it when it is not JSON."""
+    path = root / "manifest.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as err:
+        raise ConfigError(
+            f"{path} is not valid JSON ({err}): restore it, or delete it to pin every data set again at main"
+        ) from None
+
+
+def _set_entry(root: Path, name: str, entry: dict) -> None:
+    """The manifest with ``name``'s entry set, read and written under ``root/.manifest.lock``: another run's
+    entries, written since this one started, stay."""
+    with _locked(root / ".manifest.lock", None):
+        manifest = read_manifest(root) | {name: entry}
+        _write_atomically(root / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+@contextmanager
+def _locked(path: Path, waiting: str | None):
+    """An exclusive ``fcntl.flock`` on ``path`` while the block runs; ``waiting`` printed if another holds it."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _download_into(folder: Path, download, wanted: list[str], name: str) -> Path:
     """Run ``download(staging)`` into a hidden staging folder beside ``folder`` and, once it holds exactly ``wanted``,
-    put it in ``folder``'s place; on any failure the staging folder is removed and ``folder`` is left as it was."""
+    put it in ``folder``'s place; on any failure the staging folder is removed and ``folder`` is left as it was.
+    Returns where the replaced folder waits (``.<name>.old``) until the manifest names the new one."""
     staging, old = folder.with_name(f".{name}.partial"), folder.with_name(f".{name}.old")
     for leftover in (staging, old):  # of a run killed before it could clean up
         shutil.rmtree(leftover, ignore_errors=True)
@@ -130,13 +203,17 @@ def _download_into(folder: Path, download, wanted: list[str], name: str) -> None
         if old.exists() and not folder.exists():
             old.rename(folder)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    return old
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """``path`` holds either its old text or ``text``, never a part of it."""
+    """``path`` holds either its old text or ``text``, never a part of it (the new text on disk before the rename:
+    a crash cannot leave an empty file)."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(temporary, path)
 
 
@@ -144,13 +221,16 @@ class HubClient:
     """The hub through huggingface_hub: a revision resolved to its commit, a commit's files listed and downloaded."""
 
     def resolve(self, repo: str, revision: str) -> str:
+        import httpx
         from huggingface_hub import HfApi
-        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
         try:
             return HfApi().dataset_info(repo, revision=revision).sha
-        except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        except (RepositoryNotFoundError, RevisionNotFoundError) as err:  # GatedRepoError is a RepositoryNotFoundError
             raise LookupError(type(err).__name__) from None
+        except (OSError, HfHubHTTPError, httpx.HTTPError) as err:  # offline mode, no route, the hub's 5xx
+            raise ConnectionError(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
 
     def files(self, repo: str, commit: str) -> list[str]:
         from huggingface_hub import HfApi

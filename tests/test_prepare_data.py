@@ -49,8 +49,9 @@ class FakeHub:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` (hidden ones too) and its bytes."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file under ``root`` (hidden ones too) and its bytes, but the runs' lock files (empty, they stay)."""
+    files = (p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".lock")
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in files}
 
 
 def test_a_data_set_is_pinned_at_its_first_commit_and_downloaded_once(tmp_path):
@@ -138,3 +139,89 @@ def test_a_bad_revision_is_refused_in_one_line(capsys):
     assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --revision 'nosuch=abc': give NAME=COMMIT with NAME one of")
+
+
+def test_two_runs_on_one_root_keep_each_other_s_pins(tmp_path):
+    """A run read the manifest once and wrote its own copy after each data set: one finishing during another's
+    download lost its entry, and the next run downloaded that data set again at whatever main was then."""
+    hub = FakeHub({"c2": GSM8K + ["test.jsonl"]})
+    download = hub.download
+
+    def slow_download(repo, commit, patterns, folder):  # another run prepares aime25 meanwhile
+        if repo == SOURCES["gsm8k"][0]:
+            prepare(["aime25"], tmp_path, {}, hub)
+        return download(repo, commit, patterns, folder)
+
+    hub.download = slow_download
+    manifest = prepare(["gsm8k"], tmp_path, {}, hub)
+    assert sorted(manifest) == ["aime25", "gsm8k"] and json.loads((tmp_path / "manifest.json").read_text()) == manifest
+
+
+def test_a_complete_data_set_pinned_at_a_full_commit_needs_no_hub(tmp_path, capsys):
+    """Offline (HF_HUB_OFFLINE, a compute node) a complete data set was looked up anyway and the run died in a
+    traceback; now it is left as it is, and one that does need the hub stops in one line."""
+    commit = "0123456789abcdef" * 2 + "01234567"
+    hub = FakeHub({commit: GSM8K, "c2": GSM8K})
+    prepare(["gsm8k"], tmp_path, {"gsm8k": commit}, hub)
+
+    def unreachable(repo, revision):
+        raise ConnectionError("OfflineModeIsEnabled: offline")
+
+    hub.resolve = unreachable
+    assert prepare(["gsm8k"], tmp_path, {}, hub)["gsm8k"]["commit"] == commit and len(hub.downloads) == 1
+    with pytest.raises(SystemExit) as refused:
+        main(["--only", "aime25", "--root", str(tmp_path)], hub)
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: aime25: cannot reach the hub to resolve math-ai/aime25 at 'main' (OfflineModeIsEnabled: offline); "
+        "run where the hub is reachable (a data set already complete at a full commit needs no hub)"
+    ]
+
+
+def test_a_data_set_whose_patterns_changed_is_downloaded_again(tmp_path, monkeypatch):
+    """The completeness check compared the commit and files only: a pattern fixed in SOURCES never took effect."""
+    hub = FakeHub({"c2": GSM8K + ["main/validation-00000-of-00001.parquet"]})
+    prepare(["gsm8k"], tmp_path, {}, hub)
+    repo, patterns = SOURCES["gsm8k"]
+    monkeypatch.setitem(SOURCES, "gsm8k", (repo, (*patterns, "main/validation-*.parquet")))
+    manifest = prepare(["gsm8k"], tmp_path, {}, hub)
+    assert len(hub.downloads) == 2 and "main/validation-00000-of-00001.parquet" in manifest["gsm8k"]["files"]
+    assert (tmp_path / "gsm8k" / "main" / "validation-00000-of-00001.parquet").is_file()
+
+
+def test_an_interrupt_while_the_old_folder_is_removed_leaves_the_manifest_naming_the_new_one(tmp_path, monkeypatch):
+    """The old folder was deleted (seconds for a large data set) before the manifest was rewritten: Ctrl-C there
+    left the new commit's files under the old pin, and the next run called them complete."""
+    import sgrpo.prepare_data as module
+
+    hub = FakeHub()
+    prepare(["gsm8k"], tmp_path, {"gsm8k": "c1"}, hub)
+    remove = module.shutil.rmtree
+
+    def interrupted(path, *args, **kwargs):
+        if Path(path).name == ".gsm8k.old" and Path(path).exists():  # not the leftover check at the start
+            raise KeyboardInterrupt
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(module.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(["gsm8k"], tmp_path, {"gsm8k": "c2"}, hub)
+    assert json.loads((tmp_path / "manifest.json").read_text())["gsm8k"]["commit"] == "c2"
+    rows = SplitTable(str(tmp_path / "gsm8k"), columns=("question", "answer")).rows("train")
+    assert [r["answer"] for r in rows] == ["#### 2 c2", "#### 4"]
+
+
+@pytest.mark.parametrize("case", ["empty_manifest", "no_repository"])
+def test_a_broken_manifest_or_an_inaccessible_repository_stops_in_one_line(case, tmp_path, capsys):
+    hub = FakeHub()
+    if case == "empty_manifest":  # a crash between write and rename (no fsync) left it empty
+        (tmp_path / "manifest.json").write_text("")
+    else:  # a gated, private or renamed repository: another commit cannot help
+        hub.resolve = lambda repo, revision: (_ for _ in ()).throw(LookupError("GatedRepoError"))
+    with pytest.raises(SystemExit) as refused:
+        main(["--only", "gsm8k", "--root", str(tmp_path)], hub)
+    assert refused.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()
+    assert len(line) == 1
+    assert {"empty_manifest": "manifest.json is not valid JSON", "no_repository": "cannot access openai/gsm8k "
+            "(GatedRepoError): log in (hf auth login)"}[case] in line[0]  # fmt: skip
