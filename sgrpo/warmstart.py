@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -187,14 +187,42 @@ def recipe_from(recipe: type, values: dict):
     return recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
-def parse_options(doc: str, recipe: type, out: Path, eval_prompts: int, argv: Sequence[str] | None):
-    """A warm start's command line: (``--out``, the parsed ``recipe``, ``--eval-prompts``)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+def parse_options(
+    doc: str, recipe: type, out: Path, eval_prompts: int, argv: Sequence[str] | None, module: str, task: Callable
+):
+    """A warm start's command line: (``--out``, the parsed ``recipe``, ``--eval-prompts``); bad options (and those
+    ``task(recipe, eval_prompts)`` refuses) end it in argparse's error naming the option, before anything trains."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--eval-prompts", type=int, default=eval_prompts)
     args = vars(recipe_arguments(parser, recipe).parse_args(argv))
     out, eval_prompts = args.pop("out"), args.pop("eval_prompts")
-    return out, recipe_from(recipe, args), eval_prompts
+    if problem := recipe_problem(args, eval_prompts):  # before anything trains or --out is written
+        parser.error(problem)
+    parsed = recipe_from(recipe, args)
+    try:
+        task(parsed, eval_prompts)  # the task's own checks (levels in range, ...)
+    except ValueError as err:
+        parser.error(str(err))
+    return out, parsed, eval_prompts
+
+
+def recipe_problem(args: dict, eval_prompts: int) -> str | None:
+    """What is wrong with a warm start's options, naming the option, or None: counts below 1 (steps, batch, layers,
+    heads, hidden size, levels), ``--eval-prompts`` below 0, a hidden size that the heads do not divide, a tool
+    rate outside [0, 1]."""
+    for name in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+        if name in args and args[name] < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {args[name]}"
+    if any(level < 1 for level in args.get("levels", ())):
+        return f"--levels must be >= 1 each, got {args['levels']}"
+    if eval_prompts < 0:
+        return f"--eval-prompts must be >= 0 (0: no evaluation), got {eval_prompts}"
+    if args["hidden_size"] % args["num_heads"]:
+        return f"--hidden-size {args['hidden_size']} must be a multiple of --num-heads {args['num_heads']}"
+    if not 0 <= args.get("tool_rate", 0) <= 1:
+        return f"--tool-rate must be in [0, 1], got {args['tool_rate']}"
+    return None
 
 
 def print_training(report: dict) -> None:
@@ -207,7 +235,7 @@ def print_training(report: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    out, recipe, eval_prompts = parse_options(__doc__, Recipe, DEFAULT_OUT, 200, argv)
+    out, recipe, eval_prompts = parse_options(__doc__, Recipe, DEFAULT_OUT, 200, argv, "sgrpo.warmstart", make_task)
     report = warm_start(out, recipe, eval_prompts)
     print_training(report)
     for mode, by_level in report["accuracy"].items():

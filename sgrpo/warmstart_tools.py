@@ -200,7 +200,8 @@ def warm_start(out: str | Path, recipe: Recipe = Recipe(), eval_prompts: int = 2
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    out, recipe, eval_prompts = parse_options(__doc__, Recipe, DEFAULT_OUT, 20, argv)
+    module, options = "sgrpo.warmstart_tools", (__doc__, Recipe, DEFAULT_OUT, 20, argv)
+    out, recipe, eval_prompts = parse_options(*options, module, make_task)
     report = warm_start(out, recipe, eval_prompts)
     print_training(report)
     for mode, by_level in report["episodes"].items():

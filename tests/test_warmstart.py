@@ -68,3 +68,26 @@ def test_shipped_asset_matches_its_report() -> None:
         for n, value in acc[mode].items():  # same numbers on the machine that made it; float noise elsewhere
             assert abs(value - info["accuracy"][mode][str(n)]) <= 0.1, (mode, n, value)
     assert acc["greedy"][3] >= 0.4 and acc["greedy"][7] <= 0.4  # easy prompts solved, hard ones left to RL
+
+
+@pytest.mark.parametrize(
+    ("module", "options", "says"),
+    [
+        ("warmstart", ["--steps", "0"], "--steps must be >= 1, got 0"),
+        ("warmstart", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("warmstart", ["--num-heads", "3"], "--hidden-size 64 must be a multiple of --num-heads 3"),
+        ("warmstart", ["--eval-prompts", "-1"], "--eval-prompts must be >= 0 (0: no evaluation), got -1"),
+        ("warmstart", ["--levels", "99"], "levels must be a non-empty list of integers in [1, 20], got [99]"),
+        ("warmstart_tools", ["--tool-rate", "2"], "--tool-rate must be in [0, 1], got 2.0"),
+    ],
+)
+def test_a_bad_option_stops_in_one_line_before_anything_is_written(module, options, says, tmp_path, capsys):
+    """``--steps 0`` saved an untrained model over --out (by default the shipped asset) and then raised IndexError;
+    the others raised tracebacks (max() of nothing, transformers' config check, the task's ValueError)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as refused:
+        importlib.import_module(f"sgrpo.{module}").main(["--out", str(tmp_path / "out"), *options])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m sgrpo.{module}: error: {says}"
+    assert not (tmp_path / "out").exists()
