@@ -93,6 +93,20 @@ def test_place_pads_to_a_multiple_and_imbalance():
     assert imbalance([3.0, 1.0]) == 1.5 and imbalance([0.0, 0.0]) == 1.0
 
 
+def test_place_leaves_no_process_empty_when_real_items_cost_nothing():
+    """Fillers sorted after real zero-cost items (dropped groups, zero-advantage rows) could meet in one set: with 4
+    processes and 5 groups, two of them dropped, process 3 got nothing (and a multi-turn update then raised on its
+    empty trajectories). Sizes differ by at most one, on random costs with many zeros."""
+    assert sorted(len(s) for s in place([0.0, 0.0, 5.0, 7.0, 9.0], 4, verl_layout=False)) == [1, 1, 1, 2]
+    for seed in range(500):
+        rng = random.Random(seed)
+        world = rng.randint(2, 6)
+        costs = [rng.choice([0.0, 0.0, float(rng.randint(1, 9))]) for _ in range(rng.randint(world, 4 * world))]
+        shares = place(costs, world, verl_layout=bool(seed % 2))
+        assert sorted(sum(shares, [])) == list(range(len(costs))), seed
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1, (seed, shares)
+
+
 # ---------------------------------------------------------------- verl's placement, an independent reference
 def reference_balance(lengths: list[int], world: int) -> list[list[int]]:
     """verl 0.6.1's ``_balance_batch`` from its rules (not sgrpo's code): workload 24576 L + L^2; the largest

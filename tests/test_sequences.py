@@ -47,3 +47,10 @@ def test_minibatches_keep_a_trajectory_s_rows_together():
     order = torch.tensor([4, 0, 3, 1, 2])  # single-turn: exactly the row-based cut
     expected = ROWS[order].tensor_split(2)
     assert all(torch.equal(a, b) for a, b in zip(minibatch_rows(ROWS, None, order, 2), expected))
+
+
+def test_a_process_left_without_rows_counts_no_sequence_tokens():
+    """The exchange can leave a process no rows (an empty trajectory tensor): ``trajectory.max()`` raised there."""
+    empty = torch.zeros(0, dtype=torch.long)
+    out = sequence_tokens(torch.zeros(0, 4, dtype=torch.bool), empty, empty)
+    assert out.shape == (0,) and out.dtype == torch.float32

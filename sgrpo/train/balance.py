@@ -123,14 +123,16 @@ def verl_order(members: Sequence[int], costs: Sequence[float]) -> list[int]:
 
 
 def place(costs: Sequence[float], world: int, verl_layout: bool) -> list[list[int]]:
-    """Each process's indices into ``costs``: an equal-size partition (``balanced_partitions``), items beyond a
-    multiple of ``world`` balanced as zero-cost fillers that are then dropped (so sizes differ by at most one).
-    ``verl_layout``: each process's items in ``verl_order``; else ascending."""
-    n = len(costs)
-    padded = list(costs) + [0.0] * (-n % world)
+    """Each process's indices into ``costs``: an equal-size partition (``balanced_partitions``), the items beyond a
+    multiple of ``world`` made up by zero-cost fillers that are then dropped. The fillers come first: they sort
+    before the real zero-cost items (ties go by index), so they share the first k-tuple, one per process, and the
+    sizes differ by at most one (fillers last could meet in one set beside real zero-cost items, leaving a process
+    with nothing). ``verl_layout``: each process's items in ``verl_order``; else ascending."""
+    fill = -len(costs) % world
+    padded = [0.0] * fill + list(costs)
     sets = balanced_partitions(padded, world, equal_size=True) if len(padded) >= world else [[]] * world
-    sets = [[i for i in s if i < n] for s in sets]
-    return [verl_order(s, padded) if verl_layout else sorted(s) for s in sets]
+    sets = [[i - fill for i in s if i >= fill] for s in sets]
+    return [verl_order(s, costs) if verl_layout else sorted(s) for s in sets]
 
 
 def imbalance(loads: Sequence[float]) -> float:

@@ -53,7 +53,8 @@ def sequence_tokens(token_mask: Tensor, rows: Tensor, trajectory: Tensor | None)
         return None
     own = trajectory.to(rows.device)[rows]  # [R]
     per_row = token_mask[rows].sum(-1).float()  # [R]
-    totals = torch.zeros(int(trajectory.max()) + 1, dtype=torch.float32, device=rows.device)
+    size = int(trajectory.max()) + 1 if trajectory.numel() else 0  # a process the exchange left without rows: none
+    totals = torch.zeros(size, dtype=torch.float32, device=rows.device)
     totals.index_add_(0, own, per_row)
     out = torch.zeros(token_mask.shape[0], dtype=torch.float32, device=rows.device)
     out[rows] = totals[own]
