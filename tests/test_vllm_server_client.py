@@ -212,8 +212,9 @@ def test_servers_it_starts_run_the_documented_command_and_stop_by_pid(tmp_path):
     assert {"--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--max-model-len"} <= set(command)
     port = int(closed_port_url().rsplit(":", 1)[1])
     exits = VLLMServers(ports=[port], python=sys.executable, startup_timeout=20, log_dir=str(tmp_path))
-    with pytest.raises(ServerError, match=f"stopped while starting: the server on port {port} exited with code"):
+    with pytest.raises(ServerError, match=f"stopped while starting: the server on port {port} exited with code") as err:
         exits.start("MODEL", "float32", None, [])  # no vLLM in this venv: the server exits at once
+    assert f"(log: {tmp_path / f'vllm-server-{port}.log'})" in str(err.value)  # its full path, not the name alone
     hangs = tmp_path / "hangs"  # a "python" that never answers /health
     hangs.write_text("#!/bin/sh\nexec sleep 600\n")
     hangs.chmod(0o755)

@@ -112,15 +112,18 @@ class VLLMServers:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[i]
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_WORLD_SIZE"):  # the trainer's, not its
             env.pop(key, None)
-        log_path = os.path.join(self.log_dir or tempfile.gettempdir(), f"vllm-server-{port}.log")
-        with open(log_path, "ab") as log:
+        with open(self.log_path(port), "ab") as log:
             return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def log_path(self, port: int) -> str:
+        """Where the server on ``port`` writes its output."""
+        return os.path.join(self.log_dir or tempfile.gettempdir(), f"vllm-server-{port}.log")
+
     def exited(self) -> str | None:
-        """None while every started server runs, else which one exited and with what code (see its log)."""
+        """None while every started server runs, else which one exited, with what code, and where its log is."""
         for port, process in zip(self.ports, self.processes):
             if process.poll() is not None:
-                return f"the server on port {port} exited with code {process.returncode} (log: vllm-server-{port}.log)"
+                return f"the server on port {port} exited with code {process.returncode} (log: {self.log_path(port)})"
         return None
 
     def stop(self) -> None:
