@@ -346,3 +346,24 @@ def test_a_sharing_probe_that_raises_packs_without_sharing(monkeypatch, caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert line == ("model.share_prompts: packed rows hold each completion's own prompt copy: the check raised "
                     "RuntimeError: flex_attention: the kernel refused the BlockMask")
+
+
+def test_a_row_limit_keeps_a_groups_rows_together_in_parts_of_at_most_that_many():
+    """With ``micro_batch_size`` each row was placed on its own: one group's 8 rows spread over every micro-batch and
+    its prompt ran in each. Now a group's rows come in parts of at most ``max_rows``, each its prompt once, and every
+    micro-batch holds at most ``max_rows`` rows."""
+    from sgrpo.train.batching import update_micro_batches
+    from sgrpo.types import RolloutBatch
+
+    groups, g, p, t = 4, 8, 6, 5
+    prompts = torch.randint(3, 17, (groups, p), generator=torch.Generator().manual_seed(0)).repeat_interleave(g, 0)
+    ids = torch.cat([prompts, torch.randint(3, 17, (groups * g, t), generator=torch.Generator().manual_seed(1))], 1)
+    completion = torch.arange(t).unsqueeze(0) < torch.randint(1, t + 1, (groups * g, 1))
+    attention = torch.cat([torch.ones(groups * g, p, dtype=torch.long), completion.long()], 1)
+    rollout = RolloutBatch(ids, attention, completion, [""] * (groups * g), torch.zeros(groups * g, dtype=torch.bool), g)
+    rows = torch.arange(groups * g)
+    for max_rows in (4, 8, 3):
+        chunks = update_micro_batches(rollout, rows, completion, True, 64, max_rows, None, share=True)
+        assert sorted(torch.cat(chunks).tolist()) == rows.tolist() and max(len(c) for c in chunks) <= max_rows
+        prompts_run = sum(len(set((c // g).tolist())) for c in chunks)  # each group's prompt, once per chunk it is in
+        assert prompts_run == groups * -(-g // max_rows), (max_rows, [c.tolist() for c in chunks])

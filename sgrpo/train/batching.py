@@ -62,31 +62,40 @@ def trim(rollout: RolloutBatch, rows: Tensor, token_mask: Tensor) -> dict[str, T
     return {"input_ids": ids[:, first : p + t], "attention_mask": attn[:, first : p + t], "mask": mask[:, :t]}
 
 
-def balanced_bins(costs: list[float], bins: int, max_rows: int | None = None) -> list[list[int]]:
+def balanced_bins(
+    costs: list[float], bins: int, max_rows: int | None = None, sizes: list[int] | None = None
+) -> list[list[int]] | None:
     """Indices of ``costs`` in ``bins`` lists of near-equal total cost: longest processing time first (each
-    item, costliest first, to the cheapest bin with fewer than ``max_rows`` items; ties to the lower bin).
-    Needs ``bins * max_rows >= len(costs)``."""
-    loads, members = [0.0] * bins, [[] for _ in range(bins)]
+    item, costliest first, to the cheapest bin with room for its ``sizes`` rows, one each by default, under
+    ``max_rows``; ties to the lower bin). None where an item finds no bin with room (only with ``sizes``: one row
+    each fits wherever ``bins * max_rows >= len(costs)``)."""
+    sizes = sizes or [1] * len(costs)
+    loads, used, members = [0.0] * bins, [0] * bins, [[] for _ in range(bins)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        open_bins = [b for b in range(bins) if max_rows is None or len(members[b]) < max_rows]
+        open_bins = [b for b in range(bins) if max_rows is None or used[b] + sizes[i] <= max_rows]
+        if not open_bins:
+            return None
         b = min(open_bins, key=lambda b: (loads[b], b))
-        loads[b] += costs[i]
+        loads[b], used[b] = loads[b] + costs[i], used[b] + sizes[i]
         members[b].append(i)
     return members
 
 
-def bins_needed(costs: list[float], budget: float | None, max_rows: int | None) -> int:
+def bins_needed(costs: list[float], budget: float | None, max_rows: int | None, sizes: list[int] | None = None) -> int:
     """The fewest bins of ``balanced_bins`` whose every bin costs at most ``budget`` (one item over budget
-    goes alone) and holds at most ``max_rows`` items; 0 for no items."""
+    goes alone) and holds at most ``max_rows`` rows (``sizes`` rows an item, one by default; none over it); 0 for no
+    items."""
     if not costs:
         return 0
-    bins = max(1, -(-len(costs) // max_rows) if max_rows else 1)
+    rows = sum(sizes) if sizes else len(costs)
+    bins = max(1, -(-rows // max_rows) if max_rows else 1)
     if budget is not None:  # each item over budget alone, the rest at least their total over budget
         over = sum(1 for c in costs if c > budget)
         bins = max(bins, over + int(-(-sum(c for c in costs if c <= budget) // budget)))
-    while bins < len(costs) and budget is not None:
-        members = balanced_bins(costs, bins, max_rows)
-        if all(len(b) == 1 or sum(costs[i] for i in b) <= budget for b in members):
+    while bins < len(costs) and (budget is not None or sizes is not None):
+        members = balanced_bins(costs, bins, max_rows, sizes)
+        if members is not None and all(len(b) == 1 or budget is None or sum(costs[i] for i in b) <= budget
+                                       for b in members):  # fmt: skip
             break
         bins += 1
     return min(bins, len(costs))
@@ -106,18 +115,24 @@ def update_micro_batches(
     """The update's micro-batches of ``rows``. Packed: ``balanced_bins`` of each sequence's modelled cost
     (``sequence_cost``), each under ``max_tokens`` (in those units; "auto": ``AUTO_MICRO_BATCH_TOKENS``), in
     ``agree(bins_needed)`` bins (the most any process needs, so that FSDP2's collectives pair up with even work).
-    With ``share`` (packed, each group's prompt once) and no ``max_rows``, the items are a group's rows together
-    (``group_parts``), so that a prompt runs once per part. Padded: rows of similar completion length
-    (``micro_batches``)."""
+    With ``share`` (packed, each group's prompt once) the items are a group's rows together (``group_parts``; with
+    ``max_rows``, parts of at most that many rows, and bins of at most that many rows), so that a prompt runs once
+    per part. Padded: rows of similar completion length (``micro_batches``)."""
     if not packed:
         return micro_batches(rows, completion_spans(token_mask[rows]), rollout.prompt_length, max_rows, max_tokens)
     _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
     if max_tokens == "auto":
         max_tokens = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
-    if share and max_rows is None and rollout.prompt_length > 0:
-        items = group_parts(rollout, rows, lengths, hidden_size, max_tokens)
-        costs = [cost for _, cost in items]
-        bins = balanced_bins(costs, agree(bins_needed(costs, max_tokens, None)))
+    p = rollout.prompt_length
+    items = group_parts(rollout, rows, lengths, hidden_size, max_tokens, max_rows) if share and p > 0 else None
+    if items is not None:
+        costs, sizes = [cost for _, cost in items], [len(members) for members, _ in items]
+        count = agree(bins_needed(costs, max_tokens, max_rows, sizes))
+        bins = balanced_bins(costs, count, max_rows, sizes)
+        if bins is None:  # the parts fit no agreed layout (another process needs fewer bins): rows one by one
+            costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
+            return [rows[torch.tensor(c, dtype=torch.long, device=rows.device)] for c in
+                    balanced_bins(costs, count, max_rows) if c]  # fmt: skip
         chunks = [[i for item in b for i in items[item][0]] for b in bins]
     else:
         costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
@@ -126,11 +141,17 @@ def update_micro_batches(
 
 
 def group_parts(
-    rollout: RolloutBatch, rows: Tensor, lengths: Tensor, hidden_size: int | None, budget: float | None
+    rollout: RolloutBatch,
+    rows: Tensor,
+    lengths: Tensor,
+    hidden_size: int | None,
+    budget: float | None,
+    max_rows: int | None = None,
 ) -> list[tuple[list[int], float]]:
     """``rows``' groups (one prompt) cut into parts, each a list of indices into ``rows`` and its modelled cost: the
     prompt once plus its rows' completions (``sequence_cost`` of the segment's length). A group's rows go into parts
-    by ``sgrpo.model.packing.segment_parts`` under ``budget`` (a row too long for any goes alone with the prompt).
+    by ``sgrpo.model.rows.segment_parts`` under ``budget`` (a row too long for any goes alone with the prompt), and
+    a part of more than ``max_rows`` rows into consecutive pieces of at most ``max_rows``.
     """
     p = rollout.prompt_length
     group = prompt_groups(rollout.input_ids[rows], rollout.attention_mask[rows], p)[0].tolist()
@@ -139,9 +160,11 @@ def group_parts(
     parts: list[tuple[list[int], float]] = []
     for g in sorted(set(group)):
         members = [i for i, x in enumerate(group) if x == g]
-        for held in segment_parts(prompt[members[0]], [completion[i] for i in members], hidden_size, budget):
-            size = prompt[members[0]] + sum(completion[members[k]] for k in held)
-            parts.append(([members[k] for k in held], sequence_cost(size, hidden_size)))
+        for whole in segment_parts(prompt[members[0]], [completion[i] for i in members], hidden_size, budget):
+            step = max_rows or len(whole)
+            for held in (whole[k : k + step] for k in range(0, len(whole), step)):
+                size = prompt[members[0]] + sum(completion[members[k]] for k in held)
+                parts.append(([members[k] for k in held], sequence_cost(size, hidden_size)))
     return parts
 
 
