@@ -148,6 +148,19 @@ def test_evaluation_refuses_a_bad_checkpoint_in_one_line(case, run, tmp_path, ca
         assert "size mismatch for model.model.embed_tokens.weight" in line, line
 
 
+def test_an_error_after_the_checkpoint_loaded_keeps_its_traceback(run, tmp_path, monkeypatch):
+    """Lightning's connector holds the checkpoint until resume_end, past the model's move to its device: an
+    out-of-memory there was refused as "does not load into model.model", exit 2, its traceback dropped."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    def model_to_device(self):
+        raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+
+    monkeypatch.setattr(SingleDeviceStrategy, "model_to_device", model_to_device)
+    with pytest.raises(torch.OutOfMemoryError, match="the test's"):
+        main(["validate", *args(tmp_path / "eval", f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}")])
+
+
 def test_on_several_processes_a_checkpoint_that_does_not_fit_ends_them_with_its_one_line(monkeypatch):
     """Several processes: ``FailFast`` ends every process with the refusal's line and exit status 2 when the error
     arose while the checkpoint loaded; any later error keeps the traceback path (line None, its own status)."""
@@ -157,7 +170,18 @@ def test_on_several_processes_a_checkpoint_that_does_not_fit_ends_them_with_its_
     monkeypatch.setattr(faults, "fail_fast", lambda trainer, err, line=None, status=None: ended.append((line, status)))
     connector = SimpleNamespace(_loaded_checkpoint={"state_dict": {}})  # Lightning's, from resume_start to resume_end
     trainer = SimpleNamespace(world_size=2, ckpt_path="a.ckpt", _checkpoint_connector=connector)
-    err = RuntimeError("Error(s) in loading state_dict for GRPOPolicy:\n\tsize mismatch for w: 3 against 2.")
+
+    def restore_model():  # raised where Lightning's connector loads the weights
+        raise RuntimeError("Error(s) in loading state_dict for GRPOPolicy:\n\tsize mismatch for w: 3 against 2.")
+
+    def model_to_device():  # the connector still holds the checkpoint while the strategy moves the model
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError) as loading:
+        restore_model()
+    with pytest.raises(torch.OutOfMemoryError) as after_load:
+        model_to_device()
+    err, moving = loading.value, after_load.value
     watch = faults.FailFast()
     watch.on_exception(trainer, None, err)
     assert watch.failed_load is err
@@ -165,10 +189,13 @@ def test_on_several_processes_a_checkpoint_that_does_not_fit_ends_them_with_its_
                       "state_dict for GRPOPolicy: size mismatch for w: 3 against 2.): evaluate it with the config that "
                       "trained it (model.model, model.peft), or export it (python -m sgrpo.export CKPT OUT) and "
                       "evaluate OUT with --model.model=OUT", 2)]  # fmt: skip
-    connector._loaded_checkpoint = {}  # loaded: a later error is not the checkpoint's
-    later = faults.FailFast()
-    later.on_exception(trainer, None, ValueError("a reward broke"))
+    later = faults.FailFast()  # between the load and resume_end: not the checkpoint's (the traceback is kept)
+    later.on_exception(trainer, None, moving)
     assert later.failed_load is None and ended[-1] == (None, None)
+    connector._loaded_checkpoint = {}  # loaded: a later error is not the checkpoint's
+    after = faults.FailFast()
+    after.on_exception(trainer, None, err)
+    assert after.failed_load is None and ended[-1] == (None, None)
 
 
 # ------------------------------------------------------------------------------------------ export

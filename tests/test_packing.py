@@ -360,7 +360,8 @@ def test_a_row_limit_keeps_a_groups_rows_together_in_parts_of_at_most_that_many(
     ids = torch.cat([prompts, torch.randint(3, 17, (groups * g, t), generator=torch.Generator().manual_seed(1))], 1)
     completion = torch.arange(t).unsqueeze(0) < torch.randint(1, t + 1, (groups * g, 1))
     attention = torch.cat([torch.ones(groups * g, p, dtype=torch.long), completion.long()], 1)
-    rollout = RolloutBatch(ids, attention, completion, [""] * (groups * g), torch.zeros(groups * g, dtype=torch.bool), g)
+    truncated = torch.zeros(groups * g, dtype=torch.bool)
+    rollout = RolloutBatch(ids, attention, completion, [""] * (groups * g), truncated, g)
     rows = torch.arange(groups * g)
     for max_rows in (4, 8, 3):
         chunks = update_micro_batches(rollout, rows, completion, True, 64, max_rows, None, share=True)

@@ -252,10 +252,24 @@ class FailFast(Callback):
             self.watch.stop()
 
 
+#: Lightning's functions that read a checkpoint into the run (its ``_CheckpointConnector``'s and the strategy's)
+LOADING = frozenset({
+    "resume_start", "_restore_modules_and_callbacks", "restore", "restore_model", "restore_datamodule",
+    "restore_training_state", "restore_callbacks", "restore_loops", "restore_optimizers_and_schedulers",
+    "restore_optimizers", "restore_lr_schedulers", "restore_precision_plugin_state", "load_checkpoint",
+    "load_model_state_dict", "load_optimizer_state_dict",
+})  # fmt: skip
+
+
 def loading_checkpoint(trainer, exception: BaseException) -> bool:
-    """Whether ``exception`` arose while the trainer loaded a checkpoint (Lightning's connector holds it from
-    ``resume_start`` to ``resume_end``) or was sgrpo's refusal of one (``ResumeError``)."""
-    return bool(trainer._checkpoint_connector._loaded_checkpoint) or isinstance(exception, ResumeError)
+    """Whether ``exception`` arose while the trainer read a checkpoint into the run (raised under one of ``LOADING``
+    while Lightning's connector holds one) or was sgrpo's refusal of one (``ResumeError``). Not an error between
+    those steps (the model moved to its device, an out-of-memory there), which the connector spans too."""
+    if isinstance(exception, ResumeError):
+        return True
+    if not trainer._checkpoint_connector._loaded_checkpoint:
+        return False
+    return any(frame.name in LOADING for frame in traceback.extract_tb(exception.__traceback__))
 
 
 def announce(notice: str) -> tuple[bool, str]:
