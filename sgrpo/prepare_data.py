@@ -24,6 +24,7 @@ taken by one of them at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -89,7 +90,8 @@ def prepare(names: list[str], root: Path, revisions: dict[str, str], hub=None) -
     each rewrites only its own data sets' entries of the manifest.
     """
     hub = hub or HubClient()
-    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):  # a read-only root that holds the data sets still serves them
+        root.mkdir(parents=True, exist_ok=True)
     for name in names:
         with _locked(root / f".{name}.lock", f"{name}: waiting for another prepare_data run on {root}"):
             _prepare_one(name, root, revisions.get(name), hub)
@@ -104,7 +106,8 @@ def _prepare_one(name: str, root: Path, revision: str | None, hub) -> None:
     folder, files = root / name, pinned.get("files") or []
     on_disk = bool(files) and all((folder / f).is_file() for f in files)
     complete = same and pinned.get("patterns") == list(patterns) and on_disk
-    if complete and revision in (None, pin) and _FULL_COMMIT.fullmatch(pin or ""):  # no hub call: works offline
+    asked = revision is None or (pin or "").startswith(revision.lower()) and len(revision) >= 7  # the pin, or short
+    if complete and asked and _FULL_COMMIT.fullmatch(pin or ""):  # no hub call: works offline
         print(f"{name}: {repo} at {pin} already in {folder}")
         return
     wanted_revision = revision or pin or "main"
@@ -165,18 +168,31 @@ def _set_entry(root: Path, name: str, entry: dict) -> None:
 
 @contextmanager
 def _locked(path: Path, waiting: str | None):
-    """An exclusive ``fcntl.flock`` on ``path`` while the block runs; ``waiting`` printed if another holds it."""
-    with open(path, "a") as handle:
+    """An exclusive ``fcntl.flock`` on ``path`` while the block runs; ``waiting`` printed if another holds it. Where
+    no lock can be taken (a read-only root, which no run can write either; a file system without locks, Lustre
+    mounted ``noflock``) the block runs unlocked, as before locks."""
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                print(waiting, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle = stack.enter_context(open(path, "a"))
+        except OSError:  # EROFS, EACCES: nobody writes here
+            handle = None
+        if handle is not None and _lock(handle, waiting):
+            stack.callback(fcntl.flock, handle, fcntl.LOCK_UN)
+        yield
+
+
+def _lock(handle, waiting: str | None) -> bool:
+    """Take ``handle``'s exclusive lock, waiting (and saying ``waiting``) while another run holds it; False where the
+    file system has no locks (ENOLCK, ENOSYS, EOPNOTSUPP)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if waiting:
+            print(waiting, flush=True)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError:
+        return False
+    return True
 
 
 def _download_into(folder: Path, download, wanted: list[str], name: str) -> Path:

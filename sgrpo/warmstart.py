@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -209,8 +210,8 @@ def parse_options(
 
 def recipe_problem(args: dict, eval_prompts: int) -> str | None:
     """What is wrong with a warm start's options, naming the option, or None: counts below 1 (steps, batch, layers,
-    heads, hidden size, levels), ``--eval-prompts`` below 0, a hidden size that the heads do not divide, a tool
-    rate outside [0, 1]."""
+    heads, hidden size, levels), ``--eval-prompts`` below 0, a hidden size that the heads do not divide into even
+    head sizes, a learning rate that is not finite and positive, a tool rate outside [0, 1]."""
     for name in ("steps", "batch_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
         if name in args and args[name] < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {args[name]}"
@@ -218,8 +219,10 @@ def recipe_problem(args: dict, eval_prompts: int) -> str | None:
         return f"--levels must be >= 1 each, got {args['levels']}"
     if eval_prompts < 0:
         return f"--eval-prompts must be >= 0 (0: no evaluation), got {eval_prompts}"
-    if args["hidden_size"] % args["num_heads"]:
-        return f"--hidden-size {args['hidden_size']} must be a multiple of --num-heads {args['num_heads']}"
+    if args["hidden_size"] % (2 * args["num_heads"]):  # rotary embeddings rotate pairs: an even head size
+        return f"--hidden-size {args['hidden_size']} must be a multiple of 2 x --num-heads {args['num_heads']}"
+    if not (math.isfinite(args["lr"]) and args["lr"] > 0):  # inf trained NaN weights, 0 none: both saved over --out
+        return f"--lr must be a finite number > 0, got {args['lr']}"
     if not 0 <= args.get("tool_rate", 0) <= 1:
         return f"--tool-rate must be in [0, 1], got {args['tool_rate']}"
     return None

@@ -225,3 +225,35 @@ def test_a_broken_manifest_or_an_inaccessible_repository_stops_in_one_line(case,
     assert len(line) == 1
     assert {"empty_manifest": "manifest.json is not valid JSON", "no_repository": "cannot access openai/gsm8k "
             "(GatedRepoError): log in (hf auth login)"}[case] in line[0]  # fmt: skip
+
+
+def test_without_locks_or_write_access_a_complete_data_set_is_still_served(tmp_path, monkeypatch, capsys):
+    """Every run took a lock file first: a read-only data root (EROFS) or a file system without flock (Lustre
+    noflock: ENOSYS) ended in a traceback, even for a complete data set offline. Now they run unlocked; a short sha of
+    the pin also needs no hub."""
+    import builtins
+    import errno
+
+    import sgrpo.prepare_data as module
+
+    commit = "0123456789abcdef" * 2 + "01234567"
+    hub = FakeHub({commit: GSM8K})
+    prepare(["gsm8k"], tmp_path, {"gsm8k": commit}, hub)
+    hub.resolve = lambda repo, revision: (_ for _ in ()).throw(ConnectionError("offline"))
+
+    def no_flock(handle, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(module.fcntl, "flock", no_flock)
+    assert prepare(["gsm8k"], tmp_path, {}, hub)["gsm8k"]["commit"] == commit
+    monkeypatch.undo()
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "open", read_only, raising=False)
+    monkeypatch.setattr(hub, "resolve", lambda repo, revision: (_ for _ in ()).throw(ConnectionError("offline")))
+    assert prepare(["gsm8k"], tmp_path, {"gsm8k": commit[:7]}, hub)["gsm8k"]["commit"] == commit
+    assert capsys.readouterr().out.count("already in") == 2 and len(hub.downloads) == 1

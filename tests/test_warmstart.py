@@ -75,7 +75,10 @@ def test_shipped_asset_matches_its_report() -> None:
     [
         ("warmstart", ["--steps", "0"], "--steps must be >= 1, got 0"),
         ("warmstart", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
-        ("warmstart", ["--num-heads", "3"], "--hidden-size 64 must be a multiple of --num-heads 3"),
+        ("warmstart", ["--num-heads", "3"], "--hidden-size 64 must be a multiple of 2 x --num-heads 3"),
+        ("warmstart", ["--hidden-size", "12"], "--hidden-size 12 must be a multiple of 2 x --num-heads 4"),
+        ("warmstart", ["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        ("warmstart_tools", ["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
         ("warmstart", ["--eval-prompts", "-1"], "--eval-prompts must be >= 0 (0: no evaluation), got -1"),
         ("warmstart", ["--levels", "99"], "levels must be a non-empty list of integers in [1, 20], got [99]"),
         ("warmstart_tools", ["--tool-rate", "2"], "--tool-rate must be in [0, 1], got 2.0"),
