@@ -123,20 +123,18 @@ def update_micro_batches(
     _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
     if max_tokens == "auto":
         max_tokens = AUTO_MICRO_BATCH_TOKENS["cpu" if rows.device.type == "cpu" else "accelerator"]
-    p = rollout.prompt_length
-    items = group_parts(rollout, rows, lengths, hidden_size, max_tokens, max_rows) if share and p > 0 else None
-    if items is not None:
+    chunks, count = None, None
+    if share and rollout.prompt_length > 0:
+        items = group_parts(rollout, rows, lengths, hidden_size, max_tokens, max_rows)
         costs, sizes = [cost for _, cost in items], [len(members) for members, _ in items]
-        count = agree(bins_needed(costs, max_tokens, max_rows, sizes))
+        count = agree(bins_needed(costs, max_tokens, max_rows, sizes))  # the one agreement of this branch
         bins = balanced_bins(costs, count, max_rows, sizes)
-        if bins is None:  # the parts fit no agreed layout (another process needs fewer bins): rows one by one
-            costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
-            return [rows[torch.tensor(c, dtype=torch.long, device=rows.device)] for c in
-                    balanced_bins(costs, count, max_rows) if c]  # fmt: skip
-        chunks = [[i for item in b for i in items[item][0]] for b in bins]
-    else:
+        if bins is not None:
+            chunks = [[i for item in b for i in items[item][0]] for b in bins]
+    if chunks is None:  # unshared; or (not seen in 20,000 random layouts) parts that fit no agreed count: rows alone
         costs = [sequence_cost(n, hidden_size) for n in lengths.tolist()]
-        chunks = balanced_bins(costs, agree(bins_needed(costs, max_tokens, max_rows)), max_rows)
+        count = count if count is not None else agree(bins_needed(costs, max_tokens, max_rows))
+        chunks = balanced_bins(costs, count, max_rows)  # count >= its rows / max_rows: every row finds a bin
     return [rows[torch.tensor(chunk, dtype=torch.long, device=rows.device)] for chunk in chunks if chunk]
 
 
