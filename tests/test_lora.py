@@ -176,3 +176,22 @@ def test_a_checkpoint_is_evaluated_only_with_its_lora_settings():
         trained, LoRA(rank=4, alpha=8, target_modules=["q_proj"]))
     assert peft_mismatch(trained, None) == "was trained with LoRA adapters; give model.peft as the run's config does"
     assert peft_mismatch(None, LoRA()) == "was trained without LoRA; give model.peft as the run's config does"
+
+
+def test_a_checkpoint_is_evaluated_whatever_the_order_of_its_target_modules():
+    """PEFT adapts a set of modules (``LoraConfig`` keeps ``target_modules`` as a set): the same names in another
+    order make the same adapters, while another name, or a regex string in place of a list, does not."""
+    from dataclasses import asdict
+
+    from sgrpo.model.lora import peft_mismatch
+
+    trained = asdict(LoRA(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert peft_mismatch(trained, LoRA(rank=4, alpha=8, target_modules=["v_proj", "q_proj"])) is None
+    assert peft_mismatch(trained, LoRA(rank=4, alpha=8, target_modules=["v_proj", "q_proj", "q_proj"])) is None
+    assert peft_mismatch(trained, LoRA(rank=4, alpha=8, target_modules=["v_proj", "k_proj"])) == (
+        "was trained with model.peft.target_modules=['q_proj', 'v_proj'] (this config: ['v_proj', 'k_proj']); "
+        "give model.peft as the run's config does")
+    assert "model.peft.target_modules=['q_proj'] (this config: 'q_proj')" in peft_mismatch(
+        dict(trained, target_modules=["q_proj"]), LoRA(rank=4, alpha=8, target_modules="q_proj"))
+    assert "model.peft.rank=4 (this config: 8)" in peft_mismatch(
+        trained, LoRA(rank=8, alpha=8, target_modules=["v_proj", "q_proj"]))

@@ -105,16 +105,23 @@ def peft_mismatch(trained: dict | None, spec: LoRA | None) -> str | None:
     """Why a checkpoint trained with the LoRA settings ``trained`` (its record's ``peft``: None without LoRA) cannot
     be evaluated with ``spec``, in words that follow its path, or None. Rank, alpha and target modules make the
     adapters: others than the checkpoint's dropped adapters or rescaled them without a word (loading is not strict
-    under LoRA); dropout and ``export_merged`` do not."""
+    under LoRA); dropout and ``export_merged`` do not. A list of target modules is a set (PEFT matches each module
+    against all of them): the same names in another order make the same adapters."""
     if (trained is None) != (spec is None):
         trained_with = "with LoRA adapters" if trained else "without LoRA"
         return f"was trained {trained_with}; give model.peft as the run's config does"
     if trained is None:
         return None
-    ours = asdict(spec)
+    ours, keys = asdict(spec), ("rank", "alpha", "target_modules")
     differ = [f"model.peft.{key}={trained[key]!r} (this config: {ours[key]!r})"
-              for key in ("rank", "alpha", "target_modules") if key in trained and trained[key] != ours[key]]
+              for key in keys if key in trained and _compared(trained[key]) != _compared(ours[key])]
     return f"was trained with {', '.join(differ)}; give model.peft as the run's config does" if differ else None
+
+
+def _compared(value):
+    """``value`` as compared: a list (or tuple, set) of module names as a set; a string (all-linear, or a regex
+    PEFT matches whole names against) or a number as it is."""
+    return frozenset(value) if isinstance(value, (list, tuple, set, frozenset)) else value
 
 
 def is_adapter(name: str) -> bool:
