@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 import threading
@@ -36,7 +37,7 @@ from sgrpo.distributed import leave_process_group
 from sgrpo.model.loading import largest_magnitude, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
-from sgrpo.run.faults import FAILING, announce
+from sgrpo.run.faults import FAILING, announce, disk_fault, disk_words
 from sgrpo.run.folders import logger_versions
 from sgrpo.run.signals import Stopped, forward_signal
 
@@ -124,23 +125,27 @@ def stop_every_process(trainer) -> Callable[[int, str], None]:
 
 
 class ExportInterrupted(Stopped):
-    """SIGTERM or Ctrl-C while the end of a fit exported the policy: nothing was put in place (exit 143 / 130)."""
+    """SIGTERM or Ctrl-C while a fit's end or ``python -m sgrpo.export`` wrote the policy: nothing was put in place
+    (exit 143 / 130)."""
+
+
+#: how to export again after a fit's export was cut short (a fit's end exports once its last step is done)
+RESUME_TO_EXPORT = "the checkpoints are whole: resume with --ckpt_path last to export again"
 
 
 @contextmanager
-def staged_export(path: Path, leader: bool = True, others: Callable[[int, str], None] | None = None) -> Iterator[Path]:
+def staged_export(path: Path, leader: bool = True, others: Callable[[int, str], None] | None = None,
+                  again: str = RESUME_TO_EXPORT) -> Iterator[Path]:  # fmt: skip
     """Where to write an export that lands at ``path`` whole or not at all: a hidden folder beside it
     (``.NAME.partial``), swapped in once complete (``replace_folder``). A SIGTERM or Ctrl-C meanwhile (from the main
-    thread) stops the write, says so, tells the other processes (``others(signum, name)``) and raises
-    ``ExportInterrupted``; ``path`` is left as it was, and a resume with ``--ckpt_path last`` (the same
-    ``trainer.max_steps``) exports again."""
+    thread) stops the write, says so and how to export ``again``, tells the other processes (``others(signum, name)``)
+    and raises ``ExportInterrupted``; ``path`` is left as it was (as it is when the write fails)."""
     staged = hidden_name(path, PARTIAL)
     previous: dict[int, Any] = {}
 
     def interrupted(signum: int, frame) -> None:
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        print(f"\n{name} during the export to {path}: it was not written (the checkpoints are whole); resume with "
-              "--ckpt_path last to export again", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"\n{name} during the export to {path}: it was not written; {again}", file=sys.stderr, flush=True)
         if others is not None:
             others(signum, name)
         raise ExportInterrupted(signum)
@@ -291,8 +296,15 @@ def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
     return model, tokenizer, peft
 
 
+def export_command(path: Path, out: Path, merged: bool = False, base: str | None = None) -> str:
+    """The command line of ``export_checkpoint(path, out, merged, base)``: what to run again after it was cut short."""
+    extra = (["--merged"] if merged else []) + ([f"--base={base}"] if base else [])
+    return shlex.join(["python", "-m", "sgrpo.export", str(path), str(out), *extra])
+
+
 def export_checkpoint(path: Path, out: Path, merged: bool = False, base: str | None = None) -> Path:
-    """Write ``out`` from the checkpoint at ``path`` (see the module docstring); refuses a non-empty ``out``."""
+    """Write ``out`` from the checkpoint at ``path`` (see the module docstring), whole or not at all
+    (``staged_export``); refuses a non-empty ``out``."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file: give a folder to write the model into (new or empty)")
     if out.exists() and any(out.iterdir()):
@@ -302,7 +314,9 @@ def export_checkpoint(path: Path, out: Path, merged: bool = False, base: str | N
     if merged and not record.get("peft"):
         raise CheckpointError("--merged applies to LoRA checkpoints; this one holds the whole model")
     model, tokenizer, peft = load_policy(weights, record)
-    save_policy(model, tokenizer, out, peft, str(resolve_model_path(record["base"])), merged)
+    again = f"run {export_command(path, out, merged, base)} to export again"
+    with staged_export(out.resolve(), again=again) as staged:  # resolved: "." has no name to stage beside
+        save_policy(model, tokenizer, staged, peft, str(resolve_model_path(record["base"])), merged)
     return out
 
 
@@ -317,6 +331,14 @@ def main(argv: list[str] | None = None) -> None:
         out = export_checkpoint(args.checkpoint, args.out, args.merged, args.base)
     except CheckpointError as err:
         exit_with_error(str(err), 2)
+    except Exception as err:  # a full or read-only disk: one line, OUT not written (staged_export)
+        disk = disk_fault(err)
+        if disk is None:
+            raise
+        what, fix = disk_words(disk)
+        again = export_command(args.checkpoint, args.out, args.merged, args.base)
+        exit_with_error(f"{what} while exporting to {args.out}: it was not written; {fix}, then run "
+                        f"{again}", 1)  # fmt: skip
     print(f"exported {args.checkpoint} -> {out}")
 
 

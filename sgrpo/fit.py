@@ -17,7 +17,6 @@ checkpoint refused before anything ran (one line); 143 after SIGTERM and 130 aft
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -47,7 +46,7 @@ from sgrpo.export import CheckpointError
 from sgrpo.policy import GRPOPolicy
 from sgrpo.run.checkpoints import AtomicCheckpointIO, resume_failure
 from sgrpo.run.cli_errors import one_line_errors, union_error
-from sgrpo.run.faults import FailFast, command_ended, disk_fault
+from sgrpo.run.faults import FailFast, command_ended, disk_fault, disk_words
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, launches_run, run_folder
 from sgrpo.run.guards import EnvironmentFailure, GuardError
 from sgrpo.run.launch_checks import (
@@ -286,10 +285,9 @@ def main(args: list[str] | None = None) -> SgrpoCLI:
         disk = disk_fault(err)
         if disk is None:
             raise
-        where = f" ({disk.filename})" if disk.filename else ""
-        fix = "make it writable" if disk.errno == errno.EROFS else "free space there"
+        what, fix = disk_words(disk)
         then = "; then resume with --ckpt_path last: its newest checkpoint was left as it was" if mode == "fit" else ""
-        exit_with_error(f"{disk.strerror}{where} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
+        exit_with_error(f"{what} while the run wrote into {cli.trainer.default_root_dir}: {fix} (or "
                         f"use --trainer.default_root_dir on another disk){then}", 1)  # fmt: skip
     finally:
         command_ended(cli.trainer, interrupt, terminate)  # the processes leave together (release_process_group)

@@ -5,7 +5,9 @@ Sharded (FSDP2) checkpoints are exported in tests/test_sharded.py, where 2 proce
 
 from __future__ import annotations
 
+import errno
 import shutil
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -280,6 +282,31 @@ def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
             "nan_weights": "weights are not all finite (NaN or infinite)",
             "base_of_other_shapes": "does not fit the base model"}[case] in line
     assert case in ("out_not_empty", "out_is_file") or not out.exists()
+
+
+@pytest.mark.parametrize("case", ["disk_full", "ctrl_c"])
+def test_an_export_cut_midway_leaves_no_model_at_out_and_names_the_command_to_rerun(
+    case, run, tmp_path, monkeypatch, capsys
+):
+    """The weights fail to write (a full disk) or a Ctrl-C arrives once config.json is written: OUT is not made (the
+    write went to a hidden folder beside it, removed), and the one line names the command to run again."""
+    from transformers import PreTrainedModel
+
+    def cut(self, path, **kwargs):
+        self.config.save_pretrained(path)  # config.json written, the weights not
+        if case == "ctrl_c":
+            signal.raise_signal(signal.SIGINT)
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(path) / "model.safetensors"))
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", cut)
+    ckpt, out = run / "checkpoints" / "last.ckpt", tmp_path / "out"
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as cut_short:  # a KeyboardInterrupt: no handler of its own
+        export([str(ckpt), str(out)])
+    assert isinstance(cut_short.value, SystemExit) and cut_short.value.code == {"disk_full": 1, "ctrl_c": 130}[case]
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nor the hidden folder it wrote into
+    line = error_line(capsys) if case == "disk_full" else capsys.readouterr().err.strip()
+    assert f"python -m sgrpo.export {ckpt} {out}" in line and "ckpt_path" not in line, line
+    assert {"disk_full": "No space left on device", "ctrl_c": "Ctrl-C during the export"}[case] in line
 
 
 def test_validate_a_lora_checkpoint_as_its_merged_export(lora_run):

@@ -62,6 +62,12 @@ def disk_fault(exception: BaseException) -> OSError | None:
     return None
 
 
+def disk_words(disk: OSError) -> tuple[str, str]:
+    """A disk error (``disk_fault``) in words: what happened (its message and file) and the fix."""
+    where = f" ({disk.filename})" if disk.filename else ""
+    return f"{disk.strerror}{where}", "make it writable" if disk.errno == errno.EROFS else "free space there"
+
+
 def exit_status(exception: BaseException) -> int:
     """The exit status a scheduler should read for ``exception``: 143 SIGTERM, 130 Ctrl-C, else 1."""
     if isinstance(exception, SIGTERMException):
