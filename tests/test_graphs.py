@@ -4,12 +4,15 @@ them has moved, then runs the step eagerly."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sgrpo.rollout.decode import decode
 from sgrpo.rollout.graphs import CAPACITY_STEP, GraphCache, StaticSteps, storage_fingerprint
+from sgrpo.rollout.snapshot import RolloutWeights
 
 VOCAB = 40
 CONFIG = dict(
@@ -74,8 +77,9 @@ def assert_same(got, expected) -> None:
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
 
 
-def cache_for(model) -> GraphCache:
-    return GraphCache(capture=lambda steps, b: (graph := RecordedStep(model, steps, b), graph.out))
+def cache_for(model=None) -> GraphCache:
+    """A cache whose graphs are ``RecordedStep`` s over ``model`` (default: the model each step decodes)."""
+    return GraphCache(capture=lambda steps, b: (graph := RecordedStep(model or steps.step.model, steps, b), graph.out))
 
 
 def train_step(model, optimizer) -> None:
@@ -158,3 +162,20 @@ def test_without_a_capture_on_the_cpu_the_kept_steps_run_eagerly():
     for seed in (3, 4):
         assert_same(rollout(model, cache, seed=seed), rollout(model, None, seed=seed))
     assert cache.captures == 0 and len(cache.entries) == 1
+
+
+def test_kept_graphs_hold_no_tensor_of_a_rollouts_weight_snapshot():
+    """With the per-rollout weight snapshot (FSDP2's; forced on here) and no autocast the kept head reads the
+    snapshot's own head weight: once the rollout ends (the snapshot's memory released before the update) no kept
+    step holds a tensor of it (1 GB of head for a 7B model), and the next rollout, on a new snapshot of the updated
+    weights, samples what the eager decoder does with them."""
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    weights, cache = RolloutWeights(True), cache_for()
+    for _ in range(3):
+        with weights(model) as snapshot:
+            assert_same(rollout(snapshot, cache), rollout(snapshot, None))
+            held = {name: weakref.ref(t) for name, t in (*snapshot.named_parameters(), *snapshot.named_buffers())}
+        assert [name for name, ref in held.items() if ref() is not None] == []
+        train_step(model, optimizer)
+    assert cache.captures > 0 and len(cache.entries) == 1

@@ -18,7 +18,8 @@ shape. ``StaticSteps`` provides that around ``LlamaFamilyStep``:
   the kept buffers. Weights updated in place (the optimiser's step, ``load_state_dict``'s copy) keep their
   addresses, so the graphs read the current weights; the head's cast copy is refreshed in place
   (``LMHead.refresh``). When any weight's storage moves (a tensor replaced: ``load_state_dict(assign=True)``,
-  a LoRA merge that swaps modules, FSDP2's per-rollout snapshot) every kept graph is dropped and recaptured.
+  a LoRA merge that swaps modules, FSDP2's per-rollout snapshot) every kept graph is dropped and recaptured. The
+  kept steps hold the model's modules, not its tensors (``ModelHead``): a snapshot is freed before the update.
 
 Sampling stays outside the graph (it draws from torch's generator). Same distribution as the eager
 decoder: the same modules, weights and float32 head; only the attention's summation runs over
@@ -159,6 +160,24 @@ def capture_graph(steps: StaticSteps, b: int) -> tuple[torch.cuda.CUDAGraph, Ten
     return graph, out
 
 
+class ModelHead(LMHead):
+    """``head``, whose weight is ``module``'s own parameter, reading it (and the bias) from ``module`` at each use: kept
+    steps hold the module, never a tensor of it, so a rollout's weight snapshot (``sgrpo.rollout.snapshot``), whose
+    tensors are replaced when it is freed, goes back before the update; a graph replayed later reads the parameter's
+    current storage at the address ``storage_fingerprint`` checked."""
+
+    def __init__(self, module: nn.Module, head: LMHead) -> None:
+        self.module, self.dtype, self.transform, self._stacked = module, head.dtype, head.transform, {}
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.module.bias
+
+
 def storage_fingerprint(model: nn.Module) -> tuple:
     """Where every parameter and buffer of ``model`` lives (address, shape, strides, dtype): a captured graph reads
     them there, so it stays valid while this is unchanged (in-place updates keep it)."""
@@ -214,7 +233,7 @@ class GraphCache:
             layers.append(SimpleNamespace(key_buffer=buffers[0], value_buffer=buffers[1], length=0))
         key_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=cache.layers[0].key_buffer.device)
         if head.weight is model.get_output_embeddings().weight:  # the parameter itself: updated in place
-            kept_head = head
+            kept_head = ModelHead(model.get_output_embeddings(), head)
         else:  # a cast copy, refreshed in place by every rollout (``load``)
             kept_head = LMHead(head.weight.clone(), head.bias, head.transform, head.dtype)
         step = functools.partial(step_class, head=kept_head)
