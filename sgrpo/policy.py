@@ -24,7 +24,7 @@ from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_t
 from sgrpo.rollout.episodes import multi_turn_problem
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
-from sgrpo.run.data import EpochStepBatches, PromptBatch, StepBatches, mix_seed, prompt_collate, stopping_rule_error
+from sgrpo.run.data import EpochStepBatches, PromptBatch, RefillStream, StepBatches, prompt_collate, stopping_rule_error
 from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch, guard_state, restore_guards
 from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error
 from sgrpo.train.collect import GroupCollection
@@ -228,7 +228,7 @@ class GRPOPolicy(
             f"log_mgf_temperature must be finite and > 0 (reward units) or null, got {log_mgf_temperature}",
         )
         self.log_mgf_temperature = log_mgf_temperature
-        self._refill: StepBatches | None = None  # more prompts for dynamic sampling, a stream of their own
+        self._refill: RefillStream | None = None  # more prompts for dynamic sampling, ones the step has not drawn
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
@@ -337,8 +337,7 @@ class GRPOPolicy(
         stream = (EpochStepBatches if epochs else StepBatches)(
             examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world
         )
-        refill_seed = mix_seed(self.seed, 1) % 2**31  # a stream of its own (StepBatches scales the seed)
-        self._refill = StepBatches(examples, self.prompts_per_step, refill_seed, 0, rank, world)
+        self._refill = RefillStream(stream, self.seed)  # prompts the step has not drawn, on every process
         self._stream = stream  # the async producer reads its steps' prompts from it
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
 

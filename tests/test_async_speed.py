@@ -46,7 +46,7 @@ class Policy(AsyncRollouts):
 
     model_path, model_dtype, tokenizer, rollout = "unused", "float32", None, HFRollout()
     seed, global_rank, group_size, device, producer_timeout = 0, 0, 2, torch.device("cpu"), 60.0
-    _refill, max_sampling_rounds = None, 1  # dynamic sampling's refill stream (unused here)
+    _refill = None  # dynamic sampling's refill stream (unused here)
     trainer = SimpleNamespace(precision="32-true")  # the sampling precision's source
 
     def __init__(self, max_staleness: int) -> None:

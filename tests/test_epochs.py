@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sgrpo.fit import main
-from sgrpo.run.data import EpochStepBatches, StepBatches, stopping_rule_error
+from sgrpo.run.data import EpochStepBatches, RefillStream, StepBatches, stopping_rule_error
 from sgrpo.types import Example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,26 @@ def test_the_stream_holds_its_epoch_order_in_8_bytes_a_prompt():
     generator = torch.Generator().manual_seed(3 * 1_000_003)
     order = torch.randperm(len(examples), generator=generator).tolist()  # the order itself: unchanged
     assert [stream._index(p) for p in range(5)] == order[:5]
+
+
+def test_refills_draw_the_prompts_their_step_has_not_drawn_on_every_process_and_resume_the_same():
+    """Dynamic sampling's refill rounds of a step (both processes' shares, in its positions' order) hold none of the
+    step's prompts nor each other's until the step has drawn all 10, then go on over all of them; a fresh stream
+    (a resume) asked for a later round only draws the same; a data set smaller than a step still refills."""
+    for kind in (StepBatches, EpochStepBatches):
+        ranks = [RefillStream(kind(EXAMPLES, 4, seed=3, rank=r, world_size=2), seed=3) for r in (0, 1)]
+        for step in range(6):
+            drawn = {EXAMPLES[i].prompt for i in ranks[0].stream.indices(step)}
+            shares = [[ex.prompt for ex in refill.batch(step, k)] for k in (1, 2, 3) for refill in ranks]
+            assert all(len(share) == 2 for share in shares)
+            order = [p for pair in zip(sum(shares[0::2], []), sum(shares[1::2], [])) for p in pair]
+            fresh = order[: len(EXAMPLES) - len(drawn)]
+            assert len(set(fresh)) == len(fresh) and drawn.isdisjoint(fresh), (step, drawn, order)
+            assert drawn | set(fresh) == {ex.prompt for ex in EXAMPLES}
+            resumed = RefillStream(kind(EXAMPLES, 4, seed=3, rank=1, world_size=2), seed=3)
+            assert [ex.prompt for ex in resumed.batch(step, 3)] == shares[5]
+    small = RefillStream(StepBatches(EXAMPLES[:3], 4, seed=3), seed=3)
+    assert [len(small.batch(0, k)) for k in (1, 2, 3)] == [4, 4, 4]
 
 
 def test_neither_steps_nor_epochs_is_refused_in_one_line_naming_both():

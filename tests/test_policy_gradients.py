@@ -37,8 +37,8 @@ def batch(model_dir):
     return fixed_batch(model_dir, EXAMPLES[:4], group_size=G, max_new_tokens=MAX_NEW)
 
 
-def make_policy(model_dir, batch, estimator, **kwargs) -> GradCapture:
-    task = FixedTask(PresetReward(REWARDS), EXAMPLES[:4])
+def make_policy(model_dir, batch, estimator, rewards=REWARDS, **kwargs) -> GradCapture:
+    task = FixedTask(PresetReward(rewards), EXAMPLES[:4])
     defaults = dict(
         group_size=G, prompts_per_step=4, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), seed=0
     )
@@ -161,8 +161,8 @@ def test_dynamic_sampling_drops_constant_groups_from_the_update(model_dir, batch
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(model_dir, batch):
-    """Round 1 keeps groups 0, 2, 3 (group 1 is constant); round 2 samples the 4 prompts again (a stream of
-    its own) and the first informative group tops the batch up to prompts_per_step = 4 groups."""
+    """Round 1 keeps groups 0, 2, 3 (group 1 is constant); round 2 samples the 4 prompts again (the step drew them
+    all: the refill reads them all anew) and the first informative group tops the batch up to prompts_per_step = 4."""
     seen: list[tuple[int, torch.Tensor]] = []
     for _ in range(2):  # twice: the refilled step is a pure function of (seed, step)
         policy = make_policy(model_dir, batch, GRPO(), dynamic_sampling=True)
@@ -177,6 +177,23 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(model_dir, b
     (groups, advantages), (_, again) = seen
     assert groups == 4 and torch.equal(advantages, again)
     assert (advantages.abs().sum(-1) > 0).all()  # all four are informative
+
+
+def test_a_refill_never_draws_a_prompt_the_step_already_drew(model_dir, batch):
+    """4 prompts, 2 a step, 2 of them constant: a step that drew one or both needs a refill, which draws the prompts
+    the step has not (the refill stream was a permutation of its own: a step held a prompt twice, or redrew one just
+    dropped as constant)."""
+    rewards = REWARDS | {PROMPTS[2]: [0.0] * G}  # groups 1 and 2 constant
+    policy = make_policy(model_dir, batch, GRPO(), rewards, prompts_per_step=2, dynamic_sampling=True)
+    drawn: list[list[str]] = []  # each step's prompts, round after round
+    sample = policy.sample
+    policy.sample = lambda examples, sampling_round=0: (
+        (drawn[-1] if sampling_round else drawn.append([]) or drawn[-1]).extend(ex.prompt for ex in examples)
+        or sample(examples, sampling_round)
+    )
+    run_steps(policy, steps=8)
+    assert len(drawn) == 8 and any(len(step) > 2 for step in drawn)  # refills happened
+    assert all(len(set(step)) == len(step) for step in drawn), drawn
 
 
 def test_a_batch_of_only_constant_groups_makes_an_empty_update(model_dir, batch):

@@ -90,11 +90,14 @@ class StepBatches(IterableDataset):
             self._perms = {epoch: torch.randperm(len(self.examples), generator=generator, device="cpu")}
         return int(self._perms[epoch][offset])
 
-    def batch(self, step: int) -> list[Example]:
-        """This process's prompts of training step ``step``."""
+    def indices(self, step: int) -> list[int]:
+        """The positions in ``examples`` of training step ``step``'s prompts, every process's, in the step's order."""
         first = step * self.prompts_per_step
-        positions = range(first + self.rank, first + self.prompts_per_step, self.world_size)
-        return [self.examples[self._index(p)] for p in positions]
+        return [self._index(p) for p in range(first, first + self.prompts_per_step)]
+
+    def batch(self, step: int) -> list[Example]:
+        """This process's prompts of training step ``step``: its share of ``indices(step)``."""
+        return [self.examples[i] for i in self.indices(step)[self.rank :: self.world_size]]
 
     def __iter__(self) -> Iterator[list[Example]]:
         step = self.start_step
@@ -123,14 +126,50 @@ class EpochStepBatches(StepBatches):
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    def batch(self, step: int) -> list[Example]:
+    def indices(self, step: int) -> list[int]:
         epoch, within = divmod(step, self.steps_per_epoch)
         first, n = within * self.prompts_per_step, len(self.examples)
-        offsets = range(first + self.rank, first + self.prompts_per_step, self.world_size)
-        return [self.examples[self._index(epoch * n + offset % n)] for offset in offsets]
+        return [self._index(epoch * n + offset % n) for offset in range(first, first + self.prompts_per_step)]
 
     def __iter__(self) -> Iterator[list[Example]]:
         start = self.next_step
         for step in range(start, (start // self.steps_per_epoch + 1) * self.steps_per_epoch):
             self.next_step = step + 1
             yield self.batch(step)
+
+
+class RefillStream:
+    """Dynamic sampling's refill prompts, drawn from the prompts a step has not drawn yet.
+
+    Round r (>= 1) of step s takes positions ``(r-1)*B .. r*B-1`` of step s's refill order: a seeded permutation
+    of the prompts that neither ``stream``'s step s (every process's share) nor its earlier rounds drew, so that a
+    step never holds a prompt twice (an independent stream redrew the step's prompts, those just dropped as
+    constant too). Once the step has drawn every prompt, further rounds read fresh permutations of them all (a
+    data set smaller than the step's rounds repeats prompts, as it did). Process ``rank`` takes the positions
+    ``position % world_size == rank``. A pure function of (seed, step, round) and ``stream``: a resumed run draws
+    the same, and no state is checkpointed.
+    """
+
+    def __init__(self, stream: StepBatches, seed: int) -> None:
+        self.stream, self.seed = stream, seed
+        self._order: tuple[int, list[torch.Tensor]] = (-1, [])  # the last step's refill order so far, as int64
+
+    def _permutation(self, step: int, part: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, 1, step, part))  # 1: the refills' salt
+        return torch.randperm(len(self.stream.examples), generator=generator, device="cpu")
+
+    def batch(self, step: int, sampling_round: int) -> list[Example]:
+        """This process's prompts of refill round ``sampling_round`` (>= 1) of training step ``step``."""
+        b, n = self.stream.prompts_per_step, len(self.stream.examples)
+        if self._order[0] != step:
+            fresh = torch.ones(n, dtype=torch.bool)
+            fresh[torch.tensor(self.stream.indices(step), dtype=torch.int64)] = False
+            order = self._permutation(step, 0)
+            self._order = (step, [order[fresh[order]]])
+        parts = self._order[1]
+        while sum(len(part) for part in parts) < sampling_round * b:  # every prompt drawn: n more (n >= 1)
+            parts.append(self._permutation(step, len(parts)))
+        order = torch.cat(parts)
+        first = (sampling_round - 1) * b
+        positions = range(first + self.stream.rank, first + b, self.stream.world_size)
+        return [self.stream.examples[int(order[p])] for p in positions]

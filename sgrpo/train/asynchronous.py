@@ -17,7 +17,7 @@ from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
 from sgrpo.rollout.server_producer import ServerProducer
 from sgrpo.rollout.vllm_server import VLLMServerRollout
-from sgrpo.run.data import StepBatches, mix_seed
+from sgrpo.run.data import mix_seed
 from sgrpo.run.precision import sampling_precision
 from sgrpo.types import Example, RolloutBatch
 
@@ -76,11 +76,6 @@ def sampling_seed(seed: int, rank: int, step: int, sampling_round: int = 0) -> i
     return mix_seed(seed, step, rank, *([sampling_round] if sampling_round else []))
 
 
-def refill_prompts(refill: StepBatches, rounds: int, step: int, sampling_round: int) -> list[Example]:
-    """Dynamic sampling's prompts of round ``sampling_round`` of step ``step``: ``GroupCollection.collect``'s."""
-    return refill.batch(step * rounds + sampling_round)
-
-
 #: bytes of full tensors gathered per collective in a push to the producer (FSDP2): fewer collectives than one per
 #: parameter, and one bucket on the device at a time (the producer copies each as it comes)
 PUSH_BUCKET_BYTES = 256 * 2**20
@@ -107,7 +102,7 @@ class AsyncRollouts:
         self._async = {"wait_s": 0.0, "weight_sync_s": 0.0, "groups_sampled": 0}
         self._threads = torch.get_num_threads()  # restored when the producer stops
         seed_of = functools.partial(sampling_seed, self.seed, self.global_rank)
-        refills = functools.partial(refill_prompts, self._refill, self.max_sampling_rounds)
+        refills = None if self._refill is None else self._refill.batch  # (step, round): collect's refill prompts
         if isinstance(self.rollout, VLLMServerRollout):  # the servers sample; threads here keep requests in flight
             self._producer = ServerProducer(self.rollout, self.model, self.tokenizer, stream.batch, seed_of,
                                             self.group_size, self.max_staleness, first_step, last_step,

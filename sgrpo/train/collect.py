@@ -28,7 +28,8 @@ class GroupCollection:
         With ``dynamic_sampling``, groups whose rewards are all equal carry no signal (advantage 0 under
         every zero-sum estimator): they are dropped and more prompts sampled, round after round (as
         DAPO and verl's filter_groups do), until this step's ``prompts_per_step`` informative groups are
-        collected or ``max_sampling_rounds`` rounds have run. Every process runs as many rounds (their
+        collected or ``max_sampling_rounds`` rounds have run. A round's prompts are ones the step has not drawn
+        (``sgrpo.run.data.RefillStream``) while there are any. Every process runs as many rounds (their
         rollouts may be collectives). Logs ``train/sampling/rounds`` and ``train/sampling/groups_dropped``;
         ``train/zero_variance_groups`` counts every sampled group.
         """
@@ -51,7 +52,7 @@ class GroupCollection:
             have = sum(len(part[1]) for part in kept)
             if rounds == self.max_sampling_rounds or not any_process(have < len(examples), self.device):
                 break
-            more = self._refill.batch(self.rollout_step * self.max_sampling_rounds + rounds)
+            more = self._refill.batch(self.rollout_step, rounds)  # prompts this step has not drawn
             started = time.perf_counter()
             rollout = self.sample(more, rounds)
             log["rollout_s"] += time.perf_counter() - started
