@@ -61,6 +61,31 @@ def test_the_stream_holds_its_epoch_order_in_8_bytes_a_prompt():
     assert [stream._index(p) for p in range(5)] == order[:5]
 
 
+def test_a_step_spanning_two_epochs_holds_no_prompt_twice_and_each_epoch_every_prompt_once():
+    """max_steps' stream: 10 prompts, 4 and 7 per step, so steps span epochs; the step's prompts are distinct (the
+    next epoch's order starts past the prompts its end took), each epoch's 10 positions still hold every prompt once,
+    epoch 0 is the seeded permutation itself, and a stream resumed at any step, or split over 2 processes, agrees."""
+    import torch
+
+    for b in (4, 7):
+        one = StepBatches(EXAMPLES, b, seed=3)
+        steps = prompts(one, range(14))
+        assert all(len(set(step)) == b for step in steps), steps
+        flat = [p for step in steps for p in step]
+        for epoch in range(len(flat) // 10):
+            assert sorted(flat[10 * epoch : 10 * epoch + 10]) == sorted(ex.prompt for ex in EXAMPLES)
+        generator = torch.Generator().manual_seed(3 * 1_000_003)
+        assert flat[:10] == [EXAMPLES[i].prompt for i in torch.randperm(10, generator=generator).tolist()]
+        for start in (0, 5, 11):
+            resumed = StepBatches(EXAMPLES, b, seed=3, start_step=start)
+            assert prompts(resumed, [start, start + 1]) == steps[start : start + 2]
+        ranks = [StepBatches(EXAMPLES, b + b % 2, seed=3, rank=r, world_size=2) for r in (0, 1)]
+        whole = StepBatches(EXAMPLES, b + b % 2, seed=3)
+        for step in range(12):
+            assert sorted(p for r in ranks for p in prompts(r, [step])[0]) == sorted(prompts(whole, [step])[0])
+    assert [len(step) for step in prompts(StepBatches(EXAMPLES[:3], 4, seed=3), range(3))] == [4, 4, 4]
+
+
 def test_refills_draw_the_prompts_their_step_has_not_drawn_on_every_process_and_resume_the_same():
     """Dynamic sampling's refill rounds of a step (both processes' shares, in its positions' order) hold none of the
     step's prompts nor each other's until the step has drawn all 10, then go on over all of them; a fresh stream

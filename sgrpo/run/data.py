@@ -60,8 +60,10 @@ class StepBatches(IterableDataset):
 
     The global order is a fresh seeded permutation of ``examples`` per epoch, read ``prompts_per_step``
     at a time; step s takes global positions ``s*B .. s*B+B-1`` and process ``rank`` the ones with
-    ``position % world_size == rank``. The stream is a pure function of (seed, step), so resuming
-    at a step continues exactly where an uninterrupted run would be.
+    ``position % world_size == rank``. A step that spans two epochs takes the end of one and the start of
+    the next: the next epoch's permutation then starts with prompts that end did not hold (the others keep
+    their order), so that no step holds a prompt twice (where B <= N). The stream is a pure function of
+    (seed, step), so resuming at a step continues exactly where an uninterrupted run would be.
     """
 
     def __init__(
@@ -81,14 +83,43 @@ class StepBatches(IterableDataset):
         self.examples = examples
         self.prompts_per_step, self.seed, self.start_step = prompts_per_step, seed, start_step
         self.rank, self.world_size = rank, world_size
-        self._perms: dict[int, torch.Tensor] = {}  # one epoch's order, as int64 (a list of ints took 40 bytes a row)
+        self._perms: dict[int, torch.Tensor] = {}  # the last epochs' orders, as int64 (a list of ints: 40 bytes a row)
+
+    def _raw(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s seeded permutation of the positions in ``examples``."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.examples), generator=generator, device="cpu")
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order (``_after`` each epoch before it, from epoch 0 or the last one kept; the last
+        two kept: a spanning step reads both)."""
+        if epoch not in self._perms:
+            start = max((e for e in self._perms if e < epoch), default=None)
+            e, order = (start, self._perms[start]) if start is not None else (0, self._raw(0))
+            perms = {e: order}
+            while e < epoch:
+                e, order = e + 1, self._after(e + 1, order)
+                perms = {e - 1: perms[e - 1], e: order}
+            self._perms = perms
+        return self._perms[epoch]
+
+    def _after(self, epoch: int, before: torch.Tensor) -> torch.Tensor:
+        """Epoch ``epoch``'s order after ``before``, the epoch before's: its ``_raw`` permutation, where a step spans
+        the two epochs with the prompts that step took from ``before``'s end moved past the step's part of it."""
+        order, n, b = self._raw(epoch), len(self.examples), self.prompts_per_step
+        head = -(epoch * n) % b  # the spanning step's positions in this epoch (0: no step spans the two)
+        if head == 0 or b > n:  # a step longer than an epoch holds some prompts twice whatever the order
+            return order
+        taken = torch.zeros(n, dtype=torch.bool)
+        taken[before[n - (b - head) :]] = True
+        first = order[~taken[order]][:head]
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[first] = False
+        return torch.cat([first, order[rest[order]]])
 
     def _index(self, position: int) -> int:
         epoch, offset = divmod(position, len(self.examples))
-        if epoch not in self._perms:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(len(self.examples), generator=generator, device="cpu")}
-        return int(self._perms[epoch][offset])
+        return int(self._perm(epoch)[offset])
 
     def indices(self, step: int) -> list[int]:
         """The positions in ``examples`` of training step ``step``'s prompts, every process's, in the step's order."""
@@ -125,6 +156,9 @@ class EpochStepBatches(StepBatches):
 
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+    def _after(self, epoch: int, before: torch.Tensor) -> torch.Tensor:
+        return self._raw(epoch)  # no step spans two epochs
 
     def indices(self, step: int) -> list[int]:
         epoch, within = divmod(step, self.steps_per_epoch)
