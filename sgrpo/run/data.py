@@ -110,10 +110,10 @@ class StepBatches(IterableDataset):
         head = -(epoch * n) % b  # the spanning step's positions in this epoch (0: no step spans the two)
         if head == 0 or b > n:  # a step longer than an epoch holds some prompts twice whatever the order
             return order
-        taken = torch.zeros(n, dtype=torch.bool)
+        taken = torch.zeros(n, dtype=torch.bool, device="cpu")
         taken[before[n - (b - head) :]] = True
         first = order[~taken[order]][:head]
-        rest = torch.ones(n, dtype=torch.bool)
+        rest = torch.ones(n, dtype=torch.bool, device="cpu")
         rest[first] = False
         return torch.cat([first, order[rest[order]]])
 
@@ -196,8 +196,8 @@ class RefillStream:
         """This process's prompts of refill round ``sampling_round`` (>= 1) of training step ``step``."""
         b, n = self.stream.prompts_per_step, len(self.stream.examples)
         if self._order[0] != step:
-            fresh = torch.ones(n, dtype=torch.bool)
-            fresh[torch.tensor(self.stream.indices(step), dtype=torch.int64)] = False
+            fresh = torch.ones(n, dtype=torch.bool, device="cpu")
+            fresh[torch.tensor(self.stream.indices(step), dtype=torch.int64, device="cpu")] = False
             order = self._permutation(step, 0)
             self._order = (step, [order[fresh[order]]])
         parts = self._order[1]
