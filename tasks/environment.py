@@ -50,7 +50,9 @@ class Environment(ABC):
     ``observation_role``: the role of the messages ``step`` returns, used to check at start that the chat
     template can render them after an assistant turn. ``template_kwargs`` go to every rendering of the
     episode's conversation (``ToolEnvironment``: the tools' schemas). ``concurrent_steps``: how many episodes'
-    ``step`` may run at once in threads (1, the default: one after another).
+    ``step`` may run at once in threads (1, the default: one after another). An environment may also define
+    ``steps(turns)``, the observations of one round's (example, messages) turns in order, or None to leave them to
+    ``step`` (``ToolEnvironment`` with ``tool_workers``: the round's calls go to its worker pool together).
     """
 
     max_turns: int = 4
@@ -100,7 +102,8 @@ class ToolEnvironment(Environment):
     ``max_output_chars`` characters. The last allowed turn (``max_turns``) runs no tools. ``concurrent_steps``
     episodes run their calls at once (threads: for tools that wait, and that are thread-safe). ``tool_workers``
     runs each call in one of that many worker processes instead, killed at ``tool_timeout`` even inside one long C
-    call (a thread's timeout cannot end that); its tools must be importable functions.
+    call (a thread's timeout cannot end that); its tools must be importable functions. The calls of one round (every
+    episode's turn, ``steps``) then go to the workers together, that many at once.
     """
 
     observation_role = "tool"
@@ -161,14 +164,39 @@ class ToolEnvironment(Environment):
         return f"You may call these tools:\n{listed}\nTo call one, write {TOOL_CALL_FORMAT}"
 
     def step(self, example: Example, messages: Messages) -> Observation:
+        return self._answer([(example, messages)])[0]
+
+    def steps(self, turns: Sequence[tuple[Example, Messages]]) -> list[Observation] | None:
+        """``step`` of one round's turns (example, conversation) of several episodes, in order, their tool calls sent
+        to the ``tool_workers`` pool together, so that many run at once. None (the episode loop then calls ``step``
+        per episode, ``concurrent_steps`` at once) without ``tool_workers`` or for a subclass's own ``step``."""
+        if not self.runner.workers or type(self).step is not ToolEnvironment.step:
+            return None
+        return self._answer(turns)
+
+    def _answer(self, turns: Sequence[tuple[Example, Messages]]) -> list[Observation]:
+        """Each turn's observation, the tool calls of all the turns run by one ``ToolRunner.run_all``."""
+        planned = [self._calls(example, messages) for example, messages in turns]
+        replies = iter(self.runner.run_all([call for calls in planned for call in calls or []], self.tools))
+        observations = []
+        for calls in planned:
+            if calls is None:
+                observations.append(Observation([], done=True))
+                continue
+            messages, failures = [], 0
+            for call in calls:
+                text, failed = next(replies)
+                failures += failed
+                messages.append({"role": "tool", "name": call.name or "", "content": text})
+            observations.append(Observation(messages, tool_calls=len(messages), tool_failures=failures))
+        return observations
+
+    def _calls(self, example: Example, messages: Messages) -> list | None:
+        """The calls of the conversation's last turn to run (at most ``max_calls_per_turn``); None: the episode ends
+        (the turn calls no tool, or it is the last allowed turn)."""
         opening = self.start(example)  # a few-shot prompt's own assistant messages are not the model's turns
         turns = sum(m["role"] == "assistant" for m in messages[len(opening) :])
         calls = parse_tool_calls(messages[-1]["content"])
         if not calls or turns >= self.max_turns:
-            return Observation([], done=True)
-        replies, failures = [], 0
-        for call in calls[: self.max_calls_per_turn]:
-            text, failed = self.runner.run(call, self.tools)
-            failures += failed
-            replies.append({"role": "tool", "name": call.name or "", "content": text})
-        return Observation(replies, tool_calls=len(replies), tool_failures=failures)
+            return None
+        return calls[: self.max_calls_per_turn]

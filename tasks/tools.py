@@ -140,13 +140,37 @@ _CAPTURE = _Capture()
 
 
 class ToolRunner:
-    """Runs one ``ToolCall`` with a ``timeout`` (seconds), in a thread or, with ``workers``, in one of that many
-    worker processes (killed at the timeout); returns (text, failed)."""
+    """Runs ``ToolCall``s with a ``timeout`` (seconds), in a thread or, with ``workers``, in one of that many
+    worker processes (killed at the timeout); each call's reply is (text, failed)."""
 
     def __init__(self, timeout: float = 5.0, max_output_chars: int = 2000, workers: int = 0) -> None:
         self.timeout, self.max_output_chars, self.workers = timeout, max_output_chars, workers
 
     def run(self, call: ToolCall, tools: dict[str, Callable[..., Any]]) -> tuple[str, bool]:
+        """One call's (text, failed)."""
+        (reply,) = self.run_all([call], tools)
+        return reply
+
+    def run_all(self, calls: list[ToolCall], tools: dict[str, Callable[..., Any]]) -> list[tuple[str, bool]]:
+        """Each call's (text, failed), in order. With ``workers`` the calls go to the worker pool together, so that
+        many run at once, each with its own timeout and failure; in threads they run one after another."""
+        replies: list[tuple[str, bool] | None] = [self._refusal(call, tools) for call in calls]
+        runnable = [i for i, reply in enumerate(replies) if reply is None]
+        if self.workers and runnable:
+            from tasks.pool import get_pool
+
+            jobs = [(tools[calls[i].name], calls[i].arguments) for i in runnable]
+            for i, outcome in zip(runnable, get_pool(self.workers).run(_call_tool, jobs, self.timeout)):
+                hung = not outcome.ok and outcome.error.startswith("timeout")
+                result = outcome.value if outcome.ok else ({} if hung else {"error": outcome.error}, "")
+                replies[i] = self._reply(calls[i].name, hung, *result)
+        else:
+            for i in runnable:
+                replies[i] = self._in_thread(calls[i], tools[calls[i].name])
+        return replies  # type: ignore[return-value]
+
+    def _refusal(self, call: ToolCall, tools: dict[str, Callable[..., Any]]) -> tuple[str, bool] | None:
+        """The error reply of a call that cannot run (malformed, an unknown tool, wrong arguments), else None."""
         if call.error is not None:
             return f"Error: {call.error}", True
         function = tools.get(call.name)
@@ -156,14 +180,10 @@ class ToolRunner:
             inspect.signature(function).bind(**call.arguments)
         except TypeError as err:
             return f"Error: wrong arguments for {call.name}: {err}", True
-        if self.workers:
-            from tasks.pool import get_pool
+        return None
 
-            (outcome,) = get_pool(self.workers).run(_call_tool, [(function, call.arguments)], self.timeout)
-            if outcome.ok:
-                return self._reply(call.name, False, *outcome.value)
-            hung = outcome.error.startswith("timeout")
-            return self._reply(call.name, hung, {} if hung else {"error": outcome.error}, "")
+    def _in_thread(self, call: ToolCall, function: Callable[..., Any]) -> tuple[str, bool]:
+        """The call in a thread, joined for at most ``timeout`` seconds, what it prints caught."""
         result: dict[str, Any] = {}
         printed = io.StringIO()
 

@@ -175,6 +175,12 @@ def test_an_environment_that_answers_wrongly_fails_the_step_naming_it(answer, pr
         episodes(PREFIX, wrong)
 
 
+def test_an_environment_that_answers_a_round_with_too_few_observations_fails_the_step_naming_it():
+    short = type("Short", (Reply,), {"steps": lambda self, turns: turns[1:]})()  # answers a round together, wrongly
+    with pytest.raises(EpisodeError, match=r"environment Short returned \d+ observations from steps\(\) for \d+ turns"):
+        episodes(PREFIX, short)
+
+
 def test_a_template_unusable_for_multi_turn_is_refused():
     loop = "{% for m in messages %}"
     refuse = "{% if m['role'] == 'tool' %}{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"

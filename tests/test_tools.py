@@ -150,6 +150,44 @@ def test_tool_workers_serve_calls_from_several_threads_at_once():
     assert replies == [str(a * b) for a, b in calls] and get_pool(3).restarts == restarts
 
 
+def naps(x: int) -> str:
+    """Wait 0.2 s (a tool that waits on a server), then answer."""
+    time.sleep(0.2)
+    return str(2 * x)
+
+
+def test_tool_workers_run_a_round_s_calls_together_with_the_serial_answers():
+    """The episode loop's round of 8 episodes: with ``tool_workers`` and ``concurrent_steps`` each call was a
+    ``pool.run`` of its own, the step threads taking turns on the pool (1.6 s for 8 calls of 0.2 s on 4 workers, no
+    speed-up). The round's calls go to the pool together now (0.4 s), every episode answered as one by one; a call
+    that raises, hangs or cannot run is counted as before, and the others' answers are kept."""
+    from types import SimpleNamespace
+
+    from sgrpo.rollout.episodes import _steps
+
+    env = ToolEnvironment([naps, raises, hangs, exits], tool_timeout=0.5, tool_workers=4, concurrent_steps=8)
+
+    def round_(texts: list[str]) -> list:
+        return [SimpleNamespace(example=EXAMPLE, messages=[*env.start(EXAMPLE), {"role": "assistant", "content": t}])
+                for t in texts]  # fmt: skip
+
+    one_by_one = lambda texts: [env.step(t.example, t.messages) for t in round_(texts)]  # noqa: E731
+    naps_round = [call("naps", x=i) for i in range(8)]
+    one_by_one(naps_round[:1])  # the pool started
+    started = time.perf_counter()
+    together = _steps(env, round_(naps_round))
+    assert time.perf_counter() - started < 0.6 * 8 * 0.2
+    assert together == one_by_one(naps_round) and [o.messages[0]["content"] for o in together] == [
+        str(2 * i) for i in range(8)]  # fmt: skip
+    mixed = [call("naps", x=1) + call("raises", x=1), "no call", call("hangs") + call("naps", x=2),
+             call("exits") + call("nope"), call("naps", x=3)]  # fmt: skip
+    together = _steps(env, round_(mixed))
+    assert together == one_by_one(mixed)
+    assert [(o.tool_calls, o.tool_failures, o.done) for o in together] == [(2, 1, False), (0, 0, True), (2, 1, False),
+                                                                           (2, 2, False), (1, 0, False)]  # fmt: skip
+    assert [m["content"][:32] for m in together[2].messages] == ["Error: tool hangs did not return", "4"]
+
+
 def test_failures_are_counted_beside_successes(env):
     obs = step(env, call("multiply", a=2, b=2) + call("number") + call("raises", x=0))
     assert (obs.tool_calls, obs.tool_failures) == (3, 2)

@@ -235,9 +235,17 @@ def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos:
 
 
 def _steps(environment, trajectories: list[_Trajectory]) -> list:
-    """``environment.step`` of each trajectory's last turn, in order: ``concurrent_steps`` at once in threads where the
-    environment allows it (its steps wait on tools), else one after another."""
+    """``environment.step`` of each trajectory's last turn, in order: all of them in one ``environment.steps`` where the
+    environment answers a round together (``ToolEnvironment``'s worker pool), else ``concurrent_steps`` at once in
+    threads where the environment allows it (its steps wait on tools), else one after another."""
     calls = [(t.example, [dict(m) for m in t.messages]) for t in trajectories]
+    together = _call(environment, "steps", calls) if hasattr(environment, "steps") else None
+    if together is not None:
+        if len(together) != len(calls):
+            name = getattr(environment, "name", type(environment).__name__)
+            raise EpisodeError(f"environment {name} returned {len(together)} observations from steps() for "
+                               f"{len(calls)} turns: return one per turn, in order")  # fmt: skip
+        return list(together)
     workers = min(int(getattr(environment, "concurrent_steps", 1)), len(calls))
     if workers <= 1:
         return [_call(environment, "step", *call) for call in calls]
