@@ -135,12 +135,14 @@ RESUME_TO_EXPORT = "the checkpoints are whole: resume with --ckpt_path last to e
 
 @contextmanager
 def staged_export(path: Path, leader: bool = True, others: Callable[[int, str], None] | None = None,
-                  again: str = RESUME_TO_EXPORT) -> Iterator[Path]:  # fmt: skip
+                  again: str = RESUME_TO_EXPORT, in_place: bool = False) -> Iterator[Path]:  # fmt: skip
     """Where to write an export that lands at ``path`` whole or not at all: a hidden folder beside it
     (``.NAME.partial``), swapped in once complete (``replace_folder``). A SIGTERM or Ctrl-C meanwhile (from the main
     thread) stops the write, says so and how to export ``again``, tells the other processes (``others(signum, name)``)
-    and raises ``ExportInterrupted``; ``path`` is left as it was (as it is when the write fails)."""
-    staged = hidden_name(path, PARTIAL)
+    and raises ``ExportInterrupted``; ``path`` is left as it was (as it is when the write fails). ``in_place``: one
+    process writes into ``path`` itself, an existing empty folder (a mount point, the current folder, one whose
+    parent it cannot write to: none can be swapped), emptied again if the write fails."""
+    staged = path if in_place else hidden_name(path, PARTIAL)
     previous: dict[int, Any] = {}
 
     def interrupted(signum: int, frame) -> None:
@@ -153,14 +155,17 @@ def staged_export(path: Path, leader: bool = True, others: Callable[[int, str], 
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if leader:
+        if leader and not in_place:
             remove_path(staged)  # a cut export's
             path.parent.mkdir(parents=True, exist_ok=True)
         yield staged
-        if leader:
+        if leader and not in_place:
             replace_folder(staged, path)
     except BaseException:
-        if leader:
+        if leader and in_place:
+            for child in list(staged.iterdir()):
+                remove_path(child)
+        elif leader:
             remove_path(staged)
         raise
     finally:
@@ -315,7 +320,8 @@ def export_checkpoint(path: Path, out: Path, merged: bool = False, base: str | N
         raise CheckpointError("--merged applies to LoRA checkpoints; this one holds the whole model")
     model, tokenizer, peft = load_policy(weights, record)
     again = f"run {export_command(path, out, merged, base)} to export again"
-    with staged_export(out.resolve(), again=again) as staged:  # resolved: "." has no name to stage beside
+    # a new OUT is staged beside it (resolved: "." has no name); an existing empty one written in place
+    with staged_export(out.resolve(), again=again, in_place=out.exists()) as staged:
         save_policy(model, tokenizer, staged, peft, str(resolve_model_path(record["base"])), merged)
     return out
 

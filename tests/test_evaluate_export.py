@@ -209,6 +209,10 @@ def test_export_of_a_checkpoint_is_the_model_the_fit_exported(run, tmp_path, cap
                                atol=0, rtol=0)  # fmt: skip
     assert not torch.equal(logits(got), logits(AutoModelForCausalLM.from_pretrained(SHIPPED)))  # trained
     assert AutoTokenizer.from_pretrained(tmp_path / "out")("s:31=")["input_ids"]
+    (tmp_path / "empty").mkdir()  # an existing empty folder (a mount point cannot be swapped): written in place
+    inode = (tmp_path / "empty").stat().st_ino
+    export([str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "empty")])
+    assert (tmp_path / "empty").stat().st_ino == inode and (tmp_path / "empty" / "config.json").is_file()
 
 
 def test_export_of_a_lora_checkpoint_writes_the_adapter_and_the_merged_model(lora_run, tmp_path):
@@ -284,12 +288,14 @@ def test_export_refuses_in_one_line(case, run, tmp_path, capsys):
     assert case in ("out_not_empty", "out_is_file") or not out.exists()
 
 
+@pytest.mark.parametrize("existing", [False, True])
 @pytest.mark.parametrize("case", ["disk_full", "ctrl_c"])
 def test_an_export_cut_midway_leaves_no_model_at_out_and_names_the_command_to_rerun(
-    case, run, tmp_path, monkeypatch, capsys
+    case, existing, run, tmp_path, monkeypatch, capsys
 ):
     """The weights fail to write (a full disk) or a Ctrl-C arrives once config.json is written: OUT is not made (the
-    write went to a hidden folder beside it, removed), and the one line names the command to run again."""
+    write went to a hidden folder beside it, removed), or an existing empty OUT (a mount point, say: it cannot be
+    swapped) is written in place and emptied again; the one line names the command to run again."""
     from transformers import PreTrainedModel
 
     def cut(self, path, **kwargs):
@@ -300,10 +306,13 @@ def test_an_export_cut_midway_leaves_no_model_at_out_and_names_the_command_to_re
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", cut)
     ckpt, out = run / "checkpoints" / "last.ckpt", tmp_path / "out"
+    if existing:
+        out.mkdir()
     with pytest.raises((SystemExit, KeyboardInterrupt)) as cut_short:  # a KeyboardInterrupt: no handler of its own
         export([str(ckpt), str(out)])
     assert isinstance(cut_short.value, SystemExit) and cut_short.value.code == {"disk_full": 1, "ctrl_c": 130}[case]
-    assert not out.exists() and list(tmp_path.iterdir()) == []  # nor the hidden folder it wrote into
+    assert list(tmp_path.iterdir()) == ([out] if existing else [])  # nor the hidden folder it wrote into
+    assert not existing or list(out.iterdir()) == []
     line = error_line(capsys) if case == "disk_full" else capsys.readouterr().err.strip()
     assert f"python -m sgrpo.export {ckpt} {out}" in line and "ckpt_path" not in line, line
     assert {"disk_full": "No space left on device", "ctrl_c": "Ctrl-C during the export"}[case] in line
