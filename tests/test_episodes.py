@@ -179,6 +179,8 @@ def test_an_environment_that_answers_a_round_with_too_few_observations_fails_the
     short = type("Short", (Reply,), {"steps": lambda self, turns: turns[1:]})()  # answers a round together, wrongly
     with pytest.raises(EpisodeError, match=r"environment Short returned \d+ observations from steps\(\) for \d+ turns"):
         episodes(PREFIX, short)
+    counted = type("Counted", (Reply,), {"steps": 3})()  # an attribute of its own named steps, not a method
+    assert len(episodes(PREFIX, counted)) == len(episodes(PREFIX, Reply()))
 
 
 def test_a_template_unusable_for_multi_turn_is_refused():

@@ -239,7 +239,7 @@ def _steps(environment, trajectories: list[_Trajectory]) -> list:
     environment answers a round together (``ToolEnvironment``'s worker pool), else ``concurrent_steps`` at once in
     threads where the environment allows it (its steps wait on tools), else one after another."""
     calls = [(t.example, [dict(m) for m in t.messages]) for t in trajectories]
-    together = _call(environment, "steps", calls) if hasattr(environment, "steps") else None
+    together = _call(environment, "steps", calls) if callable(getattr(environment, "steps", None)) else None
     if together is not None:
         if len(together) != len(calls):
             name = getattr(environment, "name", type(environment).__name__)
