@@ -107,8 +107,9 @@ class WorkerPool:
     as hung: it fails, with every other call running then that is still unfinished once it has run ``timeout``
     seconds (k calls hanging together cost about one timeout per ``workers`` of them, not k), the pool is
     terminated (killing the stuck workers), restarted, and the calls still pending are submitted again. A worker
-    that dies (a non-zero exit code) fails the first call still waiting, in order (the one it ran when there is
-    one worker), and the pool is restarted likewise. The pool is created on first use and re-created in a forked
+    that dies (a non-zero exit code) fails the call it was running (as announced on the start queue; the first
+    call still waiting where none was announced), and the pool is restarted likewise: the calls the other workers
+    ran then are not blamed, and run again. The pool is created on first use and re-created in a forked
     child process.
     """
 
@@ -123,6 +124,7 @@ class WorkerPool:
         self._started = None  # the queue on which the workers announce each call's start
         self._round = 0  # submissions so far
         self._starts: dict[int, float] = {}  # this round's calls' start times, by index (read from the queue)
+        self._running: dict[int, int] = {}  # this round's call each worker (by pid) started last, by index
         self._lock = threading.Lock()  # one run at a time
 
     def _get(self) -> multiprocessing.pool.Pool:
@@ -153,7 +155,7 @@ class WorkerPool:
         pending = list(range(len(calls)))
         while pending:
             pool = self._get()
-            self._round, self._starts = self._round + 1, {}  # announcements name their round: older ones are ignored
+            self._round, self._starts, self._running = self._round + 1, {}, {}  # older rounds' announcements: ignored
             futures = {i: pool.apply_async(_guarded, ((self._round, i), fn, *calls[i])) for i in pending}
             failed = self._collect(futures, pending, outcomes, timeout)
             if failed is None:
@@ -179,9 +181,11 @@ class WorkerPool:
             self._read_starts()
             while not futures[i].ready():
                 self._read_starts()
-                code = self._dead_worker()
-                if code is not None:
-                    return [i], f"worker process died (exit code {code})"
+                dead = self._dead_worker()
+                if dead is not None:  # the call that worker ran, else the one waited for
+                    ran = self._running.get(dead.pid)
+                    blamed = ran if ran in pending and outcomes[ran] is None and not futures[ran].ready() else i
+                    return [blamed], f"worker process died (exit code {dead.exitcode})"
                 if time.monotonic() >= deadline:
                     return [i, *self._overdue(futures, pending, outcomes, timeout, i)], f"timeout after {timeout:g} s"
                 futures[i].wait(POLL_S)
@@ -208,19 +212,16 @@ class WorkerPool:
         queue's pipe holds about 1,800 of them, and a worker whose announcement did not fit blocked before its call
         (which then timed out)."""
         while self._started is not None and not self._started.empty():
-            (round_, index), at = self._started.get()
+            (round_, index), pid, at = self._started.get()
             if round_ == self._round:  # not a call of an earlier run (the pool serves every run of the process)
-                self._starts[index] = at
+                self._starts[index], self._running[pid] = at, index
 
-    def _dead_worker(self) -> int | None:
-        """The exit code of a worker that died (non-zero; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``, which
-        is forgotten: each one kept held its pipe's two file descriptors open until ``close``)."""
+    def _dead_worker(self):
+        """A worker process that died (a non-zero exit code; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``,
+        which is forgotten: each one kept held its pipe's two file descriptors open until ``close``), else None."""
         self._workers.update(getattr(self._pool, "_pool", []))  # the pool drops exited workers within 0.1 s
         self._workers = {worker for worker in self._workers if worker.exitcode != 0}
-        for worker in self._workers:
-            if worker.exitcode not in (None, 0):
-                return worker.exitcode
-        return None
+        return next((worker for worker in self._workers if worker.exitcode not in (None, 0)), None)
 
 
 def _outcome(future: multiprocessing.pool.AsyncResult, timeout: float) -> Outcome:
@@ -233,10 +234,11 @@ def _outcome(future: multiprocessing.pool.AsyncResult, timeout: float) -> Outcom
 
 
 def _guarded(call: tuple[int, int], fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a worker, its start announced first (``call``: the round and the call's index), where
+    """``fn(*args)`` in a worker, its start announced first (``call``: the round and the call's index; the worker's
+    pid), where
     ``sys.exit`` (which the pool would let end the worker, losing the call) is an error like any other."""
     if _STARTED is not None:
-        _STARTED.put((call, time.monotonic()))
+        _STARTED.put((call, os.getpid(), time.monotonic()))
     try:
         return fn(*args)
     except SystemExit as err:

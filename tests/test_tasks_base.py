@@ -1,6 +1,7 @@
 """Reward / Task interfaces: failures scored 0 and counted, scales, weighted sums, splits."""
 
 import math
+import os
 import signal
 import threading
 import time
@@ -78,6 +79,35 @@ def test_calls_hanging_together_cost_one_timeout_not_one_each():
         assert [o.ok for o in outcomes] == [False] * 4 + [True]
         assert all("timeout after 0.5 s" in o.error for o in outcomes[:4])
         assert pool.restarts == 1 and time.perf_counter() - start < 1.9
+    finally:
+        pool.close()
+
+
+def _nap_or_die(seconds: float, die: bool, runs: str) -> float:
+    """Sleep ``seconds``, or (``die``) note the run in the file ``runs`` and kill this worker (a segfault, the OOM
+    killer)."""
+    if die:
+        with open(runs, "a") as f:
+            f.write("run\n")
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_worker_that_dies_fails_the_call_it_ran_not_the_others_running_then(tmp_path):
+    """8 calls on 4 workers, the last killing its worker: the pool blamed the first call still waiting, so the
+    calls the other workers ran then failed as "worker process died" (a tool failure in another episode) and the
+    killing call was submitted again after each restart (it ran 4 times). The call the dead worker announced is
+    the one that fails, once."""
+    runs = tmp_path / "runs"
+    pool = WorkerPool(4)
+    try:
+        pool.run(time.sleep, [(0.0,)] * 4, timeout=10.0)  # warm: the workers up
+        outcomes = pool.run(_nap_or_die, [(0.3, False, str(runs))] * 7 + [(0.0, True, str(runs))], timeout=10.0)
+        assert [o.ok for o in outcomes] == [True] * 7 + [False] and outcomes[7].error.startswith("worker process died")
+        assert [o.value for o in outcomes[:7]] == [0.3] * 7
+        assert runs.read_text().count("run") == 1 and pool.restarts == 1
     finally:
         pool.close()
 
