@@ -160,37 +160,55 @@ class WorkerPool:
             failed = self._collect(futures, pending, outcomes, timeout)
             if failed is None:
                 break
-            hung, error = failed
             for i in pending:  # results that arrived before the restart are kept
                 if outcomes[i] is None and futures[i].ready():
                     outcomes[i] = _outcome(futures[i], 0)
-            for i in hung:
+            for i, error in failed.items():
                 outcomes[i] = Outcome(False, error=error)
             self.restarts += 1
+            hung, errors = sorted(failed), "; ".join(sorted(set(failed.values())))
             calls_failed = f"call {hung[0]}" if len(hung) == 1 else f"{len(hung)} calls ({', '.join(map(str, hung))})"
-            log.warning("worker pool: %s failed: %s; restarting the worker pool", calls_failed, error)
+            log.warning("worker pool: %s failed: %s; restarting the worker pool", calls_failed, errors)
             self.close()
             pending = [i for i in pending if outcomes[i] is None]
         return outcomes  # type: ignore[return-value]
 
-    def _collect(self, futures: dict, pending: list[int], outcomes: list, timeout: float):
-        """Fill ``outcomes`` in order; return the calls that failed and why (``None``: none did): the first one whose
-        worker died, or the first one that timed out with every unfinished call that has run ``timeout`` seconds."""
+    def _collect(self, futures: dict, pending: list[int], outcomes: list, timeout: float) -> dict[int, str] | None:
+        """Fill ``outcomes`` in order; return the calls that failed, with why (``None``: none did): the calls that
+        workers which died were running, or the first one that timed out with every unfinished call that has run
+        ``timeout`` seconds (and the calls of workers that died meanwhile)."""
         for i in pending:
             deadline = time.monotonic() + timeout
             self._read_starts()
             while not futures[i].ready():
                 self._read_starts()
-                dead = self._dead_worker()
-                if dead is not None:  # the call that worker ran, else the one waited for
-                    ran = self._running.get(dead.pid)
-                    blamed = ran if ran in pending and outcomes[ran] is None and not futures[ran].ready() else i
-                    return [blamed], f"worker process died (exit code {dead.exitcode})"
+                died = self._died(futures, pending, outcomes, i)
+                if died is not None:
+                    return died
                 if time.monotonic() >= deadline:
-                    return [i, *self._overdue(futures, pending, outcomes, timeout, i)], f"timeout after {timeout:g} s"
+                    hung = [i, *self._overdue(futures, pending, outcomes, timeout, i)]
+                    return (self._died(futures, pending, outcomes) or {}) | dict.fromkeys(
+                        hung, f"timeout after {timeout:g} s")  # fmt: skip
                 futures[i].wait(POLL_S)
             outcomes[i] = _outcome(futures[i], 0)
         return None
+
+    def _died(self, futures: dict, pending: list[int], outcomes: list, waited: int | None = None):
+        """None while no worker has died; else the unfinished calls the dead workers announced, each failed with its
+        worker's exit code (the announcements read again: a worker may die right after its own), or, where none
+        did, ``waited`` (the call waited for, when given)."""
+        dead = self._dead_workers()
+        if not dead:
+            return None
+        self._read_starts()
+        blamed = {}
+        for worker in dead:
+            ran = self._running.get(worker.pid)
+            if ran in pending and outcomes[ran] is None and not futures[ran].ready():
+                blamed[ran] = f"worker process died (exit code {worker.exitcode})"
+        if not blamed and waited is not None:
+            blamed[waited] = f"worker process died (exit code {dead[0].exitcode})"
+        return blamed
 
     def _overdue(self, futures: dict, pending: list[int], outcomes: list, timeout: float, first: int) -> list[int]:
         """The calls other than ``first`` (which timed out) that hang too: each unfinished call that had started by
@@ -201,7 +219,7 @@ class WorkerPool:
         running = [i for i in pending if i != first and outcomes[i] is None and i in started]
         end = max((started[i] + timeout for i in running), default=0.0)
         while time.monotonic() < end and not all(futures[i].ready() for i in running):
-            if self._dead_worker() is not None:  # the restart kills them anyway: they run again after it
+            if self._dead_workers():  # the restart kills them anyway: they run again after it
                 break
             time.sleep(POLL_S)
         now = time.monotonic()
@@ -216,12 +234,12 @@ class WorkerPool:
             if round_ == self._round:  # not a call of an earlier run (the pool serves every run of the process)
                 self._starts[index], self._running[pid] = at, index
 
-    def _dead_worker(self):
-        """A worker process that died (a non-zero exit code; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``,
-        which is forgotten: each one kept held its pipe's two file descriptors open until ``close``), else None."""
+    def _dead_workers(self) -> list:
+        """The worker processes that died (a non-zero exit code; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``,
+        which is forgotten: each one kept held its pipe's two file descriptors open until ``close``)."""
         self._workers.update(getattr(self._pool, "_pool", []))  # the pool drops exited workers within 0.1 s
         self._workers = {worker for worker in self._workers if worker.exitcode != 0}
-        return next((worker for worker in self._workers if worker.exitcode not in (None, 0)), None)
+        return [worker for worker in self._workers if worker.exitcode not in (None, 0)]
 
 
 def _outcome(future: multiprocessing.pool.AsyncResult, timeout: float) -> Outcome:

@@ -84,14 +84,13 @@ def test_calls_hanging_together_cost_one_timeout_not_one_each():
 
 
 def _nap_or_die(seconds: float, die: bool, runs: str) -> float:
-    """Sleep ``seconds``, or (``die``) note the run in the file ``runs`` and kill this worker (a segfault, the OOM
+    """Sleep ``seconds``, then (``die``) note the run in the file ``runs`` and kill this worker (a segfault, the OOM
     killer)."""
+    time.sleep(seconds)
     if die:
         with open(runs, "a") as f:
             f.write("run\n")
-        time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(seconds)
     return seconds
 
 
@@ -104,9 +103,19 @@ def test_a_worker_that_dies_fails_the_call_it_ran_not_the_others_running_then(tm
     pool = WorkerPool(4)
     try:
         pool.run(time.sleep, [(0.0,)] * 4, timeout=10.0)  # warm: the workers up
-        outcomes = pool.run(_nap_or_die, [(0.3, False, str(runs))] * 7 + [(0.0, True, str(runs))], timeout=10.0)
+        outcomes = pool.run(_nap_or_die, [(0.3, False, str(runs))] * 7 + [(0.1, True, str(runs))], timeout=10.0)
         assert [o.ok for o in outcomes] == [True] * 7 + [False] and outcomes[7].error.startswith("worker process died")
         assert [o.value for o in outcomes[:7]] == [0.3] * 7
+        assert runs.read_text().count("run") == 1 and pool.restarts == 1
+    finally:
+        pool.close()
+    # on 2 workers, one dies while the pool waits out a timed-out call's neighbour: its call fails too, once
+    runs.unlink()
+    pool = WorkerPool(2)
+    try:
+        outcomes = pool.run(_nap_or_die, [(100.0, False, ""), (0.6, False, ""), (0.6, True, str(runs))], timeout=1.0)
+        assert [(o.ok, o.error[:19]) for o in outcomes] == [
+            (False, "timeout after 1 s"), (True, ""), (False, "worker process died")]  # fmt: skip
         assert runs.read_text().count("run") == 1 and pool.restarts == 1
     finally:
         pool.close()
