@@ -162,6 +162,8 @@ def staged_export(path: Path, leader: bool = True, others: Callable[[int, str], 
         if leader and not in_place:
             replace_folder(staged, path)
     except BaseException:
+        for signum in previous:  # a second Ctrl-C / SIGTERM must not cut the clean-up short (the handlers come back)
+            signal.signal(signum, signal.SIG_IGN)
         if leader and in_place:
             for child in list(staged.iterdir()):
                 remove_path(child)

@@ -318,6 +318,32 @@ def test_an_export_cut_midway_leaves_no_model_at_out_and_names_the_command_to_re
     assert {"disk_full": "No space left on device", "ctrl_c": "Ctrl-C during the export"}[case] in line
 
 
+def test_a_second_ctrl_c_does_not_cut_the_emptying_of_an_existing_out_short(tmp_path, monkeypatch):
+    """A Ctrl-C between files of an export into an existing empty OUT empties it again; a second one during that
+    emptying (or a scheduler's repeated SIGTERM) was raised from inside it, leaving part of the export in OUT (and
+    the rerun the message names refused as "not empty")."""
+    import os
+
+    import sgrpo.export as module
+
+    out, removed, remove = tmp_path / "out", [], module.remove_path
+    out.mkdir()
+
+    def remove_path(path):
+        removed.append(path)
+        if len(removed) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, while the first is cleaned up
+        remove(path)
+
+    monkeypatch.setattr(module, "remove_path", remove_path)
+    with pytest.raises(module.ExportInterrupted), module.staged_export(out, again="", in_place=True) as staged:
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (staged / name).write_text("x")
+        os.kill(os.getpid(), signal.SIGINT)  # the first
+    assert list(out.iterdir()) == [] and len(removed) == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
+
+
 def test_validate_a_lora_checkpoint_as_its_merged_export(lora_run):
     """A LoRA checkpoint holds only the adapters: evaluated with the run's config (its peft block) on the base
     model folder, it scores as the merged model its fit exported."""
