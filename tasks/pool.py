@@ -86,6 +86,16 @@ def _terminate(pool: multiprocessing.pool.Pool, grace: float = 1.0, deadline: fl
     ``maxtasksperchild`` tasks) never gets the signal, and the join waits for it forever (seen: a reward worker
     that died, replaced while the pool was terminated). Here the terminate runs in a thread; a worker still alive
     ``grace`` seconds later is killed, and after ``deadline`` seconds the pool is left to the daemon thread."""
+    workers = [worker for worker in getattr(pool, "_pool", ()) if worker.is_alive()]  # CPython's attributes
+    inqueue = getattr(pool, "_inqueue", None)
+    if workers and hasattr(inqueue, "_rlock") and hasattr(pool, "_ctx"):
+        # an idle worker killed (the OOM killer) died holding the task queue's read lock, and terminate() waited
+        # for that lock forever: the workers go first (terminate kills them anyway), then the lock is a fresh one
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join(grace)
+        inqueue._rlock = pool._ctx.Lock()
     ender = threading.Thread(target=pool.terminate, name="sgrpo-pool-terminate", daemon=True)
     ender.start()
     started = time.monotonic()
@@ -108,8 +118,8 @@ class WorkerPool:
     seconds (k calls hanging together cost about one timeout per ``workers`` of them, not k), the pool is
     terminated (killing the stuck workers), restarted, and the calls still pending are submitted again. A worker
     that dies (a non-zero exit code) fails the call it was running (as announced on the start queue; the first
-    call still waiting where none was announced), and the pool is restarted likewise: the calls the other workers
-    ran then are not blamed, and run again. The pool is created on first use and re-created in a forked
+    call still waiting where none was announced twice in a run: a worker killed idle costs a restart, not a call),
+    and the pool is restarted likewise: the calls the other workers ran then are not blamed, and run again. The pool is created on first use and re-created in a forked
     child process.
     """
 
@@ -125,6 +135,7 @@ class WorkerPool:
         self._round = 0  # submissions so far
         self._starts: dict[int, float] = {}  # this round's calls' start times, by index (read from the queue)
         self._running: dict[int, int] = {}  # this round's call each worker (by pid) started last, by index
+        self._unexplained = 0
         self._lock = threading.Lock()  # one run at a time
 
     def _get(self) -> multiprocessing.pool.Pool:
@@ -153,6 +164,7 @@ class WorkerPool:
     def _run(self, fn: Callable[..., Any], calls: Sequence[tuple], timeout: float) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(calls)
         pending = list(range(len(calls)))
+        self._unexplained = 0  # deaths in this run with no call announced: an idle worker killed, a failed start
         while pending:
             pool = self._get()
             self._round, self._starts, self._running = self._round + 1, {}, {}  # older rounds' announcements: ignored
@@ -168,7 +180,10 @@ class WorkerPool:
             self.restarts += 1
             hung, errors = sorted(failed), "; ".join(sorted(set(failed.values())))
             calls_failed = f"call {hung[0]}" if len(hung) == 1 else f"{len(hung)} calls ({', '.join(map(str, hung))})"
-            log.warning("worker pool: %s failed: %s; restarting the worker pool", calls_failed, errors)
+            if failed:
+                log.warning("worker pool: %s failed: %s; restarting the worker pool", calls_failed, errors)
+            else:
+                log.warning("worker pool: a worker process died running no call; restarting the worker pool")
             self.close()
             pending = [i for i in pending if outcomes[i] is None]
         return outcomes  # type: ignore[return-value]
@@ -206,8 +221,10 @@ class WorkerPool:
             ran = self._running.get(worker.pid)
             if ran in pending and outcomes[ran] is None and not futures[ran].ready():
                 blamed[ran] = f"worker process died (exit code {worker.exitcode})"
-        if not blamed and waited is not None:
-            blamed[waited] = f"worker process died (exit code {dead[0].exitcode})"
+        if not blamed and waited is not None:  # none announced: a restart first, then (again) the call waited for
+            self._unexplained += 1
+            if self._unexplained > 1:
+                blamed[waited] = f"worker process died (exit code {dead[0].exitcode})"
         return blamed
 
     def _overdue(self, futures: dict, pending: list[int], outcomes: list, timeout: float, first: int) -> list[int]:

@@ -121,6 +121,24 @@ def test_a_worker_that_dies_fails_the_call_it_ran_not_the_others_running_then(tm
         pool.close()
 
 
+def test_an_idle_worker_killed_costs_a_restart_not_a_call_nor_ten_seconds():
+    """The OOM killer may pick an idle worker (forked, it shows the trainer's pages): it died holding the task queue's
+    read lock, so the restart's terminate() waited for that lock 10 s (and left its thread stuck for good), and the
+    call waited for failed as "worker process died" though it never ran. Now: a restart, and every call runs."""
+    pool = WorkerPool(2)
+    try:
+        pool.run(time.sleep, [(0.05,)] * 2, timeout=10.0)
+        time.sleep(0.2)  # both idle, one of them in the task queue's get()
+        os.kill(pool._pool._pool[0].pid, signal.SIGKILL)
+        time.sleep(0.3)
+        start = time.perf_counter()
+        outcomes = pool.run(time.sleep, [(0.1,)] * 4, timeout=3.0)
+        assert all(o.ok for o in outcomes) and pool.restarts == 1 and time.perf_counter() - start < 5
+        assert not [t for t in threading.enumerate() if t.name == "sgrpo-pool-terminate"]
+    finally:
+        pool.close()
+
+
 def test_many_calls_in_one_run_need_no_restart():
     """Each call announces its start on a queue the pool reads all along: read only after a timeout, its pipe filled
     after about 1,800 calls, a worker then blocked before its call, and that call timed out (a restart, a reward
