@@ -119,8 +119,8 @@ class WorkerPool:
     terminated (killing the stuck workers), restarted, and the calls still pending are submitted again. A worker
     that dies (a non-zero exit code) fails the call it was running (as announced on the start queue; the first
     call still waiting where none was announced twice in a run: a worker killed idle costs a restart, not a call),
-    and the pool is restarted likewise: the calls the other workers ran then are not blamed, and run again. The pool is created on first use and re-created in a forked
-    child process.
+    and the pool is restarted likewise: the calls the other workers ran then are not blamed, and run again.
+    The pool is created on first use and re-created in a forked child process.
     """
 
     def __init__(self, workers: int) -> None:
