@@ -80,21 +80,18 @@ def _init_worker(started=None) -> None:
         torch.set_num_threads(1)
 
 
-def _terminate(pool: multiprocessing.pool.Pool, grace: float = 1.0, deadline: float = 10.0) -> None:
-    """``pool.terminate()``, which cannot hang. ``Pool.terminate`` signals its workers, then joins them; a worker
-    that the pool's handler thread forks in between (replacing a worker that died or retired after
-    ``maxtasksperchild`` tasks) never gets the signal, and the join waits for it forever (seen: a reward worker
-    that died, replaced while the pool was terminated). Here the terminate runs in a thread; a worker still alive
-    ``grace`` seconds later is killed, and after ``deadline`` seconds the pool is left to the daemon thread."""
-    workers = [worker for worker in getattr(pool, "_pool", ()) if worker.is_alive()]  # CPython's attributes
-    inqueue = getattr(pool, "_inqueue", None)
-    if workers and hasattr(inqueue, "_rlock") and hasattr(pool, "_ctx"):
-        # an idle worker killed (the OOM killer) died holding the task queue's read lock, and terminate() waited
-        # for that lock forever: the workers go first (terminate kills them anyway), then the lock is a fresh one
-        for worker in workers:
-            worker.kill()
-        for worker in workers:
-            worker.join(grace)
+def _terminate(pool: multiprocessing.pool.Pool, grace: float = 1.0, deadline: float = 10.0,
+               died: bool = False) -> None:  # fmt: skip
+    """``pool.terminate()``, which cannot hang (``died``: a worker of the pool died). ``Pool.terminate`` signals its
+    workers, then joins them; a worker that the pool's handler thread forks in between (replacing a worker that
+    died or retired after ``maxtasksperchild`` tasks) never gets the signal, and the join waits for it forever
+    (seen: a reward worker that died, replaced while the pool was terminated). Here the terminate runs in a
+    thread; a worker still alive ``grace`` seconds later is killed, and after ``deadline`` seconds the pool is left
+    to the daemon thread."""
+    inqueue = getattr(pool, "_inqueue", None)  # CPython's attributes
+    if died and hasattr(inqueue, "_rlock") and hasattr(pool, "_ctx"):
+        # an idle worker killed (the OOM killer) may have died holding the task queue's read lock, which terminate()
+        # takes to drain the queue: it waited for it forever. Its own lock for that (the workers are ended next)
         inqueue._rlock = pool._ctx.Lock()
     ender = threading.Thread(target=pool.terminate, name="sgrpo-pool-terminate", daemon=True)
     ender.start()
@@ -151,7 +148,7 @@ class WorkerPool:
     def close(self) -> None:
         """Kill the workers now (pending calls are dropped); the next ``run`` starts a fresh pool."""
         if self._pool is not None and self._pid == os.getpid():
-            _terminate(self._pool)
+            _terminate(self._pool, died=bool(self._dead_workers()))
         self._pool = None
         self._workers, self._started = set(), None
 
