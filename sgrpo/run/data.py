@@ -90,9 +90,17 @@ class StepBatches(IterableDataset):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.examples), generator=generator, device="cpu")
 
+    def _spans(self) -> bool:
+        """Whether a step can span two epochs and hold a prompt twice by the raw orders (B <= N, B not dividing N):
+        only then does an epoch's order depend on the one before."""
+        n, b = len(self.examples), self.prompts_per_step
+        return b <= n and n % b != 0
+
     def _perm(self, epoch: int) -> torch.Tensor:
-        """Epoch ``epoch``'s order (``_after`` each epoch before it, from epoch 0 or the last one kept; the last
-        two kept: a spanning step reads both)."""
+        """Epoch ``epoch``'s order (``_raw``, else ``_after`` each epoch before it, from epoch 0 or the last one
+        kept; the last two kept: a spanning step reads both)."""
+        if epoch not in self._perms and not self._spans():
+            self._perms = {e: o for e, o in self._perms.items() if e == epoch - 1} | {epoch: self._raw(epoch)}
         if epoch not in self._perms:
             start = max((e for e in self._perms if e < epoch), default=None)
             e, order = (start, self._perms[start]) if start is not None else (0, self._raw(0))
@@ -108,7 +116,7 @@ class StepBatches(IterableDataset):
         the two epochs with the prompts that step took from ``before``'s end moved past the step's part of it."""
         order, n, b = self._raw(epoch), len(self.examples), self.prompts_per_step
         head = -(epoch * n) % b  # the spanning step's positions in this epoch (0: no step spans the two)
-        if head == 0 or b > n:  # a step longer than an epoch holds some prompts twice whatever the order
+        if head == 0:
             return order
         taken = torch.zeros(n, dtype=torch.bool, device="cpu")
         taken[before[n - (b - head) :]] = True
@@ -157,8 +165,8 @@ class EpochStepBatches(StepBatches):
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    def _after(self, epoch: int, before: torch.Tensor) -> torch.Tensor:
-        return self._raw(epoch)  # no step spans two epochs
+    def _spans(self) -> bool:
+        return False  # an epoch's last step is completed by its own first prompts
 
     def indices(self, step: int) -> list[int]:
         epoch, within = divmod(step, self.steps_per_epoch)
