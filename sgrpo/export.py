@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from sgrpo.checks import exit_with_error
 from sgrpo.distributed import leave_process_group
-from sgrpo.model.loading import largest_magnitude, resolve_model_path
+from sgrpo.model.loading import largest_magnitude, load_causal_lm, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
 from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
 from sgrpo.run.faults import FAILING, announce, disk_fault, disk_words
@@ -271,11 +271,11 @@ def _from_run_config(path: Path) -> dict[str, Any] | None:
 
 def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
     """The base model with the checkpoint's weights (and LoRA adapters), and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     base = resolve_model_path(record["base"])
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, record["dtype"]))
+        model = load_causal_lm(base, getattr(torch, record["dtype"]))
         tokenizer = AutoTokenizer.from_pretrained(base)
     except (OSError, ValueError) as err:
         why = str(err).splitlines()[0] if str(err) else type(err).__name__

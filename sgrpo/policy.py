@@ -18,7 +18,7 @@ from sgrpo.export import PolicyExport
 from sgrpo.model.head import check_logit_head
 from sgrpo.model.lean_mlp import apply_lean_mlp
 from sgrpo.model.lean_norm import apply_lean_norm
-from sgrpo.model.loading import disable_dropout, resolve_model_path, shard_model
+from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path, shard_model
 from sgrpo.model.lora import LoRA, apply_lora, is_adapter
 from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_token
 from sgrpo.rollout.episodes import multi_turn_problem
@@ -267,7 +267,7 @@ class GRPOPolicy(
         return getattr(fn, "value", fn) in ("validate", "test")
 
     def _load_model(self, mesh, gather: torch.dtype | None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         dtype = getattr(torch, self.model_dtype)
         path = resolve_model_path(self.model_path)
@@ -278,7 +278,7 @@ class GRPOPolicy(
             problem = multi_turn_problem(self.tokenizer, self.environment, self.task.chat_template_kwargs)
             require(problem is None, f"model.environment: {self.environment.name} needs a multi-turn chat template, "
                     f"but {path}: {problem}; use a model whose chat template renders tool and user turns")  # fmt: skip
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        self.model = load_causal_lm(path, dtype)  # every CPU weight aligned: see own_weights
         if self.peft is not None:
             apply_lora(self.model, self.peft)  # only the adapters train
         if not self.keep_dropout:

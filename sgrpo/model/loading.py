@@ -65,6 +65,46 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+#: bytes a CPU weight's address is aligned to after ``load_causal_lm``: torch's own CPU allocations' alignment
+WEIGHT_ALIGNMENT = 64
+
+
+def load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with every CPU weight in memory of its own
+    (``own_weights``): what the trainer, the async producer and the export load."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    own_weights(model)
+    return model
+
+
+def own_weights(model: torch.nn.Module) -> int:
+    """Copy each CPU parameter and buffer whose address is not ``WEIGHT_ALIGNMENT``-aligned into memory of its own
+    (torch's allocator aligns it); returns how many moved. Tied parameters stay tied (one ``Parameter`` each).
+
+    transformers (5.x) maps a safetensors file and hands out its tensors without a copy, at the file's offsets:
+    8-byte aligned. The CPU BLAS computes a one-row product (a decode step with one row left, a one-row
+    micro-batch) in another order for such a weight than for an aligned copy, so the same weights gave other
+    sampling log-probs in a copy (the FSDP2 rollout's ``RolloutWeights``, the KL reference, the async producer's
+    model) than in the loaded model: the last bits of one token's log-prob, enough to break staleness 0's
+    bit-for-bit equality with the synchronous run on some CPUs (AMD EPYC). With every weight aligned the
+    products are the same wherever the weights live; unaligned weights also made large one-row products slower.
+    """
+    moved = 0
+    with torch.no_grad():
+        for param in model.parameters():  # deduplicated: a tied weight is one Parameter, moved once
+            if param.device.type == "cpu" and param.data_ptr() % WEIGHT_ALIGNMENT:
+                param.data = param.data.clone(memory_format=torch.contiguous_format)
+                moved += 1
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type == "cpu" and buffer.data_ptr() % WEIGHT_ALIGNMENT:
+                    module._buffers[key] = buffer.clone(memory_format=torch.contiguous_format)
+                    moved += 1
+    return moved
+
+
 def disable_dropout(model: torch.nn.Module) -> int:
     """Set every dropout probability of ``model`` to 0: ``nn.Dropout`` modules, attention-dropout rates that
     modules keep, and the rates of the configs they read in forward (Falcon's ``hidden_dropout`` and

@@ -283,16 +283,14 @@ def _sample_steps(spec: ProducerSpec, shared, version, lock, pushed, queues, ask
                   ready) -> None:  # fmt: skip
     """Sample each admitted step's groups under the newest weights and queue them; serve dynamic sampling's
     refill requests first, whenever they come."""
-    from transformers import AutoModelForCausalLM
-
-    from sgrpo.model.loading import disable_dropout, resolve_model_path
+    from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path
 
     blocks, refills = queues
     shared = weight_views(*shared)
     for out in queues:
         out.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
     torch.set_num_threads(spec.threads)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec.model_path), dtype=getattr(torch, spec.dtype))
+    model = load_causal_lm(resolve_model_path(spec.model_path), getattr(torch, spec.dtype))  # aligned as the trainer's
     disable_dropout(model)
     if spec.convert:  # as Lightning converts the trainer's (RoPE's inverse frequencies included)
         model.to(getattr(torch, spec.convert))
