@@ -79,3 +79,21 @@ def test_the_update_s_sums_and_counts_are_float32_under_bf16_true(monkeypatch):
     run_steps(policy, steps=1, precision="bf16-true")
     assert seen and all(dtype == torch.float32 for step in seen for dtype in step.values()), [
         {k: v for k, v in step.items() if v != torch.float32} for step in seen]
+
+
+def test_the_lm_heads_fused_float32_accumulation_is_found_whatever_the_default_dtype():
+    """The check whether addmm accumulates a bf16 product into a float32 tensor in place (``sgrpo.model.head``,
+    cached per process) first runs in the first backward, inside ``training_step``: with a bf16 default its
+    accumulator was bf16, the answer False, and every chunk of the head's weight gradient took the path that writes
+    a ``[V, H]`` float32 product and adds it (the meta device stands in for CUDA, which has the fused kernel)."""
+    from sgrpo.model.head import _fp32_accumulate
+
+    _fp32_accumulate.cache_clear()
+    try:
+        expected = _fp32_accumulate("meta", torch.bfloat16)
+        assert expected  # the meta device has addmm's out_dtype: the case at stake
+        _fp32_accumulate.cache_clear()
+        with default_dtype(torch.bfloat16):
+            assert _fp32_accumulate("meta", torch.bfloat16) == expected
+    finally:
+        _fp32_accumulate.cache_clear()

@@ -115,7 +115,8 @@ def _mm_fp32(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
 def _fp32_accumulate(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm`` adds the float32 product of ``dtype`` operands into a float32 tensor in place."""
     try:
-        acc, a = torch.zeros(2, 2, device=device_type), torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)  # not the default dtype: bf16 in bf16-true
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
         return torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc).dtype == torch.float32
     except (RuntimeError, TypeError, NotImplementedError):
         return False
