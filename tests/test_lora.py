@@ -160,6 +160,17 @@ def test_target_modules_that_are_not_linear_layers_or_match_nothing_are_refused_
     assert lora_problem(LoRA(rank=2, dropout=0.05), keep_dropout=True, model_path=str(SHIPPED)) is None
 
 
+def test_adapters_on_the_lm_head_are_refused_before_the_weights_load():
+    """The loss and the sampler compute log-probs from the head's weight (``sgrpo.model.head``): an adapter on it was
+    accepted and never trained (no gradient: B stayed 0), and under DDP its unused parameters would fail the step."""
+    from sgrpo.model.lora import lora_problem
+
+    head = lora_problem(LoRA(rank=2, target_modules=["q_proj", "lm_head"]), False, str(SHIPPED))
+    assert head.startswith("model.peft.target_modules=['q_proj', 'lm_head'] adapts the LM head (lm_head)"), head
+    assert "leave lm_head out" in head
+    assert lora_problem(LoRA(rank=2, target_modules="all-linear"), False, str(SHIPPED)) is None
+
+
 def test_a_checkpoint_is_evaluated_only_with_its_lora_settings():
     """``validate``/``test`` load adapters non-strictly: another alpha rescaled them (accuracy 0.44 -> 0.0) and other
     target modules dropped most of them, silently."""

@@ -58,7 +58,8 @@ class LoRA:
 def apply_lora(model: nn.Module, spec: LoRA) -> nn.Module:
     """Inject LoRA layers into ``model`` in place and freeze every other parameter. Raises ``ValueError`` naming
     ``model.peft.target_modules`` where no module matches, or where one is not a linear layer (``nn.Linear``, or
-    GPT-2's transposed ``Conv1D``): an embedding's or convolution's adapters are not merged into its weight."""
+    GPT-2's transposed ``Conv1D``): an embedding's or convolution's adapters are not merged into its weight; or
+    where one is the LM head, whose weight the loss and the sampler read directly."""
     from peft import inject_adapter_in_model
     from peft.tuners.lora import Linear
 
@@ -71,6 +72,12 @@ def apply_lora(model: nn.Module, spec: LoRA) -> nn.Module:
     if others:
         raise ValueError(f"model.peft.target_modules={spec.target_modules!r} adapts {', '.join(others[:3])}: only "
                          f"linear layers take adapters here; name linear modules (q_proj, v_proj, ...) or all-linear")
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "base_layer"):  # the loss and the sampler read the head's weight itself
+        name = next(name for name, module in model.named_modules() if module is head)
+        raise ValueError(f"model.peft.target_modules={spec.target_modules!r} adapts the LM head ({name}): its "
+                         f"log-probs are computed from the head's weight (sgrpo.model.head), so the adapters would "
+                         f"never train; leave {name} out (all-linear does)")  # fmt: skip
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return model
