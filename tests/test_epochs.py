@@ -86,6 +86,24 @@ def test_a_step_spanning_two_epochs_holds_no_prompt_twice_and_each_epoch_every_p
     assert [len(step) for step in prompts(StepBatches(EXAMPLES[:3], 4, seed=3), range(3))] == [4, 4, 4]
 
 
+def test_readers_epochs_apart_find_their_orders_without_rebuilding_the_chain():
+    """The server producer asks for step s + S + 1 while the loader asks for s + 1, from one stream: with 100 prompts
+    and 64 a step these are epochs apart, and only the last two epochs were kept, so every other call rebuilt the
+    chain from epoch 0 (a second a call at step 20,000). The orders are a fresh stream's."""
+    examples = [Example(f"p{i}", str(i)) for i in range(100)]
+    stream, raws = StepBatches(examples, 64, seed=3), []
+    original = stream._raw
+    stream._raw = lambda epoch: raws.append(epoch) or original(epoch)
+    stream.indices(2_000)  # the chain's walk to epoch 1,280 (a resume there makes the same)
+    raws.clear()
+    got = {}
+    for step in range(2_000, 2_010):
+        got[step + 6], got[step] = stream.indices(step + 6), stream.indices(step)
+    assert len(raws) <= 10, len(raws)  # one new epoch at a time, about 6 in 10 steps
+    fresh = StepBatches(examples, 64, seed=3)  # one reader, in order
+    assert all(got[step] == fresh.indices(step) for step in sorted(got))
+
+
 def test_refills_draw_the_prompts_their_step_has_not_drawn_on_every_process_and_resume_the_same():
     """Dynamic sampling's refill rounds of a step (both processes' shares, in its positions' order) hold none of the
     step's prompts nor each other's until the step has drawn all 10, then go on over all of them; a fresh stream

@@ -83,7 +83,7 @@ class StepBatches(IterableDataset):
         self.examples = examples
         self.prompts_per_step, self.seed, self.start_step = prompts_per_step, seed, start_step
         self.rank, self.world_size = rank, world_size
-        self._perms: dict[int, torch.Tensor] = {}  # the last epochs' orders, as int64 (a list of ints: 40 bytes a row)
+        self._perms: dict[int, torch.Tensor] = {}  # newest epochs' orders, as int64 (a list of ints: 40 bytes a row)
 
     def _raw(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s seeded permutation of the positions in ``examples``."""
@@ -96,19 +96,28 @@ class StepBatches(IterableDataset):
         n, b = len(self.examples), self.prompts_per_step
         return b <= n and n % b != 0
 
+    #: positions of epoch orders kept (int64: 8 MiB), at least the two a spanning step reads: readers some epochs
+    #: apart (an async producer's look-ahead, the loader's prefetch) each find theirs without a rebuild from epoch 0
+    KEPT_POSITIONS = 1 << 20
+
     def _perm(self, epoch: int) -> torch.Tensor:
-        """Epoch ``epoch``'s order (``_raw``, else ``_after`` each epoch before it, from epoch 0 or the last one
-        kept; the last two kept: a spanning step reads both)."""
-        if epoch not in self._perms and not self._spans():
-            self._perms = {e: o for e, o in self._perms.items() if e == epoch - 1} | {epoch: self._raw(epoch)}
-        if epoch not in self._perms:
+        """Epoch ``epoch``'s order (``_raw``, else ``_after`` each epoch before it, from the newest one kept before it
+        or from epoch 0); the newest ``KEPT_POSITIONS // N`` epochs (at least 2) are kept, and the one asked for."""
+        if epoch in self._perms:
+            return self._perms[epoch]
+        keep = max(2, self.KEPT_POSITIONS // len(self.examples))
+        if not self._spans():
+            self._perms[epoch] = self._raw(epoch)
+        else:
             start = max((e for e in self._perms if e < epoch), default=None)
             e, order = (start, self._perms[start]) if start is not None else (0, self._raw(0))
-            perms = {e: order}
+            self._perms[e] = order
             while e < epoch:
                 e, order = e + 1, self._after(e + 1, order)
-                perms = {e - 1: perms[e - 1], e: order}
-            self._perms = perms
+                self._perms[e] = order
+                self._perms.pop(e - keep, None)  # a long walk (a resume) holds no more than it keeps
+        newest = max(self._perms)
+        self._perms = {e: o for e, o in self._perms.items() if e > newest - keep or e == epoch}
         return self._perms[epoch]
 
     def _after(self, epoch: int, before: torch.Tensor) -> torch.Tensor:
