@@ -122,6 +122,16 @@ def close_before_release(close: Callable[[], None]) -> None:
     _BEFORE_RELEASE.append(weakref.WeakMethod(close))
 
 
+#: bound ``stop(grace)`` methods (weakly held) that ``sgrpo.run.faults.hard_exit`` calls: ``os._exit`` skips atexit
+BEFORE_EXIT: list[weakref.WeakMethod] = []
+
+
+def stop_before_exit(stop: Callable[[float], None]) -> None:
+    """Have ``hard_exit`` call ``stop`` (servers launched in sessions of their own, which no kill of ours reaches)."""
+    if weakref.WeakMethod(stop) not in BEFORE_EXIT:
+        BEFORE_EXIT.append(weakref.WeakMethod(stop))
+
+
 #: in the default group's store: a process that left without ``release_process_group`` (``leave_process_group``)
 LEFT_KEY, RELEASED_KEY = store_key("left"), store_key("released")
 

