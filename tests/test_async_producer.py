@@ -1,8 +1,8 @@
 """The asynchronous rollouts' producer process as a process: it starts for a model of hundreds of tensors, it is
 stopped when a fit raises, it cleans up after a trainer that is gone, a push never waits on a lock a killed
 producer holds and copies each weight as it comes, the engine it is sent carries no model, and it samples in the
-trainer's precision (S = 0 under bf16 is the synchronous run). The path's equalities and bounds:
-tests/test_async.py."""
+trainer's precision (S = 0 under bf16 is the synchronous run; under FSDP2 bf16-mixed its weights in the synchronous
+rollout copy's dtypes). The path's equalities and bounds: tests/test_async.py."""
 
 from __future__ import annotations
 
@@ -216,3 +216,48 @@ def test_the_engine_sent_to_the_producer_carries_no_model_or_graphs():
     assert copy._graphs is None and copy._weights._shell is None
     assert (copy.max_new_tokens, copy.weights_snapshot) == (4, True) and engine._graphs is not None
     assert len(pickle.dumps(engine)) < 10_000  # the 4 MB of the shell's weights left behind
+
+
+def test_under_fsdp2_bf16_mixed_the_producer_holds_each_weight_as_the_synchronous_rollout_s_copy(monkeypatch):
+    """Under FSDP2 bf16-mixed the synchronous rollout decodes on ``RolloutWeights``' copy, whose blocks are bf16 as
+    FSDP2 gathers them, norm weights included; the producer kept float32 weights under autocast (norms in float32:
+    0.5 % of the argmaxes differed with perturbed norms), so S = 0 sampled another policy. The spec
+    ``start_producer`` builds carries the gather dtype: the producer's model holds every parameter and buffer in the
+    copy's dtype and, after a push, gives its logits bit for bit. Without a gather dtype (DDP) it stays float32."""
+    from types import SimpleNamespace
+
+    from sgrpo.model.loading import load_causal_lm
+    from sgrpo.rollout.producer import sampling_model
+    from sgrpo.rollout.snapshot import RolloutWeights
+    from sgrpo.train import asynchronous
+
+    model = load_causal_lm(SHIPPED, torch.float32)
+    model.sgrpo_gather_dtype = torch.bfloat16  # what shard_model records under bf16-mixed
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # norm weights of 1.0 are exact in bf16; trained ones are not
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    specs = []
+    monkeypatch.setattr(asynchronous, "RolloutProducer", lambda spec, weights, timeout: specs.append(spec))
+    policy = asynchronous.AsyncRollouts()
+    vars(policy).update(seed=0, global_rank=0, _refill=None, rollout=HFRollout(max_new_tokens=4), max_staleness=0,
+                        device=torch.device("cpu"), trainer=SimpleNamespace(precision="bf16-mixed"),
+                        model_path=SHIPPED, model_dtype="float32", tokenizer=None, group_size=2,
+                        producer_timeout=60, model=model)  # fmt: skip
+    policy.start_producer(SimpleNamespace(batch=two_prompts), 0, 2)
+    producer = sampling_model(specs[0])
+    with torch.no_grad():  # a push, as the producer copies it in (newest_weights)
+        pushed = dict(plain_weights(model, buffers=False))
+        for name, param in producer.named_parameters(remove_duplicate=False):
+            if name in pushed:
+                param.copy_(pushed[name])
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 3, 4, 11]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), RolloutWeights(True)(model) as shell:
+        dtypes = {name: t.dtype for name, t in [*shell.named_parameters(), *shell.named_buffers()]}
+        assert {name: t.dtype for name, t in [*producer.named_parameters(), *producer.named_buffers()]} == dtypes
+        assert dtypes["model.layers.0.input_layernorm.weight"] == torch.bfloat16
+        assert torch.equal(producer(ids).logits, shell(ids).logits)
+    del model.sgrpo_gather_dtype  # DDP: no gather dtype, nothing cast
+    policy.start_producer(SimpleNamespace(batch=two_prompts), 0, 2)
+    assert specs[1].gather_dtype is None
+    assert {p.dtype for p in sampling_model(specs[1]).parameters()} == {torch.float32}

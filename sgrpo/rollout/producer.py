@@ -88,6 +88,7 @@ class ProducerSpec:
     device: str = "cpu"  # where the producer's copy samples (the trainer's device: colocated on one GPU)
     convert: str | None = None  # the dtype the loaded model is converted to, buffers too (trainer's bf16-true, ...)
     autocast: str | None = None  # the dtype it samples under autocast in (the trainer's bf16-mixed / 16-mixed)
+    gather_dtype: str | None = None  # FSDP2 mixed precision's block dtype (model.sgrpo_gather_dtype), under autocast
     delay_s: float = 0.0  # test hook: seconds slept after each block
     fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
     refill_prompts: Callable[[int, int], list[Example]] | None = None  # (step, round >= 1) -> dynamic sampling's
@@ -279,22 +280,37 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, s
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def sampling_model(spec: ProducerSpec) -> torch.nn.Module:
+    """The producer's model on ``spec.device``, loaded as the trainer's, each weight in the dtype the trainer's rollout
+    samples with: converted as Lightning converts the trainer's (``convert``, buffers too) and, under FSDP2 mixed
+    precision (``gather_dtype``), cast as the synchronous rollout's copy (``snapshot.RolloutWeights``) is: blocks in
+    the gather dtype (norm weights too, which autocast alone leaves in float32), other ``nn.Linear`` but the LM head
+    in autocast's, buffers as loaded. Pushed weights are rounded as they are copied in, as into that copy."""
+    from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path
+    from sgrpo.rollout.snapshot import cast_to_forward_dtypes
+
+    model = load_causal_lm(resolve_model_path(spec.model_path), getattr(torch, spec.dtype))  # aligned as the trainer's
+    disable_dropout(model)
+    if spec.convert:
+        model.to(getattr(torch, spec.convert))
+    if spec.gather_dtype and spec.autocast:
+        gathered = getattr(torch, spec.gather_dtype)
+        buffers = {name: buffer.dtype for name, buffer in model.named_buffers()}
+        cast_to_forward_dtypes(model, gathered, getattr(torch, spec.autocast), buffers)
+        model.sgrpo_gather_dtype = gathered  # an engine's weights_snapshot copy of it keeps these dtypes
+    return model.to(spec.device)
+
+
 def _sample_steps(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, stop, parent, folder: str,
                   ready) -> None:  # fmt: skip
     """Sample each admitted step's groups under the newest weights and queue them; serve dynamic sampling's
     refill requests first, whenever they come."""
-    from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path
-
     blocks, refills = queues
     shared = weight_views(*shared)
     for out in queues:
         out.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
     torch.set_num_threads(spec.threads)
-    model = load_causal_lm(resolve_model_path(spec.model_path), getattr(torch, spec.dtype))  # aligned as the trainer's
-    disable_dropout(model)
-    if spec.convert:  # as Lightning converts the trainer's (RoPE's inverse frequencies included)
-        model.to(getattr(torch, spec.convert))
-    model.to(spec.device)
+    model = sampling_model(spec)
     targets = dict(model.named_parameters(remove_duplicate=False))
     missing = set(targets) - set(shared) - {"lm_head.weight"}
     if missing:

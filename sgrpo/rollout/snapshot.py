@@ -87,23 +87,36 @@ def plain_shell(
     float32 in a bf16 model, were rounded to bf16, and a 2,048th position's rotation was another)."""
     with torch.device("meta"):
         shell = plain_class(model)(model.config).to(dtype or next(model.parameters()).dtype)
-    if block_dtype is not None:
-        for block in transformer_blocks(shell):
-            block.to(block_dtype)
-    if linear_dtype is not None:
-        head = shell.get_output_embeddings()
-        for module in shell.modules():
-            if isinstance(module, nn.Linear) and module is not head:
-                module.to(linear_dtype)
     # a given dtype is Lightning's -true conversion, yet to come for the model's buffers too (the reference is built
     # before it); otherwise the buffers stay as the model has them
     kept = {} if dtype is not None else {n.replace(".base_layer.", "."): b.dtype for n, b in model.named_buffers()}
-    for prefix, module in shell.named_modules():
+    cast_to_forward_dtypes(shell, block_dtype, linear_dtype, kept)
+    return shell.eval().requires_grad_(False)
+
+
+def cast_to_forward_dtypes(
+    model: nn.Module,
+    block_dtype: torch.dtype | None = None,
+    linear_dtype: torch.dtype | None = None,
+    buffers: dict[str, torch.dtype] | None = None,
+) -> None:
+    """Cast ``model`` in place as ``plain_shell`` casts its shell: every parameter of the transformer blocks to
+    ``block_dtype``, then every ``nn.Linear`` but the LM head to ``linear_dtype``, then each buffer named in
+    ``buffers`` back to its dtype there (the casts take buffers along). The async producer's model is cast by it
+    too, so that it holds every weight in the dtype the synchronous rollout's copy holds it in."""
+    if block_dtype is not None:
+        for block in transformer_blocks(model):
+            block.to(block_dtype)
+    if linear_dtype is not None:
+        head = model.get_output_embeddings()
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module is not head:
+                module.to(linear_dtype)
+    for prefix, module in model.named_modules():
         for key, buffer in module._buffers.items():
             name = f"{prefix}.{key}" if prefix else key
-            if buffer is not None and name in kept and buffer.dtype != kept[name]:
-                module._buffers[key] = buffer.to(kept[name])
-    return shell.eval().requires_grad_(False)
+            if buffer is not None and name in (buffers or {}) and buffer.dtype != buffers[name]:
+                module._buffers[key] = buffer.to(buffers[name])
 
 
 def copy_weights(source: nn.Module, target: nn.Module) -> None:

@@ -110,6 +110,7 @@ class AsyncRollouts:
             return
         trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
         convert, autocast = sampling_precision(str(self.trainer.precision))
+        gather = getattr(self.model, "sgrpo_gather_dtype", None)  # FSDP2 mixed precision: the blocks' dtype
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
@@ -125,6 +126,7 @@ class AsyncRollouts:
             device=str(self.device),
             convert=convert,
             autocast=autocast,
+            gather_dtype=None if gather is None else str(gather).removeprefix("torch."),
             refill_prompts=refills,
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
