@@ -219,6 +219,27 @@ def test_requests_queued_across_a_push_are_salted_with_the_version_they_run_unde
     producer.close()
 
 
+def test_at_staleness_0_a_step_leaves_when_the_trainer_takes_it(servers, tiny):
+    """At S = 0 step s + 1 was sent right after the push of version s + 1, so a validation the trainer ran next
+    shared the servers' batches with it (vLLM's numerics depend on the batch: not the synchronous run's samples);
+    now each step leaves when the trainer takes it, after whatever ran in between."""
+    model, tokenizer = tiny
+    server = servers()
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, dtype="float32")
+    producer = producer_of(engine, model, tokenizer, staleness=0)
+    time.sleep(0.3)
+    assert sent(server) == []  # nothing before the trainer asks
+    producer.take(0, texts(0))
+    assert len(sent(server)) == 2
+    bump_weights_version(model)
+    producer.push(None, 1)
+    time.sleep(0.3)
+    assert len(sent(server)) == 2  # the trainer's validation would run now, alone on the servers
+    producer.take(1, texts(1))
+    assert len(sent(server)) == 4 and {r["cache_salt"] for r in sent(server)[2:]} == {engine._pushed}
+    producer.close()
+
+
 @pytest.mark.slow
 def test_a_fit_with_async_rollout_takes_its_groups_from_the_servers_within_the_bound(servers, tmp_path):
     """``--model.async_rollout=true`` with ``VLLMServerRollout``: the server producer feeds every step its groups,

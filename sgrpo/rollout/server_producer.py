@@ -10,7 +10,8 @@ The trainer's thread admits steps, tokenizes their prompts, draws their seeds an
 **Admission** is ``producer.admitted``'s: step s is sent once s <= v + S, v the trainer's version (its training
 step count). A step's requests carry the synchronous path's seeds (one per request, drawn from torch's RNG seeded
 with ``seed_of(step)``, as ``VLLMServerRollout.generate`` draws them under the synchronous seed): at S = 0 every
-step is sent after the push of its own version, with nothing in flight, and samples the synchronous run's tokens.
+step is sent when the trainer takes it (after the push of its version and any validation), with nothing in flight,
+and samples the synchronous run's tokens.
 
 **Weights** go after each training step, or every ``model.sync_every`` steps (the trainer calls ``push`` then;
 admission counts from the last push's version, as the producer process's does), through the engine's push
@@ -23,9 +24,10 @@ version is too) and the newest (``RolloutBatch.newest_versions``). Its log-probs
 whatever weights sampled each: the decoupled objective (``sgrpo.train.correction``) takes them as the behaviour
 policy unchanged. A frozen request keeps the KV cache computed under the weights it started with (as PipelineRL's
 in-flight updates do); vLLM does not clear caches in this mode, so every request is salted with the version the
-servers hold when it leaves (``cache_salt``; no request of this process leaves during its push): no request reads
-another version's prompt cache, except one that leaves while another process's push has paused the servers (under
-several processes the others may still be training then) and reads a prompt cache of the version before it.
+servers hold when it leaves (``cache_salt``; no request of this process leaves during its push). A request may
+still read the prompt cache of the version before its own where it left before a push but waits in a server's queue
+when the push lands (it starts under the new weights, salted with the old), or where it leaves while another
+process's push has paused the servers (under several processes the others may still be training then).
 ``async_pause="wait"``: the pause waits for the requests in flight (``mode=wait``), so a group spans one version, at
 the cost of servers idle during the push.
 
@@ -141,7 +143,8 @@ class ServerProducer:
         self._next = start_step
         engine.ready(model)  # healthy, and holding these weights (pushed now if they changed): version start_step
         self._labels[engine._pushed] = self._version = start_step
-        self._admit()
+        if max_staleness:  # at S = 0 a step leaves when the trainer takes it (``_admit``)
+            self._admit()
 
     def describe(self) -> str:
         return f"the vLLM server producer ({', '.join(self.engine.pool.urls)})"
@@ -159,12 +162,15 @@ class ServerProducer:
             self._labels[self.engine._pushed] = self._version = version
         finally:
             self._leave.set()
-        self._admit()
+        if self.max_staleness:
+            self._admit()
         return time.perf_counter() - started
 
     def take(self, step: int, prompts: list[Any]) -> Block:
         """Step ``step``'s groups (its prompts must be ``prompts``), once every answer came; raises naming the server
         when a request failed, a server stops answering ``/health``, or nothing came for ``timeout`` seconds."""
+        if not self.max_staleness:
+            self._admit()
         job = self._jobs.get(step)
         if job is None or job.prompts != prompts:
             raise ProducerError(f"{self.describe()} has not sent step {step} with these prompts (sent: "
@@ -227,7 +233,9 @@ class ServerProducer:
 
     # ------------------------------------------------------------------------------------------ internals
     def _admit(self) -> None:
-        """Send every step now admitted (s <= v + S)."""
+        """Send every step now admitted (s <= v + S): after each push, and at S = 0 only when the trainer takes it,
+        so that nothing of the step shares the servers with the trainer's validation (vLLM's numerics depend on
+        the batch a request runs in: the synchronous run samples the step after validation)."""
         while self._next < self.end_step and admitted(self._next, self._version, self.max_staleness):
             step, self._next = self._next, self._next + 1
             self._jobs[step] = self._send(step, self.prompts(step))
