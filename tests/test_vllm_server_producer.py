@@ -240,6 +240,20 @@ def test_at_staleness_0_a_step_leaves_when_the_trainer_takes_it(servers, tiny):
     producer.close()
 
 
+def test_an_answer_without_weight_versions_is_refused_not_counted_current(servers, tiny):
+    """A server that reports no weight versions (another server build, a proxy dropping the field) had its rows
+    tagged with the trainer's current version: a stale group read as staleness 0, past the bound's check."""
+    model, tokenizer = tiny
+    server = servers()
+    choice = server._choice
+    server._choice = lambda *args: {k: v for k, v in choice(*args).items() if k != "weight_versions"}
+    engine = VLLMServerRollout(urls=[server.url], max_new_tokens=4, dtype="float32")
+    producer = producer_of(engine, model, tokenizer, staleness=1)
+    with pytest.raises(ProducerError, match="without the weight versions of its tokens"):
+        producer.take(0, texts(0))
+    producer.close()
+
+
 @pytest.mark.slow
 def test_a_fit_with_async_rollout_takes_its_groups_from_the_servers_within_the_bound(servers, tmp_path):
     """``--model.async_rollout=true`` with ``VLLMServerRollout``: the server producer feeds every step its groups,

@@ -316,7 +316,7 @@ class ServerProducer:
     def _group_versions(self, spans: list[list[str]], step: int) -> tuple[Tensor, Tensor]:
         """``[N]`` oldest and newest trainer version over each row's group (a group is one unit: one span)."""
         g = self.group_size
-        fallback = self._version  # a row of no token has no span: the newest weights (it sampled nothing)
+        fallback = self._version  # only a row of no token has no span (batch_from_answers): it sampled nothing
         rows = [[self._labels[v] for v in row] or [fallback] for row in spans]
         low = torch.tensor([min(r) for r in rows], device="cpu").view(-1, g)  # the batch is built on the CPU
         high = torch.tensor([max(r) for r in rows], device="cpu").view(-1, g)

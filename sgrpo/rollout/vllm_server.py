@@ -221,6 +221,9 @@ class VLLMServerRollout(RolloutEngine):
                 if allowed is None and self._pushed is not None and spans and spans != {self._pushed}:
                     raise ServerError(f"{answer.url}: sampled with weight versions {sorted(spans)}, not the "
                                       f"{self._pushed} pushed: did the server restart, or another trainer push?")
+                if allowed is not None and tokens and not spans:  # staleness would read as none: refused
+                    raise ServerError(f"{answer.url}: answered without the weight versions of its tokens "
+                                      "(weight_versions), which asynchronous rollouts count staleness by")
                 if allowed is not None and not spans <= allowed:
                     raise ServerError(f"{answer.url}: sampled with weight versions {sorted(spans - allowed)}, which "
                                       "this trainer did not push: did the server restart, or another trainer push?")
