@@ -42,6 +42,8 @@ def test_the_policy_and_the_loader_own_aligned_weights_with_ties_and_values_kept
     assert all(torch.equal(a, b) for a, b in zip(mapped.state_dict().values(), loaded.state_dict().values()))
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # the tiny model ties its head: still one
     assert own_weights(loaded) == 0  # nothing left to move
+    # a model bound for an accelerator keeps the file's map, shared by a machine's processes until each moves it
+    assert unaligned(load_causal_lm(str(model_dir), torch.float32, "cuda")) == unaligned(mapped)
 
     task = SyntheticTask(kind="sort", levels=[3], num_train=8, num_validation=2)
     policy = GRPOPolicy(str(model_dir), task, GRPO(), HFRollout(max_new_tokens=4), group_size=2)

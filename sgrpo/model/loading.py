@@ -69,13 +69,16 @@ def resolve_model_path(path: str) -> str:
 WEIGHT_ALIGNMENT = 64
 
 
-def load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with every CPU weight in memory of its own
-    (``own_weights``): what the trainer, the async producer and the export load."""
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` for a model that computes on ``device``: with every
+    weight in memory of its own where that is the CPU (``own_weights``). Where it is an accelerator the weights are
+    left in the file's map, which the processes of a machine share until each moves its model there (a private copy
+    on every process first would take N models' worth of host memory at once)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    own_weights(model)
+    if torch.device(device).type == "cpu":
+        own_weights(model)
     return model
 
 
@@ -90,6 +93,7 @@ def own_weights(model: torch.nn.Module) -> int:
     model) than in the loaded model: the last bits of one token's log-prob, enough to break staleness 0's
     bit-for-bit equality with the synchronous run on some CPUs (AMD EPYC). With every weight aligned the
     products are the same wherever the weights live; unaligned weights also made large one-row products slower.
+    The copies are private to the process (the map's pages are shared): ``load_causal_lm`` makes them on the CPU only.
     """
     moved = 0
     with torch.no_grad():

@@ -289,7 +289,7 @@ def sampling_model(spec: ProducerSpec) -> torch.nn.Module:
     from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path
     from sgrpo.rollout.snapshot import cast_to_forward_dtypes
 
-    model = load_causal_lm(resolve_model_path(spec.model_path), getattr(torch, spec.dtype))  # aligned as the trainer's
+    model = load_causal_lm(resolve_model_path(spec.model_path), getattr(torch, spec.dtype), spec.device)  # as trainer's
     disable_dropout(model)
     if spec.convert:
         model.to(getattr(torch, spec.convert))
