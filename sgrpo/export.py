@@ -284,7 +284,11 @@ def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
     if peft is None and any(is_adapter(k) for k in weights):
         raise CheckpointError("the checkpoint holds LoRA adapters but its record has no LoRA settings")
     if peft is not None:
-        apply_lora(model, peft)
+        peft, weights = without_head_adapters(model, peft, weights)
+        try:
+            apply_lora(model, peft)
+        except ValueError as err:  # e.g. a pattern that takes in the LM head
+            raise CheckpointError(f"the checkpoint's LoRA settings no longer load: {err}") from None
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # shapes that differ: another model than the one it trained
@@ -301,6 +305,22 @@ def load_policy(weights: dict[str, Tensor], record: dict[str, Any]):
     if lost:
         raise CheckpointError(f"the checkpoint lacks {len(lost)} of the model's weights, e.g. {lost[0]}")
     return model, tokenizer, peft
+
+
+def without_head_adapters(model: nn.Module, peft: LoRA, weights: dict[str, Tensor]) -> tuple[LoRA, dict[str, Tensor]]:
+    """A checkpoint from before LoRA on the LM head was refused (``apply_lora``) names the head in its target modules:
+    its head adapters never trained (the loss reads the head's weight, so B stayed 0), and are left out, which
+    changes no weight. A non-zero B there is refused."""
+    head = next(name for name, module in model.named_modules() if module is model.get_output_embeddings())
+    if not isinstance(peft.target_modules, (list, tuple)) or head not in peft.target_modules:
+        return peft, weights
+    trained = [k for k, v in weights.items() if k.startswith(f"{head}.lora_B.") and bool(v.any())]
+    if trained:
+        raise CheckpointError(f"the checkpoint's LoRA adapter on the LM head ({trained[0]}) is not zero: sgrpo does "
+                              f"not export LM head adapters")  # fmt: skip
+    kept = [m for m in peft.target_modules if m != head]
+    return LoRA(**(asdict(peft) | {"target_modules": kept})), {
+        k: v for k, v in weights.items() if not k.startswith(f"{head}.lora_")}
 
 
 def export_command(path: Path, out: Path, merged: bool = False, base: str | None = None) -> str:

@@ -351,3 +351,24 @@ def test_validate_a_lora_checkpoint_as_its_merged_export(lora_run):
     merged = main(["validate", *args(lora_run, f"--model.model={lora_run / 'hf_model' / 'merged'}")])
     for key in ("accuracy", "by_difficulty", "pass_at_k"):
         assert merged.model.last_evaluation[key] == adapters[key], key
+
+
+def test_a_lora_checkpoint_that_named_the_lm_head_exports_without_its_untrained_head_adapters():
+    """LoRA on the LM head is refused now (its adapters never trained: the loss reads the head's weight); a checkpoint
+    from before, whose record names the head, exported with a traceback. Its head adapters (B = 0) are left out; a
+    non-zero B there is refused in one line."""
+    from sgrpo.export import CheckpointError, load_policy
+    from sgrpo.model.lora import LoRA, apply_lora
+
+    trained = apply_lora(AutoModelForCausalLM.from_pretrained(SHIPPED), LoRA(rank=2, target_modules=["q_proj"]))
+    weights = {k: v for k, v in trained.state_dict().items() if ".lora_" in k}
+    hidden, vocab = trained.config.hidden_size, trained.config.vocab_size
+    head = {"lm_head.lora_A.default.weight": torch.randn(2, hidden),
+            "lm_head.lora_B.default.weight": torch.zeros(vocab, 2)}
+    record = {"base": str(SHIPPED), "dtype": "float32", "peft": {"rank": 2, "alpha": 32.0, "dropout": 0.0,
+                                                                  "target_modules": ["q_proj", "lm_head"]}}  # fmt: skip
+    model, _, peft = load_policy(weights | head, record)
+    assert peft.target_modules == ["q_proj"] and not any("lm_head.lora" in k for k in model.state_dict())
+    head["lm_head.lora_B.default.weight"] = torch.ones(vocab, 2)
+    with pytest.raises(CheckpointError, match="adapter on the LM head .* is not zero"):
+        load_policy(weights | head, record)
