@@ -102,6 +102,9 @@ def test_readers_epochs_apart_find_their_orders_without_rebuilding_the_chain():
     assert len(raws) <= 10, len(raws)  # one new epoch at a time, about 6 in 10 steps
     fresh = StepBatches(examples, 64, seed=3)  # one reader, in order
     assert all(got[step] == fresh.indices(step) for step in sorted(got))
+    few = StepBatches(examples[:8], 8, seed=3)  # an epoch a step: the orders kept are bounded in number too
+    few.indices(500)
+    assert len(few._perms) <= StepBatches.KEPT_EPOCHS
 
 
 def test_refills_draw_the_prompts_their_step_has_not_drawn_on_every_process_and_resume_the_same():

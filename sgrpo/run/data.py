@@ -96,16 +96,18 @@ class StepBatches(IterableDataset):
         n, b = len(self.examples), self.prompts_per_step
         return b <= n and n % b != 0
 
-    #: positions of epoch orders kept (int64: 8 MiB), at least the two a spanning step reads: readers some epochs
-    #: apart (an async producer's look-ahead, the loader's prefetch) each find theirs without a rebuild from epoch 0
-    KEPT_POSITIONS = 1 << 20
+    #: positions of epoch orders kept (int64: 8 MiB), in at most ``KEPT_EPOCHS`` epochs and at least the two a spanning
+    #: step reads: readers some epochs apart (an async producer's look-ahead beside the loader) find theirs without a
+    #: rebuild of the chain from epoch 0
+    KEPT_POSITIONS, KEPT_EPOCHS = 1 << 20, 64
 
     def _perm(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s order (``_raw``, else ``_after`` each epoch before it, from the newest one kept before it
-        or from epoch 0); the newest ``KEPT_POSITIONS // N`` epochs (at least 2) are kept, and the one asked for."""
+        or from epoch 0); the newest ``KEPT_POSITIONS // N`` epochs (2 to ``KEPT_EPOCHS``) are kept, and the one asked
+        for."""
         if epoch in self._perms:
             return self._perms[epoch]
-        keep = max(2, self.KEPT_POSITIONS // len(self.examples))
+        keep = min(self.KEPT_EPOCHS, max(2, self.KEPT_POSITIONS // len(self.examples)))
         if not self._spans():
             self._perms[epoch] = self._raw(epoch)
         else:
