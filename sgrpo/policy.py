@@ -278,7 +278,8 @@ class GRPOPolicy(
             problem = multi_turn_problem(self.tokenizer, self.environment, self.task.chat_template_kwargs)
             require(problem is None, f"model.environment: {self.environment.name} needs a multi-turn chat template, "
                     f"but {path}: {problem}; use a model whose chat template renders tool and user turns")  # fmt: skip
-        self.model = load_causal_lm(path, dtype, self._trainer.strategy.root_device if self._trainer else "cpu")
+        device = getattr(getattr(self._trainer, "strategy", None), "root_device", "cpu")  # where the model computes
+        self.model = load_causal_lm(path, dtype, device)
         if self.peft is not None:
             apply_lora(self.model, self.peft)  # only the adapters train
         if not self.keep_dropout:

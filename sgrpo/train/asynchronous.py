@@ -110,7 +110,7 @@ class AsyncRollouts:
             return
         trainer_threads, producer_threads = thread_split(self._threads, self.max_staleness, str(self.device))
         convert, autocast = sampling_precision(str(self.trainer.precision))
-        gather = getattr(self.model, "sgrpo_gather_dtype", None)  # FSDP2 mixed precision: the blocks' dtype
+        gather = getattr(getattr(self, "model", None), "sgrpo_gather_dtype", None)  # FSDP2 mixed precision's blocks
         spec = ProducerSpec(
             model_path=self.model_path,
             dtype=self.model_dtype,
