@@ -82,28 +82,54 @@ def _init_worker(started=None) -> None:
 
 def _terminate(pool: multiprocessing.pool.Pool, grace: float = 1.0, deadline: float = 10.0,
                died: bool = False) -> None:  # fmt: skip
-    """``pool.terminate()``, which cannot hang (``died``: a worker of the pool died). ``Pool.terminate`` signals its
-    workers, then joins them; a worker that the pool's handler thread forks in between (replacing a worker that
-    died or retired after ``maxtasksperchild`` tasks) never gets the signal, and the join waits for it forever
-    (seen: a reward worker that died, replaced while the pool was terminated). Here the terminate runs in a
-    thread; a worker still alive ``grace`` seconds later is killed, and after ``deadline`` seconds the pool is left
-    to the daemon thread."""
-    inqueue = getattr(pool, "_inqueue", None)  # CPython's attributes
-    if died and hasattr(inqueue, "_rlock") and hasattr(pool, "_ctx"):
-        # an idle worker killed (the OOM killer) may have died holding the task queue's read lock, which terminate()
-        # takes to drain the queue: it waited for it forever. Its own lock for that (the workers are ended next)
-        inqueue._rlock = pool._ctx.Lock()
-    ender = threading.Thread(target=pool.terminate, name="sgrpo-pool-terminate", daemon=True)
+    """``pool.terminate()``, which cannot hang (``died``: a worker of the pool died; see ``_lock_out``).
+    ``Pool.terminate`` signals its workers, then joins them; a worker that the pool's handler thread forks in between
+    (replacing a worker that died or retired after ``maxtasksperchild`` tasks) never gets the signal, and the join
+    waits for it forever (seen: a reward worker that died, replaced while the pool was terminated). Here the
+    terminate runs in a thread; a worker still alive ``grace`` seconds later is killed, and after ``deadline``
+    seconds the pool is left to the daemon thread."""
+
+    terminating: list[float] = []  # when pool.terminate() began: a kill during the lock-out could cut a message
+
+    def end() -> None:
+        if died:
+            _lock_out(pool, grace)
+        terminating.append(time.monotonic())
+        pool.terminate()
+
+    ender = threading.Thread(target=end, name="sgrpo-pool-terminate", daemon=True)
     ender.start()
     started = time.monotonic()
     while ender.is_alive() and time.monotonic() - started < deadline:
         ender.join(0.1)
-        if ender.is_alive() and time.monotonic() - started > grace:
+        if ender.is_alive() and terminating and time.monotonic() - terminating[0] > grace:
             for worker in list(getattr(pool, "_pool", ())):  # the pool's worker processes (CPython's attribute)
                 if worker.is_alive():
                     worker.kill()
     if ender.is_alive():
         log.warning("the reward worker pool did not terminate within %.0f s; left to a background thread", deadline)
+
+
+def _lock_out(pool: multiprocessing.pool.Pool, grace: float) -> None:
+    """Before ``terminate()`` drains the task queue of a pool whose worker died, keep its workers from reading the
+    queue, and give the drain a lock of its own. An idle worker killed (the OOM killer) may have died holding the
+    queue's read lock, for which the drain waited forever; but with only a fresh lock, the live workers (and the one
+    forked to replace the dead) read the queue's pipe together with the drain, each taking part of a message: an
+    UnpicklingError ended terminate's thread (the pool's threads and workers were left), or the drain waited for a
+    garbage length (10 s). So the pool's handlers stop first (no worker is forked after the swap, no task queued,
+    and a worker idle in the queue's read gets a stop message and lets the lock go), then the lock is taken and
+    kept: a lock still held ``grace`` seconds later is a dead worker's, which keeps the live workers out too."""
+    inqueue = getattr(pool, "_inqueue", None)  # CPython's attributes
+    handlers = [getattr(pool, name, None) for name in ("_worker_handler", "_task_handler")]
+    if not (hasattr(inqueue, "_rlock") and hasattr(pool, "_ctx") and hasattr(pool, "_change_notifier")):
+        return
+    if all(isinstance(handler, threading.Thread) for handler in handlers):
+        for handler in handlers:
+            handler._state = multiprocessing.pool.TERMINATE
+        pool._change_notifier.put(None)  # wakes the worker handler, which then stops the task handler
+        handlers[0].join(grace)  # at most a fork to finish
+    inqueue._rlock.acquire(timeout=grace)
+    inqueue._rlock = pool._ctx.Lock()
 
 
 class WorkerPool:

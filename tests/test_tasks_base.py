@@ -1,6 +1,7 @@
 """Reward / Task interfaces: failures scored 0 and counted, scales, weighted sums, splits."""
 
 import math
+import multiprocessing
 import os
 import signal
 import threading
@@ -138,6 +139,41 @@ def test_an_idle_worker_killed_costs_a_restart_not_a_call_nor_ten_seconds():
         assert not [t for t in threading.enumerate() if t.name == "sgrpo-pool-terminate" and t not in stuck_before]
     finally:
         pool.close()
+
+
+def _sized_or_exit(i: int, payload: str, exit_at: int) -> int:
+    """``len(payload)``, or (call ``exit_at``) end this worker 0.2 s later with exit code 3 (a segfault, the OOM
+    killer)."""
+    if i == exit_at:
+        time.sleep(0.2)
+        os._exit(3)
+    return len(payload)
+
+
+def test_a_death_with_calls_still_queued_ends_the_pool_cleanly(capfd, caplog):
+    """A worker that died gave terminate() a fresh lock to drain the task queue, but the live workers (and the one
+    forked to replace the dead) kept reading the queue's pipe under the old lock: each read part of a message, and
+    terminate's thread died of an UnpicklingError (the live workers were left blocked, with the pool's threads),
+    or waited 10 s for a garbage length, or a worker printed the traceback. Now the restart ends every worker."""
+    children = set(multiprocessing.active_children())  # other tests' (xdist)
+    threads = set(threading.enumerate())
+    errors = []
+    hook, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    payload = "x" * 1_000_000  # messages bigger than the pipe: read in parts, so readers racing split them
+    pool = WorkerPool(2)
+    try:
+        for restarts in range(1, 5):  # each race was lost about 2 times in 3
+            start = time.perf_counter()
+            outcomes = pool.run(_sized_or_exit, [(i, payload, 0) for i in range(80)], timeout=10.0)  # 0 dies at 0.2 s
+            assert [i for i, o in enumerate(outcomes) if not o.ok] == [0] and pool.restarts == restarts
+            assert time.perf_counter() - start < 8  # not terminate's 10 s (about 1 s; 4 s seen under load)
+    finally:
+        pool.close()
+        threading.excepthook = hook
+    assert not errors and "did not terminate" not in caplog.text
+    assert not [p for p in multiprocessing.active_children() if p not in children]
+    assert not [t for t in threading.enumerate() if t not in threads]
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_many_calls_in_one_run_need_no_restart():
