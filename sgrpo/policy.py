@@ -12,25 +12,19 @@ from torch import Tensor
 
 from estimators import AdvantageEstimator
 from sgrpo.checks import ConfigError, require
-from sgrpo.distributed import data_parallel_rank, data_parallel_size, defers_gradient_sync, is_sharded
+from sgrpo.distributed import data_parallel_rank, data_parallel_size, is_sharded
 from sgrpo.eval.evaluation import PolicyEvaluation
 from sgrpo.export import PolicyExport
-from sgrpo.model.head import check_logit_head
-from sgrpo.model.lean_mlp import apply_lean_mlp
-from sgrpo.model.lean_norm import apply_lean_norm
-from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path, shard_model
-from sgrpo.model.lora import LoRA, apply_lora, is_adapter
-from sgrpo.rollout.engine import RolloutEngine, bump_weights_version, with_pad_token
-from sgrpo.rollout.episodes import multi_turn_problem
+from sgrpo.model.lora import LoRA, is_adapter
+from sgrpo.policy_model import PolicyModel
+from sgrpo.rollout.engine import RolloutEngine, bump_weights_version
 from sgrpo.rollout.hf import HFRollout
-from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.run.data import EpochStepBatches, PromptBatch, RefillStream, StepBatches, prompt_collate, stopping_rule_error
 from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch, guard_state, restore_guards
 from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error
 from sgrpo.train.collect import GroupCollection
 from sgrpo.train.exchange import balance_error, balance_mode
 from sgrpo.train.loss import ClippedSurrogate, PolicyLoss
-from sgrpo.train.reference import build_reference
 from sgrpo.train.step_logging import StepLogging
 from sgrpo.train.update import PolicyUpdate
 from sgrpo.types import Example
@@ -39,7 +33,8 @@ from tasks.environment import Environment
 
 
 class GRPOPolicy(
-    AsyncRollouts, GroupCollection, PolicyEvaluation, PolicyExport, PolicyUpdate, StepLogging, LightningModule
+    AsyncRollouts, GroupCollection, PolicyEvaluation, PolicyExport, PolicyModel, PolicyUpdate, StepLogging,
+    LightningModule,
 ):
     """Group-relative policy optimisation with a pluggable advantage estimator (manual optimisation).
 
@@ -243,6 +238,7 @@ class GRPOPolicy(
         self.strict_loading = peft is None  # LoRA checkpoints hold the adapters; the base is the model folder
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
+        self._screened = {}  # split -> its prompts within the limit (sgrpo.policy_model)
         self.rollout_step = 0  # training steps done; saved in checkpoints, drives data position and seeds
         self.val_history: list[dict[str, Any]] = []
         self.last_evaluation: dict[str, Any] | None = None  # the latest validation or test (sgrpo.eval.evaluation)
@@ -251,52 +247,6 @@ class GRPOPolicy(
         self._grad_norm: Tensor | None = None  # set by on_before_optimizer_step
 
     # ------------------------------------------------------------------ setup
-    def configure_model(self) -> None:
-        precision = self._trainer.precision_plugin.precision if self._trainer is not None else "32-true"
-        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None  # FSDP2 (ModelParallel)
-        gather = torch.bfloat16 if mesh is not None and precision == "bf16-mixed" else None  # its blocks' dtype
-        if self.model is None:
-            self._load_model(mesh, gather)
-            bump_weights_version(self.model)  # known weights: an engine holding a copy syncs once until they change
-        # the KL reference for fits only (validate, test never use it); LoRA: the policy, adapters off (train.reference)
-        if self.loss.needs_reference and self.peft is None and self._reference is None and not self._evaluating():
-            self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
-
-    def _evaluating(self) -> bool:  # the trainer runs ``validate`` or ``test`` (not a fit or its validations)
-        fn = getattr(getattr(self._trainer, "state", None), "fn", None)
-        return getattr(fn, "value", fn) in ("validate", "test")
-
-    def _load_model(self, mesh, gather: torch.dtype | None) -> None:
-        from transformers import AutoTokenizer
-
-        dtype = getattr(torch, self.model_dtype)
-        path = resolve_model_path(self.model_path)
-        self.tokenizer = with_pad_token(AutoTokenizer.from_pretrained(path))  # none: EOS pads
-        self.task.adapt_to_tokenizer(self.tokenizer)  # e.g. DeepMath requires </think> if the template opens <think>
-        if self.environment is not None:  # refused here, before the weights load, in one line
-            self.environment.adapt_to_tokenizer(self.tokenizer)
-            problem = multi_turn_problem(self.tokenizer, self.environment, self.task.chat_template_kwargs)
-            require(problem is None, f"model.environment: {self.environment.name} needs a multi-turn chat template, "
-                    f"but {path}: {problem}; use a model whose chat template renders tool and user turns")  # fmt: skip
-        device = getattr(getattr(self._trainer, "strategy", None), "root_device", "cpu")  # where the model computes
-        self.model = load_causal_lm(path, dtype, device)
-        if self.peft is not None:
-            apply_lora(self.model, self.peft)  # only the adapters train
-        if not self.keep_dropout:
-            disable_dropout(self.model)
-        check_logit_head(self.model)  # refuses a model whose logits the loss would compute wrongly
-        self.model.train()
-        if self.lean_mlp:
-            apply_lean_mlp(self.model)  # LoRA'd or hooked projections take the module's own forward at each call
-        if self.lean_norm:
-            apply_lean_norm(self.model)
-        if self.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if mesh is not None:
-            shard_model(self.model, mesh, gather)
-            device = self.trainer.strategy.root_device
-            self.defer_gradient_sync = defers_gradient_sync(self.gradient_sync, self.model, device)
-
     def configure_optimizers(self):
         optimizer = self.optimizer_factory([p for p in self.model.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
@@ -341,12 +291,6 @@ class GRPOPolicy(
         self._refill = RefillStream(stream, self.seed)  # prompts the step has not drawn, on every process
         self._stream = stream  # the async producer reads its steps' prompts from it
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)
-
-    def _within_prompt_limit(self, split: str) -> tuple[list[Example], int]:
-        key = "rollout" if split == "train" else "val_rollout"  # the engine that samples this split
-        engine = getattr(self, key)
-        limit = prompt_limit(self.model, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
-        return within_limit(self.task.examples(split), self.tokenizer, limit, split)
 
     def on_before_batch_transfer(self, batch: PromptBatch | list, dataloader_idx: int) -> list:
         # past the precision plugin's convert_input (sgrpo.run.data.PromptBatch); a loader of one's own may give lists

@@ -136,6 +136,41 @@ def test_prompts_over_the_model_positions_are_dropped_and_counted(model_dir, tmp
     assert read_run_metrics(tmp_path)["train/prompts_dropped"] == [(0, 128.0), (1, 128.0)]
 
 
+@pytest.mark.parametrize(
+    ("command", "split"),
+    [(["--trainer.max_steps=2"], "train"),
+     (["--trainer.max_steps=2", "--trainer.val_check_interval=1", "--model.val_rollout=sgrpo.rollout.HFRollout",
+      "--model.val_rollout.init_args.max_new_tokens=61"],
+      "validation")],  # train prompts have room for 8 new tokens; validation's for 3, shorter than any prompt
+    ids=["train", "validation"],
+)  # fmt: skip
+def test_a_split_whose_every_prompt_is_over_the_limit_is_refused_before_the_weights_load(
+    command, split, model_dir, tmp_path, capsys, monkeypatch
+):
+    """The prompts are screened once the tokenizer is loaded, before the weights (a 7B model's minutes); the
+    loaders then take the screened splits, each prompt tokenized once."""
+    import sgrpo.policy_model
+
+    monkeypatch.setattr(sgrpo.policy_model, "load_causal_lm", lambda *a: pytest.fail("the weights loaded"))
+    extra = ["--model.max_prompt_tokens=3"] if split == "train" else []  # sort prompts have 6 tokens or more
+    with pytest.raises(SystemExit) as refused:
+        main(args(tmp_path, model_dir, *command, *extra))
+    assert refused.value.code == 2
+    assert f"every {split} prompt is longer than the prompt limit" in error_line(capsys)
+
+
+def test_each_prompt_is_tokenized_once_and_a_split_the_fit_does_not_read_is_not_screened(model_dir, tmp_path,
+                                                                                           monkeypatch):  # fmt: skip
+    import sgrpo.policy_model
+
+    screened = []
+    within = sgrpo.policy_model.within_limit
+    monkeypatch.setattr(sgrpo.policy_model, "within_limit", lambda ex, tok, limit, split: (
+        screened.append(split), within(ex, tok, limit, split))[1])  # fmt: skip
+    main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--trainer.limit_val_batches=0"))
+    assert screened == ["train"]
+
+
 class AlwaysFails(Reward):
     """A reward whose scoring always raises."""
 
