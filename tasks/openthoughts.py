@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from sgrpo.checks import require
@@ -95,7 +94,7 @@ class OpenThoughts(Task):
         return bool(self.successes([example], [completion])[0])
 
     def _reached(self, total: Tensor) -> Tensor:
-        return total >= torch.tensor(self.success_threshold - 1e-9)
+        return total >= self.success_threshold - 1e-9  # a float: a tensor would take bf16-true's default dtype
 
 
 def _example(row: Mapping) -> Example:

@@ -97,3 +97,14 @@ def test_the_lm_heads_fused_float32_accumulation_is_found_whatever_the_default_d
             assert _fp32_accumulate("meta", torch.bfloat16) == expected
     finally:
         _fp32_accumulate.cache_clear()
+
+
+def test_openthoughts_success_threshold_is_not_rounded_to_the_default_dtype():
+    """bf16-true makes bf16 the default dtype in ``training_step``: a threshold built as a tensor there read 0.9 as
+    0.8984375, so a reward of 0.899 counted as a success (and moved its group between difficulty buckets)."""
+    from tasks.openthoughts import OpenThoughts
+
+    task = OpenThoughts.__new__(OpenThoughts)  # the threshold alone: no data set
+    task.success_threshold = 0.9
+    with default_dtype(torch.bfloat16):
+        assert task._reached(torch.tensor([0.899, 0.9, 1.0], dtype=torch.float32)).tolist() == [False, True, True]
