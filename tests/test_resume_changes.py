@@ -45,6 +45,15 @@ def test_the_rollout_engine_s_memory_settings_may_change_on_resume():
         "model.rollout.init_args.temperature: 1.0 -> 0.7"]
 
 
+def test_evaluation_logging_and_wait_settings_may_change_on_resume():
+    """docs/training.md: logging and evaluation settings may change freely; the producer's timeout error says to
+    raise ``model.producer_timeout``, and its resume was refused as another experiment."""
+    judge = {"class_path": "tasks.judge.JudgeReward", "init_args": {}}
+    assert experiment_changes(record(val_reward=None, log_mgf_temperature=None, producer_timeout=600.0),
+                              record(val_reward=judge, log_mgf_temperature=0.5, producer_timeout=1800.0)) == []
+    assert experiment_changes(record(max_staleness=1), record(max_staleness=2)) == ["model.max_staleness: 1 -> 2"]
+
+
 def test_a_setting_added_since_the_checkpoint_is_a_change_only_when_set():
     """A checkpoint from before ``model.environment`` existed resumes with it null (single-turn, as it trained)."""
     tool = {"class_path": "tasks.environment.ToolEnvironment", "init_args": {"tools": ["m.f"]}}

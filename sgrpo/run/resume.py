@@ -14,7 +14,7 @@ its first and last MiB, ``content_fingerprint``), since only the path is in the 
 path is another experiment too. Checkpoints written before these were recorded resume without them being compared.
 
 Settings that change how a step is computed, not what it computes, may change freely (``OPERATIONAL``):
-micro-batching, memory and logging options, and the evaluation's own settings.
+micro-batching, memory and logging options, wait limits, and the evaluation's own settings.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ OPERATIONAL = (
     "model.rollout.init_args.enforce_eager", "model.rollout.init_args.weight_chunk_mib",
     "model.rollout.init_args.weights_snapshot", "model.rollout.init_args.cuda_graphs",
     "model.optimizer.init_args.fused", "model.optimizer.init_args.foreach",  # one kernel or a dozen: the same step
+    "model.val_reward", "model.log_mgf_temperature",  # what validation scores, what a step logs
+    "model.producer_timeout",  # how long the trainer waits for the producer (its error says to raise it)
 )
 
 
