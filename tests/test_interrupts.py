@@ -202,6 +202,25 @@ def test_a_failed_resume_writes_nothing_and_says_why_in_one_line(model_dir, tmp_
     assert sorted(p.name for p in last.parent.glob("[!.]*")) == ["last.ckpt", "step2.ckpt"]
 
 
+def test_a_refused_resume_from_an_older_checkpoint_moves_and_prunes_nothing(model_dir, tmp_path, capsys):
+    """Resumed from step 1 of steps 1-2 with another optimiser (``--resume_changes allow``, so the load passes):
+    refused (exit 2) as the fit starts. Setting the
+    newer checkpoints aside (``abandoned_step1/``) and pruning to ``keep_last`` came first, so the refused run
+    still moved step 2 and ``last.ckpt`` out of the folder; now nothing is moved, pruned or written."""
+    main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--checkpoint_every=1", "--keep_last=null",
+              "--trainer.val_check_interval=100"))  # fmt: skip
+    folder = tmp_path / "checkpoints"
+    before = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert {"last.ckpt", "step1.ckpt", "step2.ckpt"} <= set(before)
+    sgd = ["--model.optimizer=torch.optim.SGD", "--model.optimizer.init_args.lr=0.01"]
+    with pytest.raises(SystemExit) as refused:
+        main(args(tmp_path, model_dir, "--trainer.max_steps=3", f"--ckpt_path={folder / 'step1.ckpt'}",
+                  "--checkpoint_every=1", "--keep_last=1", "--resume_changes=allow", *sgd))  # fmt: skip
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "trained with torch.optim.adamw.AdamW" in err, err[-2000:]
+    assert {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_ctrl_c_again_during_the_stops_teardown_exits_130_without_a_traceback(model_dir, tmp_path, monkeypatch,
                                                                              capsys):  # fmt: skip
     """The first Ctrl-C inside step 2's update stops at its end; the second lands in the teardown (a logger's
@@ -261,3 +280,4 @@ def test_a_kill_9_during_the_final_steps_last_ckpt_link_resumes_its_validation(m
         assert got[key] == points, key  # the final validation's rows included
     folder = killed / "checkpoints"
     assert last_step(killed) == STEPS and (folder / "last.ckpt").stat().st_ino == (folder / "step4.ckpt").stat().st_ino
+

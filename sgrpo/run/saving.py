@@ -168,8 +168,6 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
-        if trainer.ckpt_path and self.dirpath is not None:
-            self._tidy_after_resume(trainer, Path(self.dirpath), Path(trainer.ckpt_path))
         ours = [_qualified(type(o)) for o in trainer.optimizers]
         if self._loaded_optimizers is not None and self._loaded_optimizers != ours:
             # its state loads into another optimiser's groups and fails at the first step (SGD: KeyError 'momentum')
@@ -179,6 +177,8 @@ class RunCheckpoint(ModelCheckpoint):
         if changes:  # allowed (else refused while loading): applied, the optimiser's and the schedule's settings too
             apply_optimizer_settings(trainer.optimizers, trainer.lr_scheduler_configs, changes, pl_module.rollout_step)
             log.warning("--resume_changes allow: resuming with %s", "; ".join(changes))
+        if trainer.ckpt_path and self.dirpath is not None:  # once the resume is accepted: a refused one moves nothing
+            self._tidy_after_resume(trainer, Path(self.dirpath), Path(trainer.ckpt_path))
         self._step_end, self._validation_pending = None, False  # the loaded state is already on disk
         self._checked_step, self._training = None, True
         self.stops.install(forward_signal(trainer), now=lambda: self._may_save_now(trainer),
