@@ -304,7 +304,7 @@ class GRPOPolicy(
             "rollout_step": self.rollout_step,
             "val_history": self.val_history,
             "policy": self.policy_record(),  # for `python -m sgrpo.export`
-            "guards": guard_state(self.reward_watch, self.divergence_watch),
+            "guards": guard_state(self.reward_watch, self.divergence_watch, self.rollout_step),
         }
         # LoRA: the frozen base is the model folder. FSDP2's distributed checkpoint loads every key of the
         # model, so sharded checkpoints keep the whole state

@@ -281,3 +281,26 @@ def test_a_kill_9_during_the_final_steps_last_ckpt_link_resumes_its_validation(m
     folder = killed / "checkpoints"
     assert last_step(killed) == STEPS and (folder / "last.ckpt").stat().st_ino == (folder / "step4.ckpt").stat().st_ino
 
+
+def test_a_stop_after_scoring_saves_the_reward_streak_of_the_last_step_end(model_dir, tmp_path, monkeypatch):
+    """A reward that always fails, ``reward_failure_steps`` 3: the uninterrupted run trains and logs steps 1-3, then
+    stops. SIGTERM after step 2's scoring saves step 1's end at once (a fresh write: no step-end checkpoint of step 1
+    to link to). Its checkpoint held the streak step 2 had already counted (2), so the resumed run redid step 2,
+    counted it again and gave up one step early. The checkpoint now holds the streak of step 1's end (1), and the
+    resumed run stops where the uninterrupted one does."""
+    from sgrpo.eval.report import read_run_metrics
+
+    failing = ["--model.reward_failure_steps=3", "--model.task.init_args.reward=tests.test_faults_input.AlwaysFails",
+               "--trainer.max_steps=10", "--checkpoint_every=100", "--trainer.val_check_interval=100"]  # fmt: skip
+    with monkeypatch.context() as patched:
+        signal_at(patched, PolicyUpdate, "update", signal.SIGTERM, in_step(2))
+        with pytest.raises(SystemExit) as stopped:
+            main(args(tmp_path, model_dir, *failing))
+    assert stopped.value.code == 128 + signal.SIGTERM
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 1 and saved["sgrpo"]["guards"]["reward_failure_streak"] == 1
+    with pytest.raises(SystemExit) as gave_up:
+        main(args(tmp_path, model_dir, *failing, "--ckpt_path=last"))
+    assert gave_up.value.code == 1
+    assert [step for step, _ in read_run_metrics(tmp_path)["train/reward/failures"]] == [0, 1, 2]

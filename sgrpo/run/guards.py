@@ -83,12 +83,15 @@ class RewardFailureWatch:
         self.share, self.steps = share, steps
         self.streak = 0  # consecutive steps over the share
         self.pending: RewardFailureError | None = None  # raised once the failing step's metrics are logged
+        self._before: tuple[int, int] | None = None  # (the step observed last, the streak before it)
 
-    def observe(self, failures: float, total: int, strategy) -> None:
-        """Count one step's ``failures`` of ``total`` rewards (this process's); on the ``steps``-th bad step keep
-        the error for ``raise_pending``, so that the step trains and logs its metrics first."""
+    def observe(self, failures: float, total: int, strategy, step: int) -> None:
+        """Count step ``step``'s (0-based: the steps done before it) ``failures`` of ``total`` rewards (this
+        process's); on the ``steps``-th bad step keep the error for ``raise_pending``, so that the step trains and
+        logs its metrics first."""
         counts = torch.tensor([float(failures), float(total)], device=strategy.root_device)
         failed, scored = strategy.reduce(counts, reduce_op="sum").tolist()
+        self._before = (step, self.streak)
         self.streak = self.streak + 1 if scored and failed >= self.share * scored else 0
         if self.streak >= self.steps:
             self.pending = RewardFailureError(
@@ -98,16 +101,22 @@ class RewardFailureWatch:
                 f"model.reward_failure_share / model.reward_failure_steps)"
             )
 
+    def streak_at(self, done: int) -> int:
+        """The streak once ``done`` steps are done: the step under way (scored, not yet trained) is not counted (a
+        stop saves the last step's end, and the resumed run scores that step again)."""
+        return self._before[1] if self._before is not None and self._before[0] >= done else self.streak
+
     def raise_pending(self) -> None:
         """Raise the error ``observe`` kept, if any (after the step's metrics were logged)."""
         if self.pending is not None:
             raise self.pending
 
 
-def guard_state(reward: RewardFailureWatch, divergence: DivergenceWatch) -> dict:
-    """What a checkpoint keeps of the guards: their streaks (a resumed run goes on counting where the interrupted one
-    stood, as an uninterrupted run would: a run that ended diverged is not exported by resuming it) and the hint."""
-    return {"reward_failure_streak": reward.streak, "nonfinite_streak": divergence.streak,
+def guard_state(reward: RewardFailureWatch, divergence: DivergenceWatch, done: int) -> dict:
+    """What a checkpoint of the state after ``done`` steps keeps of the guards: their streaks as of that step's end
+    (a resumed run goes on counting where the interrupted one stood, as an uninterrupted run would: a run that ended
+    diverged is not exported by resuming it) and the hint."""
+    return {"reward_failure_streak": reward.streak_at(done), "nonfinite_streak": divergence.streak,
             "nonfinite_hint": divergence.hint}  # fmt: skip
 
 

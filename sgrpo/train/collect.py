@@ -41,7 +41,8 @@ class GroupCollection:
         scored_rows = len(examples) * self.group_size
         if not self.dynamic_sampling:
             log["train/zero_variance_groups"] = constant_groups(rewards).float().mean()
-            self.reward_watch.observe(log["train/reward/failures"], scored_rows, self.trainer.strategy)
+            failures = log["train/reward/failures"]
+            self.reward_watch.observe(failures, scored_rows, self.trainer.strategy, self.rollout_step)
             return rollout, rewards, success, parts, log
         kept, sampled, rounds = [], 0, 0
         while True:
@@ -60,7 +61,8 @@ class GroupCollection:
             log["train/reward/failures"] += refill["train/reward/failures"]
             scored_rows += len(more) * self.group_size
         # the step's failures over every round, counted once (the guard counts steps, not rounds)
-        self.reward_watch.observe(log["train/reward/failures"], scored_rows, self.trainer.strategy)
+        failures = log["train/reward/failures"]
+        self.reward_watch.observe(failures, scored_rows, self.trainer.strategy, self.rollout_step)
         log |= {
             "train/sampling/rounds": float(rounds),
             "train/sampling/groups_dropped": float(sampled - have),
