@@ -49,7 +49,7 @@ def test_multi_turn_rows_keep_the_sampler_s_log_probs_in_float32():
     row.extend([3, 4, 5], generated=True, logprobs=[-0.123456789, -1.000001, -2.5e-7], masses=[0.9999, 1.0, 0.3333333])
     trajectory = _Trajectory(Example("p", "a"), [], {}, [row], "", final=[3, 4, 5])
     with default_dtype(torch.bfloat16):
-        batch = _batch(Tokens(), [trajectory], group_size=1, pad=0, device="cpu")
+        batch = _batch(Tokens(), [trajectory], group_size=1, pad=0, device="cpu", reports=(True, True))
     expected = torch.tensor([[-0.123456789, -1.000001, -2.5e-7]], dtype=torch.float32)
     assert batch.logprobs.dtype == torch.float32 and torch.equal(batch.logprobs, expected)
     assert torch.equal(batch.nucleus_mass, torch.tensor([[0.9999, 1.0, 0.3333333]], dtype=torch.float32))

@@ -44,7 +44,7 @@ def episodes(template: str, environment, seed: int = 0, max_new_tokens: int = 16
     with torch.inference_mode():
         turns = batched_turns(recorder, recorder.pad, torch.device("cpu"))
         batch = run_episodes(turns, tokenizer, EXAMPLES, G, environment, recorder.eos, recorder.pad,
-                             torch.device("cpu"), max_positions=512)  # fmt: skip
+                             torch.device("cpu"), max_positions=512, reports=recorder.engine.sampler_reports(False))
     return batch, tokenizer, model, recorder
 
 
@@ -237,3 +237,25 @@ def test_a_turn_near_the_model_s_positions_is_decoded_within_them(decoder):
     batch = HFRollout(max_new_tokens=40, decoder=decoder).generate_episodes(model, tokenizer, EXAMPLES, 2,
                                                                              Reply(max_turns=4))  # fmt: skip
     assert batch.attention_mask.sum(-1).max() <= 64 and bool(batch.truncated.all())
+
+
+@pytest.mark.parametrize("settings, fields", [
+    ({"decoder": "lean"}, (True, False)),
+    ({"decoder": "lean", "top_p": 0.9}, (True, True)),
+    ({"decoder": "generate"}, (False, False)),
+])  # fmt: skip
+def test_a_batch_carries_the_engines_fields_whether_or_not_its_episodes_sampled(settings, fields):
+    """(log-probs, nucleus masses) present as the engine reports them, also where no episode took a turn (every
+    opening beyond the model's positions). Such a batch carried both as zeros whatever the engine: beside a process
+    whose episodes sampled, the processes differed in their fields, and the collectives on them (the nucleus mass's
+    sum, ``balance_batch``'s exchange, the sampler gap's reduce) no longer paired up."""
+    tokenizer = chat_tokenizer(PREFIX)
+    model = chat_model(tokenizer)
+    engine = HFRollout(max_new_tokens=4, **settings)
+    present = lambda batch: (batch.logprobs is not None, batch.nucleus_mass is not None)  # noqa: E731
+    torch.manual_seed(0)
+    sampled = engine.generate_episodes(model, tokenizer, EXAMPLES, G, Reply(max_turns=1))
+    model.config.max_position_embeddings = 8  # shorter than every opening: the episodes end before a turn
+    unsampled = engine.generate_episodes(model, tokenizer, EXAMPLES, G, Reply(max_turns=1))
+    assert all(e.turns == 1 for e in sampled.episodes) and all(e.turns == 0 for e in unsampled.episodes)
+    assert present(sampled) == present(unsampled) == fields

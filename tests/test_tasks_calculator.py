@@ -141,7 +141,7 @@ def test_episodes_of_the_task_run_through_the_engine_token_for_token():
     turns = {ex_tool.prompt[0]["content"]: [conversation(ex_tool, True)[1]["content"], ex_tool.answer],
              ex_head.prompt[0]["content"]: ["123"]}  # fmt: skip
     batch = run_episodes(_scripted(tok, turns), tok, examples, 1, env, [tok.eos_token_id], tok.pad_token_id,
-                         torch.device("cpu"))  # fmt: skip
+                         torch.device("cpu"), reports=(False, False))  # fmt: skip
     assert batch.completions == [ex_tool.answer, "123"]
     assert task.successes(examples, batch.completions).tolist() == [True, False]
     assert [(e.turns, e.tool_calls, e.tool_failures) for e in batch.episodes] == [(2, 1, 0), (1, 0, 0)]

@@ -158,3 +158,16 @@ def test_real_server_episodes_keep_the_servers_tokens_and_logprobs(tmp_path):
             assert reused > 0  # later turns reuse the earlier turns' KV
     finally:
         engine.close()
+
+
+def test_a_turn_answered_without_log_probs_is_refused_naming_the_server():
+    """The request asks for the sampled tokens' log-probs; an answer without them was a turn with none, and a batch
+    whose fields depended on what each process's servers sent (the collectives on them would not pair up)."""
+    from sgrpo.rollout.vllm_http import Answer
+    from sgrpo.rollout.vllm_server_episodes import _turn
+
+    content = [{"token_id": 5, "logprob": -0.5}, {"token_id": 2, "logprob": -1.0}]
+    with_them = Answer("http://a:8000", {"choices": [{"token_ids": [5, 2], "logprobs": {"content": content}}]})
+    assert _turn(with_them, None) == ([5, 2], [-0.5, -1.0], None)
+    with pytest.raises(ServerError, match=r"http://b:8000: answered without the sampled tokens' log-probs"):
+        _turn(Answer("http://b:8000", {"choices": [{"token_ids": [5, 2]}]}), None)

@@ -110,8 +110,6 @@ class _Trajectory:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     done: bool = False
     truncated: bool = False
-    with_logprobs: bool = True  # the sampler reported log-probs (the lean decoder)
-    with_masses: bool = True  # ... and nucleus masses (top-p < 1)
 
     def context(self) -> list[int]:
         return self.rows[-1].prompt + self.rows[-1].completion
@@ -131,9 +129,16 @@ def run_episodes(
     device: torch.device,
     max_batch_rows: int = 512,
     max_positions: int | None = None,
+    *,
+    reports: tuple[bool, bool],
 ) -> RolloutBatch:
     """``group_size`` episodes of ``environment`` per example as a ``RolloutBatch`` (module docstring); each turn of
-    up to ``max_batch_rows`` running episodes at a time from ``sample_turns`` (``batched_turns`` for a decoder)."""
+    up to ``max_batch_rows`` running episodes at a time from ``sample_turns`` (``batched_turns`` for a decoder).
+
+    ``reports``: (log-probs, nucleus masses), what the engine's sampler returns with every turn (a turn without
+    them, or with others, is an error). The batch carries exactly those fields, also where no episode took a turn
+    (every opening beyond the positions), so that every process's batch has the same fields and the collectives
+    on them pair up."""
     trajectories = [_open(tokenizer, ex, environment) for ex in examples for _ in range(group_size)]
     index = {id(t): i for i, t in enumerate(trajectories)}
     budget = getattr(environment, "max_episode_tokens", None)
@@ -149,11 +154,15 @@ def run_episodes(
             chunk = running[start : start + max_batch_rows]
             turns = sample_turns(Contexts([t.context() for t in chunk], [index[id(t)] for t in chunk]))
             for t, (ids, logprobs, masses) in zip(chunk, turns):
+                if (logprobs is not None, masses is not None) != reports:
+                    raise ValueError(f"the sampler returned a turn with (log-probs, nucleus masses) "
+                                     f"{(logprobs is not None, masses is not None)}, not the {reports} its engine "
+                                     "reports")  # fmt: skip
                 _take_turn(tokenizer, t, ids, logprobs, masses, eos, budget, max_positions)
         answering = [t for t in running if not t.done]
         for t, observation in zip(answering, _steps(environment, answering)):
             _answer(tokenizer, t, environment, observation, budget, max_positions)
-    return _batch(tokenizer, trajectories, group_size, pad, device)
+    return _batch(tokenizer, trajectories, group_size, pad, device, reports)
 
 
 def _open(tokenizer, example: Example, environment) -> _Trajectory:
@@ -224,7 +233,7 @@ def _take_turn(tokenizer, t: _Trajectory, ids: list[int], logprobs, masses, eos:
     ids = ids[:keep]
     cut = lambda values: None if values is None else values[:keep]  # noqa: E731
     t.rows[-1].extend(ids, True, cut(logprobs), cut(masses))
-    t.final, t.with_logprobs, t.with_masses = ids, logprobs is not None, masses is not None
+    t.final = ids
     t.counts["turns"] += 1
     t.counts["generated_tokens"] += keep
     body = ids[:-1] if ended else ids  # without the end-of-turn token, which the template writes itself
@@ -315,7 +324,8 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _batch(tokenizer, trajectories: list[_Trajectory], group_size: int, pad: int, device) -> RolloutBatch:
+def _batch(tokenizer, trajectories: list[_Trajectory], group_size: int, pad: int, device,
+           reports: tuple[bool, bool]) -> RolloutBatch:  # fmt: skip
     rows = [(i, row) for i, t in enumerate(trajectories) for row in t.rows if row.completion or len(t.rows) == 1]
     p = max(len(row.prompt) for _, row in rows)
     width = max(1, max(len(row.completion) for _, row in rows))
@@ -334,8 +344,7 @@ def _batch(tokenizer, trajectories: list[_Trajectory], group_size: int, pad: int
         masses[r, :c] = torch.tensor(row.masses, dtype=masses.dtype, device="cpu")
     episodes = [Episode(t.messages, t.rewards, **t.counts) for t in trajectories]
     forked = n != len(trajectories)
-    with_logprobs = all(t.with_logprobs for t in trajectories)
-    with_masses = all(t.with_masses for t in trajectories)
+    with_logprobs, with_masses = reports
     return RolloutBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),

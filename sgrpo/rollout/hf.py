@@ -128,7 +128,7 @@ class HFRollout(RolloutEngine):
         device = next(model.parameters()).device
         turns = batched_turns(rows, pad, device, self.max_new_tokens, positions)
         return run_episodes(turns, tokenizer, examples, group_size, environment, eos, pad, device, self.max_batch_rows,
-                            positions)  # fmt: skip
+                            positions, reports=self.sampler_reports(greedy))  # fmt: skip
 
     def _sample(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool,
@@ -195,6 +195,11 @@ class HFRollout(RolloutEngine):
         joined = torch.cat([nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])[:, :length]
         return joined.masked_fill(~mask, 0.0)
 
+    def sampler_reports(self, greedy: bool) -> tuple[bool, bool]:
+        """What ``_generate_rows`` returns besides the tokens: (log-probs, nucleus masses)."""
+        lean = self.decoder == "lean"
+        return lean, lean and not greedy and self.top_p < 1.0
+
     def _generate_rows(
         self, model, ids: Tensor, mask: Tensor, row_prompt: Tensor, eos: list[int], pad: int, greedy: bool,
         limit: int | None = None,
@@ -208,7 +213,7 @@ class HFRollout(RolloutEngine):
             from sgrpo.rollout.decode import decode  # imports transformers: not needed to check a config
 
             masses = None
-            if not greedy and self.top_p < 1.0:
+            if self.sampler_reports(greedy)[1]:
                 masses = torch.zeros(len(row_prompt), new_tokens, dtype=torch.float32, device=ids.device)
             tokens, logprobs = decode(
                 model, ids, mask, row_prompt, new_tokens, eos, pad,

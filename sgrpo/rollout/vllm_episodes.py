@@ -68,4 +68,4 @@ def _episodes(engine, llm, sampling_params, engine_rng, model, tokenizer, exampl
     positions = episode_positions(model, engine.max_model_len)
     device = next(model.parameters()).device
     return run_episodes(sample, tokenizer, examples, group_size, environment, eos, pad, device,
-                        max_positions=positions)  # fmt: skip
+                        max_positions=positions, reports=(True, False))  # fmt: skip

@@ -58,11 +58,11 @@ def server_episodes(engine, model: nn.Module, tokenizer, examples: Sequence[Exam
     device = next(model.parameters()).device
     # every running episode's turn at once (the pool keeps max_concurrency requests in flight)
     return run_episodes(sample, tokenizer, examples, group_size, environment, eos, pad, device,
-                        max_batch_rows=2**30, max_positions=positions)  # fmt: skip
+                        max_batch_rows=2**30, max_positions=positions, reports=(True, False))  # fmt: skip
 
 
 def _turn(answer: Answer, pushed: str | None) -> Turn:
-    """One answer's sample: its token ids and the sampler's log-probs of them (None when the server sent none)."""
+    """One answer's sample: its token ids and the sampler's log-probs of them (the request asks for them)."""
     choices = (answer.body or {}).get("choices") if isinstance(answer.body, dict) else None
     if not choices:
         raise ServerError(f"{answer.url}: answered without choices: {str(answer.body)[:200]}")
@@ -74,7 +74,8 @@ def _turn(answer: Answer, pushed: str | None) -> Turn:
     ids = [int(i) for i in choice.get("token_ids") or []]
     content = (choice.get("logprobs") or {}).get("content")
     if content is None:
-        return ids, None, None
+        raise ServerError(f"{answer.url}: answered without the sampled tokens' log-probs, which the request asks for "
+                          "(sampling_params.logprobs 0): is it a vLLM server?")  # fmt: skip
     if len(content) != len(ids) or any(int(c["token_id"]) != i for c, i in zip(content, ids)):
         raise ServerError(f"{answer.url}: the log-probs do not match the sampled token ids")
     return ids, [float(c["logprob"]) for c in content], None
