@@ -21,6 +21,7 @@ from typing import Any
 
 from sgrpo.checks import require
 from sgrpo.types import Example, Messages
+from tasks.pool import require_picklable
 from tasks.tools import TOOL_CALL_FORMAT, ToolRunner, parse_tool_calls, resolve_tool, tool_schema
 
 
@@ -102,8 +103,9 @@ class ToolEnvironment(Environment):
     ``max_output_chars`` characters. The last allowed turn (``max_turns``) runs no tools. ``concurrent_steps``
     episodes run their calls at once (threads: for tools that wait, and that are thread-safe). ``tool_workers``
     runs each call in one of that many worker processes instead, killed at ``tool_timeout`` even inside one long C
-    call (a thread's timeout cannot end that); its tools must be importable functions. The calls of one round (every
-    episode's turn, ``steps``) then go to the workers together, that many at once.
+    call (a thread's timeout cannot end that); its tools must be importable functions (one that does not pickle is
+    refused). The calls of one round (every episode's turn, ``steps``) then go to the workers together, that many
+    at once.
     """
 
     observation_role = "tool"
@@ -134,6 +136,8 @@ class ToolEnvironment(Environment):
             self.tools[f.__name__] = f
         self.schemas = [tool_schema(f) for f in functions]
         require(tool_workers >= 0, f"tool_workers must be >= 0 (0: threads), got {tool_workers}")
+        for name, function in self.tools.items() if tool_workers else ():
+            require_picklable(function, f"tools: {name}", "set tool_workers: 0 (threads)")
         self.runner = ToolRunner(tool_timeout, max_output_chars, tool_workers)
         self.tool_timeout, self.max_calls_per_turn = tool_timeout, max_calls_per_turn
         self.max_output_chars = max_output_chars

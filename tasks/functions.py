@@ -6,7 +6,6 @@ A config names the function by import path (``function: mymodule.my_reward``); s
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -14,7 +13,7 @@ import torch
 
 from sgrpo.checks import require
 from sgrpo.types import Example
-from tasks.pool import get_pool
+from tasks.pool import get_pool, require_picklable
 from tasks.reward import Reward, RewardResult, warn_once
 
 #: keyword arguments a reward function gets besides the example's metadata columns
@@ -55,13 +54,7 @@ class FunctionReward(Reward):
         require(workers >= 0, f"workers must be >= 0 (0 calls it in this process), got {workers}")
         require(timeout > 0, f"timeout must be > 0 seconds, got {timeout}")
         if workers:
-            try:
-                pickle.dumps(function)
-            except Exception as err:
-                raise ValueError(
-                    f"function {function!r} cannot go to a worker process ({err}): define it at the top level of "
-                    f"a module, or set workers: 0"
-                ) from None
+            require_picklable(function, "function", "set workers: 0")
         self.function = function
         self.name = name or getattr(function, "__name__", type(function).__name__)
         self.completion_format, self.workers, self.timeout = completion_format, workers, timeout

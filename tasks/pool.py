@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.pool
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -304,6 +305,16 @@ def _guarded(call: tuple[int, int], fn: Callable[..., Any], *args: Any) -> Any:
 
 
 _POOLS: dict[int, WorkerPool] = {}
+
+
+def require_picklable(function: Callable[..., Any], what: str, fix: str) -> None:
+    """``ValueError`` naming ``what`` and ``fix`` unless ``function`` pickles: one that does not (a lambda, a function
+    defined inside another) would fail every call in a worker, each only counted as a failure."""
+    try:
+        pickle.dumps(function)
+    except Exception as err:  # noqa: BLE001 - pickling raises PicklingError, AttributeError, TypeError...
+        raise ValueError(f"{what} {function!r} cannot go to a worker process ({err}): define it at the top level of "
+                         f"a module, or {fix}") from None  # fmt: skip
 
 
 def get_pool(workers: int) -> WorkerPool:

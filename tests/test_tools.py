@@ -250,3 +250,17 @@ def test_tools_that_print_from_overlapping_calls_leave_stdout_as_it_was(capsys):
     assert sys.stdout is before and capsys.readouterr().out == ""
     with pytest.raises(ValueError, match="concurrent_steps must be >= 1"):
         ToolEnvironment([multiply], concurrent_steps=0)
+
+
+def test_tool_workers_refuse_a_tool_that_cannot_go_to_a_worker_process():
+    """A tool defined inside a function does not pickle: under ``tool_workers`` every call to it came back as a
+    failure ("Error: ...") that the model was trained on, with nothing said. It is refused where the environment is
+    built, naming the tool and the fix; in threads (``tool_workers`` 0) it runs."""
+
+    def local_square(x: int) -> str:
+        """Square a number."""
+        return str(x * x)
+
+    with pytest.raises(ValueError, match=r"tools: local_square .* cannot go to a worker process .* tool_workers: 0"):
+        ToolEnvironment([multiply, local_square], tool_workers=1)
+    assert step(ToolEnvironment([local_square]), call("local_square", x=3)).messages[0]["content"] == "9"
