@@ -161,6 +161,24 @@ def test_an_environment_that_raises_fails_the_step_naming_it():
         episodes(PREFIX, Broken())
 
 
+class Briefs(Reply):
+    """Answers every turn with a system message, which many chat templates refuse after the first message."""
+
+    def step(self, example, messages) -> Observation:
+        return Observation([{"role": "system", "content": "go on"}])
+
+
+def test_a_chat_template_that_refuses_a_conversation_mid_episode_fails_the_step_naming_the_environment():
+    """The template raised inside the episode loop (a system message after the opening): a bare jinja error escaped
+    the step, naming neither the environment nor the fix. It is an ``EpisodeError`` now, as an environment's own."""
+    check = "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('System message must be at the " \
+            "beginning.') }}{% endif %}"
+    refuses = PREFIX.replace("{% for m in messages %}", "{% for m in messages %}" + check)
+    with pytest.raises(EpisodeError, match=r"the chat template cannot render environment Briefs's conversation after "
+                                           r"turn 1 \(TemplateError: System message must be at the beginning.\)"):
+        episodes(refuses, Briefs(max_turns=3))
+
+
 @pytest.mark.parametrize(
     "answer, problem",
     [

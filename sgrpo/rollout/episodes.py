@@ -168,7 +168,7 @@ def run_episodes(
 def _open(tokenizer, example: Example, environment) -> _Trajectory:
     messages = _call(environment, "start", example)
     kwargs = {**example.chat_template_kwargs, **environment.template_kwargs(example)}
-    text = render(tokenizer, messages, kwargs)
+    text = _render(tokenizer, environment, messages, kwargs, 0)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return _Trajectory(example, messages, kwargs, [_Row(ids)], text)
 
@@ -251,9 +251,8 @@ def _steps(environment, trajectories: list[_Trajectory]) -> list:
     together = _call(environment, "steps", calls) if callable(getattr(environment, "steps", None)) else None
     if together is not None:
         if len(together) != len(calls):
-            name = getattr(environment, "name", type(environment).__name__)
-            raise EpisodeError(f"environment {name} returned {len(together)} observations from steps() for "
-                               f"{len(calls)} turns: return one per turn, in order")  # fmt: skip
+            raise EpisodeError(f"environment {_name(environment)} returned {len(together)} observations from "
+                               f"steps() for {len(calls)} turns: return one per turn, in order")  # fmt: skip
         return list(together)
     workers = min(int(getattr(environment, "concurrent_steps", 1)), len(calls))
     if workers <= 1:
@@ -266,7 +265,7 @@ def _answer(tokenizer, t: _Trajectory, environment, observation, budget: int | N
     """The environment's answer to the last turn, appended to the row (or a new row where the template breaks)."""
     problem = observation_problem(observation)
     if problem is not None:
-        raise EpisodeError(f"environment {getattr(environment, 'name', type(environment).__name__)} returned {problem} "
+        raise EpisodeError(f"environment {_name(environment)} returned {problem} "
                            f"from step(): return tasks.environment.Observation(messages, reward, done)")  # fmt: skip
     t.rewards.append(None if observation.reward is None else float(observation.reward))
     t.counts["tool_calls"] += int(getattr(observation, "tool_calls", 0))
@@ -275,14 +274,15 @@ def _answer(tokenizer, t: _Trajectory, environment, observation, budget: int | N
         t.done = True
         return
     messages = [*t.messages, *observation.messages]
-    rendered = render(tokenizer, messages, t.kwargs)
+    rendered = _render(tokenizer, environment, messages, t.kwargs, t.counts["turns"])
     extends = rendered.startswith(t.text)  # else the template re-rendered earlier turns (stripped thinking)
     if extends:  # tokenize only what is new
         ids = tokenizer(rendered[len(t.text) :], add_special_tokens=False)["input_ids"]
         added, context = len(ids), len(t.context()) + len(ids)
     else:  # a new row of the same trajectory opening with the rendering: nothing sampled is re-tokenized
         ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        so_far = tokenizer(render(tokenizer, t.messages, t.kwargs, False), add_special_tokens=False)["input_ids"]
+        so_far = _render(tokenizer, environment, t.messages, t.kwargs, t.counts["turns"], False)
+        so_far = tokenizer(so_far, add_special_tokens=False)["input_ids"]
         added, context = max(len(ids) - len(so_far), 0), len(ids)  # the observations' share of the new prompt
     used = t.counts["generated_tokens"] + t.counts["observation_tokens"] + added
     if (budget is not None and used >= budget) or (max_positions is not None and context >= max_positions):
@@ -316,8 +316,23 @@ def _call(environment, method: str, *args):
     try:
         return getattr(environment, method)(*args)
     except Exception as err:
-        name = getattr(environment, "name", type(environment).__name__)
-        raise EpisodeError(f"environment {name} failed in {method}(): {describe(err)}") from err
+        raise EpisodeError(f"environment {_name(environment)} failed in {method}(): {describe(err)}") from err
+
+
+def _render(tokenizer, environment, messages: Messages, kwargs: Mapping[str, Any], turns: int,
+            generation_prompt: bool = True) -> str:  # fmt: skip
+    """``render`` inside an episode: a template that refuses the conversation (jinja's ``TemplateError``, a
+    template's ``raise_exception``) is an ``EpisodeError`` naming the environment and the turn."""
+    try:
+        return render(tokenizer, messages, kwargs, generation_prompt)
+    except Exception as err:  # noqa: BLE001 - whatever the template raises
+        where = f"after turn {turns}" if turns else "at its opening"
+        raise EpisodeError(f"the chat template cannot render environment {_name(environment)}'s conversation {where} "
+                           f"({describe(err)}): return messages the template accepts") from err  # fmt: skip
+
+
+def _name(environment) -> str:
+    return getattr(environment, "name", type(environment).__name__)
 
 
 def describe(err: BaseException) -> str:
