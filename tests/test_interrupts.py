@@ -304,3 +304,29 @@ def test_a_stop_after_scoring_saves_the_reward_streak_of_the_last_step_end(model
         main(args(tmp_path, model_dir, *failing, "--ckpt_path=last"))
     assert gave_up.value.code == 1
     assert [step for step, _ in read_run_metrics(tmp_path)["train/reward/failures"]] == [0, 1, 2]
+
+
+def test_a_signal_while_a_validation_s_metrics_are_logged_keeps_one_entry_per_validation(model_dir, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    """SIGTERM while Lightning logs step 2's validation metrics (after the policy recorded the validation, before the
+    checkpoint callback marked it done): step 2 is saved with its validation still due, so the resumed run validates
+    step 2 again (no step-end checkpoint of step 2 to link to: the save is a fresh write holding the record). The
+    record was appended a second time: the report's accuracy table showed step 2 twice."""
+    from sgrpo.eval.metrics_file import MetricsFile
+
+    original, sent = MetricsFile.log_metrics, []
+
+    def log_metrics(self, metrics, step=None):
+        if not sent and any(key.startswith("val/") for key in metrics):
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, metrics, step)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(MetricsFile, "log_metrics", log_metrics)
+        with pytest.raises(SystemExit) as stopped:
+            main(args(tmp_path, model_dir, "--checkpoint_every=100"))
+    assert stopped.value.code == 128 + signal.SIGTERM and last_step(tmp_path) == 2
+    main(args(tmp_path, model_dir, "--checkpoint_every=100", "--ckpt_path=last"))
+    history = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["sgrpo"]["val_history"]
+    assert [entry["step"] for entry in history] == [2]  # as the uninterrupted run's: saved before step 4's validation

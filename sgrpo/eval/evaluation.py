@@ -92,7 +92,8 @@ class PolicyEvaluation:
     def on_validation_epoch_end(self) -> None:
         self.val_rollout.release()
         result = self._evaluation_end("validation")
-        if result is not None:
+        if result is not None:  # a step validated again (a resume from a save made as its metrics were logged): once
+            self.val_history[:] = [entry for entry in self.val_history if entry["step"] != result["step"]]
             self.val_history.append(result)
 
     def on_test_epoch_end(self) -> None:
