@@ -171,3 +171,42 @@ def test_clipped_surrogate_multiplies_the_decoupled_weight_by_hand():
 def test_bad_corrections_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# a forked episode: rows 0 and 1 are one trajectory (its rows' deltas), row 2 another
+FORKED = [[0.3, 0.3], [-0.3, None], [0.3, 0.3]]
+FORKED_MASK = torch.tensor([[d is not None for d in row] for row in FORKED])
+FORKED_TRAJECTORY = torch.tensor([0, 0, 1])
+
+
+@pytest.mark.parametrize("correction, per_row, per_trajectory", [
+    # sums 0.6, -0.3, 0.6 all within [log 0.5, log 2]; trajectory 0's 0.3 too: kept alike (a control)
+    (SequenceMask(0.5, 2.0), [True, True, True], [True, True, True]),
+    # means 0.3, -0.3, 0.3 outside [log 0.9, log 1.2] = [-0.105, 0.182]; trajectory 0's (0.6 - 0.3) / 3 = 0.1 inside
+    (GeometricMeanMask(0.9, 1.2), [False, False, False], [True, True, False]),
+    # mean k3: e^0.3 - 1.3 = 0.04986 (rows 0, 2) > 0.045 >= e^-0.3 - 0.7 = 0.04082 (row 1); trajectory 0's
+    # (2 x 0.04986 + 0.04082) / 3 = 0.04685 > 0.045: row 1 goes with its trajectory
+    (K3Rejection(0.045), [False, True, False], [False, False, False]),
+    # sums 0.6, -0.3, 0.6 outside [log 1, log 1.5] = [0, 0.405]; trajectory 0's 0.6 - 0.3 = 0.3 inside
+    (SequenceMask(1.0, 1.5), [False, False, False], [True, True, False]),
+])  # fmt: skip
+def test_sequence_corrections_keep_or_reject_a_forked_trajectory_whole(correction, per_row, per_trajectory):
+    """A multi-turn trajectory that continued in a new row is one sequence: its statistics are summed over all its
+    rows (``sgrpo.train.sequences.trajectory_sums``), and its rows are kept or dropped together. Each row used to be
+    judged alone. Sums computed by hand."""
+    from sgrpo.train.sequences import trajectory_sums
+
+    proximal = torch.tensor([[0.0 if d is None else d for d in row] for row in FORKED], dtype=torch.float64)
+    behaviour = torch.zeros_like(proximal)
+    sums = trajectory_sums(proximal, behaviour, FORKED_MASK, torch.arange(3), FORKED_TRAJECTORY)
+    up, down = math.expm1(0.3) - 0.3, math.expm1(-0.3) + 0.3
+    want = [[0.3, 2 * up + down, 3.0], [0.3, 2 * up + down, 3.0], [0.6, 2 * up, 2.0]]
+    assert torch.allclose(sums, torch.tensor(want), rtol=0, atol=1e-6)
+    assert trajectory_sums(proximal, behaviour, FORKED_MASK, torch.arange(3), None) is None  # single-turn: own rows
+
+    def kept(sequences):
+        keep = importance_weights(proximal, behaviour, FORKED_MASK, [correction], sequences).keep
+        return (keep == FORKED_MASK).all(-1).tolist()  # each row kept whole (or dropped whole)
+
+    assert [bool(k) and bool(FORKED_MASK[i].any()) for i, k in enumerate(kept(None))] == per_row
+    assert kept(sums) == per_trajectory

@@ -3,6 +3,7 @@ forked rows through dynamic sampling, and what a step logs (issue 37)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -264,3 +265,60 @@ def test_padded_micro_batches_budget_the_observation_tokens_between_turns():
     for chunk in chunks:
         ran = trim(forked, chunk, mask)["input_ids"]
         assert len(chunk) == 1 or ran.shape[0] * ran.shape[1] <= budget
+
+
+class SeenRejections(ClippedSurrogate):
+    """Keeps, for each micro-batch, its rows' trajectory statistics, shift (delta per token) and kept flags."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seen: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def importance(self, batch):
+        weights = super().importance(batch)
+        shift = ((batch.old_logp - batch.sampler_logp) * batch.mask).sum(-1) / batch.mask.sum(-1).clamp_min(1)
+        self.seen.append((batch.sequence_sums, shift, weights.keep.any(-1), batch.mask.any(-1)))
+        return weights
+
+
+class ExternalEpisodes(FixedEpisodes):
+    """Replays one multi-turn batch as an engine with weights and kernels of its own (vLLM) delivers it."""
+
+    samples_from_policy = False
+
+
+def test_a_forked_trajectory_is_kept_or_rejected_whole_by_a_sequence_correction(chat_dir, forked, tmp_path):
+    """Episodes from an external sampler (vLLM's own kernels), each trajectory j's sampler log-probs the trainer's less
+    c_j per token, so its sequence ratio is e^(c_j |o_j|) over all its rows. ``SequenceMask(1, e^0.8)`` keeps a
+    trajectory whole or drops it whole by that sum; each row used to be judged by its own tokens, so a trajectory
+    over the band whose rows each fit was kept. Every micro-batch sees its rows' trajectory sums."""
+    from sgrpo.train.correction import SequenceMask
+
+    model = AutoModelForCausalLM.from_pretrained(chat_dir)
+    p = forked.prompt_length
+    with torch.no_grad():
+        logits = model(input_ids=forked.input_ids, attention_mask=forked.attention_mask,
+                       position_ids=position_ids_from_mask(forked.attention_mask)).logits[:, p - 1 : -1]  # fmt: skip
+    trainer_logp = logits.log_softmax(-1).gather(-1, forked.input_ids[:, p:].unsqueeze(-1)).squeeze(-1)
+    lengths = forked.completion_mask.sum(-1).float()  # [N'] each row's loss tokens
+    tokens = torch.zeros(len(forked.completions)).index_add_(0, forked.trajectory, lengths)  # |o_j|
+    shift = 0.8 / tokens.clamp_min(1) * torch.linspace(0.6, 1.6, len(tokens))  # c_j: sums 0.48 .. 1.28 around 0.8
+    rows_shift = forked.per_row(shift)  # [N'] each row its trajectory's c_j
+    behaviour = (trainer_logp - rows_shift.unsqueeze(-1)) * forked.completion_mask
+    sampled = dataclasses.replace(forked, logprobs=behaviour)
+    loss = SeenRejections(corrections=[SequenceMask(1.0, 2.2255409)])  # e^0.8
+    policy = GradCapture(str(chat_dir), ChatTask(), GRPO(), ExternalEpisodes(sampled), group_size=G, prompts_per_step=2,
+                         loss=loss, max_grad_norm=None, optimizer=lambda q: torch.optim.SGD(q, lr=0.0),
+                         environment=Reply(max_turns=3))  # fmt: skip
+    run_steps(policy, root=tmp_path)
+    row_sums = (rows_shift * lengths).tolist()
+    whole = (shift * tokens).tolist()
+    # the test tells the two apart: some trajectory is over the band while each of its rows fits
+    assert any(whole[j] > 0.8 and all(row_sums[r] <= 0.8 for r in range(len(row_sums)) if forked.trajectory[r] == j)
+               for j in range(len(whole)))  # fmt: skip
+    assert loss.seen
+    for sums, row_shift, kept, loss_rows in loss.seen:
+        assert sums is not None  # the trajectory sums reached the loss
+        total = sums[:, 0]
+        assert torch.allclose(total, row_shift * sums[:, 2], atol=1e-4)  # c_j x |o_j|: the trajectory's, not the row's
+        assert torch.equal(kept[loss_rows], ((total >= 0) & (total <= 0.8))[loss_rows])

@@ -42,7 +42,7 @@ class ImportanceCorrection(ABC):
     ``log_ratio`` ``[n, T]`` is delta = log pi_prox - log mu (clamped to +-``MAX_LOG_RATIO``), ``mask`` the loss
     tokens (bool), ``weight`` the weights so far (float32) and ``keep`` the tokens kept so far (bool). A
     truncation lowers ``weight``; a mask clears ``keep`` (the token's weight becomes 0). Sequence statistics are
-    taken over the row's loss tokens (``mask``), whatever earlier corrections did.
+    taken over the sequence's loss tokens, whatever earlier corrections did (``SequenceCorrection``).
     """
 
     @abstractmethod
@@ -55,9 +55,34 @@ def _band(low: float, high: float, name: str) -> None:
         raise ValueError(f"{name} needs 0 <= low < high, got low {low}, high {high}")
 
 
-def _row_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """``sum_t x_t`` over each row's loss tokens, ``[n, 1]``."""
-    return (x * mask).sum(-1, keepdim=True)
+def log_ratios(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
+    """``[n, T]`` float32: delta = log pi_prox - log mu (detached, clamped to +-``MAX_LOG_RATIO``), 0 off the loss
+    tokens ``mask``."""
+    delta = (proximal.detach().float() - behaviour.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
+
+
+def sequence_sums(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """``[n, 3]`` float32, each row's statistics over its loss tokens ``mask``: ``sum_t delta_t``, ``sum_t k3_t``
+    and its token count |o_i| (what a ``SequenceCorrection`` decides by)."""
+    m = mask.bool()
+    return torch.stack([(log_ratio * m).sum(-1), (k3(log_ratio) * m).sum(-1), m.sum(-1).float()], dim=-1)
+
+
+class SequenceCorrection(ImportanceCorrection):
+    """A rejection of whole sequences by their ``sequence_sums``: a row's own, or, given ``sequences`` ``[n, 3]``,
+    those of each row's multi-turn trajectory over all its rows (``sgrpo.train.sequences.trajectory_sums``), so
+    that a trajectory that continued in a new row is kept or dropped whole, as the sequence it is."""
+
+    def __call__(self, log_ratio: Tensor, mask: Tensor, weight: Tensor, keep: Tensor,
+                 sequences: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+        stats = sequence_sums(log_ratio, mask) if sequences is None else sequences.float()
+        total, k3_total, tokens = (column.unsqueeze(-1) for column in stats.unbind(-1))  # [n, 1] each
+        return weight, keep & self.keeps(total, k3_total, tokens)
+
+    @abstractmethod
+    def keeps(self, total: Tensor, k3_total: Tensor, tokens: Tensor) -> Tensor:
+        """``[n, 1]`` bool: the sequences kept, from their sum of delta, sum of k3 and loss tokens (``[n, 1]`` each)."""
 
 
 class TokenTruncation(ImportanceCorrection):
@@ -97,9 +122,10 @@ class TokenMask(ImportanceCorrection):
         return weight, keep & (log_ratio >= lo) & (log_ratio <= math.log(self.high))
 
 
-class SequenceMask(ImportanceCorrection):
-    """Sequence rejection by the sequence's importance ratio (verl ``rollout_rs: sequence``): drop row i unless
-    ``low <= prod_t w_t <= high``, that is ``log low <= sum_t delta_t <= log high`` over its loss tokens.
+class SequenceMask(SequenceCorrection):
+    """Sequence rejection by the sequence's importance ratio (verl ``rollout_rs: sequence``): drop sequence i (a row, or
+    a forked trajectory's rows: ``SequenceCorrection``) unless ``low <= prod_t w_t <= high``, that is
+    ``log low <= sum_t delta_t <= log high`` over its loss tokens.
 
     Args:
         low: Smallest kept sequence ratio (>= 0).
@@ -110,13 +136,12 @@ class SequenceMask(ImportanceCorrection):
         _band(low, high, "SequenceMask")
         self.low, self.high = low, high
 
-    def __call__(self, log_ratio: Tensor, mask: Tensor, weight: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        total = _row_sum(log_ratio, mask)  # [n, 1]
+    def keeps(self, total: Tensor, k3_total: Tensor, tokens: Tensor) -> Tensor:
         lo = -math.inf if self.low == 0 else math.log(self.low)
-        return weight, keep & (total >= lo) & (total <= math.log(self.high))
+        return (total >= lo) & (total <= math.log(self.high))
 
 
-class GeometricMeanMask(ImportanceCorrection):
+class GeometricMeanMask(SequenceCorrection):
     """Sequence rejection by the geometric mean of its weights (verl ``rollout_rs: geometric``; Liu, Li et al.
     2025): drop row i unless ``low <= exp(mean_t delta_t) <= high`` over its |o_i| loss tokens. Unlike
     ``SequenceMask`` the band does not tighten with length, so long completions are not rejected for their length.
@@ -130,13 +155,13 @@ class GeometricMeanMask(ImportanceCorrection):
         _band(low, high, "GeometricMeanMask")
         self.low, self.high = low, high
 
-    def __call__(self, log_ratio: Tensor, mask: Tensor, weight: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        mean = _row_sum(log_ratio, mask) / mask.sum(-1, keepdim=True).clamp_min(1)  # [n, 1]
+    def keeps(self, total: Tensor, k3_total: Tensor, tokens: Tensor) -> Tensor:
+        mean = total / tokens.clamp_min(1)
         lo = -math.inf if self.low == 0 else math.log(self.low)
-        return weight, keep & (mean >= lo) & (mean <= math.log(self.high))
+        return (mean >= lo) & (mean <= math.log(self.high))
 
 
-class K3Rejection(ImportanceCorrection):
+class K3Rejection(SequenceCorrection):
     """Sequence rejection by divergence (verl's k3 rejection): drop row i when the mean over its loss tokens of the
     k3 estimate of KL(mu || pi_prox), ``k3_t = w_t - 1 - delta_t`` (>= 0; Schulman's k3 with samples from mu),
     exceeds ``threshold``.
@@ -150,9 +175,8 @@ class K3Rejection(ImportanceCorrection):
             raise ValueError(f"K3Rejection threshold must be > 0, got {threshold}")
         self.threshold = threshold
 
-    def __call__(self, log_ratio: Tensor, mask: Tensor, weight: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        mean = _row_sum(k3(log_ratio), mask) / mask.sum(-1, keepdim=True).clamp_min(1)  # [n, 1]
-        return weight, keep & (mean <= self.threshold)
+    def keeps(self, total: Tensor, k3_total: Tensor, tokens: Tensor) -> Tensor:
+        return k3_total / tokens.clamp_min(1) <= self.threshold
 
 
 def k3(log_ratio: Tensor) -> Tensor:
@@ -186,22 +210,26 @@ class ImportanceWeights:
 
 
 def importance_weights(
-    proximal: Tensor, behaviour: Tensor, mask: Tensor, corrections: Sequence[ImportanceCorrection] = ()
+    proximal: Tensor, behaviour: Tensor, mask: Tensor, corrections: Sequence[ImportanceCorrection] = (),
+    sequences: Tensor | None = None,
 ) -> ImportanceWeights:
     """The decoupled objective's weights ``w_t = exp(log pi_prox - log mu)`` with ``corrections`` applied in order.
 
     ``proximal``/``behaviour`` ``[n, T]`` log-probs (detached, computed in float32), ``mask`` ``[n, T]`` the loss
-    tokens. Without corrections the weight is the raw ratio (delta clamped to +-``MAX_LOG_RATIO``).
+    tokens. Without corrections the weight is the raw ratio (delta clamped to +-``MAX_LOG_RATIO``). ``sequences``
+    ``[n, 3]``: each row's trajectory's ``sequence_sums``, for the ``SequenceCorrection`` ones (None: each row's own).
     """
     if proximal.shape != behaviour.shape or mask.shape != behaviour.shape:
         raise ValueError(f"shapes differ: {tuple(proximal.shape)}, {tuple(behaviour.shape)}, {tuple(mask.shape)}")
     m = mask.bool()
-    delta = (proximal.detach().float() - behaviour.detach().float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    delta = torch.where(m, delta, torch.zeros_like(delta))
+    delta = log_ratios(proximal, behaviour, m)
     raw = delta.exp()
     weight, keep = raw, m
     for correction in corrections:
-        weight, keep = correction(delta, m, weight, keep)
+        if isinstance(correction, SequenceCorrection):
+            weight, keep = correction(delta, m, weight, keep, sequences)
+        else:
+            weight, keep = correction(delta, m, weight, keep)
     keep = keep & m
     weight = torch.where(keep, weight, torch.zeros_like(weight))
     return ImportanceWeights(weight, keep, keep & (weight < raw), delta)

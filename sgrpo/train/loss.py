@@ -143,6 +143,8 @@ class TokenBatch:
     group_tokens: Tensor | None = None  # [n] the tokens of each row's loss group (``PolicyLoss.rows_per_group``)
     sequence_tokens: Tensor | None = None  # [n] the loss tokens of each row's trajectory over all its rows (None:
     # the row's own; a multi-turn trajectory's rows are one sequence: sgrpo.train.sequences)
+    sequence_sums: Tensor | None = None  # [n, 3] each row's trajectory's sum of delta, of k3 and its loss tokens,
+    # for a SequenceCorrection (None: the row's own; sgrpo.train.sequences.trajectory_sums)
 
 
 @dataclass(frozen=True)
@@ -293,4 +295,4 @@ class ClippedSurrogate(PolicyLoss):
     def importance(self, batch: TokenBatch) -> ImportanceWeights:
         """The importance weights of ``batch`` (``sgrpo.train.correction.importance_weights``: proximal =
         ``old_logp``, behaviour = ``sampler_logp``, with ``corrections``)."""
-        return importance_weights(batch.old_logp, batch.sampler_logp, batch.mask, self.corrections)
+        return importance_weights(batch.old_logp, batch.sampler_logp, batch.mask, self.corrections, batch.sequence_sums)

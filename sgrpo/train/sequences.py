@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sgrpo.train.correction import log_ratios, sequence_sums
+
 
 def minibatch_rows(rows: Tensor, trajectory: Tensor | None, order: Tensor | None, parts: int) -> list[Tensor]:
     """``rows`` (ascending row indices) cut into ``parts`` mini-batches, each trajectory's rows in one.
@@ -51,12 +53,29 @@ def sequence_tokens(token_mask: Tensor, rows: Tensor, trajectory: Tensor | None)
     elsewhere); None single-turn (a row's own count, which ``token_weights`` takes itself)."""
     if trajectory is None:
         return None
+    return _trajectory_totals(token_mask[rows].sum(-1).float(), rows, trajectory, token_mask.shape[0])
+
+
+def trajectory_sums(proximal: Tensor, behaviour: Tensor, token_mask: Tensor, rows: Tensor,
+                    trajectory: Tensor | None) -> Tensor | None:  # fmt: skip
+    """``[N, 3]`` float: for each of ``rows``, ``sgrpo.train.correction.sequence_sums`` of its trajectory over all
+    its rows in ``rows`` (sum of delta = log pi_prox - log mu, sum of k3, loss tokens; 0 elsewhere), what a
+    ``SequenceCorrection`` rejects a trajectory by; None single-turn (each row's own, which it takes itself)."""
+    if trajectory is None:
+        return None
+    mask = token_mask[rows]
+    per_row = sequence_sums(log_ratios(proximal[rows], behaviour[rows], mask), mask)  # [R, 3]
+    return _trajectory_totals(per_row, rows, trajectory, token_mask.shape[0])
+
+
+def _trajectory_totals(per_row: Tensor, rows: Tensor, trajectory: Tensor, n: int) -> Tensor:
+    """``per_row`` ``[R, ...]`` (one entry per row of ``rows``) added up per trajectory, each row given its
+    trajectory's total: ``[n, ...]``, 0 at the rows not in ``rows``."""
     own = trajectory.to(rows.device)[rows]  # [R]
-    per_row = token_mask[rows].sum(-1).float()  # [R]
     size = int(trajectory.max()) + 1 if trajectory.numel() else 0  # a process the exchange left without rows: none
-    totals = torch.zeros(size, dtype=torch.float32, device=rows.device)
+    totals = per_row.new_zeros((size, *per_row.shape[1:]))
     totals.index_add_(0, own, per_row)
-    out = torch.zeros(token_mask.shape[0], dtype=torch.float32, device=rows.device)
+    out = per_row.new_zeros((n, *per_row.shape[1:]))
     out[rows] = totals[own]
     return out
 

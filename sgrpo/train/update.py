@@ -41,13 +41,13 @@ from sgrpo.model.logprobs import gap_means, logprob_gap, merge_gaps
 from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import DivergenceError
-from sgrpo.train.correction import offpolicy_metrics
+from sgrpo.train.correction import SequenceCorrection, offpolicy_metrics
 from sgrpo.train.exchange import BalancedRows
 from sgrpo.train.gapwatch import GapWatch
 from sgrpo.train.loss import BatchCounts, TokenBatch, loss_groups
 from sgrpo.train.micro_logprobs import LAYOUT, MicroBatchLogprobs
 from sgrpo.train.reference import reference_model
-from sgrpo.train.sequences import minibatch_rows, sequence_budget, sequence_tokens, trajectory_count
+from sgrpo.train.sequences import minibatch_rows, sequence_budget, sequence_tokens, trajectory_count, trajectory_sums
 from sgrpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         external = stale or (external and (self.loss.weighs_sampler or self.loss.bypass))  # the loss weighs mu
         anchor = sampler_logp if external and self.loss.bypass else None  # bypass: mu is the PPO anchor
         old_logp = anchor  # one on-policy pass: the current log-probs, detached, serve (no second forward)
-        if anchor is None and self._needs_proximal_forward(external, stale):
+        whole = external and self._trajectory_corrections(rollout)  # every row's proximal log-probs first
+        if anchor is None and (self._needs_proximal_forward(external, stale) or whole):
             old_logp = self._logprobs(self.model, rollout, token_mask)  # the trainer's, at the update's start
         ref_logp = None
         if self.loss.needs_reference:  # the frozen reference, or the LoRA policy with its adapters off
@@ -131,6 +132,13 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         if self.ppo_epochs > 1 or self.num_minibatches > 1:
             return True
         return external and not stale
+
+    def _trajectory_corrections(self, rollout: RolloutBatch) -> bool:
+        """Whether the loss rejects whole sequences (``SequenceCorrection``) of multi-turn episodes: a trajectory's
+        rows may lie in several micro-batches, so its statistics come from the proximal log-probs of all of them
+        (``trajectory_sums``). Multi-turn, not forked: every process decides alike (the forward is a collective)."""
+        corrections = getattr(self.loss, "corrections", ())
+        return rollout.episodes is not None and any(isinstance(c, SequenceCorrection) for c in corrections)
 
     def _stale(self, rollout: RolloutBatch) -> bool:
         """Whether any process's rollout has a row sampled at other weights than the update starts from
@@ -204,6 +212,9 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         length = sequence_budget(self.rollout.max_new_tokens, getattr(self, "environment", None), episodes)
         counts = BatchCounts(sequences, tokens, length, groups)
         seq_tokens = sequence_tokens(token_mask, rows, rollout.trajectory)  # [N] or None (single-turn)
+        seq_sums = None  # [N, 3] each row's trajectory's statistics, for a SequenceCorrection (forked episodes)
+        if inputs["sampler"] is not None and inputs["old"] is not None and self._trajectory_corrections(rollout):
+            seq_sums = trajectory_sums(inputs["old"], inputs["sampler"], token_mask, rows, rollout.trajectory)
         adv_rows = rollout.per_row(advantages.reshape(-1))  # [N'] each row its trajectory's advantage
         skipped = len(rows)
         if self.loss.zero_at_zero_advantage:
@@ -228,7 +239,8 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
             ref, sampler = (None if x is None else x[chunk][:, :t] for x in (inputs["ref"], inputs["sampler"]))
             rows_groups = None if group_tokens is None else group_tokens[chunk]
             batch = TokenBatch(logp, old, adv_rows[chunk], mask, ref, sampler, rows_groups,
-                               None if seq_tokens is None else seq_tokens[chunk])  # fmt: skip
+                               None if seq_tokens is None else seq_tokens[chunk],
+                               None if seq_sums is None else seq_sums[chunk])  # fmt: skip
             loss, loss_stats = self.loss(batch, counts)
             self._backward(loss * scale, sync=j == backwards - 1)
             stats["loss"] += loss.detach() * scale  # the mini-batch loss once averaged over processes
