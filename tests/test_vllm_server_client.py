@@ -3,10 +3,14 @@ against stand-in servers (``tests/fake_vllm_server.py``). The real server: ``tes
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -278,3 +282,41 @@ def test_a_port_another_process_serves_is_refused_not_taken_for_the_started_serv
 
 def sent(server: FakeServer, path: str = "/inference/v1/generate") -> list:
     return [body for p, body in server.calls if p.split("?")[0] == path]
+
+
+#: a trainer that launches one stand-in server, names its process group, and waits to be killed
+LAUNCHER = """import sys, time
+sys.path.insert(0, {repo!r})
+from sgrpo.rollout import vllm_launch
+vllm_launch.server_command = lambda py, model, port, *_: [py, "-c", {health!r}, str(port)]
+launch = vllm_launch.VLLMServers(ports=[{port}], python=sys.executable, startup_timeout=20, log_dir={log!r})
+launch.start("MODEL", "float32", None, [])
+print(launch.processes[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_servers_launched_by_a_process_killed_outright_stop_with_it(tmp_path):
+    """``kill -9`` (or the OOM killer) runs no exit hook: the servers rank 0 launched, in sessions of their own, kept
+    their GPUs and ports after it. Each now runs under ``vllm_guard.py``, which ends it when the killed process's end
+    of its pipe closes."""
+    port = int(closed_port_url().rsplit(":", 1)[1])
+    script = tmp_path / "launcher.py"
+    repo = str(Path(__file__).resolve().parents[1])
+    script.write_text(LAUNCHER.format(repo=repo, port=port, log=str(tmp_path), health=HEALTH))
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    group = None
+    try:
+        group = int(trainer.stdout.readline())  # the server's session (its parent's, or the server's own before)
+        assert vllm_launch._serving("127.0.0.1", port)
+        trainer.kill()
+        trainer.wait(10)
+        deadline = time.monotonic() + 15
+        while vllm_launch._serving("127.0.0.1", port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not vllm_launch._serving("127.0.0.1", port), "the server outlived the process that launched it"
+    finally:
+        trainer.kill()
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)  # what a failure here left running

