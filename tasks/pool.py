@@ -133,6 +133,21 @@ def _lock_out(pool: multiprocessing.pool.Pool, grace: float) -> None:
     inqueue._rlock = pool._ctx.Lock()
 
 
+class _RecordingPool(multiprocessing.pool.Pool):
+    """A ``Pool`` that appends each worker process it creates to ``born``, the replacements too: the pool drops an
+    exited worker from its list within 0.1 s, so one that died right after it replaced another went unseen, and its
+    call failed only at its timeout."""
+
+    def __init__(self, *args: Any, born: list, **kwargs: Any) -> None:
+        def process(ctx, *a: Any, **k: Any):
+            worker = ctx.Process(*a, **k)
+            born.append(worker)
+            return worker
+
+        self.Process = process  # the instance's: __init__ and the worker handler create every worker through it
+        super().__init__(*args, **kwargs)
+
+
 class WorkerPool:
     """``workers`` processes that run ``fn(*args)`` calls with a per-call timeout.
 
@@ -155,6 +170,7 @@ class WorkerPool:
         self._pool: multiprocessing.pool.Pool | None = None
         self._pid = -1
         self._workers: set = set()  # worker processes seen since the pool started (the pool forgets dead ones)
+        self._born: list = []  # worker processes the pool created, not yet seen (``_RecordingPool``)
         self._started = None  # the queue on which the workers announce each call's start
         self._round = 0  # submissions so far
         self._starts: dict[int, float] = {}  # this round's calls' start times, by index (read from the queue)
@@ -165,10 +181,9 @@ class WorkerPool:
     def _get(self) -> multiprocessing.pool.Pool:
         if self._pool is None or self._pid != os.getpid():
             context = multiprocessing.get_context(_start_method())
-            self._started = context.SimpleQueue()
-            self._pool = context.Pool(
-                self.workers, _init_worker, (self._started,), maxtasksperchild=MAX_TASKS_PER_CHILD
-            )
+            self._started, self._born = context.SimpleQueue(), []
+            self._pool = _RecordingPool(self.workers, _init_worker, (self._started,), MAX_TASKS_PER_CHILD,
+                                        context=context, born=self._born)  # fmt: skip
             self._pid = os.getpid()
         return self._pool
 
@@ -177,7 +192,7 @@ class WorkerPool:
         if self._pool is not None and self._pid == os.getpid():
             _terminate(self._pool, died=bool(self._dead_workers()))
         self._pool = None
-        self._workers, self._started = set(), None
+        self._workers, self._started, self._born = set(), None, []
 
     def run(self, fn: Callable[..., Any], calls: Sequence[tuple], timeout: float) -> list[Outcome]:
         """``[fn(*args) for args in calls]`` in the workers; never raises for a failing call. Callers from several
@@ -191,6 +206,7 @@ class WorkerPool:
         self._unexplained = 0  # deaths in this run with no call announced: an idle worker killed, a failed start
         while pending:
             pool = self._get()
+            self._see_workers()  # the workers retired since the last run let go (each holds two descriptors)
             self._round, self._starts, self._running = self._round + 1, {}, {}  # older rounds' announcements: ignored
             futures = {i: pool.apply_async(_guarded, ((self._round, i), fn, *calls[i])) for i in pending}
             failed = self._collect(futures, pending, outcomes, timeout)
@@ -278,9 +294,14 @@ class WorkerPool:
     def _dead_workers(self) -> list:
         """The worker processes that died (a non-zero exit code; 0 is a worker retired after ``MAX_TASKS_PER_CHILD``,
         which is forgotten: each one kept held its pipe's two file descriptors open until ``close``)."""
-        self._workers.update(getattr(self._pool, "_pool", []))  # the pool drops exited workers within 0.1 s
-        self._workers = {worker for worker in self._workers if worker.exitcode != 0}
+        self._see_workers()
         return [worker for worker in self._workers if worker.exitcode not in (None, 0)]
+
+    def _see_workers(self) -> None:
+        """Every worker the pool created into ``_workers`` (a replacement that died at once too), less the retired."""
+        while self._born:
+            self._workers.add(self._born.pop())
+        self._workers = {worker for worker in self._workers if worker.exitcode != 0}
 
 
 def _outcome(future: multiprocessing.pool.AsyncResult, timeout: float) -> Outcome:

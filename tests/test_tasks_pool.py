@@ -181,3 +181,22 @@ def test_retired_workers_do_not_keep_file_descriptors_open(monkeypatch):
         assert len(os.listdir("/proc/self/fd")) - opened < 6  # before: +2 per retired worker
     finally:
         pool.close()
+
+
+def test_a_replacement_worker_that_dies_at_once_fails_its_call_at_once(monkeypatch):
+    """The pool replaces a worker after ``MAX_TASKS_PER_CHILD`` calls and drops an exited one from its list within
+    0.1 s: a replacement that died on its first call could come and go between two looks at that list, and its call
+    then failed only at its timeout (2 runs of 3 before). Every worker the pool creates is recorded now."""
+    import tasks.pool
+
+    monkeypatch.setattr(tasks.pool, "MAX_TASKS_PER_CHILD", 2)
+    pool = WorkerPool(1)
+    try:
+        for _ in range(3):
+            for i in range(2):  # the worker's two calls: it retires, and a fresh one takes the next call
+                assert pool.run(abs, [(-i,)], timeout=10.0)[0] == Outcome(True, i)
+            started = time.monotonic()
+            (died,) = pool.run(os._exit, [(3,)], timeout=10.0)  # at once: no time to be seen
+            assert died.error == "worker process died (exit code 3)" and time.monotonic() - started < 5, died
+    finally:
+        pool.close()
