@@ -26,7 +26,8 @@ from sgrpo.fit import main
 from sgrpo.model.logprobs import completion_logprobs
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
-from sgrpo.rollout.producer import DELAY_ENV, FAULT_ENV, ProducerError, admitted
+from sgrpo.rollout.producer import DELAY_ENV, FAULT_ENV
+from sgrpo.rollout.producer_process import ProducerError, admitted
 from sgrpo.train.asynchronous import async_rollout_error
 from sgrpo.train.update import PolicyUpdate
 from sgrpo.types import RolloutBatch

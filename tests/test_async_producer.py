@@ -20,7 +20,7 @@ from estimators import SoftmaxGRPO
 from sgrpo.model.lora import plain_weights
 from sgrpo.policy import GRPOPolicy
 from sgrpo.rollout import HFRollout
-from sgrpo.rollout.producer import ProducerError
+from sgrpo.rollout.producer_process import ProducerError
 from sgrpo.train.update import PolicyUpdate
 from tasks.synthetic import SyntheticTask
 from tests.engine_helpers import run_steps
@@ -115,6 +115,31 @@ def test_a_producer_whose_trainer_is_gone_deletes_its_block_folder(tmp_path):
     assert not os.path.exists(folder) and not running(int(pid)), done.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.bench  # 18 s (a fresh interpreter and its producer): make test-bench, which CI runs (make test's margin)
+def test_an_interpreter_that_exits_without_close_stops_its_producer(tmp_path):
+    """A script that never called ``close`` hung for good at its exit: multiprocessing's exit hook SIGTERMs daemon
+    children (the producer ignores it) and joins them with no timeout. A finalizer that runs before it closes the
+    producer now."""
+    script = tmp_path / "forgets.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from tests.test_async_producer import shipped_producer\n"
+        "if __name__ == '__main__':\n"
+        "    producer, _ = shipped_producer()\n"
+        "    print(producer.folder, producer.process.pid, flush=True)\n"
+        "    sys.exit(0)\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as hung:
+        raise AssertionError("the script hung at its exit") from hung
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder, pid = done.stdout.split()
+    assert not os.path.exists(folder) and not running(int(pid))
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie has ended)."""
     try:
@@ -142,7 +167,8 @@ def shipped_producer():
     """A producer of the shipped model (two prompts a step, steps 0 and 1), and the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
+    from sgrpo.rollout.producer import RolloutProducer
+    from sgrpo.rollout.producer_process import ProducerSpec
 
     model = AutoModelForCausalLM.from_pretrained(SHIPPED)
     spec = ProducerSpec(model_path=SHIPPED, dtype="float32", tokenizer=AutoTokenizer.from_pretrained(SHIPPED),
@@ -227,7 +253,7 @@ def test_under_fsdp2_bf16_mixed_the_producer_holds_each_weight_as_the_synchronou
     from types import SimpleNamespace
 
     from sgrpo.model.loading import load_causal_lm
-    from sgrpo.rollout.producer import sampling_model
+    from sgrpo.rollout.producer_process import sampling_model
     from sgrpo.rollout.snapshot import RolloutWeights
     from sgrpo.train import asynchronous
 

@@ -278,7 +278,7 @@ def test_requests_stay_in_flight_across_a_push_and_groups_record_the_versions_th
 def test_a_restarted_server_gets_a_full_push_and_gives_the_same_completions(engine, launch, model_dir, tokenizer):
     """First the async producer: the server killed (SIGKILL) with its requests in flight makes ``take`` raise naming
     it, within the health check's seconds. Then the restart: a full push, the same completions."""
-    from sgrpo.rollout.producer import ProducerError
+    from sgrpo.rollout.producer_process import ProducerError
     from sgrpo.rollout.server_producer import ServerProducer
 
     model = policy(model_dir, seed=5)

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from sgrpo.rollout.engine import stop_and_pad_ids
-from sgrpo.rollout.producer import Block, ProducerError, admitted
+from sgrpo.rollout.producer_process import Block, ProducerError, admitted
 from sgrpo.rollout.vllm_http import Answer, ServerError, call
 from sgrpo.rollout.vllm_requests import fitting_prompt_ids
 from sgrpo.rollout.vllm_server import GENERATE, VLLMServerRollout

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from sgrpo.model.lora import plain_weights
 from sgrpo.rollout.hf import HFRollout
-from sgrpo.rollout.producer import ProducerSpec, RolloutProducer
+from sgrpo.rollout.producer import RolloutProducer
+from sgrpo.rollout.producer_process import ProducerSpec
 from sgrpo.rollout.server_producer import ServerProducer
 from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.data import mix_seed
