@@ -5,6 +5,7 @@ The 2-process exchange (gradients equal to the unbalanced run, a process that ra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import random
@@ -238,6 +239,28 @@ def test_groups_mode_moves_whole_groups_evenly():
         assert logs["train/update/token_imbalance_after"] < logs["train/update/token_imbalance_before"]
     assert sorted(seen) == [100, 104, 200, 204]
     assert {100, 104} not in [set(s[0].input_ids[::4, 0].tolist()) for s in shares]  # the long groups apart
+
+
+def test_groups_cost_a_shared_prompt_once_per_part_under_a_row_limit():
+    """With ``micro_batch_size`` the update still runs a group's prompt once per part of at most that many rows; the
+    exchange priced each row with a prompt of its own, so a long-prompt group weighed up to G / parts times what it
+    costs. A group of 4 rows (one prompt of 30 tokens, completions of 5) in parts of 2: two sequences of 30 + 4 + 4
+    positions (a completion's last token is predicted, not run), a forward and backward (3 units) each."""
+    from sgrpo.model.rows import sequence_cost
+
+    one_prompt = process_batch([5, 5, 5, 5], 30, 4, 100)
+    ids = one_prompt.input_ids.clone()
+    ids[:, :30] = 7  # the group's one prompt
+    batch = dataclasses.replace(one_prompt, input_ids=ids)
+
+    class Limited(Placing):
+        model = type("M", (), {"config": type("C", (), {"hidden_size": 8})()})()
+        micro_batch_size = 2
+        _packs = _shares = staticmethod(lambda model: True)
+
+    runs = batch.completion_mask.any(-1)
+    costs = Limited()._group_costs(batch, [[0, 1, 2, 3]], batch.completion_mask, runs)
+    assert costs == [pytest.approx(3 * 2 * sequence_cost(38, 8))]  # was 3 x 4 x sequence_cost(34, 8): 1.71x
 
 
 class Env(Environment):

@@ -167,15 +167,16 @@ def group_parts(
 
 
 def group_cost(
-    rollout: RolloutBatch, rows: Tensor, token_mask: Tensor, hidden_size: int | None, share: bool
+    rollout: RolloutBatch, rows: Tensor, token_mask: Tensor, hidden_size: int | None, share: bool,
+    max_rows: int | None = None,
 ) -> float:
-    """Modelled update cost of one group's ``rows`` (those with loss tokens): with ``share`` (each group's prompt once),
-    ``group_parts``' parts without a budget; else each row's ``sequence_cost``. What ``model.balance_batch:
-    groups`` balances over processes (``sgrpo.train.exchange``)."""
+    """Modelled update cost of one group's ``rows`` (those with loss tokens): with ``share`` (each group's prompt once
+    per part), ``group_parts``' parts without a token budget, of at most ``max_rows`` rows; else each row's
+    ``sequence_cost``. What ``model.balance_batch: groups`` balances over processes (``sgrpo.train.exchange``)."""
     rows = rows[token_mask[rows].any(-1).to(rows.device)]
     if not len(rows):
         return 0.0
     _, lengths = sequence_lengths(rollout.attention_mask[rows], token_mask[rows])
     if share and rollout.prompt_length > 0:
-        return sum(cost for _, cost in group_parts(rollout, rows, lengths, hidden_size, None))
+        return sum(cost for _, cost in group_parts(rollout, rows, lengths, hidden_size, None, max_rows))
     return sum(sequence_cost(n, hidden_size) for n in lengths.tolist())

@@ -179,8 +179,8 @@ class BalancedRows:
         units) of the rows the gradient pass runs, per PPO epoch, plus a forward (1 unit) of every row with loss
         per no-grad pass (the proximal log-probs where more than one optimiser step runs, the reference's)."""
         packs = self._packs(self.model)
-        # a group's prompt runs once where the update shares it: packed, no row limit (update_micro_batches)
-        share = self._shares(self.model) and getattr(self, "micro_batch_size", None) is None
+        # a group's prompt runs once per part where the update shares it, parts of at most micro_batch_size rows
+        share, max_rows = self._shares(self.model), getattr(self, "micro_batch_size", None)
         hidden = getattr(self.model.config, "hidden_size", None) if packs else None
         epochs, minibatches = getattr(self, "ppo_epochs", 1), getattr(self, "num_minibatches", 1)
         passes = int(epochs * minibatches > 1) + int(bool(getattr(getattr(self, "loss", None), "needs_reference", 0)))
@@ -188,8 +188,9 @@ class BalancedRows:
         costs = []
         for rows in rows_of:
             index = torch.tensor(rows, dtype=torch.long, device="cpu")
-            cost = 3 * epochs * group_cost(joined, index, running, hidden, share)
-            costs.append(cost + (passes * group_cost(joined, index, token_mask, hidden, share) if passes else 0.0))
+            cost = 3 * epochs * group_cost(joined, index, running, hidden, share, max_rows)
+            costs.append(cost + (passes * group_cost(joined, index, token_mask, hidden, share, max_rows) if passes
+                                 else 0.0))  # fmt: skip
         return costs
 
 
