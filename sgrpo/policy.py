@@ -160,7 +160,8 @@ class GRPOPolicy(
             async_rollout: Sample in a producer process that runs ahead of the trainer (docs/async.md); HFRollout or
                 VLLMServerRollout.
             max_staleness: With async_rollout, versions (training steps) a trained group may lag the trainer, >= 0.
-            producer_timeout: Seconds the trainer waits for the producer's next groups before it raises (a hang).
+            producer_timeout: Seconds the trainer waits for the producer's next groups (or, at a push, for the
+                weights' lock) before it raises (a hang).
             sync_every: With async_rollout, training steps between weight pushes to the producer, <= max_staleness + 1.
             balance_batch: Move a step's rows between processes before the update so each trains an even share
                 (docs/packing.md): null/false each process its own rows; "rows" (or true) verl's placement of

@@ -163,6 +163,22 @@ def test_a_push_while_a_killed_producer_holds_the_weights_lock_raises_naming_it(
         producer.close()
 
 
+def test_a_push_while_a_hung_producer_holds_the_weights_lock_raises_at_the_timeout():
+    """A producer alive but stuck inside its weight copy holds the lock for good: the push waited forever (under
+    FSDP2 the other processes in their gathers). It raises after ``timeout`` seconds, naming the producer."""
+    producer, model = shipped_producer()
+    try:
+        producer._lock.acquire()  # as a producer stuck in its copy holds it
+        producer.timeout = 1.0
+        started = time.monotonic()
+        with pytest.raises(ProducerError, match=r"has held the weights' lock for 1 s: it hung while it copied"):
+            producer.push(plain_weights(model, buffers=False), 1)
+        assert time.monotonic() - started < 5 and producer.process.exitcode is None  # alive: hung, not dead
+    finally:
+        producer._lock.release()
+        producer.close()
+
+
 def shipped_producer():
     """A producer of the shipped model (two prompts a step, steps 0 and 1), and the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

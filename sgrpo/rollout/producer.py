@@ -112,12 +112,16 @@ class RolloutProducer:
         """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken.
 
         Each weight is copied as ``weights`` yields it, under the lock the producer reads them under: under FSDP2 one
-        gathered bucket of full tensors is on the device at a time, not the whole model."""
+        gathered bucket of full tensors is on the device at a time, not the whole model. Raises ``ProducerError`` when
+        the producer ended while it held their lock, or has held it for ``timeout`` seconds (hung in its copy)."""
         started = time.perf_counter()
         while not self._lock.acquire(timeout=0.2):  # a producer killed while copying never releases the lock
             if self.process.exitcode is not None:
                 raise ProducerError(f"{self.describe()} ended with exit code {self.process.exitcode} while it copied "
                                     "the weights (-9: killed, e.g. out of memory)")  # fmt: skip
+            if time.perf_counter() - started > self.timeout:
+                raise ProducerError(f"{self.describe()} has held the weights' lock for {self.timeout:g} s: it hung "
+                                    "while it copied them (raise model.producer_timeout if a copy takes that long)")
         try:
             for name, value in weights:  # gathered as they are iterated (FSDP2: collectives, every process in step)
                 self._shared[name].copy_(value.detach())
