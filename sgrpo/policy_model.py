@@ -87,20 +87,19 @@ class PolicyModel:
         """The prompts within the limit of each split this entry point reads (``STAGE_SPLITS``; an evaluation split
         where the trainer's ``limit_val_batches`` or ``limit_test_batches`` is not 0, as
         ``run.preflight.needed_splits``), ``config`` giving the model's positions."""
-        holder = type("Config", (), {"config": config})  # prompt_limit reads the model's config alone
         for split in STAGE_SPLITS.get(self._stage(), ()):
             limit = SPLIT_LIMITS.get(split)  # a trainer limited to 0 batches of a split runs no loop over it
             if limit is None or getattr(self._trainer, limit, 1.0) != 0:
-                self._screened[split] = self._screen(split, holder)
+                self._screened[split] = self._screen(split, config)
 
     def _within_prompt_limit(self, split: str) -> tuple[Sequence[Example], int]:
         """The examples of ``split`` whose prompt fits the prompt limit, and how many were dropped (screened once)."""
         if split not in self._screened:  # a model given loaded (or a split its entry point does not name)
-            self._screened[split] = self._screen(split, self.model)
+            self._screened[split] = self._screen(split, getattr(self.model, "config", None))
         return self._screened[split]
 
-    def _screen(self, split: str, model: Any) -> tuple[Sequence[Example], int]:
+    def _screen(self, split: str, config: Any) -> tuple[Sequence[Example], int]:
         key = "rollout" if split == "train" else "val_rollout"  # the engine that samples this split
         engine = getattr(self, key)
-        limit = prompt_limit(model, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
+        limit = prompt_limit(config, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
         return within_limit(self.task.examples(split), self.tokenizer, limit, split)

@@ -129,7 +129,7 @@ def test_a_10_mb_question_is_dropped_without_being_tokenized():
 def test_prompts_over_the_model_positions_are_dropped_and_counted(model_dir, tmp_path):
     from transformers import AutoConfig
 
-    assert prompt_limit(type("M", (), {"config": AutoConfig.from_pretrained(model_dir)}), None, 8) == 64 - 8
+    assert prompt_limit(AutoConfig.from_pretrained(model_dir), None, 8) == 64 - 8
     # sort prompts of 3 and 5 digits: "s:123=" is 6 tokens, "s:12345=" 8; half of the 256 are over 6
     cli = main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--model.max_prompt_tokens=6"))
     assert cli.model.prompts_dropped == 128

@@ -14,11 +14,12 @@ log = logging.getLogger(__name__)
 
 
 def prompt_limit(
-    model, max_prompt_tokens: int | None, max_new_tokens: int, engine_tokens: int | None = None,
+    config, max_prompt_tokens: int | None, max_new_tokens: int, engine_tokens: int | None = None,
     engine: str = "rollout",
 ) -> int | None:
-    """The longest prompt a rollout can take (``prompt_room`` with the model's ``max_position_embeddings``)."""
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """The longest prompt a rollout can take (``prompt_room`` with the ``max_position_embeddings`` of ``config``, the
+    model's config, or None where there is none)."""
+    positions = getattr(config, "max_position_embeddings", None)
     return prompt_room(positions, engine_tokens, max_prompt_tokens, max_new_tokens, engine)
 
 

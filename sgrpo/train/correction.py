@@ -143,8 +143,9 @@ class SequenceMask(SequenceCorrection):
 
 class GeometricMeanMask(SequenceCorrection):
     """Sequence rejection by the geometric mean of its weights (verl ``rollout_rs: geometric``; Liu, Li et al.
-    2025): drop row i unless ``low <= exp(mean_t delta_t) <= high`` over its |o_i| loss tokens. Unlike
-    ``SequenceMask`` the band does not tighten with length, so long completions are not rejected for their length.
+    2025): drop sequence i (a row, or a forked trajectory's rows) unless ``low <= exp(mean_t delta_t) <= high`` over
+    its |o_i| loss tokens. Unlike ``SequenceMask`` the band does not tighten with length, so long completions are not
+    rejected for their length.
 
     Args:
         low: Smallest kept geometric-mean weight (>= 0).
@@ -162,7 +163,7 @@ class GeometricMeanMask(SequenceCorrection):
 
 
 class K3Rejection(SequenceCorrection):
-    """Sequence rejection by divergence (verl's k3 rejection): drop row i when the mean over its loss tokens of the
+    """Sequence rejection by divergence (verl's k3 rejection): drop sequence i when the mean over its loss tokens of the
     k3 estimate of KL(mu || pi_prox), ``k3_t = w_t - 1 - delta_t`` (>= 0; Schulman's k3 with samples from mu),
     exceeds ``threshold``.
 

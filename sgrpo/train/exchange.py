@@ -188,9 +188,8 @@ class BalancedRows:
         costs = []
         for rows in rows_of:
             index = torch.tensor(rows, dtype=torch.long, device="cpu")
-            cost = 3 * epochs * group_cost(joined, index, running, hidden, share, max_rows)
-            costs.append(cost + (passes * group_cost(joined, index, token_mask, hidden, share, max_rows) if passes
-                                 else 0.0))  # fmt: skip
+            no_grad = group_cost(joined, index, token_mask, hidden, share, max_rows) if passes else 0.0
+            costs.append(3 * epochs * group_cost(joined, index, running, hidden, share, max_rows) + passes * no_grad)
         return costs
 
 
