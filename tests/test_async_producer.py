@@ -96,6 +96,7 @@ def test_a_signal_to_the_job_s_process_group_leaves_the_producer_sampling(monkey
     assert len(calls) == 4 and policy.rollout_step == 4
 
 
+@pytest.mark.slow  # a fresh interpreter and its producer: 24-34 s
 def test_a_producer_whose_trainer_is_gone_deletes_its_block_folder(tmp_path):
     """The trainer ended without ``close`` (``os._exit``, a kill): its lifeline closes, and the producer removes the
     folder of block files as it ends."""

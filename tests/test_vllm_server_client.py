@@ -296,6 +296,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter, killed: 9-18 s
 def test_servers_launched_by_a_process_killed_outright_stop_with_it(tmp_path):
     """``kill -9`` (or the OOM killer) runs no exit hook: the servers rank 0 launched, in sessions of their own, kept
     their GPUs and ports after it. Each now runs under ``vllm_guard.py``, which ends it when the killed process's end
