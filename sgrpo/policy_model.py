@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from sgrpo.model.lean_norm import apply_lean_norm
 from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path, shard_model
 from sgrpo.model.lora import apply_lora
 from sgrpo.rollout.engine import bump_weights_version, with_pad_token
-from sgrpo.rollout.episodes import multi_turn_problem
+from sgrpo.rollout.episodes import multi_turn_problem, opening_text
 from sgrpo.rollout.prompt_limits import prompt_limit, within_limit
 from sgrpo.train.reference import build_reference
 from sgrpo.types import Example
@@ -102,4 +103,6 @@ class PolicyModel:
         key = "rollout" if split == "train" else "val_rollout"  # the engine that samples this split
         engine = getattr(self, key)
         limit = prompt_limit(config, self.max_prompt_tokens, engine.max_new_tokens, engine.max_total_tokens, key)
-        return within_limit(self.task.examples(split), self.tokenizer, limit, split)
+        env = self.environment  # episodes start from the environment's opening: the screen measures that
+        opening = None if env is None else partial(opening_text, self.tokenizer, environment=env)
+        return within_limit(self.task.examples(split), self.tokenizer, limit, split, opening)

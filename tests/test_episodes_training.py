@@ -208,13 +208,9 @@ class ChatSynthetic(Task):
         return completion == example.answer
 
 
-def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, tmp_path):
-    """The config form of docs/environments.md, through sgrpo.fit: parsed, checked, one training step."""
+def tool_config(chat_dir: Path, tmp_path: Path, **model) -> Path:
+    """docs/environments.md's config form: ChatSynthetic with a ToolEnvironment of one tool, a 1-step fit."""
     import yaml
-
-    from sgrpo.fit import main, parse
-    from tasks.environment import ToolEnvironment
-    from tests.test_tools import multiply
 
     config = {
         "model": {
@@ -224,7 +220,7 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
             "rollout": {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"max_new_tokens": 8}},
             "environment": {"class_path": "tasks.environment.ToolEnvironment",
                             "init_args": {"tools": ["tests.test_tools.multiply"], "max_turns": 2}},
-            "group_size": 2, "prompts_per_step": 2, "val_samples": 1,
+            "group_size": 2, "prompts_per_step": 2, "val_samples": 1, **model,
         },
         "trainer": {"accelerator": "cpu", "max_steps": 1, "default_root_dir": str(tmp_path / "run"),
                     "logger": False, "val_check_interval": 1, "limit_val_batches": 1},
@@ -232,6 +228,16 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
     }  # fmt: skip
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, tmp_path):
+    """The config form of docs/environments.md, through sgrpo.fit: parsed, checked, one training step."""
+    from sgrpo.fit import main, parse
+    from tasks.environment import ToolEnvironment
+    from tests.test_tools import multiply
+
+    path = tool_config(chat_dir, tmp_path)
     environment = parse(["--config", str(path)]).model.environment
     assert isinstance(environment, ToolEnvironment) and environment.tools == {"multiply": multiply}
     assert environment.max_turns == 2
@@ -242,6 +248,36 @@ def test_an_environment_and_its_tools_plug_in_by_class_path_and_train(chat_dir, 
     assert any("train/episode/tool_calls" in row for row in logged)
     rates = [row["val/episode/tool_use_rate"] for row in logged if "val/episode/tool_use_rate" in row]
     assert rates and all(0 <= rate <= 1 for rate in rates)  # the fit's own validation logs the tool-use rate
+
+
+def test_the_prompt_screen_measures_the_episode_opening_with_the_tools_message(chat_dir, tmp_path, monkeypatch, capsys):
+    """A limit every prompt fits alone but no opening does (the tools' system message; a raw prompt through the
+    chat template): refused in one line before the weights load. Before, the screen measured the prompt alone, so
+    every opening passed and each episode started beyond the limit."""
+    import sgrpo.policy_model
+    from sgrpo.fit import main
+    from sgrpo.rollout.engine import render_prompt
+    from sgrpo.rollout.episodes import opening_text
+    from tasks.environment import ToolEnvironment
+    from tests.test_tools import multiply
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    environment = ToolEnvironment([multiply])
+    environment.adapt_to_tokenizer(tokenizer)
+
+    def tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    prompts = [tokens(render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs)) for ex in EXAMPLES]
+    openings = [tokens(opening_text(tokenizer, ex, environment)) for ex in EXAMPLES]
+    limit = max(prompts)
+    assert min(openings) > limit  # the tools' system message alone is longer than the prompts
+    monkeypatch.setattr(sgrpo.policy_model, "load_causal_lm", lambda *a: pytest.fail("the weights loaded"))
+    with pytest.raises(SystemExit) as refused:
+        main(["fit", "--config", str(tool_config(chat_dir, tmp_path, max_prompt_tokens=limit))])
+    assert refused.value.code == 2
+    assert "every train prompt (an episode opening: the environment adds to it) is longer than the prompt limit, " \
+           f"{limit} tokens" in capsys.readouterr().err
 
 
 def test_padded_micro_batches_budget_the_observation_tokens_between_turns():

@@ -165,8 +165,8 @@ def test_each_prompt_is_tokenized_once_and_a_split_the_fit_does_not_read_is_not_
 
     screened = []
     within = sgrpo.policy_model.within_limit
-    monkeypatch.setattr(sgrpo.policy_model, "within_limit", lambda ex, tok, limit, split: (
-        screened.append(split), within(ex, tok, limit, split))[1])  # fmt: skip
+    monkeypatch.setattr(sgrpo.policy_model, "within_limit", lambda ex, tok, limit, split, rendered: (
+        screened.append(split), within(ex, tok, limit, split, rendered))[1])  # fmt: skip
     main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--trainer.limit_val_batches=0"))
     assert screened == ["train"]
 

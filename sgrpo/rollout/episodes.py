@@ -166,11 +166,23 @@ def run_episodes(
 
 
 def _open(tokenizer, example: Example, environment) -> _Trajectory:
-    messages = _call(environment, "start", example)
-    kwargs = {**example.chat_template_kwargs, **environment.template_kwargs(example)}
-    text = _render(tokenizer, environment, messages, kwargs, 0)
+    messages, kwargs, text = _opening(tokenizer, example, environment)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return _Trajectory(example, messages, kwargs, [_Row(ids)], text)
+
+
+def _opening(tokenizer, example: Example, environment) -> tuple[Messages, dict[str, Any], str]:
+    """An episode's opening messages (``environment.start``), its template's keyword arguments, its text."""
+    messages = _call(environment, "start", example)
+    kwargs = {**example.chat_template_kwargs, **environment.template_kwargs(example)}
+    return messages, kwargs, _render(tokenizer, environment, messages, kwargs, 0)
+
+
+def opening_text(tokenizer, example: Example, environment) -> str:
+    """The text an episode of ``environment`` on ``example`` starts from: its opening through the chat template, with
+    what the environment adds (a tool environment's system message or ``tools=`` schemas). The prompt screen
+    (``sgrpo.rollout.prompt_limits.within_limit``) measures this, not the example's prompt alone."""
+    return _opening(tokenizer, example, environment)[2]
 
 
 def _room(t: _Trajectory, budget: int | None, max_positions: int | None) -> int:

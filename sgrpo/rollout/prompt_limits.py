@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sgrpo.checks import ConfigError
 from sgrpo.lazy import is_lazy, take
@@ -52,9 +52,14 @@ def prompt_room(
 
 
 def within_limit(
-    examples: Sequence[Example], tokenizer, limit: int | None, split: str
+    examples: Sequence[Example], tokenizer, limit: int | None, split: str,
+    rendered: Callable[[Example], str] | None = None,
 ) -> tuple[Sequence[Example], int]:
     """The examples whose prompt (as the rollout renders it) has at most ``limit`` tokens, and how many were dropped.
+
+    ``rendered`` gives an example's text as the rollout starts from it: by default its prompt through the chat
+    template (``render_prompt``); a multi-turn policy passes its episodes' opening
+    (``sgrpo.rollout.episodes.opening_text``: the environment's system message and tool schemas count too).
 
     A text longer than ``limit`` x the longest token of the vocabulary (in characters) has more than
     ``limit`` tokens: it is dropped without being tokenized, so a 10 MB question costs a ``len``.
@@ -67,7 +72,7 @@ def within_limit(
     keep: list[int] = []
     texts: list[tuple[int, str]] = []
     for index, ex in enumerate(examples):
-        text = render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs)
+        text = rendered(ex) if rendered is not None else render_prompt(tokenizer, ex.prompt, ex.chat_template_kwargs)
         if len(text) <= limit * longest:
             texts.append((index, text))
         if len(texts) == 1024 or (texts and index == len(examples) - 1):
@@ -78,8 +83,9 @@ def within_limit(
     dropped = len(examples) - len(kept)
     if examples and not kept:
         raise ConfigError(
-            f"every {split} prompt is longer than the prompt limit, {limit} tokens: raise model.max_prompt_tokens if "
-            f"it is set, else lower the rollout's max_new_tokens (or raise its max_model_len) to leave prompts room"
+            f"every {split} prompt{' (an episode opening: the environment adds to it)' if rendered else ''} is longer "
+            f"than the prompt limit, {limit} tokens: raise model.max_prompt_tokens if it is set, else lower the "
+            f"rollout's max_new_tokens (or raise its max_model_len) to leave prompts room"
         )
     if dropped:
         log.warning("dropped %d of %d %s prompts longer than %d tokens (the prompt limit)", dropped, len(examples),
