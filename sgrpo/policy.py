@@ -285,10 +285,12 @@ class GRPOPolicy(
     def train_dataloader(self):
         rank, world = data_parallel_rank(self.trainer.strategy), data_parallel_size(self.trainer.strategy)
         examples, self.prompts_dropped = self._within_prompt_limit("train")
-        epochs = self.trainer.max_epochs not in (None, -1)  # else max_steps bounds an endless stream
-        stream = (EpochStepBatches if epochs else StepBatches)(
-            examples, self.prompts_per_step, self.seed, self.rollout_step, rank, world
-        )
+        cursor = lambda: self.rollout_step  # noqa: E731 - each epoch's iteration starts at the steps done
+        if self.trainer.max_epochs not in (None, -1):  # else max_steps bounds an endless stream
+            stream = EpochStepBatches(examples, self.prompts_per_step, self.seed, cursor, rank, world,
+                                      self.trainer.limit_train_batches)  # fmt: skip
+        else:
+            stream = StepBatches(examples, self.prompts_per_step, self.seed, cursor, rank, world)
         self._refill = RefillStream(stream, self.seed)  # prompts the step has not drawn, on every process
         self._stream = stream  # the async producer reads its steps' prompts from it
         return torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=prompt_collate)

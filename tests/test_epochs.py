@@ -4,6 +4,7 @@ split's distinct prompts on every process, and a fit resumes mid-epoch and at an
 from __future__ import annotations
 
 import json
+import pickle
 from collections import defaultdict
 from pathlib import Path
 
@@ -171,3 +172,45 @@ def test_an_epoch_bounded_fit_stops_after_its_passes_and_resumes_mid_epoch(tmp_p
         assert set().union(*(by_step[s] for s in range(3 * epoch, 3 * epoch + 3))) == train, epoch
     stream = EpochStepBatches(list(two.model.task.examples("train")), 4, seed=0)  # the policy's seed
     assert [by_step[s] for s in range(6)] == [{ex.prompt for ex in stream.batch(s)} for s in range(6)]
+
+
+def test_an_iteration_starts_at_its_cursor_and_an_epoch_holds_the_limits_steps():
+    """Lightning starts an iteration per epoch and stops one early under limit_train_batches: the stream's cursor
+    (the policy's steps done) says where the next starts. Under a limit of S steps an epoch is S steps over the
+    first S x B prompts of its order, and the next epoch starts a fresh order."""
+    done = [0]
+    endless = StepBatches(EXAMPLES, 4, seed=3, start_step=lambda: done[0])
+    reference = StepBatches(EXAMPLES, 4, seed=3)
+    taken = iter(endless)
+    next(taken), next(taken), next(taken)  # steps 0, 1 trained, 2 pulled ahead and dropped
+    done[0] = 2
+    assert [next(iter(endless)) for _ in range(1)] == [reference.batch(2)]  # before: batch(0), trained again
+    copy = pickle.loads(pickle.dumps(endless))  # an async producer's copy: without the policy's cursor
+    assert copy._cursor is None and copy.batch(5) == reference.batch(5) and next(iter(copy)) == reference.batch(2)
+    full = EpochStepBatches(EXAMPLES, 4, seed=3)
+    limited = EpochStepBatches(EXAMPLES, 4, seed=3, start_step=lambda: done[0], limit_batches=2)
+    assert len(limited) == 2 and len(EpochStepBatches(EXAMPLES, 4, seed=3, limit_batches=0.5)) == 1
+    done[0] = 0
+    assert [b for b in limited] == [full.batch(0), full.batch(1)]  # the epoch's first 2 x 4 prompts of its order
+    done[0] = 2
+    epoch_1 = [[ex.prompt for ex in b] for b in limited]  # before: the rest of epoch 0 (its step 2), then stopped
+    assert epoch_1 == prompts(full, [3, 4]) and len({p for step in epoch_1 for p in step}) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", ["--trainer.max_steps=4", "--trainer.max_epochs=2"])
+def test_a_fit_under_limit_train_batches_trains_each_steps_own_prompts(bound, tmp_path):
+    """limit_train_batches=2 of 3 steps an epoch. Bounded by steps, Lightning's second epoch trained steps 0 and 1's
+    prompts again as steps 2 and 3 (a resume at step 2 would take others); bounded by 2 epochs, the second epoch
+    took the first's leftover step and stopped: 3 steps, not 4."""
+    steps = bound == "--trainer.max_steps=4"
+    cli = _fit(tmp_path, bound, *(["--trainer.max_epochs=-1"] if steps else ["--trainer.max_steps=-1"]),
+               "--trainer.limit_train_batches=2")  # fmt: skip
+    assert cli.model.rollout_step == 4
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for line in (tmp_path / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]].add(row["prompt"])
+    examples = list(cli.model.task.examples("train"))
+    stream = StepBatches(examples, 4, seed=0) if steps else EpochStepBatches(examples, 4, seed=0, limit_batches=2)
+    assert [by_step[s] for s in range(4)] == [{ex.prompt for ex in stream.batch(s)} for s in range(4)]

@@ -4,7 +4,7 @@ bounded by ``trainer.max_steps``), or in epochs (``EpochStepBatches``, for ``tra
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import IterableDataset
@@ -64,6 +64,12 @@ class StepBatches(IterableDataset):
     the next: the next epoch's permutation then starts with prompts that end did not hold (the others keep
     their order), so that no step holds a prompt twice (where B <= N). The stream is a pure function of
     (seed, step), so resuming at a step continues exactly where an uninterrupted run would be.
+
+    ``start_step``: where an iteration starts, a step (the first iteration; each later one goes on after the last
+    step the one before yielded) or a function read as each iteration starts (the policy's steps done). Lightning
+    starts an iteration per epoch and stops one early under ``trainer.limit_train_batches`` (and pulls a batch
+    ahead of the one it trains), so only the policy's count says which step comes next: an iteration that
+    restarted at the first step trained the first steps' prompts again, epoch after epoch.
     """
 
     def __init__(
@@ -71,7 +77,7 @@ class StepBatches(IterableDataset):
         examples: Sequence[Example],
         prompts_per_step: int,
         seed: int,
-        start_step: int = 0,
+        start_step: int | Callable[[], int] = 0,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -81,7 +87,9 @@ class StepBatches(IterableDataset):
                 "without training (python -m sgrpo.fit validate)"
             )
         self.examples = examples
-        self.prompts_per_step, self.seed, self.start_step = prompts_per_step, seed, start_step
+        self.prompts_per_step, self.seed = prompts_per_step, seed
+        self._cursor = start_step if callable(start_step) else None
+        self.next_step = 0 if callable(start_step) else start_step  # without a cursor: where the next iteration starts
         self.rank, self.world_size = rank, world_size
         self._perms: dict[int, torch.Tensor] = {}  # newest epochs' orders, as int64 (a list of ints: 40 bytes a row)
 
@@ -149,9 +157,19 @@ class StepBatches(IterableDataset):
         """This process's prompts of training step ``step``: its share of ``indices(step)``."""
         return [self.examples[i] for i in self.indices(step)[self.rank :: self.world_size]]
 
+    def __getstate__(self) -> dict:
+        """A copy for another process (an async producer reads ``batch``) goes without the cursor: a function of
+        this process's policy, which the copy neither has nor iterates by."""
+        return {**self.__dict__, "_cursor": None, "next_step": self.first_step()}
+
+    def first_step(self) -> int:
+        """The step the next iteration starts at (``start_step``)."""
+        return self._cursor() if self._cursor is not None else self.next_step
+
     def __iter__(self) -> Iterator[list[Example]]:
-        step = self.start_step
+        step = self.first_step()
         while True:
+            self.next_step = step + 1
             yield self.batch(step)
             step += 1
 
@@ -162,16 +180,20 @@ class EpochStepBatches(StepBatches):
     (``ceil(N / B) * B - N`` of them seen twice), so that every distinct prompt is trained on once per epoch and
     every process takes as many steps. Step s takes the epoch offsets ``(s mod S) * B .. + B - 1``, mod N.
 
-    Lightning's epoch is one iteration: it yields the steps from ``start_step`` (the first; a resumed run's
-    step, mid-epoch or not) or from where the previous iteration ended, to the end of that step's epoch.
-    ``len()`` is ``steps_per_epoch``, Lightning's batches per epoch.
+    Lightning's epoch is one iteration: it yields the steps from ``first_step()`` (a resumed run's step, mid-epoch
+    or not) to the end of that step's epoch. ``len()`` is ``steps_per_epoch``, Lightning's batches per epoch.
+
+    ``limit_batches``: ``trainer.limit_train_batches`` (an int counts steps, a float is a fraction of them,
+    ``limited_batches``): S is then the steps Lightning runs an epoch, epoch e steps ``e * S ..`` over the first
+    ``S * B`` prompts of its permutation, so that an epoch cut short by the limit does not leave its rest to the next.
     """
 
-    def __init__(self, examples: Sequence[Example], prompts_per_step: int, seed: int, start_step: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+    def __init__(self, examples: Sequence[Example], prompts_per_step: int, seed: int,
+                 start_step: int | Callable[[], int] = 0, rank: int = 0, world_size: int = 1,
+                 limit_batches: int | float | None = None) -> None:  # fmt: skip
         super().__init__(examples, prompts_per_step, seed, start_step, rank, world_size)
-        self.steps_per_epoch = math.ceil(len(examples) / prompts_per_step)
-        self.next_step = start_step
+        # at least 1 (a limit of 0 runs no epoch's loop): the step -> epoch arithmetic divides by it
+        self.steps_per_epoch = max(1, limited_batches(math.ceil(len(examples) / prompts_per_step), limit_batches))
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -185,10 +207,18 @@ class EpochStepBatches(StepBatches):
         return [self._index(epoch * n + offset % n) for offset in range(first, first + self.prompts_per_step)]
 
     def __iter__(self) -> Iterator[list[Example]]:
-        start = self.next_step
+        start = self.first_step()
         for step in range(start, (start // self.steps_per_epoch + 1) * self.steps_per_epoch):
             self.next_step = step + 1
             yield self.batch(step)
+
+
+def limited_batches(batches: int, limit: int | float | None) -> int:
+    """How many of ``batches`` Lightning runs under ``limit`` (a ``limit_*_batches``): an int counts batches, a float
+    is a fraction of them (rounded down, as Lightning does)."""
+    if limit is None or isinstance(limit, bool):
+        return batches
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
 
 
 class RefillStream:
