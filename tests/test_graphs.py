@@ -73,8 +73,12 @@ def rollout(model, cache: GraphCache | None, width: int = 5, seed: int = 3, grou
 
 
 def assert_same(got, expected) -> None:
+    """The same tokens; log-probs within 1e-5, or under bf16 autocast within its rounding: SDPA's blocks follow the
+    key length, the fixed-shape step's (padded) or the eager one's (up to 5e-4 apart measured; one optimiser step
+    of the weights moves them by ~4)."""
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
-    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+    bf16 = torch.is_autocast_enabled("cpu")
+    torch.testing.assert_close(got[1], expected[1], atol=2e-3 if bf16 else 1e-5, rtol=1e-5)
 
 
 def cache_for(model=None) -> GraphCache:
