@@ -76,10 +76,29 @@ class StepLogging:
         return {} if tau is None else {"train/log_mgf": log_mgf(rewards, tau).mean()}
 
     def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
+        """Each value's mean over processes. Lightning reduces each key in a collective of its own, in the order
+        logged, so every process logs ``agreed_keys``: a key another process has and this one lacks (the part of a
+        reward whose scoring failed here, which reports its own name only) counts 0 here."""
         world = self.trainer.world_size if self._trainer else 1
-        for key, value in values.items():
-            value = torch.as_tensor(value, dtype=torch.float32, device=self.device)
+        for key in agreed_keys(values) if world > 1 else values:
+            value = torch.as_tensor(values.get(key, 0.0), dtype=torch.float32, device=self.device)
             self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
+
+
+def agreed_keys(values: dict) -> list[str]:
+    """The keys of ``values`` on every process, sorted (one object all-gather over the default process group).
+
+    Without it a process whose keys differed (a reward failing there alone: its parts ``{name: zeros}``, not the
+    parts the others report) logged one collective more or fewer than the others: every later metric was reduced
+    with another's value, then a reduction met a tensor of another size (gloo aborts; NCCL reads past it or
+    hangs)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return sorted(values)
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(values))
+    return sorted(set().union(*gathered))
 
 
 def nucleus_log(rollout, add_up=lambda sums: sums) -> dict[str, Tensor]:

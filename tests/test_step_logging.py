@@ -1,0 +1,59 @@
+"""What a training step logs over several processes: every process logs the same keys in the same order."""
+
+from __future__ import annotations
+
+import multiprocessing
+from types import SimpleNamespace
+
+import torch
+
+from sgrpo.train.step_logging import StepLogging
+
+
+class Recorder(StepLogging):
+    """StepLogging with Lightning's ``log`` replaced by a recorder of what each call would reduce."""
+
+    def __init__(self) -> None:
+        self._trainer = self.trainer = SimpleNamespace(world_size=2)
+        self.device = torch.device("cpu")
+        self.logged: list[tuple[str, float]] = []
+
+    def log(self, key, value, prog_bar=False, sync_dist=False) -> None:
+        assert sync_dist
+        self.logged.append((key, float(value)))
+
+
+def _log_on(rank: int, store_path: str, values: dict, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        recorder = Recorder()
+        recorder._log_mean(values)
+        out.put((rank, recorder.logged))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_whose_reward_parts_differ_log_the_same_keys_in_one_order(tmp_path):
+    """Process 1's reward failed, so it reports the reward's own name as its part and not the parts process 0
+    reports, which it also builds in another order. Each process logged its own keys in its own order: Lightning
+    reduced process 0's parity with process 1's twopart, then a key with none (a hang or an abort). Now both log
+    the union, sorted, a key a process lacks counting 0 there."""
+    values = [
+        {"train/reward": 0.5, "train/reward/parity": 1.0, "train/reward/nonempty": 0.25, "train/loss": 2.0},
+        {"train/reward/twopart": 0.0, "train/reward": 0.0, "train/loss": 3.0},
+    ]
+    context = multiprocessing.get_context("fork")  # torch and sgrpo already imported: no interpreter start
+    out = context.Queue()
+    workers = [context.Process(target=_log_on, args=(r, str(tmp_path / "store"), values[r], out)) for r in (0, 1)]
+    for worker in workers:
+        worker.start()
+    logged = dict(out.get(timeout=60) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=30)
+        assert worker.exitcode == 0
+    keys = sorted(set(values[0]) | set(values[1]))
+    assert [k for k, _ in logged[0]] == [k for k, _ in logged[1]] == keys
+    assert dict(logged[1])["train/reward/parity"] == 0.0 and dict(logged[0])["train/reward/twopart"] == 0.0
+    assert dict(logged[0])["train/loss"] == 2.0 and dict(logged[1])["train/loss"] == 3.0
