@@ -108,3 +108,16 @@ def test_openthoughts_success_threshold_is_not_rounded_to_the_default_dtype():
     task.success_threshold = 0.9
     with default_dtype(torch.bfloat16):
         assert task._reached(torch.tensor([0.899, 0.9, 1.0], dtype=torch.float32)).tolist() == [False, True, True]
+
+
+def test_the_reward_failure_counts_are_exact():
+    """511 of 512 rewards failed with reward_failure_share 1.0: bf16 read both counts as 512 and stopped the run,
+    "the reward failed for 512 of 512 completions", though one scored (found by a review)."""
+    from sgrpo.run.guards import RewardFailureWatch
+
+    watch = RewardFailureWatch(share=1.0, steps=1)
+    with default_dtype(torch.bfloat16):
+        watch.observe(511.0, 512, OneProcess(), step=0)
+        assert watch.pending is None and watch.streak == 0
+        watch.observe(513.0, 513, OneProcess(), step=1)
+    assert watch.pending is not None and "failed for 513 of 513 completions" in str(watch.pending)

@@ -89,7 +89,7 @@ class RewardFailureWatch:
         """Count step ``step``'s (0-based: the steps done before it) ``failures`` of ``total`` rewards (this
         process's); on the ``steps``-th bad step keep the error for ``raise_pending``, so that the step trains and
         logs its metrics first."""
-        counts = torch.tensor([float(failures), float(total)], device=strategy.root_device)
+        counts = torch.tensor([float(failures), float(total)], dtype=torch.float64, device=strategy.root_device)
         failed, scored = strategy.reduce(counts, reduce_op="sum").tolist()
         self._before = (step, self.streak)
         self.streak = self.streak + 1 if scored and failed >= self.share * scored else 0
