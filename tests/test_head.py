@@ -195,3 +195,26 @@ class FreshVocabSized(torch.utils._python_dispatch.TorchDispatchMode):
                 self.bytes += t.numel() * t.element_size()
                 self.seen.append((str(func), tuple(t.shape), t.dtype))
         return out
+
+
+def test_a_backward_called_under_cpu_autocast_keeps_its_float32_products():
+    """Lightning's manual_backward runs inside training_step's autocast (bf16-mixed); on CPU the backward runs on
+    that thread, so its float32 products were cast to bf16: grad_h came out 2e-3 off the backward outside autocast
+    (found by a review). Now both are equal."""
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = (0.1 * torch.randn(500, 32)).requires_grad_()
+    targets, g = torch.randint(0, 500, (64,)), torch.randn(64)
+
+    def grads(inside: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        h.grad = w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the forward under bf16-mixed
+            logp, _ = TokenLogprobs.apply(h, w, None, targets, 1.0, 16, False, None, None)
+            if inside:
+                (logp * g).sum().backward()
+        if not inside:
+            (logp * g).sum().backward()
+        return h.grad.clone(), w.grad.clone()
+
+    (h_in, w_in), (h_out, w_out) = grads(True), grads(False)
+    assert torch.equal(h_in, h_out) and torch.equal(w_in, w_out)

@@ -316,52 +316,63 @@ class TokenLogprobs(torch.autograd.Function):
                 entropy[i : i + chunk] = lse[i : i + chunk] - p.mul_(z).sum(-1)
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk, ctx.transform, ctx.dtype = temperature, chunk, transform, dtype
+        ctx.device_type = h.device.type
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
-        h, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, chunk, transform, dtype = ctx.temperature, ctx.chunk, ctx.transform, ctx.dtype
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(h) if need_h else None
-        acc = logits_dtype(dtype)  # float32; float64 for a float64 head
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        head = LMHead(weight, bias, transform, dtype)
-        buffers = _LogitBuffers(min(chunk, h.shape[0]), head, temperature)
-        for i in range(0, h.shape[0], chunk):
-            hc, g = h[i : i + chunk], grad_logp[i : i + chunk].to(acc) * (transform.scale / temperature)
-            z = buffers.logits(hc)
-            slope = None
-            if transform.softcap is not None:  # 1 - tanh^2 = 1 - (T z / c)^2, before z is overwritten
-                slope = buffers.scratch(z.shape[0])
-                torch.mul(z, temperature / transform.softcap, out=slope).square_().neg_().add_(1.0)
-            # z <- d loss / d raw = g (onehot(target) - softmax(z)) (s / T) [x slope], in place
-            z.sub_(lse[i : i + chunk].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
-            z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
-            if slope is not None:
-                z.mul_(slope)
-            if need_b:
-                grad_b += z.sum(0)
-            if dtype in (torch.float32, torch.float64):  # 32-true: the float32 matmuls as they always were
-                if need_h and grad_h.dtype == acc:
-                    torch.mm(z, weight, out=grad_h[i : i + chunk])
-                elif need_h:
-                    grad_h[i : i + chunk] = torch.mm(z, weight)
-                if need_w:
-                    grad_w.addmm_(z.t(), hc.to(acc))
-            elif not _fp32_output(z.device.type, dtype):  # CPU: float32 products of the rounded weight
-                if need_h:
-                    grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype, stacked=head.stacked(0))
-                if need_w:
-                    activations_mm_(grad_w, z.t(), hc, dtype)
-            else:
-                rows_h = grad_h[i : i + chunk] if need_h else None
-                grads_in_parts_(z, hc, head, dtype, rows_h, grad_w if need_w else None)
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        grad_bias = None if bias is None else cast(grad_b, bias)
-        return grad_h, cast(grad_w, weight), grad_bias, None, None, None, None, None, None
+        # autocast off, as in the forward: a CPU backward runs on the calling thread, under training_step's autocast
+        # (bf16-mixed), which rounded the float32 products to bf16 (grad_h 2e-3 off); CUDA's backward thread has none
+        if not torch.amp.is_autocast_available(ctx.device_type):  # meta: no autocast to leave
+            return _grads(ctx, grad_logp)
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _grads(ctx, grad_logp)
+
+
+def _grads(ctx, grad_logp):
+    """``TokenLogprobs.backward``'s gradients (its docstring), autocast off."""
+    h, weight, bias, targets, lse = ctx.saved_tensors
+    temperature, chunk, transform, dtype = ctx.temperature, ctx.chunk, ctx.transform, ctx.dtype
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_h = torch.empty_like(h) if need_h else None
+    acc = logits_dtype(dtype)  # float32; float64 for a float64 head
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+    head = LMHead(weight, bias, transform, dtype)
+    buffers = _LogitBuffers(min(chunk, h.shape[0]), head, temperature)
+    for i in range(0, h.shape[0], chunk):
+        hc, g = h[i : i + chunk], grad_logp[i : i + chunk].to(acc) * (transform.scale / temperature)
+        z = buffers.logits(hc)
+        slope = None
+        if transform.softcap is not None:  # 1 - tanh^2 = 1 - (T z / c)^2, before z is overwritten
+            slope = buffers.scratch(z.shape[0])
+            torch.mul(z, temperature / transform.softcap, out=slope).square_().neg_().add_(1.0)
+        # z <- d loss / d raw = g (onehot(target) - softmax(z)) (s / T) [x slope], in place
+        z.sub_(lse[i : i + chunk].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+        z.scatter_add_(-1, targets[i : i + chunk].unsqueeze(-1), g.unsqueeze(-1))
+        if slope is not None:
+            z.mul_(slope)
+        if need_b:
+            grad_b += z.sum(0)
+        if dtype in (torch.float32, torch.float64):  # 32-true: the float32 matmuls as they always were
+            if need_h and grad_h.dtype == acc:
+                torch.mm(z, weight, out=grad_h[i : i + chunk])
+            elif need_h:
+                grad_h[i : i + chunk] = torch.mm(z, weight)
+            if need_w:
+                grad_w.addmm_(z.t(), hc.to(acc))
+        elif not _fp32_output(z.device.type, dtype):  # CPU: float32 products of the rounded weight
+            if need_h:
+                grad_h[i : i + chunk] = weight_mm(z, head.weight, dtype, stacked=head.stacked(0))
+            if need_w:
+                activations_mm_(grad_w, z.t(), hc, dtype)
+        else:
+            rows_h = grad_h[i : i + chunk] if need_h else None
+            grads_in_parts_(z, hc, head, dtype, rows_h, grad_w if need_w else None)
+    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+    grad_bias = None if bias is None else cast(grad_b, bias)
+    return grad_h, cast(grad_w, weight), grad_bias, None, None, None, None, None, None
 
 
 class _LogitBuffers:
@@ -387,4 +398,3 @@ def log_softmax_at(logits: Tensor, tokens: Tensor) -> Tensor:
     """``log softmax(logits)[tokens]`` per row: float32 ``[R]`` for ``logits`` ``[R, V]`` and ``tokens`` ``[R]``."""
     z = logits.float()
     return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1)
-
