@@ -36,7 +36,7 @@ from sgrpo.checks import exit_with_error
 from sgrpo.distributed import leave_process_group
 from sgrpo.model.loading import largest_magnitude, load_causal_lm, resolve_model_path
 from sgrpo.model.lora import LoRA, adapter_state, apply_lora, is_adapter, merged_state, save_adapter
-from sgrpo.run.checkpoints import PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
+from sgrpo.run.checkpoints import EXPORT_MARK, PARTIAL, checkpoint_problem, hidden_name, remove_path, replace_folder
 from sgrpo.run.faults import FAILING, announce, disk_fault, disk_words
 from sgrpo.run.folders import logger_versions
 from sgrpo.run.signals import Stopped, forward_signal
@@ -192,6 +192,9 @@ class PolicyExport:
         with staged_export(self.export_path, leader, stop_every_process(self.trainer)) as staged:
             save_policy(self.model, self.tokenizer, staged, self.peft, base, merged, leader=leader,
                         sharded=self.device_mesh is not None)  # fmt: skip
+            if leader:  # the mark that lets a later export replace this folder (run.preflight.check_export_dir)
+                mark = {"run": str(Path(self.trainer.default_root_dir).absolute()), "step": self.rollout_step}
+                (staged / EXPORT_MARK).write_text(json.dumps(mark | {"base": base}) + "\n")
 
     def policy_record(self) -> dict[str, Any]:
         """The base model, dtype and LoRA settings: what a checkpoint needs to be exported on its own. The

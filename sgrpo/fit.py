@@ -59,6 +59,7 @@ from sgrpo.run.launch_checks import (
 from sgrpo.run.precision import check_weight_precision
 from sgrpo.run.preflight import (
     check_config_files,
+    check_export_dir,
     check_policy,
     check_splits,
     check_values,
@@ -108,6 +109,7 @@ class SgrpoCLI(LightningCLI):
         root = run_folder(config.get("default_root_dir"))
         if self.mode == "fit":
             check_writable(root)  # before any process or model: a read-only folder fails at the lock, mid-start
+            check_export_dir(self.model.export_dir, root)  # which the fit's end replaces whole
         every, keep = self._get(self.config_init, "checkpoint_every"), self._get(self.config_init, "keep_last")
         if config.get("enable_progress_bar") is not False:
             callbacks.append(StepProgressBar())

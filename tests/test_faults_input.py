@@ -4,6 +4,7 @@ kills, signals and run folders)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -44,6 +45,8 @@ BAD_CONFIGS = [
     ("accumulate-by-lightning", ["--trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches is not for"),
     ("fractional-validation", ["--trainer.val_check_interval=0.5"], "val_check_interval must count training steps"),
     ("deepspeed-by-name", ["--trainer.strategy=deepspeed"], "trainer.strategy: DeepSpeedStrategy is not supported"),
+    ("limit-train-0", ["--trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no step"),
+    ("limit-train-fraction", ["--trainer.limit_train_batches=0.5"], "is a fraction of an epoch, which a run bounded"),
 ]  # fmt: skip
 
 
@@ -60,6 +63,30 @@ def test_a_bad_configuration_fails_in_one_line_before_loading(extra, needle, mod
     assert needle in error_line(capsys)
     assert time.perf_counter() - started < 10
     assert not (tmp_path / "run" / "lightning_logs").exists()  # nothing ran
+
+
+def test_an_export_dir_holding_what_is_not_an_export_is_refused_before_loading(model_dir, tmp_path, capsys):
+    """The fit's end replaces export_dir whole: a folder of a user's files, a file, the run folder or its parent
+    (checkpoints and metrics with it) were deleted without a word (found by a review). Refused in one line now,
+    before the model loads, and nothing is touched; a folder a fit exported to (its mark) is replaced."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "notes.txt").write_text("mine\n")
+    (tmp_path / "file.txt").write_text("mine too\n")
+    for target, needle in [(data, "holds what is not a fit's export (no sgrpo_export.json)"),
+                           (tmp_path / "file.txt", "holds what is not a fit's export"),
+                           (tmp_path / "run", "is the run folder or holds it"),
+                           (tmp_path, "is the run folder or holds it")]:  # fmt: skip
+        with pytest.raises(SystemExit) as refused:
+            main(args(tmp_path / "run", model_dir, "--trainer.max_steps=1", f"--model.export_dir={target}"))
+        assert refused.value.code == 2 and needle in error_line(capsys), target
+        assert not (tmp_path / "run" / "lightning_logs").exists()
+    assert (data / "notes.txt").read_text() == "mine\n" and (tmp_path / "file.txt").is_file()
+    export = tmp_path / "export"
+    for name in ("first", "second"):  # the second run's export replaces the first's
+        main(args(tmp_path / name, model_dir, "--trainer.max_steps=1", f"--model.export_dir={export}"))
+        mark = json.loads((export / "sgrpo_export.json").read_text())
+        assert mark["run"] == str(tmp_path / name) and mark["step"] == 1 and (export / "config.json").is_file()
 
 
 @pytest.mark.slow

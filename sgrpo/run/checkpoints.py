@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: hidden names of unfinished writes (``.last.ckpt.partial``) and of a folder being swapped out (``.old``)
 PARTIAL, OLD = ".partial", ".old"
+#: the file a fit's export holds (its run folder, step, base): only such a folder is replaced by a later export
+EXPORT_MARK = "sgrpo_export.json"
 CHECKSUM = ".sha256"  # beside a checkpoint file: the SHA-256 of its bytes as written (``.last.ckpt.sha256``)
 _STEP_FILE = re.compile(r"step(\d+)\.ckpt")
 

@@ -26,6 +26,7 @@ import yaml
 from sgrpo.checks import ConfigError
 from sgrpo.model.loading import resolve_model_path
 from sgrpo.model.lora import lora_problem
+from sgrpo.run.checkpoints import EXPORT_MARK
 from sgrpo.run.data import stopping_rule_error
 from sgrpo.run.precision import stand_in_optimizer
 from tasks.data import SplitTable
@@ -104,6 +105,14 @@ def check_trainer_keys(trainer: Any) -> None:
             f"trainer.val_check_interval must count training steps (an integer, counted across epochs; not a fraction "
             f"of an epoch), got {interval}"
         )
+    limit, epochs = trainer.get("limit_train_batches"), trainer.get("max_epochs") not in (None, -1)
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:
+        raise ConfigError("trainer.limit_train_batches=0 trains no step (and would export the untrained model): to "
+                          "evaluate a model, run python -m sgrpo.fit validate")  # fmt: skip
+    if isinstance(limit, float) and limit != 1.0 and not epochs:  # Lightning's error, once the model has loaded
+        raise ConfigError(f"trainer.limit_train_batches={limit} is a fraction of an epoch, which a run bounded by "
+                          "trainer.max_steps does not have: give the steps an epoch as an integer, or bound the run "
+                          "by trainer.max_epochs")  # fmt: skip
 
 
 def check_checkpoint_path(ckpt_path: str | None) -> None:
@@ -133,10 +142,27 @@ def writable(root: Path) -> bool:
     return True
 
 
-def check_writable(root: Path) -> None:
-    """The run folder ``trainer.default_root_dir`` can be written: an entry is created (and removed) in it, or in
-    the nearest folder above it that exists (a fit creates the rest). Probed by writing, as ``os.access``
-    answers yes to root on a read-only mount or an immutable folder."""
+def check_export_dir(export_dir: str | None, root: Path) -> None:
+    """``model.export_dir``, which a fit's end replaces whole, is refused before any model loads where that deletes
+    what is not an export: a file, a folder holding files but no ``EXPORT_MARK`` (the base model's folder, another
+    model, a user's data), the run folder or a folder holding it (its checkpoints and metrics went with it); and
+    where it cannot be written."""
+    if export_dir is None:
+        return
+    path, run, key = Path(export_dir).expanduser().absolute(), Path(root).expanduser().absolute(), "model.export_dir"
+    if path == run or path in run.parents:
+        raise ConfigError(f"{key}={export_dir} is the run folder or holds it, and the export replaces it whole "
+                          "(the checkpoints with it): give a folder of its own (default: <run folder>/hf_model)")
+    if path.is_file() or (path.is_dir() and any(path.iterdir()) and not (path / EXPORT_MARK).is_file()):
+        raise ConfigError(f"{key}={export_dir} holds what is not a fit's export (no {EXPORT_MARK}), and the export "
+                          f"replaces it whole: give a new or empty folder, or remove this one")  # fmt: skip
+    check_writable(path, key)
+
+
+def check_writable(root: Path, key: str = "trainer.default_root_dir") -> None:
+    """The run folder ``trainer.default_root_dir`` (or the folder of ``key``) can be written: an entry is created
+    (and removed) in it, or in the nearest folder above it that exists (a fit creates the rest). Probed by writing, as
+    ``os.access`` answers yes to root on a read-only mount or an immutable folder."""
     folder = Path(root).expanduser().absolute()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -146,7 +172,7 @@ def check_writable(root: Path) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".sgrpo-probe-", dir=folder))
     except OSError as err:
         raise ConfigError(
-            f"trainer.default_root_dir={root}: cannot write in {folder} ({err.strerror or err}); give a folder "
+            f"{key}={root}: cannot write in {folder} ({err.strerror or err}); give a folder "
             f"this user can write"
         ) from None
 
