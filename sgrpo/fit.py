@@ -102,8 +102,8 @@ class SgrpoCLI(LightningCLI):
         First the values that would fail only once the model has loaded (``sgrpo.run.preflight``).
         """
         check_values(self.config)
-        check_policy(self.model)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        check_policy(self.model, config.get("max_steps") if self.mode == "fit" else None)
         check_splits(self.model.task, needed_splits(self.mode, config))
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = run_folder(config.get("default_root_dir"))

@@ -45,6 +45,11 @@ BAD_CONFIGS = [
     ("accumulate-by-lightning", ["--trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches is not for"),
     ("fractional-validation", ["--trainer.val_check_interval=0.5"], "val_check_interval must count training steps"),
     ("deepspeed-by-name", ["--trainer.strategy=deepspeed"], "trainer.strategy: DeepSpeedStrategy is not supported"),
+    ("schedule-shorter-than-the-run", ["--model.scheduler=torch.optim.lr_scheduler.OneCycleLR",
+                                       "--model.scheduler.init_args.max_lr=0.01",
+                                       "--model.scheduler.init_args.total_steps=2"],
+     "model.scheduler: Tried to step 3 times. The specified number of total steps is 2 at training step 3 of "
+     "trainer.max_steps=3"),
     ("limit-train-0", ["--trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no step"),
     ("limit-train-fraction", ["--trainer.limit_train_batches=0.5"], "is a fraction of an epoch, which a run bounded"),
 ]  # fmt: skip

@@ -28,7 +28,7 @@ from sgrpo.model.loading import resolve_model_path
 from sgrpo.model.lora import lora_problem
 from sgrpo.run.checkpoints import EXPORT_MARK
 from sgrpo.run.data import stopping_rule_error
-from sgrpo.run.precision import stand_in_optimizer
+from sgrpo.run.precision import SCHEDULE_STEPS_READ, stand_in_optimizer
 from tasks.data import SplitTable
 
 _URL = re.compile(r"[a-zA-Z][\w+.-]*://")
@@ -255,8 +255,11 @@ def _cached(repo_id: str, kind: str) -> bool:
     return kind == "dataset" and (datasets_cache / repo_id.replace("/", "___")).is_dir()
 
 
-def check_policy(policy: Any) -> None:
-    """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there."""
+def check_policy(policy: Any, max_steps: int | None = None) -> None:
+    """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there.
+    With ``max_steps`` (a fit's), the scheduler is stepped that many times (at most ``SCHEDULE_STEPS_READ``), once
+    per training step as the fit steps it: a schedule shorter than the run (OneCycleLR's ``total_steps``) raised
+    mid-run, inside an update, hours in."""
     check_model(policy.model_path)
     check_prompt_room(policy)
     check_rollout_servers(policy)
@@ -268,12 +271,17 @@ def check_policy(policy: Any) -> None:
         if not (math.isfinite(lr) and lr > 0):
             raise ConfigError(f"model.optimizer: lr must be a finite number > 0, got {lr}")
     if policy.scheduler_factory is not None:
-        try:  # built and stepped once (StepLR's step_size 0 divides by it at the first step)
+        steps = 1 if max_steps is None or max_steps < 1 else min(max_steps, SCHEDULE_STEPS_READ)
+        step = 0
+        try:  # built and stepped (StepLR's step_size 0 divides by it at the first step)
             scheduler = policy.scheduler_factory(optimizer)
             optimizer.step()  # no gradient: nothing moves, and the scheduler sees its optimiser stepped first
-            scheduler.step()
-        except (TypeError, ValueError, ZeroDivisionError) as err:
-            raise ConfigError(f"model.scheduler: {err}") from None
+            while step < steps:
+                step += 1
+                scheduler.step()
+        except (TypeError, ValueError, ZeroDivisionError, IndexError) as err:
+            at = f" at training step {step} of trainer.max_steps={max_steps}" if step > 1 else ""
+            raise ConfigError(f"model.scheduler: {err}{at}") from None
     for table in vars(policy.task).values():
         if isinstance(table, SplitTable):
             check_table(table)
