@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -255,8 +256,8 @@ def parse(args: list[str] | None = None, mode: str = "fit") -> SgrpoCLI:
                 "default_root_dir": "runs/default",
             },
         )
-    except (ValueError, FileNotFoundError) as err:  # ours, a constructor's, a data file's
-        exit_with_error(f"invalid configuration: {union_error(str(err))}", 2)
+    except (ValueError, FileNotFoundError, MisconfigurationException) as err:  # ours, a constructor's, a data
+        exit_with_error(f"invalid configuration: {union_error(str(err))}", 2)  # file's, Lightning's (devices=0)
 
 
 def main(args: list[str] | None = None) -> SgrpoCLI:

@@ -50,6 +50,12 @@ BAD_CONFIGS = [
                                        "--model.scheduler.init_args.total_steps=2"],
      "model.scheduler: Tried to step 3 times. The specified number of total steps is 2 at training step 3 of "
      "trainer.max_steps=3"),
+    ("devices-0", ["--trainer.devices=0"], "invalid configuration: `Trainer(devices='0')` value is not a valid"),
+    ("ddp-spawn", ["--trainer.strategy=ddp_spawn", "--trainer.devices=2"], "ddp_spawn sends the trainer to processes"),
+    ("data-parallel-size", ["--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
+                            "--trainer.strategy.init_args.data_parallel_size=4",
+                            "--trainer.strategy.init_args.tensor_parallel_size=1", "--trainer.devices=2"],
+     "with data_parallel_size=4 over 2 processes (devices x num_nodes): set data_parallel_size=2"),
     ("limit-train-0", ["--trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no step"),
     ("limit-train-fraction", ["--trainer.limit_train_batches=0.5"], "is a fraction of an epoch, which a run bounded"),
 ]  # fmt: skip

@@ -34,6 +34,11 @@ def check_strategy(strategy: Any) -> None:
     supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
     if not supported or type(strategy).__name__ == "DeepSpeedStrategy":  # DeepSpeed's derives from DDP's
         raise ConfigError(unsupported_strategy(type(strategy).__name__))
+    method = getattr(strategy, "_start_method", "popen")
+    if method in ("spawn", "forkserver"):  # a traceback at launch: the fit's local callbacks do not pickle
+        raise ConfigError(f"trainer.strategy: ddp_{method} sends the trainer to processes it starts, which sgrpo's "
+                          "fit cannot be (it holds signal handlers and locks): use ddp, which starts the processes "
+                          "running this command (or launch with torchrun)")  # fmt: skip
 
 
 def check_tensor_parallel(strategy: Any) -> None:
@@ -47,14 +52,19 @@ def check_tensor_parallel(strategy: Any) -> None:
         return
     size = strategy._tensor_parallel_size
     resolved = strategy.num_processes if size == "auto" else size  # Lightning's "auto": the devices of a node
+    nodes = max(1, getattr(strategy, "num_nodes", 1) or 1)
+    world = max(1, strategy.num_processes) * nodes
     if isinstance(resolved, int) and resolved > 1:
-        world = max(1, strategy.num_processes) * max(1, getattr(strategy, "num_nodes", 1) or 1)
         raise ConfigError(
             f"trainer.strategy: ModelParallelStrategy with tensor_parallel_size={size}"
             f"{f' ({resolved} devices)' if size == 'auto' else ''} is not implemented in sgrpo (no tensor-parallel "
             f"plan is applied; peers would sample the same prompts and count them twice): set "
             f"data_parallel_size={world} and tensor_parallel_size=1 (FSDP2 over every process)"
         )
+    data = strategy._data_parallel_size
+    if isinstance(data, int) and data != world:  # else a RuntimeError in every process once they start
+        raise ConfigError(f"trainer.strategy: ModelParallelStrategy with data_parallel_size={data} over {world} "
+                          f"processes (devices x num_nodes): set data_parallel_size={world}")  # fmt: skip
 
 
 def check_launch_nodes(trainer: Any, policy: Any) -> None:
