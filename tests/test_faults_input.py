@@ -56,6 +56,9 @@ BAD_CONFIGS = [
                             "--trainer.strategy.init_args.data_parallel_size=4",
                             "--trainer.strategy.init_args.tensor_parallel_size=1", "--trainer.devices=2"],
      "with data_parallel_size=4 over 2 processes (devices x num_nodes): set data_parallel_size=2"),
+    ("maxrl-pm1", ["--model.estimator=estimators.MaxRL", "--model.task.init_args.reward=tasks.ExactMatch",
+                   "--model.task.init_args.reward.init_args.scale=pm1"],
+     "model.estimator: MaxRL needs rewards >= 0 (it divides by the group mean), but reward 'exact_match' has scale"),
     ("limit-train-0", ["--trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no step"),
     ("limit-train-fraction", ["--trainer.limit_train_batches=0.5"], "is a fraction of an epoch, which a run bounded"),
 ]  # fmt: skip
@@ -260,3 +263,15 @@ def test_an_empty_generated_split_is_refused_in_one_line_before_the_model_loads(
     assert error_line(capsys) == (f"error: invalid configuration: model.task ({split} split): SyntheticTask makes "
                                   f"no {split} examples: give "
                                   f"model.task.init_args.num_{split} a count >= 1")  # fmt: skip
+
+
+def test_a_reward_below_zero_by_its_settings_is_named_for_a_nonnegative_estimator():
+    from sgrpo.run.preflight import signed_reward
+    from tasks import ExactMatch, WeightedSum
+
+    assert signed_reward(ExactMatch()) is None
+    assert signed_reward(WeightedSum([ExactMatch(), ExactMatch(name="again")], [1.0, 0.5])) is None
+    assert signed_reward(WeightedSum([ExactMatch(), ExactMatch(name="again")], [1.0, -0.5])) == (
+        "reward 'weighted_sum' weighs its part 'again' by -0.5")
+    nested = WeightedSum([ExactMatch(), WeightedSum([ExactMatch(name="pm", scale="pm1")], name="inner")])
+    assert signed_reward(nested) == "reward 'pm' has scale 'pm1' (a wrong answer scores -1)"

@@ -265,6 +265,10 @@ def check_policy(policy: Any, max_steps: int | None = None) -> None:
     check_rollout_servers(policy)
     if policy.peft is not None and (problem := lora_problem(policy.peft, policy.keep_dropout, policy.model_path)):
         raise ConfigError(problem)
+    estimator = policy.estimator
+    if getattr(estimator, "requires_nonnegative_rewards", False) and (why := signed_reward(policy.task.reward)):
+        raise ConfigError(f"model.estimator: {type(estimator).__name__} needs rewards >= 0 (it divides by the group "
+                          f"mean), but {why}: use scale '01' and weights >= 0")  # fmt: skip
     optimizer = stand_in_optimizer(policy)
     for group in optimizer.param_groups:
         lr = float(group.get("lr", 1.0))
@@ -285,6 +289,19 @@ def check_policy(policy: Any, max_steps: int | None = None) -> None:
     for table in vars(policy.task).values():
         if isinstance(table, SplitTable):
             check_table(table)
+
+
+def signed_reward(reward: Any) -> str | None:
+    """Why ``reward`` scores below 0 by its settings (a ±1 ``scale``; a ``WeightedSum`` weight < 0, or such a part),
+    or None: a rewards >= 0 estimator (MaxRL) then raised at the first step, after the model had loaded."""
+    if getattr(reward, "scale", None) == "pm1":
+        return f"reward {getattr(reward, 'name', type(reward).__name__)!r} has scale 'pm1' (a wrong answer scores -1)"
+    for part, weight in zip(getattr(reward, "rewards", None) or (), getattr(reward, "weights", None) or ()):
+        if weight < 0:
+            return f"reward {reward.name!r} weighs its part {part.name!r} by {weight}"
+        if why := signed_reward(part):
+            return why
+    return None
 
 
 def check_table(table: SplitTable) -> None:
