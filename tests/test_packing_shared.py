@@ -364,21 +364,23 @@ def saved_masks(loss: torch.Tensor) -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sdpa_saves_one_block_mask_for_every_layer_and_the_bool_masks_values(dtype):
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, False), (torch.float64, False), (torch.float32, True)])
+def test_sdpa_saves_one_block_mask_for_every_layer_and_the_bool_masks_values(dtype, autocast):
     """SDPA turns a bool mask into a float copy in each layer and saves it (one [R, 1, C, C] per layer): the shared
-    path hands it one additive mask that every layer saves by reference, with the bool mask's values bit for bit."""
+    path hands it one additive mask that every layer saves by reference, with the bool mask's values bit for bit.
+    Under bf16 autocast (bf16-mixed) too: a float32 mask was cast to a bf16 copy in each layer (found by a review)."""
     from sgrpo.model.logprobs import final_hidden_states
     from sgrpo.model.packing import shared_attention_mask
 
     model = tiny("sdpa", dtype)
     ids, mask, completion = grouped_batch(seed=1)
     packed = pack_shared(ids, mask, completion)
-    block = shared_attention_mask(model, packed)
-    hidden = final_hidden_states(model, packed.input_ids, block, position_ids=packed.position_ids)
-    assert len(saved_masks(hidden.sum())) == 1 < model.config.num_hidden_layers
-    with torch.no_grad():
-        plain = final_hidden_states(model, packed.input_ids, packed.allowed(), position_ids=packed.position_ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        block = shared_attention_mask(model, packed)
+        hidden = final_hidden_states(model, packed.input_ids, block, position_ids=packed.position_ids)
+        assert len(saved_masks(hidden.sum())) == 1 < model.config.num_hidden_layers
+        with torch.no_grad():
+            plain = final_hidden_states(model, packed.input_ids, packed.allowed(), position_ids=packed.position_ids)
     assert torch.equal(hidden.detach(), plain)
 
 

@@ -287,7 +287,8 @@ def shared_attention_mask(model: nn.Module, packed: SharedPacked):
     additive one with the embeddings dtype's lowest value. SDPA gets it additive in the embeddings dtype because it
     turns a bool mask into a new float one in every layer's call and saves that for the backward: one ``[R, 1, C,
     C]`` float copy per layer (8 x 0.67 MiB for 3 rows of 242 slots in the throughput benchmark's 8 layers), where
-    one float mask is shared by all of them. Every slot sees itself, so no query's row is all -inf."""
+    one float mask is shared by all of them (under autocast in autocast's dtype, which the layers would cast a float32
+    one to, each a copy). Every slot sees itself, so no query's row is all -inf."""
     impl = attention_implementation(model)
     if impl == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
@@ -299,9 +300,15 @@ def shared_attention_mask(model: nn.Module, packed: SharedPacked):
             return (segment[b, q] == segment[b, k]) & (k <= q) & own
 
         rows, width = segment.shape
-        return create_block_mask(mask_mod, rows, None, width, width, device=segment.device)
+        # compiled off CPU, as transformers builds its own: uncompiled, mask_mod runs over the whole [R, C, C] grid
+        # (~10 bytes a pair: 2.7 GB for one 16k-wide row); flex runs on accelerators only (preferred_attention)
+        compiled = segment.device.type != "cpu"
+        return create_block_mask(mask_mod, rows, None, width, width, device=segment.device, _compile=compiled)
     allowed = packed.allowed()
     dtype = model.get_input_embeddings().weight.dtype
+    kind = allowed.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # bf16-mixed: each layer's SDPA
+        dtype = torch.get_autocast_dtype(kind)  # cast a float32 mask to a copy of its own, saved for the backward
     blocked = float("-inf") if impl == "sdpa" else torch.finfo(dtype).min
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, blocked)
 
