@@ -51,6 +51,7 @@ from sgrpo.run.faults import FailFast, command_ended, disk_fault, disk_words
 from sgrpo.run.folders import RunRefused, SignalExit, claimed_run, launches_run, run_folder
 from sgrpo.run.guards import EnvironmentFailure, GuardError
 from sgrpo.run.launch_checks import (
+    check_episode_sharding,
     check_launch_nodes,
     check_nodes,
     check_strategy,
@@ -143,6 +144,7 @@ class SgrpoCLI(LightningCLI):
         check_tensor_parallel(trainer.strategy)
         check_nodes(trainer)
         check_launch_nodes(trainer, self.model)
+        check_episode_sharding(trainer, self.model)
         if self.mode == "fit":
             RunFitLoop.install(trainer)  # a resume at max_steps runs the validation its checkpoint owes
             check_weight_precision(trainer.precision_plugin.precision, self.model, trainer.max_steps)

@@ -275,3 +275,16 @@ def test_a_reward_below_zero_by_its_settings_is_named_for_a_nonnegative_estimato
         "reward 'weighted_sum' weighs its part 'again' by -0.5")
     nested = WeightedSum([ExactMatch(), WeightedSum([ExactMatch(name="pm", scale="pm1")], name="inner")])
     assert signed_reward(nested) == "reward 'pm' has scale 'pm1' (a wrong answer scores -1)"
+
+
+def test_episodes_over_fsdp2_processes_without_gathered_weights_are_refused_before_launch(tmp_path, capsys):
+    """Each process would decode turns through forwards that gather their shards, while the others had run out of
+    turns: it raised at the first rollout, after every process loaded and sharded the model (found by a review)."""
+    with pytest.raises(SystemExit) as refused:
+        main(["--config", str(REPO / "configs" / "tools_quickstart.yaml"), f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.devices=2", "--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
+              "--trainer.strategy.init_args.data_parallel_size=2",
+              "--trainer.strategy.init_args.tensor_parallel_size=1",
+              "--model.rollout.init_args.weights_snapshot=false"])  # fmt: skip
+    assert refused.value.code == 2
+    assert "model.rollout.init_args.weights_snapshot=false: multi-turn episodes" in error_line(capsys)

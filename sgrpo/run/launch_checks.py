@@ -79,6 +79,23 @@ def check_launch_nodes(trainer: Any, policy: Any) -> None:
                               f"the servers yourself and list them in model.{key}.urls (docs/servers.md)")  # fmt: skip
 
 
+def check_episode_sharding(trainer: Any, policy: Any) -> None:
+    """Multi-turn episodes on several FSDP2 processes decode on gathered weights: processes run different numbers
+    of turns, so a forward that gathers its shards would wait for a process that does not come. A rollout with
+    ``weights_snapshot: false`` raised at the first rollout, after every process had loaded and sharded the model:
+    refused here in one line."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    world = max(1, getattr(trainer, "world_size", 1) or 1)
+    if policy.environment is None or world < 2 or not isinstance(trainer.strategy, ModelParallelStrategy):
+        return
+    for key in ("rollout", "val_rollout"):
+        if getattr(getattr(policy, key, None), "weights_snapshot", None) is False:
+            raise ConfigError(f"model.{key}.init_args.weights_snapshot=false: multi-turn episodes (model.environment) "
+                              f"over {world} FSDP2 processes decode on weights gathered once per rollout: set it to "
+                              "null or true")  # fmt: skip
+
+
 #: environment variables that describe the other nodes of a job launched by hand (Lightning's default environment)
 _NODE_VARIABLES = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR")
 
