@@ -4,7 +4,8 @@
 difficulty; ``evaluated_checkpoint`` refuses, in one line and before anything runs, a checkpoint that is missing,
 broken, sharded under a strategy that cannot read it, or trained with other LoRA settings than the config's. A
 checkpoint whose weights do not fit ``model.model`` (other shapes, other keys) is refused in one line too, as it
-fails to load (``FailFast`` tells that error from the others).
+fails to load (``FailFast`` tells that error from the others). Over several processes, each compares the checkpoint
+it resolved with process 0's before anything loads (``SameCheckpoint``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from lightning.pytorch import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sgrpo.eval.evaluation import evaluation_table
@@ -20,7 +22,8 @@ from sgrpo.model.loading import resolve_model_path
 from sgrpo.model.lora import peft_mismatch
 from sgrpo.run.checkpoints import evaluation_load_failure
 from sgrpo.run.faults import FailFast
-from sgrpo.run.folders import latest_checkpoint
+from sgrpo.run.folders import agree_checkpoint, latest_checkpoint
+from sgrpo.run.resume import ProcessesDisagree
 
 
 def evaluate(cli, mode: str) -> None:
@@ -28,6 +31,7 @@ def evaluate(cli, mode: str) -> None:
     print its accuracy by difficulty. Writes no checkpoint, export or metrics file; the logger logs as usual."""
     trainer, policy = cli.trainer, cli.model
     ckpt_path = evaluated_checkpoint(cli.config.ckpt_path, trainer, policy)
+    trainer.callbacks.append(SameCheckpoint(ckpt_path))
     watch = next(c for c in trainer.callbacks if isinstance(c, FailFast))
     with warnings.catch_warnings():  # that the callbacks which wrote the checkpoint are absent: on purpose
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
@@ -42,6 +46,23 @@ def evaluate(cli, mode: str) -> None:
         source = f"{ckpt_path} (step {result['step']})" if ckpt_path else resolve_model_path(policy.model_path)
         print(f"\n{result['split'].capitalize()} accuracy by difficulty: {source}")
         print(evaluation_table(result))
+
+
+class SameCheckpoint(Callback):
+    """Every process evaluates the bytes process 0 does. Each resolves ``--ckpt_path last`` itself (Lightning's
+    launcher starts the others seconds after process 0 resolved it): a checkpoint a running fit wrote meanwhile, or
+    a stale network-filesystem cache, had them validate two models (DDP: their metrics synced as one; FSDP2: each
+    loading its shards from another step). Compared once the processes are connected, before anything loads
+    (``agree_checkpoint``); a difference is refused on every process in one line."""
+
+    def __init__(self, ckpt_path: str | None) -> None:
+        self.ckpt_path = ckpt_path
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        try:
+            agree_checkpoint(trainer, self.ckpt_path, action="evaluate")
+        except ProcessesDisagree as err:
+            raise CheckpointError(str(err)) from None
 
 
 def evaluated_checkpoint(ckpt_path: str | None, trainer, policy) -> str | None:

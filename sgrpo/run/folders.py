@@ -133,7 +133,7 @@ class AgreedCheckpoint(os.PathLike):
         return f"AgreedCheckpoint({self.path!r})"
 
 
-def agree_checkpoint(trainer, ckpt_path) -> None:
+def agree_checkpoint(trainer, ckpt_path, action: str = "resume") -> None:
     """Every process resumes the checkpoint global rank 0 chose, and sees the same bytes there: rank 0's path (of an
     ``AgreedCheckpoint``) is broadcast, then each process's view of the file (``checkpoint_identity``) compared with
     rank 0's; a difference raises ``ProcessesDisagree`` on every process, before anything loads. A collective."""
@@ -150,9 +150,9 @@ def agree_checkpoint(trainer, ckpt_path) -> None:
         processes = f"process{'es' if len(differ) > 1 else ''} {', '.join(differ)}"
         raise ProcessesDisagree(
             f"--ckpt_path {ckpt_path}: {processes} see{'s' if len(differ) == 1 else ''} other bytes there than "
-            f"process 0 (size, modification time or checksum differ: a stale network-filesystem cache, or another "
-            f"copy of the run folder), so they would resume another state; nothing was loaded. Make every process "
-            f"see the same {Path(ckpt_path).parent.parent}, then resume"
+            f"process 0 (size, modification time or checksum differ: a stale network-filesystem cache, another "
+            f"copy of the run folder, or a checkpoint written meanwhile), so they would {action} another state; "
+            f"nothing was loaded. Make every process see the same {Path(ckpt_path).parent.parent}, then {action}"
         )
 
 
