@@ -121,3 +121,21 @@ def test_the_reward_failure_counts_are_exact():
         assert watch.pending is None and watch.streak == 0
         watch.observe(513.0, 513, OneProcess(), step=1)
     assert watch.pending is not None and "failed for 513 of 513 completions" in str(watch.pending)
+
+
+class TwoEqualProcesses(OneProcess):
+    """A reduce over two processes that hold the same values."""
+
+    def reduce(self, tensor, reduce_op):
+        assert reduce_op == "sum"
+        return tensor * 2
+
+
+def test_the_logged_failure_count_is_every_processs():
+    """train/reward/failures was each process's own count, which the logger averages: 1/world of the step's count
+    under DDP (found by a review). The guard's sum over processes is what the step logs now."""
+    from sgrpo.run.guards import RewardFailureWatch
+
+    watch = RewardFailureWatch(share=1.0, steps=3)
+    assert watch.observe(5.0, 16, TwoEqualProcesses(), step=0) == 10.0
+    assert watch.observe(0.0, 16, OneProcess(), step=1) == 0.0

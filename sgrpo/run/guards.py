@@ -85,10 +85,11 @@ class RewardFailureWatch:
         self.pending: RewardFailureError | None = None  # raised once the failing step's metrics are logged
         self._before: tuple[int, int] | None = None  # (the step observed last, the streak before it)
 
-    def observe(self, failures: float, total: int, strategy, step: int) -> None:
+    def observe(self, failures: float, total: int, strategy, step: int) -> float:
         """Count step ``step``'s (0-based: the steps done before it) ``failures`` of ``total`` rewards (this
         process's); on the ``steps``-th bad step keep the error for ``raise_pending``, so that the step trains and
-        logs its metrics first."""
+        logs its metrics first. Returns the step's failures over every process (``train/reward/failures``: each
+        process's own, averaged by the logger, read 1/world of the count)."""
         counts = torch.tensor([float(failures), float(total)], dtype=torch.float64, device=strategy.root_device)
         failed, scored = strategy.reduce(counts, reduce_op="sum").tolist()
         self._before = (step, self.streak)
@@ -100,6 +101,7 @@ class RewardFailureWatch:
                 f"trains nothing; the first failure's error is in the log above (fix the reward, or raise "
                 f"model.reward_failure_share / model.reward_failure_steps)"
             )
+        return failed
 
     def streak_at(self, done: int) -> int:
         """The streak once ``done`` steps are done: the step under way (scored, not yet trained) is not counted (a

@@ -41,8 +41,9 @@ class GroupCollection:
         scored_rows = len(examples) * self.group_size
         if not self.dynamic_sampling:
             log["train/zero_variance_groups"] = constant_groups(rewards).float().mean()
-            failures = log["train/reward/failures"]
-            self.reward_watch.observe(failures, scored_rows, self.trainer.strategy, self.rollout_step)
+            failures = log["train/reward/failures"]  # this process's: logged as every process's (the guard's sum)
+            log["train/reward/failures"] = self.reward_watch.observe(failures, scored_rows, self.trainer.strategy,
+                                                                     self.rollout_step)  # fmt: skip
             return rollout, rewards, success, parts, log
         kept, sampled, rounds = [], 0, 0
         while True:
@@ -62,10 +63,12 @@ class GroupCollection:
             scored_rows += len(more) * self.group_size
         # the step's failures over every round, counted once (the guard counts steps, not rounds)
         failures = log["train/reward/failures"]
-        self.reward_watch.observe(failures, scored_rows, self.trainer.strategy, self.rollout_step)
+        log["train/reward/failures"] = self.reward_watch.observe(failures, scored_rows, self.trainer.strategy,
+                                                                 self.rollout_step)  # fmt: skip
+        dropped = torch.tensor(float(sampled - have), dtype=torch.float64, device=self.device)
         log |= {
             "train/sampling/rounds": float(rounds),
-            "train/sampling/groups_dropped": float(sampled - have),
+            "train/sampling/groups_dropped": float(self.trainer.strategy.reduce(dropped, reduce_op="sum")),  # a count
             "train/zero_variance_groups": (sampled - have) / sampled,
         }
         if have == 0:  # nothing informative: the last round's groups, all dropped by informative_groups
