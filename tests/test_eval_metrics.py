@@ -163,6 +163,19 @@ def test_one_table_per_evaluation_set_and_a_single_set_as_before():
     assert accuracy_table([single, single]).startswith("| difficulty | step 0 (base) |")
 
 
+def test_the_report_calls_only_step_0_the_base_and_averages_the_levels_both_measured():
+    """Without --validate_before the first validation is a trained step: it was headed "(base)". A level the last
+    validation lacks counted 0 in its mean (a -15 pts change for a level that was not measured; found by a review)."""
+    from sgrpo.eval.report import accuracy_table
+
+    first = {"step": 25, "accuracy": 0.5, "by_difficulty": {"3": 0.6, "5": 0.4}, "pass_at_k": {1: 0.5}, "prompts": 4}
+    last = first | {"step": 50, "by_difficulty": {"3": 0.7}}
+    table = accuracy_table([first, last])
+    assert table.startswith("| difficulty | step 25 (first validation) | step 50 (trained) | change |")
+    assert "| 5 | 40.0% | nan% | +nan pts |" in table
+    assert table.endswith("| mean over levels in both | 60.0% | 70.0% | +10.0 pts |")
+
+
 def check_two_sets_validate_as_one_process(root: Path, tmp_path: Path) -> None:
     """``sgrpo.fit validate`` of two evaluation sets over 2 FSDP2 processes (test_sharded's launch): greedy, so
     the result is the one-process result, each set's prompts counted once (8 and 7: the sampler's repeat once)."""

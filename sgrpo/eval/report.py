@@ -20,22 +20,26 @@ def accuracy_table(history: list[dict[str, Any]]) -> str:
     if len(history) < 2:
         return "(need a validation before and after training for the table: set --validate_before true)"
     first, last = history[0], history[-1]
+    base = "(base)" if first["step"] == 0 else "(first validation)"  # without --validate_before: a trained step
     tables = []
     for name, before_set in result_sets(first).items():
         after_set = result_sets(last).get(name, {"by_difficulty": {}})
         lines = [name] if name else []
         lines += [
-            f"| difficulty | step {first['step']} (base) | step {last['step']} (trained) | change |",
+            f"| difficulty | step {first['step']} {base} | step {last['step']} (trained) | change |",
             "|---|---|---|---|",
         ]
+        pairs = {}  # level -> (before, after), both measured (a level with no prompt there is nan or absent)
         for level, before in before_set["by_difficulty"].items():
             after = after_set["by_difficulty"].get(level, float("nan"))
             lines.append(f"| {level} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} pts |")
-        levels = list(before_set["by_difficulty"])
-        mean_before = sum(before_set["by_difficulty"].values()) / len(levels)
-        mean_after = sum(after_set["by_difficulty"].get(k, 0.0) for k in levels) / len(levels)
-        change = 100 * (mean_after - mean_before)
-        lines.append(f"| mean over levels | {mean_before:.1%} | {mean_after:.1%} | {change:+.1f} pts |")
+            if before == before and after == after:
+                pairs[level] = (before, after)
+        if pairs:  # the mean over the levels both validations measured (a missing one counted 0 before)
+            mean_before, mean_after = (sum(p[i] for p in pairs.values()) / len(pairs) for i in (0, 1))
+            change = 100 * (mean_after - mean_before)
+            label = "mean over levels" if len(pairs) == len(before_set["by_difficulty"]) else "mean over levels in both"
+            lines.append(f"| {label} | {mean_before:.1%} | {mean_after:.1%} | {change:+.1f} pts |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
 
