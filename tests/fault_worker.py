@@ -21,7 +21,7 @@ fault_worker.py report_fails RANK 0 FIT_ARGS...  process RANK's report raises af
 fault_worker.py sigterm_export RANK 0 FIT_ARGS... process RANK sends itself SIGTERM in its part of the export
 fault_worker.py sigterm RANK STEP FIT_ARGS...    process RANK sends itself SIGTERM there instead
 fault_worker.py slow_rollout 0 STEP FIT_ARGS...  every process's rollout of training step STEP (1-based) sleeps
-                                                0.3 s before each decode step (ROOT/rollout.RANK marks its start),
+                                                0.3 s before each decode step (ROOT/rollout.RANK marks its first),
                                                 the first until ROOT/signalled exists (at most 60 s): the test's
                                                 SIGTERM lands in the rollout
 fault_worker.py producer_dies RANK STEP FIT_ARGS... (with async rollouts) process RANK's rollout producer kills
@@ -152,7 +152,6 @@ def slow_rollout(step: int) -> None:
         if self.rollout_step == step - 1:
             slowed.append(True)
             root.append(self.trainer.default_root_dir)
-            Path(self.trainer.default_root_dir, f"rollout.{this_rank()}").touch()
         try:
             return sample(self, examples, sampling_round)
         finally:
@@ -160,6 +159,8 @@ def slow_rollout(step: int) -> None:
 
     def slow(self, *args, **kwargs):
         if slowed:
+            if len(slowed) == 1:  # marked at the first decode step, inside the rollout (at sample's start, a SIGTERM
+                Path(root[-1], f"rollout.{this_rank()}").touch()  # could land in the prompts' prefill, before it)
             time.sleep(0.3)
             waited = time.monotonic()
             while len(slowed) == 1 and time.monotonic() < waited + 60 and not Path(root[-1], "signalled").exists():
