@@ -73,7 +73,7 @@ def completion_logprobs(
         else:
             packed, block = pack(input_ids, attention_mask, mask, one_row(model), hidden_size), None
         hidden = final_hidden_states(model, packed.input_ids, block, position_ids=packed.position_ids)
-        h = hidden.reshape(-1, hidden.shape[-1])[packed.hidden_index]  # [M, H], in the order of hidden[mask]
+        h = gather_rows(hidden.reshape(-1, hidden.shape[-1]), packed.hidden_index)  # [M, H], as hidden[mask]
     else:
         hidden = completion_hidden_states(model, input_ids, attention_mask, t, share_prompts)  # [N, T, H]
         h = hidden[mask]  # [M, H]
@@ -89,6 +89,17 @@ def completion_logprobs(
         if entropy is not None:
             entropy = entropy.masked_scatter(mask, token_entropy)
     return logp, entropy
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[index]`` along dim 0 by the gather whose backward sums repeated indices in a fixed order on ``x``'s device.
+
+    A shared prompt's last hidden state is gathered once per completion, so ``index`` repeats. PyTorch documents each
+    gather's backward as order-free (atomic adds timed by the threads) on one device: ``x[index]`` on a CPU
+    (``index_put`` accumulate with more than one thread), ``index_select`` on CUDA (``index_add_``). On a CPU the
+    first made a seeded quickstart land elsewhere on a loaded machine; so ``index_select`` there, ``[index]`` elsewhere.
+    """
+    return x.index_select(0, index) if x.device.type == "cpu" else x[index]
 
 
 #: on an accelerator, logits chunks come in whole tiles of this many tokens, and at least ``ACCELERATOR_MIN_TOKENS``
@@ -144,11 +155,11 @@ def completion_hidden_states(
     prompt_ids, prompt_mask = distinct[:, :p], distinct[:, p:].to(attention_mask.dtype)
     prompt_hidden = final_hidden_states(model, prompt_ids, prompt_mask, cache)  # [U, P, H]
     for layer in cache.layers:  # each prompt's keys and values, once per row
-        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+        layer.keys, layer.values = gather_rows(layer.keys, inverse), gather_rows(layer.values, inverse)
     mask = attention_mask[:, :-1]
     positions = position_ids_from_mask(mask)[:, p:]
     rest = final_hidden_states(model, input_ids[:, p:-1], mask, cache, positions)  # [N, T-1, H]
-    return torch.cat([prompt_hidden[:, -1:].index_select(0, inverse), rest], 1)
+    return torch.cat([gather_rows(prompt_hidden[:, -1:], inverse), rest], 1)
 
 
 def final_hidden_states(
