@@ -218,6 +218,10 @@ class GRPOPolicy(
         self.mask_truncated, self.dynamic_sampling = mask_truncated, dynamic_sampling
         self.max_sampling_rounds = max_sampling_rounds
         require(log_completions_every >= 0, "log_completions_every must be >= 0 (0: off)")
+        require(log_completions_groups >= 1, f"log_completions_groups must be >= 1 (log_completions_every: 0 turns the "
+                f"log off), got {log_completions_groups}")  # fmt: skip
+        require(0 < logits_chunk_mib < float("inf"), f"logits_chunk_mib must be a finite number of MiB > 0, got "
+                f"{logits_chunk_mib}")  # fmt: skip
         self.log_completions_every, self.log_completions_groups = log_completions_every, log_completions_groups
         require(
             log_mgf_temperature is None or (0 < log_mgf_temperature < float("inf")),

@@ -61,6 +61,8 @@ BAD_CONFIGS = [
      "model.estimator: MaxRL needs rewards >= 0 (it divides by the group mean), but reward 'exact_match' has scale"),
     ("limit-train-0", ["--trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no step"),
     ("limit-train-fraction", ["--trainer.limit_train_batches=0.5"], "is a fraction of an epoch, which a run bounded"),
+    ("logits-chunk-0", ["--model.logits_chunk_mib=0"], "logits_chunk_mib must be a finite number of MiB > 0, got 0"),
+    ("completions-groups-0", ["--model.log_completions_groups=0"], "log_completions_groups must be >= 1"),
 ]  # fmt: skip
 
 
