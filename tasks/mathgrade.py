@@ -28,7 +28,9 @@ from tasks.mathnotation import PrintedDecimal, normalize_answer, respell, severa
 from tasks.reward import SampleReward, Scale
 from tasks.similarity import final_text, strip_think, template_opens_think
 
-_NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
+#: a number in free text: a minus sign only where no word, digit or bracket comes just before it ("3-4" is a range or
+#: a difference, not -4), and an exponent ("1.5e3" is 1500, not 3)
+_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 #: a box's content read as one number (``numeric_answer``): a signed decimal, then at most words (units) and a period
 _BOX_NUMBER = re.compile(

@@ -156,6 +156,18 @@ def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
     assert NumericMatch().score([Example("q", gold)], [completion]).total.tolist() == [expected]
 
 
+@pytest.mark.parametrize(("gold", "completion", "expected"), [
+    ("4", "It takes between 3-4 hours.", 1.0),  # before: -4 (a range's dash read as a sign)
+    ("7", "10-3=7", 1.0),
+    ("-4", "so x = -4", 1.0),
+    ("-4", "The change is (-4).", 1.0),
+    ("1500", "about 1.5e3 grams", 1.0),  # before: 3 (the exponent read as the last number)
+    ("0.05", "costs 5e-2 dollars", 1.0),
+])  # fmt: skip
+def test_numeric_match_reads_unboxed_text_s_last_number_with_its_sign_and_exponent(gold, completion, expected):
+    assert NumericMatch().score([Example("q", gold)], [completion]).total.tolist() == [expected]
+
+
 def test_generic_reference_text(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps({"q": f"say {w}", "a": w}) for w in ["red", "green", "blue", "gold"]))
