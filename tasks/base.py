@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from tasks.reward import (  # noqa: F401 (the reward interface stays importable 
     settings_repr,
 )
 
+log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
 
 
@@ -122,12 +124,26 @@ class Task(ABC):
         """``[N]`` bool: ``success`` of each pair; a test that raises, or a failed grading, counts as not successful."""
         check_batch(examples, completions)
         if self.success_grader is not None:
-            graded = self.success_grader.score(examples, completions, success_at=self.success_threshold).success
-            return torch.zeros(len(completions), dtype=torch.bool) if graded is None else graded
-        out = [
-            bool(value) for value, _ in (call_safely(self.success, c) for c in zip(examples, completions, strict=True))
-        ]
-        return torch.tensor(out, dtype=torch.bool)
+            result = self.success_grader.score(examples, completions, success_at=self.success_threshold)
+            failed = len(completions) if result.success is None else result.failures
+            self._note_success_failures(failed, len(completions), ", ".join(f"{k} {v}" for k, v in result.counts.items()
+                                                                           if k in ("error", "timeout")))  # fmt: skip
+            return torch.zeros(len(completions), dtype=torch.bool) if result.success is None else result.success
+        calls = [call_safely(self.success, c) for c in zip(examples, completions, strict=True)]
+        errors = [error for _, error in calls if error]
+        self._note_success_failures(len(errors), len(calls), f"first: {errors[0]}" if errors else "")
+        return torch.tensor([bool(value) for value, _ in calls], dtype=torch.bool)
+
+    def _note_success_failures(self, failed: int, total: int, detail: str) -> None:
+        """Warn where a success test raised or timed out (those completions count as not successful, and every
+        success rate, pass@k and difficulty bucket reads them so): at the first failure, then at each tenfold."""
+        if not failed:
+            return
+        before = self.__dict__.get("_success_failures", 0)
+        after = self.__dict__["_success_failures"] = before + failed
+        if before == 0 or len(str(after)) > len(str(before)):
+            log.warning("%s: the success test failed on %d of %d completions (%s); %d so far, each counted as not "
+                        "successful", type(self).__name__, failed, total, detail or "no detail", after)  # fmt: skip
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> RewardResult:
         """The reward's result for each completion, with ``success`` filled in by the task's success test.

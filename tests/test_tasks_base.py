@@ -1,5 +1,6 @@
 """Reward / Task interfaces: failures scored 0 and counted, scales, weighted sums, splits."""
 
+import logging
 import math
 import signal
 import threading
@@ -117,6 +118,36 @@ def test_task_splits_limits_and_robust_successes():
     assert task.successes(examples, ["0", "raise"]).tolist() == [True, False]
     with pytest.raises(ValueError, match="max_train_examples must be >= 1"):
         Toy(ExactMatch(), max_train_examples=0)
+
+
+def test_a_failing_success_test_is_named_at_its_first_failure_and_at_each_tenfold(caplog):
+    task = Toy(ExactMatch())
+    examples = task.examples("train")[:2]
+    with caplog.at_level(logging.WARNING, logger="tasks.base"):
+        for _ in range(10):  # 10 failures: warned at the 1st and the 10th
+            assert task.successes(examples, ["0", "raise"]).tolist() == [True, False]
+    warned = [r.getMessage() for r in caplog.records if r.name == "tasks.base"]
+    assert warned == [
+        "Toy: the success test failed on 1 of 2 completions (first: RuntimeError: boom); 1 so far, each counted as "
+        "not successful",
+        "Toy: the success test failed on 1 of 2 completions (first: RuntimeError: boom); 10 so far, each counted as "
+        "not successful",
+    ]
+
+
+def test_a_success_grader_that_raises_is_named(caplog):
+    class Raising(SampleReward):
+        def score_one(self, example, completion):
+            raise ValueError("bad gold")
+
+    class Graded(Toy):
+        success_grader = Raising(name="success")
+
+    with caplog.at_level(logging.WARNING, logger="tasks.base"):
+        assert Graded(ExactMatch()).successes([Example("q", "1")] * 3, ["1", "2", "3"]).tolist() == [False] * 3
+    assert [r.getMessage() for r in caplog.records if r.name == "tasks.base"] == [  # (tasks.reward names the first)
+        "Graded: the success test failed on 3 of 3 completions (error 3); 3 so far, each counted as not successful"
+    ]
 
 
 def test_fill_leaves_latex_braces():
