@@ -166,3 +166,28 @@ def test_a_weighted_sum_with_a_part_that_grades_as_the_success_test_grades_it_on
     Counting.calls = 0
     other = Graded(WeightedSum([EditSimilarity(), Counting(strip=False)])).score(EXAMPLES, COMPLETIONS)
     assert Counting.calls == 8 and other.success.tolist() == [True, True, False, False]  # graded apart
+
+
+def test_a_validation_with_val_reward_grades_each_completion_once():
+    """``val_reward: true`` logs the training reward of validation completions: their success comes from the same
+    grading where the reward grades as the success test does (it graded each completion twice)."""
+    from lightning.pytorch import Trainer
+
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout import HFRollout
+    from tasks.synthetic import SyntheticTask
+
+    class CountedSort(SyntheticTask):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(kind="sort", levels=[3], num_train=4, num_validation=3, reward=Counting(), **kwargs)
+            self.success_grader = Counting(name="success")
+
+    model = str(Path(__file__).resolve().parents[1] / "sgrpo" / "assets" / "quickstart_model")
+    policy = GRPOPolicy(model, CountedSort(), GRPO(), rollout=HFRollout(max_new_tokens=4), val_samples=2,
+                        val_reward=True)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    metrics = trainer.validate(policy, verbose=False)[0]
+    assert Counting.calls == 3 * 2  # 3 prompts x 2 samples, graded once each
+    assert metrics["val/reward"] == metrics["val/accuracy"]  # the same grading, on the 0/1 scale

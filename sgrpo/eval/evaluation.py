@@ -107,13 +107,16 @@ class PolicyEvaluation:
             rollout = self.generate_with(self.val_rollout, examples, self.val_samples, greedy=self.val_greedy)
         repeated = [ex for ex in examples for _ in range(self.val_samples)]
         with torch.device("cpu"):  # host tensors from the task, as in `score`
-            correct = self.task.successes(repeated, rollout.completions).view(len(examples), self.val_samples)
             rewards = None
             if self.val_reward:  # the training reward of every completion (the environment's turns' too), as trained
-                rewards = self.task.score(repeated, rollout.completions).total.view(len(examples), -1)
+                scored = self.task.score(repeated, rollout.completions)  # and success: one grading where they agree
+                correct, rewards = scored.success, scored.total.view(len(examples), -1)
                 if rollout.episodes is not None:
                     turns = torch.tensor([e.reward for e in rollout.episodes], dtype=rewards.dtype, device="cpu")
                     rewards = rewards + turns.view_as(rewards)
+            else:
+                correct = self.task.successes(repeated, rollout.completions)
+            correct = correct.view(len(examples), self.val_samples)
         index = torch.tensor([i for i, _ in batch], dtype=torch.long, device="cpu")
         if rollout.episodes is not None:
             for key, values in episode_values(rollout.episodes).items():
