@@ -273,6 +273,7 @@ class GRPOPolicy(
             )
 
     def on_train_start(self) -> None:
+        self.drop_stale_completions()
         if self.async_rollout:  # at the restored step and weights: its version is rollout_step
             last = self.trainer.max_steps
             if last in (None, -1):

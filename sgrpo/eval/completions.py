@@ -4,12 +4,14 @@ Each row: the step, the group, the prompt (decoded from its tokens), the complet
 reward component, whether it succeeded, and its advantage; a multi-turn episode's row adds ``episode``: its
 messages, the environment's per-turn rewards and its counts (``episode_record``). The run folder's
 ``completions.jsonl`` gets one JSON object per row; TensorBoard gets a markdown table as text (``completions``),
-W&B a table.
+W&B a table. A fit resumed from a checkpoint first drops the file's rows of the steps it will log again
+(``drop_rows_from``), so each step's rows appear once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,30 @@ def write_rows(rows: list[dict[str, Any]], run_dir: Path, loggers: list, step: i
         elif kind == "WandbLogger":
             data = [[json.dumps(r[c]) if isinstance(r[c], dict) else r[c] for c in columns] for r in rows]
             logger.log_table(key="completions", columns=columns, data=data, step=step)
+
+
+def drop_rows_from(path: Path, step: int) -> int:
+    """Remove the rows of ``step`` and later from the completions file ``path`` (a resume from an older checkpoint
+    logs those steps again); the file is replaced whole (written beside it, then renamed). Returns how many rows
+    went; a line that is no JSON row (cut short by a kill) goes too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_bytes().splitlines():
+        try:
+            row = json.loads(line.decode("utf-8"))
+            keep = isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            keep = False
+        if keep:
+            kept.append(line + b"\n")
+        else:
+            dropped += 1
+    if dropped:
+        fresh = path.with_name(path.name + ".tmp")
+        fresh.write_bytes(b"".join(kept))
+        os.replace(fresh, path)
+    return dropped
 
 
 def markdown_table(columns: list[str], rows: list[dict[str, Any]]) -> str:

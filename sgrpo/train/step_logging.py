@@ -11,7 +11,7 @@ from torch import Tensor
 
 from estimators import SoftmaxGRPO, budget_mass, budget_shares
 from estimators.softmax_grpo import log_mgf
-from sgrpo.eval.completions import completion_rows, write_rows
+from sgrpo.eval.completions import completion_rows, drop_rows_from, write_rows
 from sgrpo.eval.metrics import episode_values
 
 
@@ -23,6 +23,12 @@ class StepLogging:
 
     def on_train_end(self) -> None:
         self.reward_watch.raise_pending()
+
+    def drop_stale_completions(self) -> None:
+        """At a resumed fit's start: the completions rows of the steps from ``rollout_step`` on, which this start
+        logs again (a kill after the last checkpoint left them), leave ``completions.jsonl``."""
+        if self.trainer.ckpt_path is not None and self.trainer.is_global_zero:
+            drop_rows_from(Path(self.trainer.default_root_dir) / "completions.jsonl", self.rollout_step)
 
     def log_completions(self, rollout, rewards, success, parts, advantages) -> None:
         """A few groups of this step (this process's first ones), to ``completions.jsonl`` and the logger."""
