@@ -174,3 +174,34 @@ def test_a_schedule_changed_on_resume_stands_where_a_run_with_it_from_the_start_
         scheduler.step()
         assert scheduler.total_iters == after
         assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - 0.9 * min(3, after) / after), rel=1e-9)
+
+
+def test_another_base_model_under_the_same_path_is_a_change(tmp_path, capsys):
+    """A LoRA run's frozen base, the tokenizer and a KL reference come from ``model.model``'s folder, not the
+    checkpoint: another model copied there resumed silently."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from sgrpo.fit import main
+
+    repo = Path(__file__).resolve().parents[1]
+    base = tmp_path / "base"
+    shutil.copytree(repo / "sgrpo" / "assets" / "quickstart_model", base)
+    assert experiment_record({"model": str(base)}, 0) == experiment_record({"model": str(base)}, 0)
+
+    def fit(*extra):
+        main(["--config", str(repo / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path / 'run'}",
+              "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", f"--model.model={base}",
+              "--model.loss=sgrpo.train.loss.ClippedSurrogate", "--model.loss.init_args.kl_coef=0.1",
+              *extra])  # fmt: skip
+
+    fit("--trainer.max_steps=1")
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, base / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        fit("--trainer.max_steps=2", "--ckpt_path=last")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert refused.value.code == 2 and len(errors) == 1 and "model.model@content: " in errors[0]

@@ -9,9 +9,10 @@ settings, which loading the optimiser state would silently put back to the old o
 ignored), are set again from the new config (``apply_optimizer_settings``).
 
 Outside the ``model`` block, the record holds ``trainer.precision`` (``64-true`` made the weights, and the export,
-float64 mid-run) and the content of every local data file the task names (``PATH@content``: its size and a hash of
-its first and last MiB, ``content_fingerprint``), since only the path is in the config: another file under the same
-path is another experiment too. Checkpoints written before these were recorded resume without them being compared.
+float64 mid-run) and the content of every local data file the task names and of the base model's folder
+(``PATH@content``: its size and a hash of each file's first and last MiB, ``content_fingerprint``), since only the
+path is in the config: another file or model under the same path is another experiment too (a LoRA run's base, its
+tokenizer, a KL reference). Checkpoints written before these were recorded resume without them being compared.
 
 Settings that change how a step is computed, not what it computes, may change freely (``OPERATIONAL``):
 micro-batching, memory and logging options, wait limits, and the evaluation's own settings.
@@ -89,11 +90,12 @@ def content_fingerprint(path: Path) -> str:
 
 
 def _data_fingerprints(record: dict[str, str]) -> dict[str, str]:
-    """``KEY@content`` for every ``model.task`` value that names a local file or folder (a hub id names none)."""
+    """``KEY@content`` for every ``model.task`` value, and ``model.model``, that names a local file or folder (a hub id
+    names none): the base model's folder holds the tokenizer, LoRA's frozen base and the KL reference's weights."""
     fingerprints = {}
     for key, text in record.items():
         value = json.loads(text)
-        if key.startswith("model.task.") and isinstance(value, str) and value.strip():
+        if (key.startswith("model.task.") or key == "model.model") and isinstance(value, str) and value.strip():
             path = Path(value).expanduser()
             try:
                 if path.exists():
