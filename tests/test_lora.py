@@ -206,3 +206,15 @@ def test_a_checkpoint_is_evaluated_whatever_the_order_of_its_target_modules():
         dict(trained, target_modules=["q_proj"]), LoRA(rank=4, alpha=8, target_modules="q_proj"))
     assert "model.peft.rank=4 (this config: 8)" in peft_mismatch(
         trained, LoRA(rank=8, alpha=8, target_modules=["v_proj", "q_proj"]))
+
+
+def test_a_resume_with_dropout_kept_reproduces_the_uninterrupted_run(tmp_path):
+    """``keep_dropout``: the update's dropout masks come from (seed, step, process), as the rollout's samples do; they
+    came from the global RNG, which no checkpoint holds, so a resumed run drew other masks."""
+    dropout = ("--model.keep_dropout=true", "--model.peft.dropout=0.5")
+    whole = fit(tmp_path / "whole", "--trainer.max_steps=3", *dropout)
+    fit(tmp_path / "cut", "--trainer.max_steps=2", *dropout)
+    resumed = fit(tmp_path / "cut", "--trainer.max_steps=3", "--ckpt_path=last", *dropout)
+    want = {n: p for n, p in whole.model.model.named_parameters() if is_adapter(n)}
+    got = {n: p for n, p in resumed.model.model.named_parameters() if is_adapter(n)}
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)

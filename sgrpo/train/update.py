@@ -52,6 +52,8 @@ from sgrpo.types import RolloutBatch
 
 log = logging.getLogger(__name__)
 
+#: the last part of the update's dropout seed (the rollout's takes the sampling round there: rounds stay far below)
+DROPOUT_STREAM = 0xD50
 
 
 class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
@@ -60,8 +62,17 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
     def update(self, rollout: RolloutBatch, advantages: Tensor, keep_groups: Tensor) -> dict[str, Tensor]:
         """Optimiser steps on one rollout; returns the metrics to log.
 
-        ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others).
+        ``advantages`` ``[B, G]``; ``keep_groups`` ``[B]`` (dynamic sampling drops the others). With
+        ``keep_dropout`` the dropout masks come from a seed of (seed, step, process), as the rollout's samples do, so a
+        resumed run draws them again (the global RNG is in no checkpoint).
         """
+        if not self.keep_dropout:
+            return self._update(rollout, advantages, keep_groups)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(mix_seed(self.seed, self.rollout_step, self.global_rank, DROPOUT_STREAM))
+            return self._update(rollout, advantages, keep_groups)
+
+    def _update(self, rollout: RolloutBatch, advantages: Tensor, keep_groups: Tensor) -> dict[str, Tensor]:
         self._packs(self.model)  # decided once per model, by every process at the same point (collectives)
         # model.balance_batch: the step's rows placed over the processes before any log-prob pass or mini-batch
         rollout, advantages, keep_groups, balance_logs = self.balanced(rollout, advantages, keep_groups)
