@@ -40,6 +40,9 @@ def test_the_rollout_engine_s_memory_settings_may_change_on_resume():
     hf = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"weights_snapshot": None, "cuda_graphs": False}}
     graphs = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"weights_snapshot": False, "cuda_graphs": True}}
     assert experiment_changes(record(rollout=hf), record(rollout=graphs)) == []
+    rows = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"max_batch_rows": 40}}  # chunks reorder the draws
+    assert experiment_changes(record(rollout=hf | {"init_args": {"max_batch_rows": 512}}), record(rollout=rows)) == [
+        "model.rollout.init_args.max_batch_rows: 512 -> 40"]
     lower["init_args"]["temperature"] = 0.7
     assert experiment_changes(record(rollout=engine), record(rollout=lower)) == [
         "model.rollout.init_args.temperature: 1.0 -> 0.7"]

@@ -9,6 +9,8 @@ was seeded; ``index_select`` (backward: ``index_add_``, serial over the index) d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,3 +85,23 @@ def test_gather_rows_takes_the_gather_whose_backward_is_ordered_on_its_device(de
     assert op in ops.names and rows.shape == (4, 3)
     if device == "cpu":
         assert torch.equal(rows, x[index])
+
+
+def test_trainer_deterministic_asks_flash_attention_for_its_deterministic_backward(monkeypatch):
+    from sgrpo.model.packed_path import deterministic_flash
+
+    model = tiny("sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    deterministic_flash(model)  # deterministic algorithms off: flash's default (atomics) left alone
+    assert "FLASH_ATTENTION_DETERMINISTIC" not in os.environ
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    deterministic_flash(model)
+    assert os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "1"
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "0")  # the user's own setting stands
+    deterministic_flash(model)
+    assert os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "0"
+    model.config._attn_implementation = "sdpa"
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC")
+    deterministic_flash(model)
+    assert "FLASH_ATTENTION_DETERMINISTIC" not in os.environ

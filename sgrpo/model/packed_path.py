@@ -11,6 +11,8 @@ with a packed mask otherwise). ``sharing_verdict`` says, the same on every proce
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 
 import torch
 from torch import nn
@@ -19,6 +21,8 @@ from sgrpo.distributed import any_process
 from sgrpo.model.head import head_dtype
 from sgrpo.model.logprobs import completion_logprobs
 from sgrpo.model.packing import VARLEN_ATTENTION, attention_implementation, shared_pays, sharing_problem
+
+log = logging.getLogger(__name__)
 
 #: torch.compile's recompile limits while flex attention runs: transformers compiles ``flex_attention`` once, and the
 #: update calls it with and without gradients, with several mask functions and row counts; at the default limit (8)
@@ -55,7 +59,17 @@ def choose_attention(model: nn.Module, device_type: str) -> str | None:
             for name in ("recompile_limit", "accumulated_recompile_limit"):
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), FLEX_RECOMPILE_LIMIT))
+    deterministic_flash(model)
     return attention_implementation(model)
+
+
+def deterministic_flash(model: nn.Module) -> None:
+    """Under ``trainer.deterministic`` (``torch.use_deterministic_algorithms``), flash-attention's deterministic
+    backward: by default it adds dQ with atomics, in an order the GPU's timing sets, and PyTorch's switch cannot see an
+    external kernel. transformers reads ``FLASH_ATTENTION_DETERMINISTIC`` at each call; one set by the user stands."""
+    if attention_implementation(model) == "flash_attention_2" and torch.are_deterministic_algorithms_enabled():
+        if os.environ.setdefault("FLASH_ATTENTION_DETERMINISTIC", "1") == "1":
+            log.info("trainer.deterministic: flash-attention's deterministic backward (FLASH_ATTENTION_DETERMINISTIC)")
 
 
 def attention_path(model: nn.Module, shares: bool) -> str:

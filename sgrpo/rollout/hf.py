@@ -42,7 +42,8 @@ class HFRollout(RolloutEngine):
         temperature: Sampling temperature (> 0; the loss uses the same).
         top_p: Nucleus sampling (1: off); in training the loss's log-probs stay the full softmax's, as verl's.
         top_k: Top-k sampling (0: off; refused for training).
-        max_batch_rows: Rows decoded at once (bounds the KV cache).
+        max_batch_rows: Rows decoded at once (bounds the KV cache). Another value draws other samples (the same
+            distribution): a resume refuses a change of it unless ``--resume_changes allow``.
         min_new_tokens: EOS masked for this many tokens (0: off; refused for training).
         decoder: "lean" (sgrpo's decoder) or "generate" (transformers').
         weights_snapshot: Decode on weights gathered once per rollout (null: on for FSDP2-sharded models).

@@ -34,7 +34,7 @@ OPERATIONAL = (
     "model.log_completions_groups", "model.export_dir", "model.val_rollout", "model.val_samples",
     "model.val_greedy", "model.val_prompts_per_batch", "model.reward_failure_share", "model.reward_failure_steps",
     "model.task.init_args.workers", "model.task.init_args.reward.init_args.workers",
-    "model.task.init_args.verifier.init_args.workers", "model.rollout.init_args.max_batch_rows",
+    "model.task.init_args.verifier.init_args.workers",
     "model.rollout.init_args.gpu_memory_utilization", "model.rollout.init_args.sleep",  # memory, not samples
     "model.rollout.init_args.enforce_eager", "model.rollout.init_args.weight_chunk_mib",
     "model.rollout.init_args.weights_snapshot", "model.rollout.init_args.cuda_graphs",
