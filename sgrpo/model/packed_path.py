@@ -67,9 +67,10 @@ def deterministic_flash(model: nn.Module) -> None:
     """Under ``trainer.deterministic`` (``torch.use_deterministic_algorithms``), flash-attention's deterministic
     backward: by default it adds dQ with atomics, in an order the GPU's timing sets, and PyTorch's switch cannot see an
     external kernel. transformers reads ``FLASH_ATTENTION_DETERMINISTIC`` at each call; one set by the user stands."""
-    if attention_implementation(model) == "flash_attention_2" and torch.are_deterministic_algorithms_enabled():
-        if os.environ.setdefault("FLASH_ATTENTION_DETERMINISTIC", "1") == "1":
-            log.info("trainer.deterministic: flash-attention's deterministic backward (FLASH_ATTENTION_DETERMINISTIC)")
+    if attention_implementation(model) != "flash_attention_2" or not torch.are_deterministic_algorithms_enabled():
+        return
+    if os.environ.setdefault("FLASH_ATTENTION_DETERMINISTIC", "1") == "1":
+        log.info("trainer.deterministic: flash-attention's deterministic backward (FLASH_ATTENTION_DETERMINISTIC)")
 
 
 def attention_path(model: nn.Module, shares: bool) -> str:
