@@ -277,7 +277,7 @@ class GRPOPolicy(
         if self.async_rollout:  # at the restored step and weights: its version is rollout_step
             last = self.trainer.max_steps
             if last in (None, -1):
-                last = self.trainer.max_epochs * len(self._stream)
+                last = self.trainer.max_epochs * self._stream.steps_per_epoch
             self.start_producer(self._stream, self.rollout_step, last)
 
     def teardown(self, stage: str) -> None:

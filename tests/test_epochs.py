@@ -189,7 +189,9 @@ def test_an_iteration_starts_at_its_cursor_and_an_epoch_holds_the_limits_steps()
     assert copy._cursor is None and copy.batch(5) == reference.batch(5) and next(iter(copy)) == reference.batch(2)
     full = EpochStepBatches(EXAMPLES, 4, seed=3)
     limited = EpochStepBatches(EXAMPLES, 4, seed=3, start_step=lambda: done[0], limit_batches=2)
-    assert len(limited) == 2 and len(EpochStepBatches(EXAMPLES, 4, seed=3, limit_batches=0.5)) == 1
+    half = EpochStepBatches(EXAMPLES, 4, seed=3, limit_batches=0.5)
+    assert limited.steps_per_epoch == 2 and half.steps_per_epoch == 1
+    assert len(limited) == len(full) == full.steps_per_epoch  # Lightning applies its limit to len() itself
     done[0] = 0
     assert [b for b in limited] == [full.batch(0), full.batch(1)]  # the epoch's first 2 x 4 prompts of its order
     done[0] = 2
@@ -198,14 +200,16 @@ def test_an_iteration_starts_at_its_cursor_and_an_epoch_holds_the_limits_steps()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bound", ["--trainer.max_steps=4", "--trainer.max_epochs=2"])
-def test_a_fit_under_limit_train_batches_trains_each_steps_own_prompts(bound, tmp_path):
-    """limit_train_batches=2 of 3 steps an epoch. Bounded by steps, Lightning's second epoch trained steps 0 and 1's
-    prompts again as steps 2 and 3 (a resume at step 2 would take others); bounded by 2 epochs, the second epoch
-    took the first's leftover step and stopped: 3 steps, not 4."""
+@pytest.mark.parametrize(("bound", "limit"), [("--trainer.max_steps=4", "2"), ("--trainer.max_epochs=2", "2"),
+                                             ("--trainer.max_epochs=2", "0.67")])  # fmt: skip
+def test_a_fit_under_limit_train_batches_trains_each_steps_own_prompts(bound, limit, tmp_path):
+    """limit_train_batches=2 of 3 steps an epoch (or 0.67 of them). Bounded by steps, Lightning's second epoch trained
+    steps 0 and 1's prompts again as steps 2 and 3 (a resume at step 2 would take others); bounded by 2 epochs, the
+    second epoch took the first's leftover step and stopped: 3 steps, not 4; and a fraction was applied twice (the
+    stream's length was already the limited one): 2 steps."""
     steps = bound == "--trainer.max_steps=4"
     cli = _fit(tmp_path, bound, *(["--trainer.max_epochs=-1"] if steps else ["--trainer.max_steps=-1"]),
-               "--trainer.limit_train_batches=2")  # fmt: skip
+               f"--trainer.limit_train_batches={limit}")  # fmt: skip
     assert cli.model.rollout_step == 4
     by_step: dict[int, set[str]] = defaultdict(set)
     for line in (tmp_path / "completions.jsonl").read_text().splitlines():

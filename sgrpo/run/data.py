@@ -181,7 +181,8 @@ class EpochStepBatches(StepBatches):
     every process takes as many steps. Step s takes the epoch offsets ``(s mod S) * B .. + B - 1``, mod N.
 
     Lightning's epoch is one iteration: it yields the steps from ``first_step()`` (a resumed run's step, mid-epoch
-    or not) to the end of that step's epoch. ``len()`` is ``steps_per_epoch``, Lightning's batches per epoch.
+    or not) to the end of that step's epoch. ``len()`` is an epoch's steps before any limit (Lightning applies its
+    own ``limit_train_batches`` to it); ``steps_per_epoch`` the steps it then runs an epoch.
 
     ``limit_batches``: ``trainer.limit_train_batches`` (an int counts steps, a float is a fraction of them,
     ``limited_batches``): S is then the steps Lightning runs an epoch, epoch e steps ``e * S ..`` over the first
@@ -192,11 +193,12 @@ class EpochStepBatches(StepBatches):
                  start_step: int | Callable[[], int] = 0, rank: int = 0, world_size: int = 1,
                  limit_batches: int | float | None = None) -> None:  # fmt: skip
         super().__init__(examples, prompts_per_step, seed, start_step, rank, world_size)
+        self.full_epoch = math.ceil(len(examples) / prompts_per_step)
         # at least 1 (a limit of 0 runs no epoch's loop): the step -> epoch arithmetic divides by it
-        self.steps_per_epoch = max(1, limited_batches(math.ceil(len(examples) / prompts_per_step), limit_batches))
+        self.steps_per_epoch = max(1, limited_batches(self.full_epoch, limit_batches))
 
     def __len__(self) -> int:
-        return self.steps_per_epoch
+        return self.full_epoch  # Lightning applies trainer.limit_train_batches to it itself (to steps_per_epoch)
 
     def _spans(self) -> bool:
         return False  # an epoch's last step is completed by its own first prompts
