@@ -59,8 +59,9 @@ def thread_split(threads: int, max_staleness: int, device: str) -> tuple[int, in
     """(trainer, producer) intra-op threads for an async run whose trainer has ``threads`` (``torch.get_num_threads``,
     i.e. ``OMP_NUM_THREADS``, what the synchronous run would use).
 
-    At S = 0 the two never run at once (the producer samples a step after the push that ends the one before, the
-    trainer waits for it), so both keep ``threads``: the synchronous run's sampling, bit for bit. At S >= 1 on the
+    At S = 0 the producer samples a step after the push that ends the one before, and the trainer waits for it, so
+    both keep ``threads``: the synchronous run's sampling, bit for bit (they overlap only while the trainer validates
+    or saves a checkpoint after that push: oversubscribed, not changed). At S >= 1 on the
     CPU they overlap, so they share the budget: the producer gets threads // 2 and the trainer the rest (each at
     least 1), instead of 2 x ``threads`` OpenMP threads contending for the cores one trainer was given (on a loaded
     2-core machine 2 threads instead of 1 already made the synchronous quickstart's steps take 14x the CPU seconds:
