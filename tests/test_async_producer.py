@@ -7,6 +7,7 @@ rollout copy's dtypes). The path's equalities and bounds: tests/test_async.py.""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -304,3 +305,31 @@ def test_under_fsdp2_bf16_mixed_the_producer_holds_each_weight_as_the_synchronou
     policy.start_producer(SimpleNamespace(batch=two_prompts), 0, 2)
     assert specs[1].gather_dtype is None
     assert {p.dtype for p in sampling_model(specs[1]).parameters()} == {torch.float32}
+
+
+def test_a_producer_whose_fork_server_a_sigterm_ended_samples_on_and_close_ends_it():
+    """A SIGTERM to the job's process group ends the fork server (it does not ignore SIGTERM; the producer does), and
+    multiprocessing then read exit code 255 for a producer still sampling: a run of several processes failed with
+    "ended with exit code 255" where it should have stopped at the step's end, and close() left the producer running."""
+    from sgrpo.rollout.producer import exit_code, running
+
+    producer, _ = shipped_producer()
+    prompts = [ex.prompt for ex in two_prompts(0)]
+    try:
+        assert producer.take(0, prompts).step == 0
+        pid = producer.process.pid
+        with open(f"/proc/{pid}/stat") as f:
+            server = int(f.read().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while running(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(server) and running(pid)
+        assert producer.process.exitcode == 255 and exit_code(producer.process) is None  # running, not ended
+        assert producer.take(1, prompts).step == 1  # it samples on
+    finally:
+        producer.close()
+    deadline = time.monotonic() + 10
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(pid)

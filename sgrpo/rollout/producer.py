@@ -36,6 +36,7 @@ import multiprocessing.util
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterable
@@ -116,8 +117,8 @@ class RolloutProducer:
         the producer ended while it held their lock, or has held it for ``timeout`` seconds (hung in its copy)."""
         started = time.perf_counter()
         while not self._lock.acquire(timeout=0.2):  # a producer killed while copying never releases the lock
-            if self.process.exitcode is not None:
-                raise ProducerError(f"{self.describe()} ended with exit code {self.process.exitcode} while it copied "
+            if (code := exit_code(self.process)) is not None:
+                raise ProducerError(f"{self.describe()} ended with exit code {code} while it copied "
                                     "the weights (-9: killed, e.g. out of memory)")  # fmt: skip
             if time.perf_counter() - started > self.timeout:
                 raise ProducerError(f"{self.describe()} has held the weights' lock for {self.timeout:g} s: it hung "
@@ -152,9 +153,9 @@ class RolloutProducer:
                 break
             except queue.Empty:
                 now = time.perf_counter()
-                if self.process.exitcode is not None:
+                if (code := exit_code(self.process)) is not None:
                     raise ProducerError(
-                        f"{self.describe()} ended with exit code {self.process.exitcode} before it sent the groups "
+                        f"{self.describe()} ended with exit code {code} before it sent the groups "
                         f"of step {step} (a traceback above if it raised; -9: killed, e.g. out of memory)"
                     ) from None
                 if not self._ready.is_set():  # still starting: the hang clock has not begun
@@ -193,9 +194,36 @@ def _stop_producer(stop, pushed, process, queues, folder: str) -> None:
     if process.is_alive():
         process.kill()
         process.join(timeout=5)
+    elif exit_code(process) is None:  # the fork server died (255 read), the producer did not: no child of ours
+        os.kill(process.pid, signal.SIGKILL)
     for out in queues:
         out.cancel_join_thread()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def exit_code(process) -> int | None:
+    """The producer's exit code, or None while it runs. Its parent is the fork server, which a SIGTERM to the whole
+    process group (a preemption) ends while the producer, which ignores SIGTERM, samples on: multiprocessing then
+    reads the server's closed pipe as exit code 255. So 255 counts only once the producer's pid is gone."""
+    code = process.exitcode
+    return None if code == 255 and running(process.pid) else code
+
+
+def running(pid: int | None) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)  # no /proc (macOS): exists
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def producer_context():

@@ -94,7 +94,8 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, s
 
     It ignores SIGINT and SIGTERM: a signal to the job's process group (Ctrl-C, a scheduler's preemption) reaches
     the producer too, and the trainer, which stops at the end of its step, still waits for that step's groups;
-    the producer ends by ``stop`` or by its trainer's end, as always."""
+    the producer ends by ``stop`` or by its trainer's end, as always. The same signal ends the fork server, its
+    parent, which the trainer then does not mistake for the producer's end (``sgrpo.rollout.producer.exit_code``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
