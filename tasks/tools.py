@@ -47,8 +47,10 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     for body in _CALL.findall(text):
         try:
             data = json.loads(body.strip())
-        except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: brackets nested a thousand deep
-            why = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+        except (ValueError, RecursionError) as err:  # RecursionError: brackets nested a thousand deep; ValueError
+            # (JSONDecodeError's base) also an integer of over 4,300 digits, which Python refuses to convert
+            why = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply" if isinstance(
+                err, RecursionError) else "a number too long"  # fmt: skip
             calls.append(ToolCall(None, error=f"the tool call is not valid JSON ({why}); write {TOOL_CALL_FORMAT}"))
             continue
         name = data.get("name") if isinstance(data, dict) else None
@@ -56,7 +58,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 arguments = None
         if not isinstance(name, str) or not isinstance(arguments, dict):
             calls.append(ToolCall(name if isinstance(name, str) else None,
@@ -65,6 +67,11 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(name, arguments))
     return calls
+
+
+def _utf8(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate) as "?"."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def resolve_tool(tool: Callable[..., Any] | str, field_name: str = "tool") -> Callable[..., Any]:
@@ -167,7 +174,9 @@ class ToolRunner:
         else:
             for i in runnable:
                 replies[i] = self._in_thread(calls[i], tools[calls[i].name])
-        return replies  # type: ignore[return-value]
+        # cut to max_output_chars (refusals echo model-written names and arguments too), and UTF-8 text only: a
+        # lone surrogate (printed by a tool, or given in a call's JSON) made the tokenizer raise and stopped the run
+        return [(_utf8(text[: self.max_output_chars]), failed) for text, failed in replies]  # type: ignore[misc]
 
     def _refusal(self, call: ToolCall, tools: dict[str, Callable[..., Any]]) -> tuple[str, bool] | None:
         """The error reply of a call that cannot run (malformed, an unknown tool, wrong arguments), else None."""

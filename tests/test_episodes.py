@@ -185,6 +185,8 @@ def test_a_chat_template_that_refuses_a_conversation_mid_episode_fails_the_step_
         ("go on", "returned str, not an Observation"),
         (Observation([{"role": "user"}]), "returned the message {'role': 'user'}, not a dict with text role"),
         (Observation([], reward=float("nan")), "returned the reward nan, not a finite number or None"),
+        (Observation([{"role": "user", "content": "a\ud800"}]),  # the tokenizer raised a bare TypeError on it
+         "returned a message whose content is not UTF-8 text (surrogates not allowed at character 1)"),
     ],
 )
 def test_an_environment_that_answers_wrongly_fails_the_step_naming_it(answer, problem):

@@ -46,6 +46,10 @@ def exits() -> str:
     raise SystemExit(3)
 
 
+def echo(text: str) -> str:
+    return text
+
+
 def call(name: str, **arguments) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
@@ -58,7 +62,7 @@ def step(env: ToolEnvironment, text: str, turns: int = 1) -> Observation:
 
 @pytest.fixture
 def env() -> ToolEnvironment:
-    return ToolEnvironment([multiply, raises, hangs, number, prints, exits], max_turns=3, tool_timeout=0.2)
+    return ToolEnvironment([multiply, raises, hangs, number, prints, exits, echo], max_turns=3, tool_timeout=0.2)
 
 
 def test_a_tool_call_runs_and_its_output_is_the_observation(env):
@@ -80,19 +84,24 @@ def test_a_turn_without_a_tool_call_ends_the_episode_and_the_last_turn_runs_no_t
         (call("number"), "Error: tool number returned int, not text (a tool returns a str)"),
         (call("prints"), "Error: tool prints printed to stdout instead of returning its output as text"),
         (call("exits"), "Error: tool exits raised SystemExit: 3"),
-        (call("divide", a=1), "Error: there is no tool 'divide'; the tools are exits, hangs, multiply, number, prin"),
+        (call("divide", a=1), "Error: there is no tool 'divide'; the tools are echo, exits, hangs, multiply, number"),
         (call("multiply", a=1), "Error: wrong arguments for multiply: missing a required argument: 'b'"),
         ("<tool_call>{not json}</tool_call>", "Error: the tool call is not valid JSON"),
         ('<tool_call>{"name": "multiply"}', "Error: wrong arguments for multiply"),  # unclosed, no arguments
         ('<tool_call>["multiply"]</tool_call>', 'Error: a tool call needs "name" (text) and "arguments"'),
         ("<tool_call>" + "[" * 5000, "Error: the tool call is not valid JSON (nested too deeply)"),  # was a crash
         ('<tool_call>{"name": "multiply", "arguments": "' + "[" * 5000 + '"}', 'Error: a tool call needs "name"'),
+        ('<tool_call>{"name": "multiply", "arguments": {"a": ' + "9" * 4301 + ', "b": 2}}</tool_call>',  # was a crash
+         "Error: the tool call is not valid JSON (a number too long)"),
+        (call("echo", text="a\ud800b"), "a?b"),  # a lone surrogate (JSON allows it): the tokenizer refused it
+        (call("n" * 5000), "Error: there is no tool 'nnnn"),  # refusals are cut to max_output_chars too
     ],
 )
 def test_every_failure_is_an_error_observation_and_the_episode_goes_on(env, text, error, capsys):
     started = time.perf_counter()
     obs = step(env, text)
-    assert not obs.done and obs.tool_calls == 1 and obs.tool_failures == 1
+    assert not obs.done and obs.tool_calls == 1 and obs.tool_failures == (error != "a?b")
+    assert len(obs.messages[0]["content"]) <= 2000 and obs.messages[0]["content"].encode("utf-8")
     assert obs.messages[0]["role"] == "tool" and obs.messages[0]["content"].startswith(error)
     assert time.perf_counter() - started < 2.0
     assert capsys.readouterr().out == ""  # what a tool prints does not reach the run's output

@@ -311,13 +311,17 @@ def _answer(tokenizer, t: _Trajectory, environment, observation, budget: int | N
 
 def observation_problem(observation) -> str | None:
     """What is wrong with what ``step`` returned, or None: messages must be a list of {"role": str, "content": str}
-    dicts, the reward None or a finite number."""
+    dicts (the content UTF-8 text), the reward None or a finite number."""
     messages = getattr(observation, "messages", None)
     if not isinstance(messages, list) or not hasattr(observation, "done"):
         return f"{type(observation).__name__}, not an Observation"
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             return f"the message {m!r}, not a dict with text role and content"
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: the tokenizer refuses it with a bare TypeError
+            return f"a message whose content is not UTF-8 text ({err.reason} at character {err.start})"
     reward = getattr(observation, "reward", None)
     if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
         return f"the reward {reward!r}, not a finite number or None"
