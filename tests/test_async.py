@@ -361,3 +361,13 @@ def test_kill_9_mid_run_resumes_to_the_uninterrupted_run(tmp_path):
     assert len(set(range(8)) - set(got)) <= 1  # a kill between a checkpoint and its step's metrics loses those
     assert all(math.isclose(got[s], want[s], abs_tol=0) for s in set(got) & set(range(8)))
     assert same_weights(root, tmp_path / "sync")
+
+
+@pytest.mark.slow
+def test_a_refill_at_staleness_1_is_allowed_the_draw_in_progress_before_its_own(tmp_path, monkeypatch):
+    """Dynamic sampling at S = 1: a refill waits for the producer to finish the later step it is drawing, then draws
+    itself. A healthy producer (2 s a draw, timeout 3 s) was taken for a hung one at the first refill."""
+    monkeypatch.setenv(DELAY_ENV, "2.0")
+    metrics = fit(tmp_path, *asynchronous(1), "--model.dynamic_sampling=true", "--model.max_sampling_rounds=3",
+                  "--model.producer_timeout=3", steps=2)  # fmt: skip
+    assert sorted(step for step, _ in metrics["train/reward"]) == [0, 1]

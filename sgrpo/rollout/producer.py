@@ -143,9 +143,10 @@ class RolloutProducer:
         ``prompts``: asked for, sampled before the producer's next step, and waited for as ``take`` waits."""
         self._ask.send((step, sampling_round))
         self._pushed.set()  # wakes a producer waiting for admission
-        return self._receive(self._refills, step, sampling_round, prompts)
+        # the refill waits behind the draw in progress (at S >= 1 the producer is sampling a later step): two draws
+        return self._receive(self._refills, step, sampling_round, prompts, draws=2)
 
-    def _receive(self, blocks, step: int, sampling_round: int, prompts: list[Any]) -> Block:
+    def _receive(self, blocks, step: int, sampling_round: int, prompts: list[Any], draws: int = 1) -> Block:
         begun = clock = time.perf_counter()  # clock: since when a ready producer owes a block
         while True:
             try:
@@ -164,10 +165,12 @@ class RolloutProducer:
                         raise ProducerError(
                             f"{self.describe()} did not load its model within {now - begun:.0f} s: it hangs"
                         ) from None
-                elif now - clock > self.timeout:
+                elif now - clock > draws * self.timeout:
+                    waited = f"step {step}" if draws == 1 else (f"a refill of step {step} (allowed {draws} x the "
+                                                                 "timeout: the draw in progress, then its own)")
                     raise ProducerError(
                         f"{self.describe()} sent no groups for {now - clock:.0f} s (model.producer_timeout = "
-                        f"{self.timeout:g}) while the trainer waited for step {step}: it hangs; raise "
+                        f"{self.timeout:g}) while the trainer waited for {waited}: it hangs; raise "
                         f"model.producer_timeout if sampling one step takes longer"
                     ) from None
         versions = block.rollout.versions.view(-1, block.rollout.group_size)
