@@ -279,3 +279,29 @@ def test_a_batch_carries_the_engines_fields_whether_or_not_its_episodes_sampled(
     unsampled = engine.generate_episodes(model, tokenizer, EXAMPLES, G, Reply(max_turns=1))
     assert all(e.turns == 1 for e in sampled.episodes) and all(e.turns == 0 for e in unsampled.episodes)
     assert present(sampled) == present(unsampled) == fields
+
+
+#: Qwen3's rule: an assistant turn keeps its thinking while no user message follows it, and loses it once one does
+QWEN3_LIKE = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+    "loop.index0 < ns.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_fork_counts_the_observation_even_where_the_template_drops_the_turn_s_thinking():
+    """After a fork the observation's tokens were the new rendering's length less the old one's: with the thinking
+    dropped from the old turn that difference was 0, so max_episode_tokens was overrun and tokens/observation read 0."""
+    tokenizer = chat_tokenizer(QWEN3_LIKE)
+    eos = [tokenizer.eos_token_id]
+    turn = tokenizer("<think>" + "abcdefgh" * 5 + "</think>ok", add_special_tokens=False)["input_ids"] + eos
+
+    def sample(contexts):
+        return [(turn, [0.0] * len(turn), None) for _ in contexts]
+
+    batch = run_episodes(sample, tokenizer, EXAMPLES[:1], 1, Reply(max_turns=3), eos, tokenizer.pad_token_id,
+                         torch.device("cpu"), max_positions=None, reports=(True, False))  # fmt: skip
+    (episode,) = batch.episodes
+    contents = len(tokenizer("go on 1", add_special_tokens=False)["input_ids"]) * 2  # "go on 1", "go on 2"
+    assert episode.turns == 3 and episode.forks == 2 and episode.observation_tokens >= contents

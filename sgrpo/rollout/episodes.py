@@ -295,7 +295,10 @@ def _answer(tokenizer, t: _Trajectory, environment, observation, budget: int | N
         ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
         so_far = _render(tokenizer, environment, t.messages, t.kwargs, t.counts["turns"], False)
         so_far = tokenizer(so_far, add_special_tokens=False)["input_ids"]
-        added, context = max(len(ids) - len(so_far), 0), len(ids)  # the observations' share of the new prompt
+        # the observations' share of the new prompt; at least their contents' tokens: a template that strips the
+        # last turn's thinking once a message follows it (Qwen3's) shortens the rest by as much, which read as 0
+        own = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in observation.messages)
+        added, context = max(len(ids) - len(so_far), own), len(ids)
     used = t.counts["generated_tokens"] + t.counts["observation_tokens"] + added
     if (budget is not None and used >= budget) or (max_positions is not None and context >= max_positions):
         t.done = t.truncated = True  # no room for the observation and a turn after it: the episode ends here
