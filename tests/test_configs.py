@@ -15,7 +15,7 @@ from estimators import AdvantageEstimator
 from sgrpo.fit import main, parse
 from sgrpo.model.tiny import ensure_tiny_model
 from sgrpo.policy import GRPOPolicy
-from sgrpo.rollout import HFRollout, VLLMServerRollout
+from sgrpo.rollout import HFRollout, VLLMRollout, VLLMServerRollout
 from sgrpo.train.loss import ClippedSurrogate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,6 +49,7 @@ def model_dir(tmp_path_factory) -> str:
 def test_config_parses_and_instantiates(config, model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(VLLMServerRollout, "preflight", lambda self: None)  # the configs' vLLM servers are not up here
+    monkeypatch.setattr(VLLMRollout, "preflight", lambda self: None)  # nor is vLLM installed
     files = [REPO / "configs" / OVERLAYS[config.name], config] if config.name in OVERLAYS else [config]
     raw = {}
     for file in files:  # the overlay's blocks merged over its base's, key by key

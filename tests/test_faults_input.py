@@ -81,6 +81,20 @@ def test_a_bad_configuration_fails_in_one_line_before_loading(extra, needle, mod
     assert not (tmp_path / "run" / "lightning_logs").exists()  # nothing ran
 
 
+def test_vllm_rollout_without_vllm_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, monkeypatch):
+    """VLLMRollout imported vLLM at the first rollout: without it installed, the model had loaded (minutes on a
+    7B) before the error. Now the preflight names the key and the install command."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, whether or not this venv has it
+    for key in ("rollout", "val_rollout"):
+        with pytest.raises(SystemExit) as refused:
+            main(args(tmp_path / "run", model_dir, "--trainer.max_steps=1", f"--model.{key}=sgrpo.rollout.VLLMRollout",
+                      f"--model.{key}.init_args.max_new_tokens=16"))
+        line = error_line(capsys)
+        assert refused.value.code == 2 and f"model.{key}: VLLMRollout needs vLLM, which is not installed" in line
+        assert "pip install -e '.[vllm]'" in line
+        assert not (tmp_path / "run" / "lightning_logs").exists()
+
+
 def test_an_export_dir_holding_what_is_not_an_export_is_refused_before_loading(model_dir, tmp_path, capsys):
     """The fit's end replaces export_dir whole: a folder of a user's files, a file, the run folder or its parent
     (checkpoints and metrics with it) were deleted without a word (found by a review). Refused in one line now,

@@ -302,6 +302,9 @@ def test_vllm_rollout_is_named_in_yaml_and_instantiated_without_vllm(monkeypatch
     }
     config = tmp_path / "vllm.yaml"
     config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(SystemExit):  # a fit would need vLLM: refused before the model loads (tests/test_faults_input)
+        parse(["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"])
+    monkeypatch.setattr(VLLMRollout, "preflight", lambda self: None)  # the parse itself, past that check
     cli = parse(["--config", str(config), f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}"])
     rollout = cli.model.rollout
     assert isinstance(rollout, VLLMRollout) and rollout._llm is None

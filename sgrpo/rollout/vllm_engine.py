@@ -13,6 +13,7 @@ calls them, and ``sgrpo.rollout.weightsync`` turns the policy's weights into wha
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -144,6 +145,13 @@ class VLLMRollout(RolloutEngine):
     def max_total_tokens(self) -> int | None:
         """Prompt + completion tokens the engine takes (``max_model_len``; None: the model's positions)."""
         return self.max_model_len
+
+    def preflight(self) -> str | None:
+        """Why this engine cannot run here (vLLM not installed), or None: checked before the model loads
+        (``sgrpo.run.preflight``), where ``generate`` would fail only at the first rollout."""
+        if importlib.util.find_spec("vllm") is None:
+            return f"VLLMRollout needs vLLM, which is not installed here: `{INSTALL_HINT}` (or use HFRollout)"
+        return None
 
     def generate(
         self, model: nn.Module, tokenizer, examples: Sequence[Example], group_size: int, greedy: bool = False
