@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from estimators import AdvantageEstimator
@@ -21,7 +22,7 @@ from sgrpo.rollout.engine import RolloutEngine, bump_weights_version
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.run.data import EpochStepBatches, PromptBatch, RefillStream, StepBatches, prompt_collate, stopping_rule_error
 from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch, guard_state, restore_guards
-from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error
+from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error, unused_async_settings
 from sgrpo.train.collect import GroupCollection
 from sgrpo.train.exchange import balance_error, balance_mode
 from sgrpo.train.loss import ClippedSurrogate, PolicyLoss
@@ -185,6 +186,8 @@ class GRPOPolicy(
         error = async_rollout_error(async_rollout, max_staleness, rollout or HFRollout(), sync_every, environment)
         require(error is None, error)
         require(producer_timeout > 0, f"model.producer_timeout must be > 0 seconds, got {producer_timeout}")
+        if unused := unused_async_settings(async_rollout, max_staleness, producer_timeout):
+            rank_zero_warn(unused)
         self.async_rollout, self.max_staleness, self.producer_timeout = async_rollout, max_staleness, producer_timeout
         self.sync_every = sync_every
         self.balance_batch = balance_mode(balance_batch)  # sgrpo.train.exchange; refused in one line

@@ -145,6 +145,18 @@ def test_async_settings_that_cannot_run_are_refused_in_one_line_before_any_model
     assert field in str(error.value) and "\n" not in str(error.value)
 
 
+def test_async_settings_without_async_rollout_warn_that_the_run_is_synchronous(recwarn):
+    """``--model.max_staleness=4`` without ``--model.async_rollout=true`` trained synchronously without a word."""
+    task, estimator = SyntheticTask(kind="sort", levels=[3]), SoftmaxGRPO(0.5)
+    with pytest.warns(UserWarning, match=r"model.max_staleness=4 and model.producer_timeout=30.0 take effect with "
+                                         r"model.async_rollout=true only: this run samples synchronously"):
+        GRPOPolicy("no/such/model", task, estimator, max_staleness=4, producer_timeout=30.0)
+    recwarn.clear()
+    GRPOPolicy("no/such/model", task, estimator)  # defaults: nothing to say
+    GRPOPolicy("no/such/model", task, estimator, async_rollout=True, max_staleness=4)
+    assert not [w for w in recwarn if "async_rollout" in str(w.message)]
+
+
 # ----------------------------------------------------------------------------------------------- fits
 @pytest.mark.slow
 def test_staleness_0_through_the_producer_is_the_synchronous_run_for_each_estimator(tmp_path):

@@ -55,6 +55,19 @@ def async_rollout_error(
     return None
 
 
+def unused_async_settings(async_rollout: bool, max_staleness: int, producer_timeout: float) -> str | None:
+    """A warning when ``max_staleness`` or ``producer_timeout`` differ from their defaults but ``async_rollout`` is
+    off: the run is synchronous, whatever they say (a user comparing with async keeps its config), or None."""
+    if async_rollout:
+        return None
+    changed = [f"model.{name}={value}" for name, value, default in
+               (("max_staleness", max_staleness, 1), ("producer_timeout", producer_timeout, 600.0)) if value != default]
+    if not changed:
+        return None
+    return (f"{' and '.join(changed)} take effect with model.async_rollout=true only: this run samples "
+            "synchronously (staleness 0)")  # fmt: skip
+
+
 def thread_split(threads: int, max_staleness: int, device: str) -> tuple[int, int]:
     """(trainer, producer) intra-op threads for an async run whose trainer has ``threads`` (``torch.get_num_threads``,
     i.e. ``OMP_NUM_THREADS``, what the synchronous run would use).
