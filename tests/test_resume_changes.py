@@ -3,10 +3,21 @@ the optimiser's settings too, which loading its state used to put back silently.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from sgrpo.run.resume import apply_optimizer_settings, drop_scheduler_state, experiment_changes, experiment_record
+from sgrpo.run.resume import (
+    ProcessesDisagree,
+    apply_optimizer_settings,
+    content_disagreement,
+    content_fingerprint,
+    drop_scheduler_state,
+    experiment_changes,
+    experiment_record,
+)
+from tests.gloo_pair import run_pair
 
 
 def record(**model):
@@ -65,6 +76,61 @@ def test_a_setting_added_since_the_checkpoint_is_a_change_only_when_set():
         "model.environment.class_path: unset -> \"tasks.environment.ToolEnvironment\""
     ]
     assert experiment_changes(record(environment=tool), record(environment=None))[0].startswith("model.environment")
+
+
+def test_a_checkpoint_from_before_max_batch_rows_was_recorded_resumes():
+    """``max_batch_rows`` was operational, so older checkpoints lack it: they were refused as "unset -> 512"."""
+    hf = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"temperature": 1.0}}
+    rows = {"class_path": "sgrpo.rollout.HFRollout", "init_args": {"temperature": 1.0, "max_batch_rows": 512}}
+    assert experiment_changes(record(rollout=hf), record(rollout=rows)) == []
+    assert experiment_changes(record(rollout=rows), record(rollout=hf)) == ["model.rollout.init_args.max_batch_rows: "
+                                                                            "512 -> unset"]  # fmt: skip
+
+
+def test_hidden_files_of_a_folder_are_not_its_content(tmp_path):
+    """``hf download --local-dir`` rewrites a time stamp under ``.cache/huggingface`` at each run: a job that
+    downloads before each resubmission was refused as another model."""
+    base = tmp_path / "model"
+    (base / ".cache" / "huggingface").mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    (base / ".cache" / "huggingface" / "model.metadata").write_text("abc\n1764000000.1\n")
+    before = content_fingerprint(base)
+    (base / ".cache" / "huggingface" / "model.metadata").write_text("abc\n1764999999.25\n")
+    (base / ".git").mkdir()
+    (base / ".git" / "HEAD").write_text("ref: main\n")
+    assert content_fingerprint(base) == before
+    (base / "config.json").write_text('{"a": 1}')
+    assert content_fingerprint(base) != before
+
+
+def test_processes_that_see_other_content_at_a_path_are_named():
+    """Each process fingerprints its own copy: a node whose model differed refused the resume alone, and the others
+    waited in a collective. ``agree_checkpoint`` compares the records first (every process raises)."""
+    same = {"model.model": '"m"', "model.model@content": '"10 bytes, aa"', "model.group_size": "4"}
+    assert content_disagreement([same, dict(same), dict(same)]) is None
+    other = same | {"model.model@content": '"11 bytes, bb"'}
+    assert content_disagreement([same, other, dict(same), other]) == (
+        "model.model: processes 1, 3 see other content there than process 0 (11 bytes, bb against 10 bytes, aa): "
+        "another copy of the model or data on another node; make every process see the same files")
+    missing = {k: v for k, v in same.items() if k != "model.model@content"}  # no such path on process 1
+    assert "process 1 sees other content there than process 0 (nothing against" in content_disagreement([same, missing])
+
+
+def _agree_on(rank: int, experiment: dict) -> str | None:
+    from sgrpo.run.folders import agree_checkpoint
+
+    try:
+        agree_checkpoint(SimpleNamespace(world_size=2), None, experiment=experiment)
+    except ProcessesDisagree as err:
+        return str(err)
+    return None
+
+
+def test_every_process_refuses_when_one_sees_another_model(tmp_path):
+    records = [{"model.model@content": '"1 bytes, a"'}, {"model.model@content": '"2 bytes, b"'}]
+    seen = run_pair(_agree_on, records, tmp_path)
+    assert seen[0] == seen[1] and seen[0].startswith("model.model: process 1 sees other content there")
+    assert run_pair(_agree_on, [records[0], records[0]], tmp_path / "same") == {0: None, 1: None}
 
 
 @pytest.mark.parametrize("scheduled", [False, True])

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from types import SimpleNamespace
 
 import torch
 
 from sgrpo.train.step_logging import StepLogging
+from tests.gloo_pair import run_pair
 
 
 class Recorder(StepLogging):
@@ -23,16 +23,10 @@ class Recorder(StepLogging):
         self.logged.append((key, float(value)))
 
 
-def _log_on(rank: int, store_path: str, values: dict, out) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    try:
-        recorder = Recorder()
-        recorder._log_mean(values)
-        out.put((rank, recorder.logged))
-    finally:
-        dist.destroy_process_group()
+def _log_on(rank: int, values: dict) -> list:
+    recorder = Recorder()
+    recorder._log_mean(values)
+    return recorder.logged
 
 
 def test_processes_whose_reward_parts_differ_log_the_same_keys_in_one_order(tmp_path):
@@ -44,15 +38,7 @@ def test_processes_whose_reward_parts_differ_log_the_same_keys_in_one_order(tmp_
         {"train/reward": 0.5, "train/reward/parity": 1.0, "train/reward/nonempty": 0.25, "train/loss": 2.0},
         {"train/reward/twopart": 0.0, "train/reward": 0.0, "train/loss": 3.0},
     ]
-    context = multiprocessing.get_context("fork")  # torch and sgrpo already imported: no interpreter start
-    out = context.Queue()
-    workers = [context.Process(target=_log_on, args=(r, str(tmp_path / "store"), values[r], out)) for r in (0, 1)]
-    for worker in workers:
-        worker.start()
-    logged = dict(out.get(timeout=60) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=30)
-        assert worker.exitcode == 0
+    logged = run_pair(_log_on, values, tmp_path)
     keys = sorted(set(values[0]) | set(values[1]))
     assert [k for k, _ in logged[0]] == [k for k, _ in logged[1]] == keys
     assert dict(logged[1])["train/reward/parity"] == 0.0 and dict(logged[0])["train/reward/twopart"] == 0.0

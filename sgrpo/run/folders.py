@@ -34,7 +34,7 @@ from sgrpo.run.checkpoints import (
     remove_unfinished,
     resumable,
 )
-from sgrpo.run.resume import ProcessesDisagree
+from sgrpo.run.resume import ProcessesDisagree, content_disagreement
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,23 @@ class AgreedCheckpoint(os.PathLike):
         return f"AgreedCheckpoint({self.path!r})"
 
 
-def agree_checkpoint(trainer, ckpt_path, action: str = "resume") -> None:
+def agree_checkpoint(trainer, ckpt_path, action: str = "resume", experiment: dict[str, str] | None = None) -> None:
     """Every process resumes the checkpoint global rank 0 chose, and sees the same bytes there: rank 0's path (of an
     ``AgreedCheckpoint``) is broadcast, then each process's view of the file (``checkpoint_identity``) compared with
-    rank 0's; a difference raises ``ProcessesDisagree`` on every process, before anything loads. A collective."""
-    if trainer.world_size < 2 or ckpt_path is None:
+    rank 0's; a difference raises ``ProcessesDisagree`` on every process, before anything loads. With a fit's
+    ``experiment`` record (``sgrpo.run.resume``), resuming or not, the content each process sees at the model and
+    data paths is compared the same way (``content_disagreement``). A collective."""
+    if trainer.world_size < 2:
         return
     import torch.distributed as dist
 
+    if experiment is not None:
+        records: list = [None] * trainer.world_size
+        dist.all_gather_object(records, experiment)
+        if problem := content_disagreement(records):
+            raise ProcessesDisagree(problem)
+    if ckpt_path is None:
+        return
     if isinstance(ckpt_path, AgreedCheckpoint):
         ckpt_path.path = trainer.strategy.broadcast(ckpt_path.path, src=0)
     seen: list = [None] * trainer.world_size

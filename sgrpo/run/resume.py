@@ -73,8 +73,12 @@ _EDGE = 1 << 20  # the bytes hashed at each end of a data file
 def content_fingerprint(path: Path) -> str:
     """A cheap fingerprint of a file's content, or of a folder's files: size and the SHA-256 of the first and last
     MiB (whole files up to 2 MiB), not the modification time (a copy of the same data is the same experiment).
-    An edit of the middle of a large file that keeps its size goes unseen; any other edit changes it."""
-    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    An edit of the middle of a large file that keeps its size goes unseen; any other edit changes it. A folder's
+    hidden files and folders are not read: ``hf download --local-dir`` rewrites its ``.cache/huggingface``
+    bookkeeping (a time stamp) at each run, and ``.git`` changes with no file of the model."""
+    files = [path]
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not _hidden(f.relative_to(path)))
     digest, size = hashlib.sha256(), 0
     for file in files:
         with open(file, "rb") as f:
@@ -87,6 +91,26 @@ def content_fingerprint(path: Path) -> str:
                 digest.update(f.read(_EDGE))
         size += length
     return f"{size} bytes, {digest.hexdigest()[:16]}"
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def content_disagreement(seen: list[dict[str, str]]) -> str | None:
+    """Given each process's record (``seen[rank]``), one line naming a ``KEY@content`` some process sees other
+    content at than process 0, or None: that process would refuse a resume alone (the others then wait in a
+    collective) or train on another model or data copy."""
+    for key in sorted({k for record in seen for k in record if k.endswith(CONTENT)}):
+        differ = [rank for rank, record in enumerate(seen) if record.get(key) != seen[0].get(key)]
+        if differ:
+            name, theirs = key.removesuffix(CONTENT), seen[differ[0]].get(key, "nothing")
+            processes = f"process{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))}"
+            return (f"{name}: {processes} see{'s' if len(differ) == 1 else ''} other content there than process 0 "
+                    f"({json.loads(theirs) if theirs != 'nothing' else theirs} against "
+                    f"{json.loads(seen[0][key]) if key in seen[0] else 'nothing'}): another copy of the model or data "
+                    f"on another node; make every process see the same files")  # fmt: skip
+    return None
 
 
 def _data_fingerprints(record: dict[str, str]) -> dict[str, str]:
@@ -119,9 +143,13 @@ def experiment_record(model, seed, precision: str | None = None) -> dict[str, st
     return record
 
 
+#: ``model.*`` keys that were ``OPERATIONAL`` in earlier versions, so their checkpoints lack them
+_NO_LONGER_OPERATIONAL = ("model.rollout.init_args.max_batch_rows",)
+
+
 def _recorded_since(key: str) -> bool:
     """Keys that checkpoints of earlier versions did not record: not compared when the checkpoint lacks them."""
-    return key.startswith("trainer.") or key.endswith(CONTENT)
+    return key.startswith(("trainer.", *_NO_LONGER_OPERATIONAL)) or key.endswith(CONTENT)
 
 
 def experiment_changes(trained: dict[str, str], resumed: dict[str, str]) -> list[str]:

@@ -163,7 +163,7 @@ class RunCheckpoint(ModelCheckpoint):
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super().setup(trainer, pl_module, stage)
         if stage == "fit":
-            agree_checkpoint(trainer, self.resume_from)  # before anything loads: one checkpoint, the same bytes
+            agree_checkpoint(trainer, self.resume_from, experiment=self.experiment)  # one checkpoint, the same bytes
             self._written = None
 
     def on_train_start(self, trainer, pl_module) -> None:
