@@ -31,6 +31,10 @@ from tasks.similarity import final_text, strip_think, template_opens_think
 #: a number in free text: a minus sign only where no word, digit or bracket comes just before it ("3-4" is a range or
 #: a difference, not -4), and an exponent ("1.5e3" is 1500, not 3)
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+#: a comma between digits groups them (``1,000``); any other separates (``(2,-5)``: -5, not the range ``2-5``)
+_DIGIT_COMMA = re.compile(r"(?<=\d),(?=\d)")
+#: a LaTeX command, after which a minus is a sign (``x \approx-3``)
+_COMMAND = re.compile(r"\\[A-Za-z]+")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 #: a box's content read as one number (``numeric_answer``): a signed decimal, then at most words (units) and a period
 _BOX_NUMBER = re.compile(
@@ -304,7 +308,8 @@ def numeric_answer(text: str) -> float | None:
     if _BOX.search(text):
         box = last_boxed(text)
         return None if box is None else box_number(box)
-    numbers = _NUMBER.findall(text.replace(",", "").replace("$", ""))
+    plain = _COMMAND.sub(r"\g<0> ", _DIGIT_COMMA.sub("", text).replace(",", " ").replace("$", ""))
+    numbers = _NUMBER.findall(plain)
     return float(numbers[-1]) if numbers else None
 
 

@@ -163,6 +163,11 @@ def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
     ("-4", "The change is (-4).", 1.0),
     ("1500", "about 1.5e3 grams", 1.0),  # before: 3 (the exponent read as the last number)
     ("0.05", "costs 5e-2 dollars", 1.0),
+    ("-5", "The vertex is (2,-5)", 1.0),  # a separating comma is no digit group: not the range 2-5
+    ("-3", "the roots are 1,-3", 1.0),
+    ("-3", "so $x \\approx-3$", 1.0),  # a minus after a LaTeX command is a sign
+    ("1000", "It costs $1,000.", 1.0),  # a comma between digits groups them
+    ("12", "say 1,2", 1.0),  # as before (digits either side)
 ])  # fmt: skip
 def test_numeric_match_reads_unboxed_text_s_last_number_with_its_sign_and_exponent(gold, completion, expected):
     assert NumericMatch().score([Example("q", gold)], [completion]).total.tolist() == [expected]
