@@ -163,7 +163,12 @@ class Task(ABC):
         else:
             result = reward.score(examples, completions)
         if result.success is None or not alike:
-            result = dataclasses.replace(result, success=self.successes(examples, completions))
+            return dataclasses.replace(result, success=self.successes(examples, completions))
+        prefix = "" if alike[0] is reward else f"{alike[0].name}/"  # a WeightedSum labels its parts' counts
+        labels = (f"{prefix}error", f"{prefix}timeout")
+        failed = {k.removeprefix(prefix): v for k, v in result.counts.items() if k in labels}
+        detail = ", ".join(f"{k} {v}" for k, v in failed.items())
+        self._note_success_failures(sum(failed.values()), len(completions), detail)
         return result
 
     def _grades_for_success(self, reward: Reward) -> bool:

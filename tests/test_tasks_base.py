@@ -150,6 +150,31 @@ def test_a_success_grader_that_raises_is_named(caplog):
     ]
 
 
+def test_a_success_test_shared_with_the_reward_that_fails_is_named(caplog):
+    """Where the reward grades as the success test does, ``Task.score`` takes success from that one grading; its
+    failures (a ``val_reward`` validation's timeouts) went untallied by the success warning."""
+
+    class Sometimes(SampleReward):
+        def score_one(self, example, completion):
+            if completion == "x":
+                raise ValueError("bad answer")
+            return float(completion == example.answer), "graded"
+
+    class Shared(Toy):
+        success_grader = Sometimes(name="success")
+
+    examples = [Example("q", "1")] * 3
+    for reward, detail in ((Sometimes(name="r"), "error 1"),
+                           (WeightedSum([Sometimes(name="r"), ExactMatch()], [1.0, 0.5]), "error 1")):  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tasks.base"):
+            result = Shared(reward).score(examples, ["1", "x", "2"])
+        assert result.success.tolist() == [True, False, False]
+        assert [r.getMessage() for r in caplog.records if r.name == "tasks.base"] == [
+            f"Shared: the success test failed on 1 of 3 completions ({detail}); 1 so far, each counted as not "
+            "successful"], type(reward).__name__
+
+
 def test_fill_leaves_latex_braces():
     assert fill("{question} in \\boxed{}", question="1+1") == "1+1 in \\boxed{}"
 
