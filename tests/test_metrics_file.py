@@ -38,6 +38,21 @@ def test_a_resume_supersedes_the_steps_it_logs_again_and_a_cut_line_is_skipped(t
     assert merge_records([{"step": 0, "a": 1.0}, {"step": 0, "a": 2.0}]) == {"a": [(0, 2.0)]}  # later wins
 
 
+def test_a_resume_keeps_the_validation_of_the_checkpoint_it_starts_from(tmp_path):
+    """``--validate_last`` scored the final weights at step 3; a resume that extends the run from that checkpoint
+    logs training from step 3 again and dropped that validation, which no start runs again."""
+    merged = merge_records([{"step": 2, "train/reward": 1.0}, {"step": 3, "val/accuracy": 0.5},
+                            {"step": 4, "val/accuracy": 0.7}, {"resumed_at": 3}, {"step": 3, "train/reward": 2.0}])
+    assert merged == {"train/reward": [(2, 1.0), (3, 2.0)], "val/accuracy": [(3, 0.5)]}  # step 4's was later
+    assert merge_records([{"step": 3, "val/accuracy": 0.5}, {"resumed_at": 3},
+                          {"step": 3, "val/accuracy": 0.6}]) == {"val/accuracy": [(3, 0.6)]}  # one owed, run again
+    root = tmp_path / "run"
+    common = ("--trainer.val_check_interval=100", "--validate_last=true", "--trainer.limit_val_batches=1")
+    fit(root, "--trainer.max_steps=3", *common)
+    fit(root, "--trainer.max_steps=5", "--ckpt_path=last", *common)
+    assert [step for step, _ in read_run_metrics(root)["val/accuracy"]] == [3, 5]
+
+
 def test_damaged_lines_are_skipped_and_counted_and_the_curves_still_drawn(tmp_path, caplog):
     """A line that is not UTF-8, a JSON list or a string value made a finished run exit 1 with a traceback
     (UnicodeDecodeError, AttributeError, ValueError) and no curves.png."""

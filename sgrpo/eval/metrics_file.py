@@ -3,11 +3,11 @@
 Lightning hands every logged step to each of the trainer's loggers; ``MetricsFile`` is one of them, added by
 ``sgrpo.fit`` next to the logger the run chose (CSV by default, TensorBoard, W&B, or none). Global rank 0
 appends one JSON object per logged step, ``{"step": N, "train/reward": ..., ...}``, and never rewrites the
-file: a resumed run extends it. A fit resumed from a checkpoint first appends ``{"resumed_at": S}``, S the
-first training step it logs, which supersedes what the earlier starts
-logged at steps S and later: a resume from an older checkpoint (after a kill) logs those steps again, and
-the curves show each step once, from the start that continued. A line cut short by a kill, or damaged (not
-UTF-8, not a JSON object of numbers), is skipped when the file is read, and counted in a warning.
+file: a resumed run extends it. A fit resumed from a checkpoint first appends ``{"resumed_at": S}``, S the first
+training step it logs, which supersedes what the earlier starts logged at steps S and later (a validation's at
+step S, of the checkpoint's own weights, stands): a resume from an older checkpoint (after a kill) logs those
+steps again, and the curves show each step once, from the start that continued. A line cut short by a kill, or
+damaged (not UTF-8, not a JSON object of numbers), is skipped when the file is read, and counted in a warning.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 METRICS_FILE = "metrics.jsonl"
 RESUMED_AT = "resumed_at"
+VALIDATION = "val/"  # the validation's keys (sgrpo.eval.evaluation), logged at the step count of the weights it scored
 
 Series = dict[str, list[tuple[int, float]]]
 
@@ -138,13 +139,15 @@ def parse_record(line: bytes) -> dict[str, float] | None:
 
 def merge_records(records: Iterable[Mapping[str, Any]]) -> Series:
     """Per-step records in the order written, merged: a later value of a key at a step replaces an earlier one,
-    and ``{"resumed_at": S}`` drops every earlier point at step S or later."""
+    and ``{"resumed_at": S}`` drops every earlier point at step S or later, but a validation's at step S: it
+    scored the weights after S steps, the checkpoint the resume starts from (``--validate_last``'s, which no
+    resume runs again, was lost when the run was extended); one the checkpoint owed runs again and replaces it."""
     merged: dict[str, dict[int, float]] = defaultdict(dict)
     for record in records:
         if RESUMED_AT in record:
             start = int(record[RESUMED_AT])
-            for points in merged.values():
-                for step in [s for s in points if s >= start]:
+            for key, points in merged.items():
+                for step in [s for s in points if s > start or (s == start and not key.startswith(VALIDATION))]:
                     del points[step]
             continue
         step = int(record.get("step") or 0)
