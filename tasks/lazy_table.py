@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from tasks.arrow_rows import ArrowRows, open_hub, open_parquet, scan
-from tasks.data import _SPLIT_NAMES, EXTENSIONS, Row, SplitTable, _row_number, check_rows, split_of
+from tasks.data import SplitTable, check_rows
+from tasks.data_files import _SPLIT_NAMES, Row, _row_number, data_files, split_files, split_of
 from tasks.holdout import HashRanking, ranked_split
 
 
@@ -37,7 +38,7 @@ class LazySplitTable(SplitTable):
             return True
         if self.kind == "file":
             return self.path.endswith(".parquet")
-        files = [p for p in Path(self.path).expanduser().rglob("*") if p.suffix in EXTENSIONS]
+        files = data_files(Path(self.path).expanduser())
         return bool(files) and all(p.suffix == ".parquet" for p in files)
 
     def _ranking(self):
@@ -62,13 +63,15 @@ class LazySplitTable(SplitTable):
                 segments[split] = [(dataset, names, self.path, locate, True)]
         else:
             path = Path(self.path).expanduser()
-            files = [path] if self.kind == "file" else sorted(p for p in path.rglob("*") if p.suffix == ".parquet")
-            for file in files:
+            files = [path] if self.kind == "file" else data_files(path, (".parquet",))
+            splits = [split_of(path, path)] if self.kind == "file" else split_files(files, path)
+            for file, split in zip(files, splits, strict=True):
                 dataset, names = open_parquet(file, self.columns)
-                segments.setdefault(split_of(file, path), []).append((dataset, names, str(file), _row_number, False))
-        if "train" not in segments:
-            raise ValueError(f"{self.path!r} has no train split (found {sorted(segments)})")
+                segments.setdefault(split, []).append((dataset, names, str(file), _row_number, False))
         missing = [s for s in ("test", "validation") if s not in segments and self.sizes.get(s)]
+        if "train" not in segments and missing:  # a source of test rows only is read as it is (SplitTable's rule)
+            raise ValueError(f"{self.path!r} has no train split to hold {', '.join(missing)} out of (found "
+                             f"{sorted(segments)})")  # fmt: skip
         ranking = self._ranking() if missing else None
         out, train_digests = {}, None
         for split, parts in segments.items():

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from sgrpo.prepare_data import SOURCES, select
-from tasks.data import split_of
+from tasks.data_files import split_of
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tasks import GSM8K, DeepMath, MeetingBank, PoetryClassification, PoetryWriting, ReferenceText
-from tasks.data import SplitTable, check_rows, check_source, read_rows
+from tasks.data import SplitTable, check_rows, check_source
+from tasks.data_files import read_rows
 from tasks.deepmath import SCHEMAS
 from tasks.gsm8k import SCHEMA as GSM8K_SCHEMA
 
@@ -223,6 +224,43 @@ def test_split_folders_hold_their_splits(tmp_path):
     table = SplitTable(str(tmp_path / "data"), schema=GSM8K_SCHEMA)
     assert {split: len(table.rows(split)) for split in table.splits()} == {"train": 3, "test": len(GSM) - 3,
                                                                            "validation": 1}  # fmt: skip
+
+
+def test_hidden_files_of_a_folder_are_not_data(tmp_path):
+    """A stale ``.ipynb_checkpoints/train-checkpoint.jsonl`` was read as training rows (each row twice), and a
+    ``test-checkpoint.jsonl`` there as test rows; the resume's content fingerprint skips hidden files too."""
+    folder = tmp_path / "data"
+    (folder / ".ipynb_checkpoints").mkdir(parents=True)
+    lines = "".join(json.dumps(row) + "\n" for row in GSM)
+    (folder / "train.jsonl").write_text(lines)
+    (folder / ".ipynb_checkpoints" / "train-checkpoint.jsonl").write_text(lines)
+    (folder / ".ipynb_checkpoints" / "test-checkpoint.jsonl").write_text(lines)
+    table = SplitTable(str(folder), schema=GSM8K_SCHEMA)
+    assert table.splits() == ["train"] and len(table.rows("train")) == len(GSM)
+
+
+def test_a_file_that_names_no_split_beside_ones_that_do_is_named_as_read_as_train(tmp_path, caplog):
+    """``eval.jsonl`` beside ``train.jsonl`` and ``test.jsonl`` was read as training rows without a word."""
+    lines = "".join(json.dumps(row) + "\n" for row in GSM)
+    for name in ("train.jsonl", "test.jsonl", "eval.jsonl"):
+        (tmp_path / "data" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "data" / name).write_text(lines)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "rows.jsonl").write_text(lines)  # one file naming no split: train, nothing to say
+    with caplog.at_level("WARNING", logger="tasks.data_files"):
+        assert len(SplitTable(str(tmp_path / "data"), schema=GSM8K_SCHEMA).rows("train")) == 2 * len(GSM)
+        assert len(SplitTable(str(tmp_path / "one"), schema=GSM8K_SCHEMA).rows("train")) == len(GSM)
+    warned = [r.getMessage() for r in caplog.records if r.name == "tasks.data_files"]
+    assert len(warned) == 1 and "data: eval.jsonl names no split, so it is read as training data" in warned[0]
+
+
+def test_a_json_string_with_a_unicode_line_separator_stays_one_line(tmp_path):
+    """``json.dumps(ensure_ascii=False)`` writes U+2028, U+2029 and U+0085 raw; ``splitlines`` cut the line there
+    and refused valid JSONL ("Unterminated string")."""
+    rows = [{"question": f"first{c}second", "answer": "#### 3"} for c in ("\u2028", "\u2029", "\x85")]
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\r\n" for row in rows), encoding="utf-8")
+    assert [row["question"] for row in read_rows(path)[0]] == [row["question"] for row in rows]
 
 
 def test_a_missing_local_folder_is_refused_as_missing_not_looked_up_on_the_hub(tmp_path, monkeypatch):

@@ -66,6 +66,20 @@ def test_the_lazy_table_reads_split_folders_as_the_eager_table(tmp_path):
     assert len(list(lazy.rows("train"))) + len(list(lazy.rows("validation"))) == 30
 
 
+def test_a_lazy_folder_of_test_rows_only_reads_as_its_test_split(tmp_path):
+    """The eager table reads a source of test rows only as it is; the lazy one refused it ("no train split")
+    even with nothing to hold out; hidden files are no data for it either."""
+    write_openthoughts(tmp_path / "ot", 12)
+    for path in (tmp_path / "ot").glob("*.parquet"):
+        path.rename(path.with_name("test-00000-of-00001.parquet"))
+    (tmp_path / "ot" / ".cache").mkdir()
+    (tmp_path / "ot" / ".cache" / "notes.jsonl").write_text("{}\n")  # not parquet, but hidden: still lazy
+    lazy = LazySplitTable(str(tmp_path / "ot"), None, COLUMNS, SCHEMA, {"validation": 0}, 42)
+    assert lazy.is_lazy() and lazy.splits() == ["test"] and len(list(lazy.rows("test"))) == 12
+    with pytest.raises(ValueError, match="has no train split to hold validation out of"):
+        LazySplitTable(str(tmp_path / "ot"), None, COLUMNS, SCHEMA, {"validation": 5}, 42).splits()
+
+
 def test_shards_that_disagree_on_a_column_s_type_are_refused_naming_column_and_files(tmp_path):
     """``difficulty`` int64 in one shard and double in the other: datasets' concatenation failed naming no file."""
     from tasks.deepmath import DeepMath

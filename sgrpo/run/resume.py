@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from tasks.data_files import is_hidden
+
 #: ``model.*`` keys a resume may change without changing the experiment (prefixes match their sub-keys)
 OPERATIONAL = (
     "model.micro_batch_size", "model.micro_batch_tokens", "model.logits_chunk_mib", "model.share_prompts",
@@ -78,7 +80,7 @@ def content_fingerprint(path: Path) -> str:
     bookkeeping (a time stamp) at each run, and ``.git`` changes with no file of the model."""
     files = [path]
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and not _hidden(f.relative_to(path)))
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not is_hidden(f.relative_to(path)))
     digest, size = hashlib.sha256(), 0
     for file in files:
         with open(file, "rb") as f:
@@ -91,10 +93,6 @@ def content_fingerprint(path: Path) -> str:
                 digest.update(f.read(_EDGE))
         size += length
     return f"{size} bytes, {digest.hexdigest()[:16]}"
-
-
-def _hidden(relative: Path) -> bool:
-    return any(part.startswith(".") for part in relative.parts)
 
 
 def content_disagreement(seen: list[dict[str, str]]) -> str | None:
