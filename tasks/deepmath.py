@@ -165,7 +165,7 @@ def make_example(template: str, reference_solutions: bool, source: str, row: Map
     return Example(
         prompt=[{"role": "user", "content": fill(template, question=question)}],  # after the system prompt
         answer=str(answer).strip(),
-        difficulty=None if difficulty in (None, "") else float(difficulty),
+        difficulty=None if is_blank(difficulty) else float(difficulty),
         metadata=metadata,
     )
 
@@ -208,6 +208,6 @@ def _question(example: Example) -> str:
 
 
 def _with_difficulty(example: Example, difficulty: object) -> Example:
-    if example.difficulty is not None or difficulty in (None, ""):
+    if example.difficulty is not None or is_blank(difficulty):
         return example
     return dataclasses.replace(example, difficulty=float(difficulty))

@@ -254,6 +254,15 @@ def test_a_file_that_names_no_split_beside_ones_that_do_is_named_as_read_as_trai
     assert len(warned) == 1 and "data: eval.jsonl names no split, so it is read as training data" in warned[0]
 
 
+def test_a_blank_difficulty_is_no_rating(tmp_path):
+    """The row check takes a whitespace difficulty as blank; the example then called float(" ") and raised,
+    naming neither file nor row."""
+    path = tmp_path / "dm.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _edit(DEEPMATH, 0, difficulty="  ")))
+    examples = _deepmath(str(path)).examples("train")
+    assert [e.difficulty for e in examples][:2] == [None, float(DEEPMATH[1]["difficulty"])]
+
+
 def test_a_json_string_with_a_unicode_line_separator_stays_one_line(tmp_path):
     """``json.dumps(ensure_ascii=False)`` writes U+2028, U+2029 and U+0085 raw; ``splitlines`` cut the line there
     and refused valid JSONL ("Unterminated string")."""
