@@ -164,9 +164,9 @@ def fit_command(spec: EstimatorSpec, seed: int, run_dir: Path, args: argparse.Na
 def validations(metrics_csv: Path, val_every: int) -> list[dict]:
     """Every validation of a run from its ``metrics.csv``, in order: accuracy per difficulty and pass@k.
 
-    Each validation is one CSV row holding ``val/accuracy``. Its ``step`` column is 0 for the one
-    before training and N - 1 after N steps (so with ``val_every`` 1 two rows share step 0); the
-    history counts training steps done instead: 0, ``val_every``, 2 ``val_every``, ... as ``val_history``.
+    Each validation is one CSV row holding ``val/accuracy``, its ``step`` column the training steps done
+    (0 before training, N after N steps; runs before 2026-12-04 logged N - 1), so the history counts them
+    by position: 0, ``val_every``, 2 ``val_every``, ... as ``val_history``.
     """
     with open(metrics_csv, newline="") as f:
         rows = [row for row in csv.DictReader(f) if row.get("val/accuracy")]

@@ -106,10 +106,11 @@ def test_test_evaluates_the_test_split_and_logs_test_metrics(run, capsys):
     assert result["split"] == "test" and result["prompts"] == 24  # num_test, not the 16 validation prompts
     assert "Test accuracy by difficulty" in capsys.readouterr().out
     logged = read_metrics(Path(cli.trainer.logger.log_dir) / "metrics.csv")
-    assert logged["test/accuracy"] == [(0, pytest.approx(result["accuracy"]))]
+    step = cli.model.rollout_step  # the checkpoint's training steps (every evaluation was logged at 0)
+    assert step > 0 and logged["test/accuracy"] == [(step, pytest.approx(result["accuracy"]))]
     for level, accuracy in result["by_difficulty"].items():
-        assert logged[f"test/accuracy/{level}"] == [(0, pytest.approx(accuracy))]
-    assert logged["test/pass@2"] == [(0, pytest.approx(result["pass_at_k"][2]))]
+        assert logged[f"test/accuracy/{level}"] == [(step, pytest.approx(accuracy))]
+    assert logged["test/pass@2"] == [(step, pytest.approx(result["pass_at_k"][2]))]
     assert not any(key.startswith("val/") for key in logged)
 
 

@@ -188,9 +188,15 @@ def test_prompts_over_the_model_positions_are_dropped_and_counted(model_dir, tmp
 
     assert prompt_limit(AutoConfig.from_pretrained(model_dir), None, 8) == 64 - 8
     # sort prompts of 3 and 5 digits: "s:123=" is 6 tokens, "s:12345=" 8; half of the 256 are over 6
-    cli = main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--model.max_prompt_tokens=6"))
+    cli = main(args(tmp_path, model_dir, "--trainer.max_steps=2", "--model.max_prompt_tokens=6",
+                    "--validate_last=true"))
     assert cli.model.prompts_dropped == 128
-    assert read_run_metrics(tmp_path)["train/prompts_dropped"] == [(0, 128.0), (1, 128.0)]
+    metrics = read_run_metrics(tmp_path)
+    assert metrics["train/prompts_dropped"] == [(0, 128.0), (1, 128.0)]
+    # validation's too: accuracy and pass@k cover the kept prompts only (it was a log line, in no metric)
+    dropped = cli.model._within_prompt_limit("validation")[1]
+    assert dropped > 0 and metrics["val/prompts_dropped"] == [(2, float(dropped))]
+    assert cli.model.val_history[-1]["prompts_dropped"] == dropped
 
 
 @pytest.mark.parametrize(

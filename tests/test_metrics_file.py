@@ -112,7 +112,7 @@ def test_the_report_draws_its_curves_whatever_the_logger(logger, tmp_path, monke
         wandb.finish()
     series = read_metrics_file(tmp_path / METRICS_FILE)
     assert [s for s, _ in series["train/reward"]] == [0, 1, 2]
-    assert [s for s, _ in series["val/accuracy"]] == [0, 1]  # before training, and after step 2 (logged at 1)
+    assert [s for s, _ in series["val/accuracy"]] == [0, 2]  # before training, and after 2 steps (logged at 1 once)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()
     assert "| mean over levels |" in report

@@ -96,8 +96,8 @@ class MarkResume(Callback):
         self.metrics = metrics
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.ckpt_path is not None:  # its first training step logs at rollout_step (a validation redone
-            self.metrics.mark_resume(pl_module.rollout_step)  # first, of the step before, logs one step earlier)
+        if trainer.ckpt_path is not None:  # its first training step logs at rollout_step, as does a validation
+            self.metrics.mark_resume(pl_module.rollout_step)  # the checkpoint owed (of its weights), redone first
 
 
 def read_metrics_file(path: Path) -> Series:
