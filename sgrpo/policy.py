@@ -133,7 +133,7 @@ class GRPOPolicy(
             optimizer: Optimiser class and arguments (lr, weight_decay, ...).
             scheduler: LR scheduler class and arguments; stepped once per training step.
             val_samples: Completions per validation prompt (pass@k up to this k).
-            val_greedy: Validate with greedy decoding (one completion per prompt).
+            val_greedy: Validate with greedy decoding (one completion per prompt, whatever ``val_samples`` says).
             val_reward: Also log the mean training reward of the validation completions (``val/reward``).
             val_prompts_per_batch: Validation prompts per rollout call.
             logits_chunk_mib: Memory bound of one chunk of float32 logits in the loss.
@@ -234,7 +234,9 @@ class GRPOPolicy(
         self._refill: RefillStream | None = None  # more prompts for dynamic sampling, ones the step has not drawn
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.val_samples, self.val_greedy, self.val_prompts_per_batch = val_samples, val_greedy, val_prompts_per_batch
+        # greedy: one completion per prompt (val_samples argmax copies were decoded, and logged as pass@k)
+        self.val_samples, self.val_greedy, self.val_prompts_per_batch = 1 if val_greedy else val_samples, val_greedy, \
+            val_prompts_per_batch
         self.val_reward = val_reward
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts, self.packing = share_prompts, packing

@@ -196,3 +196,14 @@ def test_mean_reward_counts_each_prompt_once_by_hand():
     assert metric.compute().item() == pytest.approx(2.2 / 4)
     with pytest.raises(ValueError, match="rewards \\[B, 2\\]"):
         metric.update(torch.tensor([2]), torch.tensor([[0.5]]))
+
+
+def test_greedy_validation_decodes_one_completion_per_prompt(tmp_path):
+    """``val_greedy`` with ``val_samples`` 4 (its default) decoded 4 identical argmax copies of each prompt and
+    logged pass@1..4, all equal: 4x the compute, and pass@k that mean nothing."""
+    from sgrpo.fit import main
+
+    greedy = [arg for arg in TWO_SETS if arg != "--model.val_samples=1"] + ["--model.val_samples=4"]
+    cli = main([*greedy, f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.model.val_samples == 1
+    assert all(list(s["pass_at_k"]) == [1] for s in cli.model.last_evaluation["sets"].values())
