@@ -2,7 +2,8 @@
 
 ``evaluate`` runs Lightning's ``validate`` or ``test`` on the policy the CLI built and prints its accuracy by
 difficulty; ``evaluated_checkpoint`` refuses, in one line and before anything runs, a checkpoint that is missing,
-broken, sharded under a strategy that cannot read it, or trained with other LoRA settings than the config's. A
+broken, sharded under a strategy that cannot read it, or trained with other LoRA settings than the config's (or,
+with LoRA, on another base model; a full-weight checkpoint of another base is evaluated with a warning). A
 checkpoint whose weights do not fit ``model.model`` (other shapes, other keys) is refused in one line too, as it
 fails to load (``FailFast`` tells that error from the others). Over several processes, each compares the checkpoint
 it resolved with process 0's before anything loads (``SameCheckpoint``).
@@ -10,6 +11,7 @@ it resolved with process 0's before anything loads (``SameCheckpoint``).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -23,7 +25,10 @@ from sgrpo.model.lora import peft_mismatch
 from sgrpo.run.checkpoints import evaluation_load_failure
 from sgrpo.run.faults import FailFast
 from sgrpo.run.folders import agree_checkpoint, latest_checkpoint
-from sgrpo.run.resume import ProcessesDisagree
+from sgrpo.run.resume import ProcessesDisagree, base_change
+from sgrpo.run.saving import STEP_END
+
+log = logging.getLogger(__name__)
 
 
 def evaluate(cli, mode: str) -> None:
@@ -82,4 +87,10 @@ def evaluated_checkpoint(ckpt_path: str | None, trainer, policy) -> str | None:
     record = recorded_policy(checkpoint)
     if record is not None and (problem := peft_mismatch(record["peft"], policy.peft)):
         raise CheckpointError(f"{ckpt_path} {problem}")
+    if change := base_change((checkpoint.get(STEP_END) or {}).get("experiment"), policy.model_path):
+        if policy.peft is not None:  # adapters on another base: a score of another model, exit 0
+            raise CheckpointError(f"{ckpt_path} holds LoRA adapters trained on another base model than model.model "
+                                  f"({change}): give the base it trained from as --model.model")  # fmt: skip
+        log.warning("%s was trained from another base model than model.model (%s): its weights load over it, but "
+                    "the config (tied embeddings) and the tokenizer are model.model's", ckpt_path, change)
     return ckpt_path

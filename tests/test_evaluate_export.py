@@ -374,3 +374,28 @@ def test_a_lora_checkpoint_that_named_the_lm_head_exports_without_its_untrained_
     with pytest.raises(CheckpointError, match="adapter on the LM head .* is not zero"):
         load_policy(weights | head, record)
 
+
+
+def test_a_checkpoint_is_evaluated_on_the_base_it_trained_from(run, lora_run, tmp_path, capsys, caplog):
+    """``validate --ckpt_path`` with another ``model.model`` of the same shapes scored LoRA adapters on that model,
+    exit 0 (a review: pass@1 31.2 % on the base, 15.6 % on another). A copy of the base elsewhere is the same model;
+    another base is refused under LoRA and named in a warning for full weights (they load over it)."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(SHIPPED, copy)
+    main(["validate", *args(tmp_path / "same", "--ckpt_path", str(lora_run / "checkpoints" / "last.ckpt"),
+                            f"--model.model={copy}", *LORA[:2])])  # fmt: skip
+    weights = load_file(copy / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, copy / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(["validate", *args(tmp_path / "lora", "--ckpt_path", str(lora_run / "checkpoints" / "last.ckpt"),
+                                f"--model.model={copy}", *LORA[:2])])  # fmt: skip
+    line = error_line(capsys)
+    assert refused.value.code == 2 and "holds LoRA adapters trained on another base model than model.model" in line
+    assert "model.model@content: " in line
+    with caplog.at_level("WARNING", logger="sgrpo.evaluate"):
+        main(["validate", *args(tmp_path / "full", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+                                f"--model.model={copy}")])  # fmt: skip
+    assert "was trained from another base model than model.model (model.model@content: " in caplog.text

@@ -111,6 +111,18 @@ def content_disagreement(seen: list[dict[str, str]]) -> str | None:
     return None
 
 
+def base_change(trained: dict[str, str] | None, model_path: str) -> str | None:
+    """``model.model: old -> new`` where ``model_path`` holds another base model than a checkpoint's experiment
+    record (``trained``) names: by content where both are local folders (a copy elsewhere is the same model), else
+    by name; None if the same, or if the record has neither (a checkpoint from before they were recorded)."""
+    now = experiment_record({"model": model_path}, None)
+    key = "model.model" + CONTENT if "model.model" + CONTENT in (trained or {}) and "model.model" + CONTENT in now \
+        else "model.model"
+    if not trained or key not in trained or trained[key] == now[key]:
+        return None
+    return f"{key}: {trained[key]} -> {now[key]}"
+
+
 def _data_fingerprints(record: dict[str, str]) -> dict[str, str]:
     """``KEY@content`` for every ``model.task`` value, and ``model.model``, that names a local file or folder (a hub id
     names none): the base model's folder holds the tokenizer, LoRA's frozen base and the KL reference's weights."""
