@@ -94,3 +94,8 @@ def evaluated_checkpoint(ckpt_path: str | None, trainer, policy) -> str | None:
         log.warning("%s was trained from another base model than model.model (%s): its weights load over it, but "
                     "the config (tied embeddings) and the tokenizer are model.model's", ckpt_path, change)
     return ckpt_path
+
+
+if __name__ == "__main__":  # the module's name invites it: say which command evaluates
+    raise SystemExit("sgrpo.evaluate is not a command: evaluate with python -m sgrpo.fit validate (or test) "
+                     "--config CONFIG [--ckpt_path CKPT]")  # fmt: skip

@@ -207,3 +207,20 @@ def test_greedy_validation_decodes_one_completion_per_prompt(tmp_path):
     cli = main([*greedy, f"--trainer.default_root_dir={tmp_path}"])
     assert cli.model.val_samples == 1
     assert all(list(s["pass_at_k"]) == [1] for s in cli.model.last_evaluation["sets"].values())
+
+
+def test_the_report_asks_for_the_validation_it_lacks():
+    from sgrpo.eval.report import accuracy_table
+
+    assert accuracy_table([]).endswith("set --validate_before true)")
+    assert accuracy_table([{"step": 0}]).endswith("set --validate_last true)")  # the base point is there already
+    assert accuracy_table([{"step": 4}]).endswith("set --validate_before true)")
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and Lightning: ~10 s
+def test_python_m_sgrpo_evaluate_says_which_command_evaluates():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sgrpo.evaluate"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 1 and "python -m sgrpo.fit validate" in done.stderr  # it did nothing, exit 0

@@ -18,7 +18,8 @@ def accuracy_table(history: list[dict[str, Any]]) -> str:
     """Markdown tables of accuracy per difficulty, the first validation against the last: one per evaluation set
     (titled by its name; ``sgrpo.eval.evaluation.result_sets``)."""
     if len(history) < 2:
-        return "(need a validation before and after training for the table: set --validate_before true)"
+        missing = "--validate_last true" if history and history[0]["step"] == 0 else "--validate_before true"
+        return f"(need a validation before and after training for the table: set {missing})"
     first, last = history[0], history[-1]
     base = "(base)" if first["step"] == 0 else "(first validation)"  # without --validate_before: a trained step
     tables = []
