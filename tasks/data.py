@@ -92,12 +92,14 @@ def check_rows(
     source: str,
     locate: Locate,
     drop: bool = False,
+    dropped_to: list[str] | None = None,
 ) -> list[Row]:
     """``rows`` of ``source`` if they all fit its schema, else ``ValueError`` at the first that does not.
 
     The schema is the first of ``schemas`` whose required columns are all among ``names`` (the source's
     columns), else the closest one, so the error names a column the source lacks. With ``drop`` (hub
-    data, which the user cannot edit) rows whose values fail a check are dropped with a warning instead.
+    data, which the user cannot edit) rows whose values fail a check are dropped with a warning instead, or, given
+    ``dropped_to``, their messages appended there (a caller checking a source batch by batch warns once).
     """
     if not schemas:
         return rows
@@ -124,9 +126,16 @@ def check_rows(
         if not drop:
             raise ValueError(f"{message}; fix or remove that row")
         dropped.append(message)
-    if dropped:
-        log.warning("dropped %d of %d rows that fail the checks; the first: %s", len(dropped), len(rows), dropped[0])
+    if dropped_to is not None:
+        dropped_to.extend(dropped)
+    elif dropped:
+        warn_dropped(dropped, len(rows))
     return kept
+
+
+def warn_dropped(dropped: list[str], rows: int) -> None:
+    if dropped:
+        log.warning("dropped %d of %d rows that fail the checks; the first: %s", len(dropped), rows, dropped[0])
 
 
 def held_out_count(size: int | float, n: int) -> int:

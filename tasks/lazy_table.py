@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.arrow_rows import ArrowRows, open_hub, open_parquet, scan
-from tasks.data import SplitTable, check_rows
+from tasks.data import SplitTable, check_rows, warn_dropped
 from tasks.data_files import _SPLIT_NAMES, Row, _row_number, data_files, split_files, split_of
 from tasks.holdout import HashRanking, ranked_split
 
@@ -96,7 +96,9 @@ class LazySplitTable(SplitTable):
         for dataset, names, source, locate, drop in parts:
             if not len(dataset) and not drop:
                 raise ValueError(f"{source} holds no rows; give {self.field}= a file with data")
-            kept, these = scan(dataset, self._checker(names, source, locate, drop), digest)
+            dropped: list[str] = []  # one warning for the source, not one per batch of rows
+            kept, these = scan(dataset, self._checker(names, source, locate, drop, dropped), digest)
+            warn_dropped(dropped, len(dataset))
             positions.append(offset + kept)
             digests.append(these)
             offset += len(dataset)
@@ -125,9 +127,10 @@ class LazySplitTable(SplitTable):
                 f"as they are"
             ) from None
 
-    def _checker(self, names: Sequence[str], source: str, locate, drop: bool) -> Callable[[list[Row], int], list[int]]:
+    def _checker(self, names: Sequence[str], source: str, locate, drop: bool,
+                 dropped: list[str]) -> Callable[[list[Row], int], list[int]]:  # fmt: skip
         def check(rows: list[Row], first: int) -> list[int]:
-            kept = check_rows(rows, names, self.schemas, source, lambda i: locate(first + i), drop)
+            kept = check_rows(rows, names, self.schemas, source, lambda i: locate(first + i), drop, dropped)
             if len(kept) == len(rows):
                 return list(range(len(rows)))
             ids = {id(row) for row in kept}

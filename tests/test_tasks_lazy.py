@@ -245,3 +245,27 @@ def test_the_training_stream_and_the_prompt_filter_read_lazy_examples_as_lists(t
     limit = min(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])  # the shortest only
     (kept, dropped), (kept_list, dropped_list) = (within_limit(x, tokenizer, limit, "train") for x in (lazy, eager))
     assert isinstance(kept, Mapped) and list(kept) == kept_list and dropped == dropped_list and 0 < dropped < len(eager)
+
+
+def test_a_lazy_source_s_dropped_rows_are_one_warning_with_the_total(tmp_path, monkeypatch, caplog):
+    """A hub scan checks 512 rows at a time and warned once per batch with that batch's count: thousands of lines
+    on OpenThoughts, and no total."""
+    import datasets
+
+    import tasks.arrow_rows as arrow_rows
+    from tasks.deepmath import SCHEMAS
+    from tests.test_tasks_data import DEEPMATH
+
+    monkeypatch.setattr(arrow_rows, "BATCH", 2)  # 5 rows: 3 batches, a bad row in the first and the last
+    rows = [dict(r) for r in DEEPMATH[:5]]
+    rows[1]["final_answer"] = rows[4]["final_answer"] = ""
+    write_openthoughts(tmp_path / "ot", 4)
+    table = LazySplitTable(str(tmp_path / "ot"), None, COLUMNS, SCHEMA, {}, 42)
+    table.schemas = SCHEMAS
+    locate = lambda i: f"split 'train' row {i + 1}"  # noqa: E731
+    with caplog.at_level("WARNING", logger="tasks.data"):
+        kept, _ = table._scan([(datasets.Dataset.from_list(rows), list(rows[0]), "owner/name", locate, True)], None)
+    assert len(kept) == 3
+    warned = [r.getMessage() for r in caplog.records if r.name == "tasks.data"]
+    assert len(warned) == 1 and warned[0].startswith("dropped 2 of 5 rows that fail the checks; the first: "
+                                                     "owner/name, split 'train' row 2, column 'final_answer'")
