@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -16,6 +17,8 @@ from tasks.holdout import check_holdout, check_size, paper_carver, prompt_uid
 from tasks.lazy_table import LazySplitTable
 from tasks.reward import Reward, SampleReward
 from tasks.similarity import final_text
+
+log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _COLUMNS = ("question", "final_answer", "difficulty", "topic", "prompt", "solution")
@@ -65,7 +68,8 @@ class DeepMath(Task):
     question, at most 10 % of them; the SoftmaxGRPO paper's 1,000 with seed 42) instead of random rows.
     ``reference_solutions`` reads ``r1_solution_1..3`` and gives each example ``metadata["reference"]``: the
     shortest ``final_text`` of the three (in characters; the first on a tie), the reference of a similarity
-    reward (``WordSimilarity``). The grading options, set on the reward:
+    reward (``WordSimilarity``), from ``test_path``'s rows too (one without those columns, as trl-lib's, gives
+    none, with a warning: the reward then reads the answer). The grading options, set on the reward:
 
     - ``require_think`` (default None: from the chat template): with a thinking model whose template opens
       ``<think>`` in the prompt (DeepSeek-R1-Distill), a completion without ``</think>`` was cut off
@@ -122,7 +126,7 @@ class DeepMath(Task):
             path, columns=columns, schema=SCHEMAS, sizes=sizes, seed=seed, group=group, carve=carve
         )
         self._test_table = (
-            None if test_path is None else SplitTable(test_path, columns=_COLUMNS, schema=SCHEMAS, field="test_path")
+            None if test_path is None else SplitTable(test_path, columns=columns, schema=SCHEMAS, field="test_path")
         )
         # success is math-verify's verdict: the reward's own when it is one (its raw value, whatever its scale)
         is_math_verify = isinstance(self.reward, MathVerifyReward)
@@ -132,20 +136,34 @@ class DeepMath(Task):
         if self._test_table is None:
             return self._examples(self._table, split)
         test_split = "test" if "test" in self._test_table.splits() else "train"
-        test = self._examples(self._test_table, test_split)
+        test = self._examples(self._test_table, test_split, self._test_references(test_split))
         if split == "test":
-            main_rows = [
-                row for s in ("train", "validation") if s in self._table.splits() for row in self._table.rows(s)
-            ]
-            known = {_normal(row.get("question", "")): row.get("difficulty") for row in main_rows}
+            known = {}  # one pass over the rows, each dropped once read (a list held every row, solutions and all)
+            for s in ("train", "validation"):
+                for row in self._table.rows(s) if s in self._table.splits() else ():
+                    known[_normal(row.get("question", ""))] = row.get("difficulty")
             return [_with_difficulty(e, known.get(_question(e))) for e in test]
         held_out = {_question(e) for e in test}
         examples = self._examples(self._table, split)
         return take(examples, [i for i, e in enumerate(examples) if _question(e) not in held_out])
 
-    def _examples(self, table: SplitTable, split: str) -> Sequence[Example]:
+    def _test_references(self, split: str) -> bool:
+        """Whether ``test_path``'s examples take R1 references: with ``reference_solutions``, where its rows have
+        the solution columns (a test file in trl-lib's schema, which has none, failed every split's load)."""
+        if not self.reference_solutions:
+            return False
+        if "_test_refs" not in self.__dict__:  # once: load runs for each split
+            rows = self._test_table.rows(split)
+            self._test_refs = not rows or any(k in rows[0] for k in SOLUTIONS)
+            if not self._test_refs:
+                log.warning("DeepMath test_path %s has no %s: its examples' references are their answers",
+                            self.test_path, "/".join(SOLUTIONS))  # fmt: skip
+        return self._test_refs
+
+    def _examples(self, table: SplitTable, split: str, references: bool | None = None) -> Sequence[Example]:
         rows = table.rows(split)  # checked against SCHEMAS; a parquet or hub source stays memory-mapped
-        make = functools.partial(make_example, self.template, self.reference_solutions, table.path)
+        references = self.reference_solutions if references is None else references
+        make = functools.partial(make_example, self.template, references, table.path)
         return Mapped(rows, make) if is_lazy(rows) else [make(row) for row in rows]
 
     def _uid(self, row: Mapping) -> str:

@@ -13,6 +13,7 @@ from sgrpo.types import Example
 from tasks import DeepMath, MathVerifyReward, grade_math
 from tasks.deepmath import SYSTEM_PROMPT
 from tasks.mathgrade import last_boxed
+from tasks.similarity import final_text
 
 FIXTURES = Path(__file__).parent / "fixtures"
 JSONL = str(FIXTURES / "deepmath.jsonl")
@@ -120,6 +121,23 @@ def test_trl_test_split_is_removed_from_train_and_gets_difficulty():
     assert seen == {"\\dfrac{\\pi^2}{6}", "481", "Yes"}
     trl_only = DeepMath(path=str(FIXTURES / "deepmath_trl_test.jsonl"), validation_size=0)
     assert [e.difficulty for e in trl_only.examples("train")] == [None] * 3
+
+
+def test_a_trl_test_split_with_reference_solutions_loads_with_answers_as_references(caplog):
+    """The similarity variant with the test file the docstring suggests (trl-lib's, no R1 solutions) failed the
+    load of every split, train included; a test file in zwhe99's schema lost its solutions (not read)."""
+    with caplog.at_level("WARNING", logger="tasks.deepmath"):
+        task = DeepMath(path=JSONL, validation_size=1, test_path=str(FIXTURES / "deepmath_trl_test.jsonl"),
+                        reference_solutions=True)  # fmt: skip
+        assert len(task.examples("train")) == 2 and len(task.examples("validation")) == 1
+        test = task.examples("test")
+    assert [e.answer for e in test] == ["-\\dfrac{9}{2}", "504", "720"]
+    assert not any("reference" in e.metadata for e in test)  # the similarity reward then reads example.answer
+    assert caplog.text.count("has no r1_solution_1/r1_solution_2/r1_solution_3") == 1
+    zwhe99 = DeepMath(path=JSONL, validation_size=0, test_path=JSONL, reference_solutions=True)
+    first = ROWS[0]
+    assert zwhe99.examples("test")[0].metadata["reference"] == min(
+        (final_text(first[k]) for k in ("r1_solution_1", "r1_solution_2", "r1_solution_3")), key=len)
 
 
 def test_clear_errors(tmp_path):
