@@ -147,3 +147,15 @@ def test_a_resume_from_an_older_checkpoint_counts_each_step_once(tmp_path):
         assert value == pytest.approx(first[step], rel=1e-5, abs=1e-7), step
     records = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert [r for r in records if "resumed_at" in r] == [{"resumed_at": 4}]
+
+
+def test_validations_log_at_the_steps_they_scored_and_checkpoints_keep_their_names(tmp_path):
+    """A validation logs at the training steps of the weights it scored (inside a fit Lightning's step is one less);
+    set through a logged "step" metric, that value stayed in callback_metrics and named the periodic checkpoints
+    after it: step3.ckpt was written as step2.ckpt."""
+    fit(tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=1", "--checkpoint_every=1", "--keep_last=5",
+        "--validate_before=true")  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step*.ckpt")) == [f"step{i}.ckpt" for i in (1, 2, 3)]
+    assert [step for step, _ in read_run_metrics(tmp_path)["val/accuracy"]] == [0, 1, 2, 3]
+    csv = read_metrics(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
+    assert [step for step, _ in csv["val/accuracy"]] == [0, 1, 2, 3] and "step" not in csv
