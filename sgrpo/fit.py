@@ -105,7 +105,7 @@ class SgrpoCLI(LightningCLI):
         """
         check_values(self.config)
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
-        check_policy(self.model, config.get("max_steps") if self.mode == "fit" else None)
+        check_policy(self.model, config.get("max_steps") if self.mode == "fit" else None, self.mode)
         check_splits(self.model.task, needed_splits(self.mode, config))
         callbacks = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
         root = run_folder(config.get("default_root_dir"))

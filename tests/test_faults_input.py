@@ -21,7 +21,7 @@ from sgrpo.run.launch_checks import check_strategy
 from sgrpo.types import Example
 from tasks.base import Reward
 from tests.preloaded import run
-from tests.test_faults import REPO, args, error_line, last_step
+from tests.test_faults import REPO, TINY, args, error_line, last_step
 from tests.test_faults import model_dir as model_dir  # the module's tiny model (a fixture)
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -93,6 +93,12 @@ def test_vllm_rollout_without_vllm_is_refused_before_the_model_loads(model_dir, 
         assert refused.value.code == 2 and f"model.{key}: VLLMRollout needs vLLM, which is not installed" in line
         assert "pip install -e '.[vllm]'" in line
         assert not (tmp_path / "run" / "lightning_logs").exists()
+    # validate samples with val_rollout only: a vLLM-trained run's config evaluates with HFRollout here
+    cli = main(["validate", "--config", TINY, f"--model.model={model_dir}", f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.enable_progress_bar=false", "--model.rollout=sgrpo.rollout.VLLMRollout",
+                "--model.rollout.init_args.max_new_tokens=16", "--model.val_rollout=sgrpo.rollout.HFRollout",
+                "--model.val_rollout.init_args.max_new_tokens=8"])  # fmt: skip
+    assert cli.model.last_evaluation["split"] == "validation"
 
 
 def test_an_export_dir_holding_what_is_not_an_export_is_refused_before_loading(model_dir, tmp_path, capsys):

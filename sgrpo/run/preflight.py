@@ -255,14 +255,14 @@ def _cached(repo_id: str, kind: str) -> bool:
     return kind == "dataset" and (datasets_cache / repo_id.replace("/", "___")).is_dir()
 
 
-def check_policy(policy: Any, max_steps: int | None = None) -> None:
+def check_policy(policy: Any, max_steps: int | None = None, mode: str = "fit") -> None:
     """The model exists, the optimizer and scheduler build (on a stand-in parameter), the hub datasets are there.
     With ``max_steps`` (a fit's), the scheduler is stepped that many times (at most ``SCHEDULE_STEPS_READ``), once
     per training step as the fit steps it: a schedule shorter than the run (OneCycleLR's ``total_steps``) raised
-    mid-run, inside an update, hours in."""
+    mid-run, inside an update, hours in. The rollout engines are checked where ``mode`` samples with them."""
     check_model(policy.model_path)
     check_prompt_room(policy)
-    check_rollout_servers(policy)
+    check_rollout_servers(policy, ("rollout", "val_rollout") if mode == "fit" else ("val_rollout",))
     if policy.peft is not None and (problem := lora_problem(policy.peft, policy.keep_dropout, policy.model_path)):
         raise ConfigError(problem)
     estimator = policy.estimator
@@ -362,10 +362,11 @@ def check_prompt_room(policy: Any) -> None:
         prompt_room(positions, engine.max_total_tokens, policy.max_prompt_tokens, engine.max_new_tokens, key)
 
 
-def check_rollout_servers(policy: Any) -> None:
-    """Rollout engines on servers (``VLLMServerRollout``) reach them now: a server that is not up, or a launcher
-    without its interpreter, fails here in one line naming the key, before the model loads."""
-    for key in ("rollout", "val_rollout"):
+def check_rollout_servers(policy: Any, keys: tuple[str, ...] = ("rollout", "val_rollout")) -> None:
+    """Rollout engines on servers (``VLLMServerRollout``) reach them now, and ``VLLMRollout`` finds vLLM: a server
+    that is not up, a launcher without its interpreter or vLLM not installed fails here in one line naming the key,
+    before the model loads (``keys``: the engines the command samples with; validate and test, the validation's)."""
+    for key in keys:
         preflight = getattr(getattr(policy, key), "preflight", None)
         error = preflight() if callable(preflight) else None
         if error:
