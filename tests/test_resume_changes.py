@@ -3,6 +3,7 @@ the optimiser's settings too, which loading its state used to put back silently.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from sgrpo.run.resume import (
     ProcessesDisagree,
     apply_optimizer_settings,
+    base_change,
     content_disagreement,
     content_fingerprint,
     drop_scheduler_state,
@@ -101,6 +103,22 @@ def test_hidden_files_of_a_folder_are_not_its_content(tmp_path):
     assert content_fingerprint(base) == before
     (base / "config.json").write_text('{"a": 1}')
     assert content_fingerprint(base) != before
+
+
+def test_a_record_from_before_hidden_files_were_skipped_still_matches(tmp_path):
+    """Checkpoints saved before hidden files left the fingerprint recorded them in it: the same model folder (with
+    hf download's .cache) was refused on resume, and its LoRA checkpoint refused by validate."""
+    base = tmp_path / "model"
+    (base / ".cache" / "huggingface").mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    (base / ".cache" / "huggingface" / "model.metadata").write_text("abc\n1764000000.1\n")
+    now = experiment_record({"model": str(base)}, 0)
+    old = now | {"model.model@content": json.dumps(content_fingerprint(base, hidden=True))}
+    assert old != now and experiment_changes(old, now) == [] and base_change(old, str(base)) is None
+    (base / "config.json").write_text('{"a": 1}')  # another model: still a change, in either form
+    changed = experiment_record({"model": str(base)}, 0)
+    assert experiment_changes(old, changed)[0].startswith("model.model@content: ")
+    assert base_change(old, str(base)).startswith("model.model@content: ")
 
 
 def test_processes_that_see_other_content_at_a_path_are_named():

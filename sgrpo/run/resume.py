@@ -72,15 +72,16 @@ CONTENT = "@content"
 _EDGE = 1 << 20  # the bytes hashed at each end of a data file
 
 
-def content_fingerprint(path: Path) -> str:
+def content_fingerprint(path: Path, hidden: bool = False) -> str:
     """A cheap fingerprint of a file's content, or of a folder's files: size and the SHA-256 of the first and last
     MiB (whole files up to 2 MiB), not the modification time (a copy of the same data is the same experiment).
     An edit of the middle of a large file that keeps its size goes unseen; any other edit changes it. A folder's
     hidden files and folders are not read: ``hf download --local-dir`` rewrites its ``.cache/huggingface``
-    bookkeeping (a time stamp) at each run, and ``.git`` changes with no file of the model."""
+    bookkeeping (a time stamp) at each run, and ``.git`` changes with no file of the model. ``hidden``: read them
+    too, as records before 2026-12-04 did (``same_content`` accepts those)."""
     files = [path]
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and not is_hidden(f.relative_to(path)))
+        files = sorted(f for f in path.rglob("*") if f.is_file() and (hidden or not is_hidden(f.relative_to(path))))
     digest, size = hashlib.sha256(), 0
     for file in files:
         with open(file, "rb") as f:
@@ -111,6 +112,19 @@ def content_disagreement(seen: list[dict[str, str]]) -> str | None:
     return None
 
 
+def same_content(key: str, trained: str, record: dict[str, str]) -> bool:
+    """Whether a ``KEY@content`` fingerprint a checkpoint recorded (``trained``, JSON) is that of the path ``record``
+    names now, also as records before 2026-12-04 fingerprinted folders (hidden files read): those checkpoints
+    were refused as another model once hidden files left the fingerprint."""
+    if record.get(key) == trained:
+        return True
+    try:
+        path = Path(json.loads(record[key.removesuffix(CONTENT)])).expanduser()
+        return path.is_dir() and json.dumps(content_fingerprint(path, hidden=True)) == trained
+    except (KeyError, TypeError, ValueError, OSError):
+        return False
+
+
 def base_change(trained: dict[str, str] | None, model_path: str) -> str | None:
     """``model.model: old -> new`` where ``model_path`` holds another base model than a checkpoint's experiment
     record (``trained``) names: by content where both are local folders (a copy elsewhere is the same model), else
@@ -118,7 +132,8 @@ def base_change(trained: dict[str, str] | None, model_path: str) -> str | None:
     now = experiment_record({"model": model_path}, None)
     key = "model.model" + CONTENT if "model.model" + CONTENT in (trained or {}) and "model.model" + CONTENT in now \
         else "model.model"
-    if not trained or key not in trained or trained[key] == now[key]:
+    if not trained or key not in trained or trained[key] == now[key] or (key != "model.model" and
+                                                                        same_content(key, trained[key], now)):
         return None
     return f"{key}: {trained[key]} -> {now[key]}"
 
@@ -168,7 +183,8 @@ def experiment_changes(trained: dict[str, str], resumed: dict[str, str]) -> list
     since, left off: ``model.environment``) is no change."""
     keys = [k for k in sorted(set(trained) | set(resumed))
             if trained.get(k) != resumed.get(k) and (k in trained or not _recorded_since(k))
-            and (k in trained or resumed.get(k) != "null")]  # a setting added since, at its off default  # fmt: skip
+            and (k in trained or resumed.get(k) != "null")  # a setting added since, at its off default
+            and not (k.endswith(CONTENT) and k in trained and same_content(k, trained[k], resumed))]  # fmt: skip
     classes = tuple(k.removesuffix("class_path") + "init_args." for k in keys if k.endswith(".class_path"))
     return [f"{k}: {trained.get(k, 'unset')} -> {resumed.get(k, 'unset')}" for k in keys if not k.startswith(classes)]
 
