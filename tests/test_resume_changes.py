@@ -119,6 +119,9 @@ def test_a_record_from_before_hidden_files_were_skipped_still_matches(tmp_path):
     changed = experiment_record({"model": str(base)}, 0)
     assert experiment_changes(old, changed)[0].startswith("model.model@content: ")
     assert base_change(old, str(base)).startswith("model.model@content: ")
+    hub = experiment_record({"model": "Qwen/Qwen2.5-1.5B"}, 0)  # trained from a hub id: a local folder may be its
+    assert base_change(hub, str(base)) is None and base_change(now, "Qwen/Qwen2.5-1.5B") is None  # snapshot
+    assert base_change(hub, "Qwen/Qwen2.5-0.5B") == 'model.model: "Qwen/Qwen2.5-1.5B" -> "Qwen/Qwen2.5-0.5B"'
 
 
 def test_processes_that_see_other_content_at_a_path_are_named():

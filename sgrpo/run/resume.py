@@ -127,13 +127,17 @@ def same_content(key: str, trained: str, record: dict[str, str]) -> bool:
 
 def base_change(trained: dict[str, str] | None, model_path: str) -> str | None:
     """``model.model: old -> new`` where ``model_path`` holds another base model than a checkpoint's experiment
-    record (``trained``) names: by content where both are local folders (a copy elsewhere is the same model), else
-    by name; None if the same, or if the record has neither (a checkpoint from before they were recorded)."""
+    record (``trained``) names: by content where both are local folders (a copy elsewhere is the same model), by
+    name where both are hub ids; None if the same, where one is a hub id and the other a folder (a snapshot of it,
+    maybe: not known here), or where the record has neither (a checkpoint from before they were recorded)."""
+    if not trained or "model.model" not in trained:
+        return None
     now = experiment_record({"model": model_path}, None)
-    key = "model.model" + CONTENT if "model.model" + CONTENT in (trained or {}) and "model.model" + CONTENT in now \
-        else "model.model"
-    if not trained or key not in trained or trained[key] == now[key] or (key != "model.model" and
-                                                                        same_content(key, trained[key], now)):
+    content = "model.model" + CONTENT
+    if (content in trained) != (content in now):
+        return None
+    key = content if content in now else "model.model"
+    if trained[key] == now[key] or (key == content and same_content(key, trained[key], now)):
         return None
     return f"{key}: {trained[key]} -> {now[key]}"
 
