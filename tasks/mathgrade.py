@@ -31,10 +31,11 @@ from tasks.similarity import final_text, strip_think, template_opens_think
 #: a number in free text: a minus sign only where no word, digit or bracket comes just before it ("3-4" is a range or
 #: a difference, not -4), and an exponent ("1.5e3" is 1500, not 3)
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
-#: a comma between digits groups them (``1,000``); any other separates (``(2,-5)``: -5, not the range ``2-5``)
-_DIGIT_COMMA = re.compile(r"(?<=\d),(?=\d)")
-#: a LaTeX command, after which a minus is a sign (``x \approx-3``)
-_COMMAND = re.compile(r"\\[A-Za-z]+")
+#: a comma between a digit and three more groups them (``1,000``); any other separates (``(2,-5)``: -5, not the
+#: range ``2-5``; ``3,-4,5``: 5)
+_DIGIT_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+#: a LaTeX relation or operator, after which a minus is a sign (``x \approx-3``; ``\pi-3`` stays a difference)
+_COMMAND = re.compile(r"\\(?:approx|simeq|sim|equiv|leq|le|geq|ge|neq|ne|to|times|cdot|div|pm|mp)(?![A-Za-z])")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 #: a box's content read as one number (``numeric_answer``): a signed decimal, then at most words (units) and a period
 _BOX_NUMBER = re.compile(

@@ -167,7 +167,9 @@ def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
     ("-3", "the roots are 1,-3", 1.0),
     ("-3", "so $x \\approx-3$", 1.0),  # a minus after a LaTeX command is a sign
     ("1000", "It costs $1,000.", 1.0),  # a comma between digits groups them
-    ("12", "say 1,2", 1.0),  # as before (digits either side)
+    ("5", "the list 3,-4,5", 1.0),  # a comma before one digit separates
+    ("1000000", "1,000,000 of them", 1.0),
+    ("3", "so $\\pi-3$", 1.0),  # a difference: \\pi is no relation
 ])  # fmt: skip
 def test_numeric_match_reads_unboxed_text_s_last_number_with_its_sign_and_exponent(gold, completion, expected):
     assert NumericMatch().score([Example("q", gold)], [completion]).total.tolist() == [expected]
