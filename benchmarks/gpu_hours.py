@@ -110,7 +110,8 @@ def experiment(raw: dict, fill: float = 1.0) -> dict:
     val_prompts = m["task"].get("init_args", {}).get("validation_size") or SOURCE_VALIDATION[task]
     val_r = fill * (m.get("val_rollout") or m["rollout"])["init_args"]["max_new_tokens"]
     val_attention = attention_flops(m["model"], p + val_r / 2)
-    validation = (2 * n + val_attention) * val_prompts * (p + m["val_samples"] * val_r) * validations
+    val_samples = 1 if m.get("val_greedy") else m["val_samples"]  # greedy: one completion a prompt
+    validation = (2 * n + val_attention) * val_prompts * (p + val_samples * val_r) * validations
     gpus = trainer["devices"] * trainer.get("num_nodes", 1)
     return {"model": m["model"], "parameters": n, "gpus": gpus, "steps": steps, "rows": rows, "prompt_tokens": p,
             "response_tokens": r, "generated_tokens_per_step": rows * r, "trained_tokens_per_step": rows * (p + r),
