@@ -26,7 +26,7 @@ from sgrpo.run.checkpoints import evaluation_load_failure
 from sgrpo.run.faults import FailFast
 from sgrpo.run.folders import agree_checkpoint, latest_checkpoint
 from sgrpo.run.resume import ProcessesDisagree, base_change
-from sgrpo.run.saving import STEP_END
+from sgrpo.run.step_end import STEP_END
 
 log = logging.getLogger(__name__)
 

@@ -71,8 +71,9 @@ from sgrpo.run.preflight import (
 )
 from sgrpo.run.progress import ParameterCount, StepProgressBar
 from sgrpo.run.resume import experiment_record
-from sgrpo.run.saving import RunCheckpoint, RunFitLoop
+from sgrpo.run.saving import RunCheckpoint
 from sgrpo.run.signals import sigterm_without_collective
+from sgrpo.run.step_end import RunFitLoop
 
 MODES = ("fit", "validate", "test")
 #: where ``validate`` and ``test`` log (their metrics.csv and config.yaml) under trainer.default_root_dir

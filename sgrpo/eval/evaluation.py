@@ -181,13 +181,10 @@ class PolicyEvaluation:
             return None
         dropped = self._within_prompt_limit(split)[1]  # over the prompt limit: not in any set's accuracy or pass@k
         metrics[f"{SPLITS[split][0]}/prompts_dropped"] = float(dropped)
-        self.log_dict(metrics, prog_bar=False, rank_zero_only=True, logger=False)  # for callbacks (callback_metrics)
-        # the loggers get them at the count of training steps of the weights scored: Lightning's own step is one less
-        # inside a fit (--validate_before's and the first step's validations both fell at 0) and 0 in validate. Not
-        # by logging a "step" metric: it stays in callback_metrics, where it names the periodic checkpoints
-        for logger in self.trainer.loggers:
-            logger.log_metrics(metrics, step=self.rollout_step)
-            logger.save()
+        # logged at the count of training steps of the weights scored, Lightning's "step" metric: its own step is one
+        # less inside a fit (--validate_before's and the first step's validations both fell at 0) and 0 in validate.
+        # The value stays in callback_metrics: sgrpo.run.saving.RunCheckpoint names checkpoints by global_step
+        self.log_dict(metrics | {"step": float(self.rollout_step)}, prog_bar=False, rank_zero_only=True)
         result = {"step": self.rollout_step, "prompts_dropped": dropped} | sets.get("", {"sets": sets})
         self.last_evaluation = result | {"split": split}
         return result
