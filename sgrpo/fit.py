@@ -307,8 +307,9 @@ def quiet_dependency_warnings() -> None:
     # torch (2.13 here) deprecates the LeafSpec that Lightning's CombinedLoader builds: a line per process per run
     warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
     # over several processes, a line per evaluation metric and one for the sampler: the evaluation gathers every
-    # process's results before it computes its metrics, and counts a prompt the sampler repeats once
-    warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('(val|test)/", PossibleUserWarning)
+    # process's results before it computes its metrics (its "step", the weights' training steps, is every process's),
+    # and counts a prompt the sampler repeats once
+    warnings.filterwarnings("ignore", r"It is recommended to use `self.log\('((val|test)/|step')", PossibleUserWarning)
     warnings.filterwarnings("ignore", r"Using `DistributedSampler` with the dataloaders. During `trainer.validate")
     # a fit in epochs (trainer.max_epochs): its prompt stream runs in the training process (exact length, whatever
     # Lightning fears of worker processes) and resumes mid-epoch from the policy's step
