@@ -234,9 +234,8 @@ class GRPOPolicy(
         self._refill: RefillStream | None = None  # more prompts for dynamic sampling, ones the step has not drawn
         self.max_grad_norm = max_grad_norm
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        # greedy: one completion per prompt (val_samples argmax copies were decoded, and logged as pass@k)
-        self.val_samples, self.val_greedy, self.val_prompts_per_batch = 1 if val_greedy else val_samples, val_greedy, \
-            val_prompts_per_batch
+        self.val_greedy, self.val_prompts_per_batch = val_greedy, val_prompts_per_batch
+        self.val_samples = 1 if val_greedy else val_samples  # greedy: argmax copies were decoded and logged as pass@k
         self.val_reward = val_reward
         self.logits_chunk_mib, self.model_dtype, self.seed = logits_chunk_mib, dtype, seed
         self.share_prompts, self.packing = share_prompts, packing

@@ -67,27 +67,27 @@ def split_of(file: Path, root: Path) -> str:
     """The split a file of the folder ``root`` holds: by its name's first word (``test-00000-of-00001.parquet``),
     else by the nearest folder under ``root`` named as a split (``test/0000.parquet``, the hub's other layout,
     whose test rows were read as training data), else train."""
-    first_word = re.split(r"[-_.]", file.name, maxsplit=1)[0].lower()
-    folders = reversed(file.relative_to(root).parent.parts)
-    return next((_SPLIT_NAMES[n.lower()] for n in (first_word, *folders) if n.lower() in _SPLIT_NAMES), "train")
+    return _named_split(file, root) or "train"
 
 
 def split_files(files: Sequence[Path], root: Path) -> list[str]:
     """``split_of`` each of ``files``; where some name a split and others none (``eval.jsonl`` beside
     ``test.jsonl``: read as train), a warning names the files read as train by default."""
-    splits = [split_of(file, root) for file in files]
-    unnamed = [f for f, split in zip(files, splits) if split == "train" and not _names_split(f, root)]
+    named = [_named_split(file, root) for file in files]
+    unnamed = [f for f, split in zip(files, named, strict=True) if split is None]
     if unnamed and len(unnamed) < len(files):
         log.warning("%s: %s name%s no split, so %s read as training data; name a file after its split "
                     "(validation.jsonl, test-00000.parquet) or put it in a folder named so", root,
                     ", ".join(str(f.relative_to(root)) for f in unnamed), "s"[: len(unnamed) == 1],
                     "it is" if len(unnamed) == 1 else "they are")  # fmt: skip
-    return splits
+    return [split or "train" for split in named]
 
 
-def _names_split(file: Path, root: Path) -> bool:
+def _named_split(file: Path, root: Path) -> str | None:
+    """The split ``file``'s name or nearest folder under ``root`` names, or None."""
     first_word = re.split(r"[-_.]", file.name, maxsplit=1)[0].lower()
-    return any(n.lower() in _SPLIT_NAMES for n in (first_word, *file.relative_to(root).parent.parts))
+    folders = reversed(file.relative_to(root).parent.parts)
+    return next((_SPLIT_NAMES[n.lower()] for n in (first_word, *folders) if n.lower() in _SPLIT_NAMES), None)
 
 
 def _row_number(index: int) -> str:
