@@ -262,6 +262,43 @@ def test_a_process_that_ends_at_once_stops_the_servers_it_launched(tmp_path, mon
         launch.stop()
 
 
+#: a stand-in server (``python -c LINGERS PORT READY``) whose forked child, as vLLM's engine process, holds the
+#: listening port 2 s after a SIGTERM; the child creates the file READY once it handles the signal
+LINGERS = """import http.server, os, signal, sys, time
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.BaseHTTPRequestHandler)
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), os._exit(0)))
+    open(sys.argv[2], "w").close()  # its handler is set
+    while True:
+        time.sleep(1)
+server.serve_forever()
+"""
+
+
+def test_stop_returns_once_the_servers_child_processes_have_released_the_port(tmp_path, monkeypatch):
+    """CI (stop 54): a server killed and started again on its port was refused as "another process already serves":
+    ``stop`` returned once the guard was reaped, while the server's engine process still held the port."""
+    port = int(closed_port_url().rsplit(":", 1)[1])
+    ready = tmp_path / "ready"
+    monkeypatch.setattr(vllm_launch, "server_command", lambda py, model, port, *_: [py, "-c", LINGERS, str(port),
+                                                                                     str(ready)])  # fmt: skip
+    monkeypatch.setattr(vllm_launch, "wait_until_healthy", lambda *_, **__: None)
+    launch = VLLMServers(ports=[port], python=sys.executable, startup_timeout=20, log_dir=str(tmp_path))
+    launch.start("MODEL", "float32", None, [])
+    group = launch.processes[0].pid
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists() and vllm_launch._serving("127.0.0.1", port)
+        launch.stop()
+        assert not vllm_launch._group_running(group), "stop() returned while a server process still ran"
+        assert not vllm_launch._serving("127.0.0.1", port), "stop() returned while the port was still held"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def test_a_port_another_process_serves_is_refused_not_taken_for_the_started_server(servers, tmp_path, monkeypatch):
     """A server an earlier run left on the port answered ``/health`` for the one started there (which could not bind
     and exited): the run trained against the earlier run's server."""

@@ -157,7 +157,8 @@ class VLLMServers:
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop the servers this object started (their process groups, by PID: SIGTERM, SIGKILL after ``grace`` s);
-        the others are not touched."""
+        the others are not touched. Returns once no process of those groups runs: the engine processes can outlive
+        the guard a moment, holding the port and the GPU (a server started at once on that port was refused)."""
         for process in self.processes:
             if process.poll() is None:
                 _signal_group(process.pid, signal.SIGTERM)
@@ -168,6 +169,10 @@ class VLLMServers:
             except subprocess.TimeoutExpired:
                 _signal_group(process.pid, signal.SIGKILL)
                 process.wait(timeout=grace)
+        for process in self.processes:
+            if not _group_ends(process.pid, deadline):
+                _signal_group(process.pid, signal.SIGKILL)
+                _group_ends(process.pid, time.monotonic() + grace)
         self.processes = []
 
 
@@ -178,6 +183,40 @@ def _serving(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _group_ends(group: int, deadline: float) -> bool:
+    """Wait until no process of process group ``group`` runs, or ``deadline`` (``time.monotonic``) passes; whether
+    none runs."""
+    while _group_running(group):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of process group ``group`` still runs. One that has exited and awaits its parent's ``wait``
+    (a zombie) holds no port, memory or GPU, so it does not count; without ``/proc``, whether the group has any."""
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:  # "PID (NAME) STATE PPID PGRP ...": NAME may hold ")"
+                state, _, pgrp = stat.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # it ended meanwhile
+            continue
+        if int(pgrp) == group and state not in ("Z", "X"):
+            return True
+    return False
 
 
 def _signal_group(pid: int, sig: int) -> None:
