@@ -1,6 +1,7 @@
 """Where sgrpo's step time goes, for ``benchmarks/throughput.py --case profile`` (split from
 ``benchmarks/_workload.py``, whose workload and trainer it profiles): the step's phases as a tree, then the top
-torch ops."""
+torch ops. On a GPU (``--device cuda``) each phase's timer first waits for the GPU (``torch.cuda.synchronize``), so a
+phase is charged with its kernels rather than the next one's, and the top ops are ranked by their GPU time."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
 
     gradient_pass: list[bool] = [False]  # inside a _chunk_logprobs of the gradient pass (its ``stats`` given)
 
+    cuda = work.device == "cuda"
+
     def timed(name, fn, when=lambda *args, **kwargs: True):
         """``fn`` with its time added to ``name``'s, on the calls where ``when(*args, **kwargs)``."""
 
@@ -55,10 +58,14 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         def wrapper(*args, **kwargs):
             if not when(*args, **kwargs):
                 return fn(*args, **kwargs)
+            if cuda:  # the kernels queued before this phase are not its own
+                torch.cuda.synchronize()
             w0, c0 = time.perf_counter(), _cpu_s()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if cuda:
+                    torch.cuda.synchronize()
                 wall[name] = wall.get(name, 0.0) + time.perf_counter() - w0
                 cpu[name] = cpu.get(name, 0.0) + _cpu_s() - c0
 
@@ -126,7 +133,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         w = statistics.median(r[0].get(label, 0.0) for r in measured)
         c = statistics.median(r[1].get(label, 0.0) for r in measured)
         print(f"| {'&nbsp;&nbsp;' * depth}{label} | {w:.3f} | {w / step_wall:.1%} | {c:.3f} |")
-    _top_ops(policy, top_ops)
+    _top_ops(policy, top_ops, cuda)
 
 
 def _derive_phases(times: dict[str, float]) -> None:
@@ -160,14 +167,26 @@ class _TimedLoss:
         return getattr(self._loss, name)
 
 
-def _top_ops(policy, limit: int) -> None:
-    """torch.profiler's top operators (self CPU time) over one rollout + update outside Lightning's loop."""
+def _top_ops(policy, limit: int, cuda: bool = False) -> None:
+    """torch.profiler's top operators over one rollout + update outside Lightning's loop: by self CPU time, or on a
+    GPU by self GPU time (the update alone as well: the rollout's many small decode kernels would fill the table)."""
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    sort, unit = ("self_device_time_total", "GPU") if cuda else ("self_cpu_time_total", "CPU")
     examples = list(policy.task.examples("train"))[: policy.prompts_per_step]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities) as prof:
         rollout = policy.rollout.generate(policy.model, policy.tokenizer, examples, policy.group_size)
         rewards, _, _, _ = policy.score(examples, rollout)
-        policy.update(rollout, policy.estimator(rewards), torch.ones(len(examples), dtype=torch.bool))
-    print(f"\n### torch.profiler, one more step (rollout + update), top {limit} operators by self CPU time\n")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit))
+        advantages, keep = policy.estimator(rewards), policy.informative_groups(rewards)
+        if not cuda:
+            policy.update(rollout, advantages, keep)
+    if cuda:
+        with profile(activities=activities) as update_prof:
+            policy.update(rollout, advantages, keep)
+            torch.cuda.synchronize()
+        print(f"\n### torch.profiler, the update of one more step, top {limit} operators by self {unit} time\n")
+        print(update_prof.key_averages().table(sort_by=sort, row_limit=limit))
+    print(f"\n### torch.profiler, one more step (rollout{'' if cuda else ' + update'}), top {limit} operators by self "
+          f"{unit} time\n")  # fmt: skip
+    print(prof.key_averages().table(sort_by=sort, row_limit=limit))

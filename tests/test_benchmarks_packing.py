@@ -47,3 +47,21 @@ def test_workloads_follow_their_spec():
         assert int(lengths.min()) >= 4 and int(lengths.max()) <= 256
         median = float(lengths.float().median())
         assert median < 64 if skew == "log-uniform" else median > 64  # log-uniform: most completions short
+
+
+def test_the_gpu_arithmetic_runs_on_a_cpu_and_a_missing_gpu_is_named():
+    """``--device cuda``'s path without a GPU: a workload under bf16 autocast gives every mode the same real tokens,
+    its first pass and no compile once warm; asking for a GPU where there is none says so, before any model."""
+    import torch
+
+    w = bench.measure_workload({"budget": "auto", "skew": "log-uniform", "prompt": "short", "G": 4}, quick=True,
+                               threads=1, repeats=1, bf16=True)  # fmt: skip
+    modes = w["modes"]
+    assert len({m["real"] for m in modes.values()}) == 1 and w["graphs_compiled_measured"] == 0
+    for m in modes.values():
+        assert m["first_s"] > 0 and m["best_s"] > 0 and "flop_share" not in m  # no peak given: no share
+    assert "attention" not in modes["padded+shared"] and modes["packed"]["attention"] == "sdpa"  # CPU: SDPA stays
+    assert bench.sizes_of(False, "cuda")[0] is bench.GPU_MODEL and bench.sizes_of(True, "cuda")[0] is bench.QUICK_MODEL
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: torch sees no GPU here"):
+            bench.main(["--device", "cuda", "--quick", "--no-publish"])
