@@ -9,7 +9,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from estimators import GRPO
 from sgrpo.model.tiny import ensure_tiny_model
 from tests.engine_helpers import EXAMPLES, GradCapture, fixed_batch, run_steps
-from tests.test_policy_gradients import MAX_NEW, G, make_policy
+from tests.test_policy_gradients import MAX_NEW, PROMPTS, G, make_policy
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +142,33 @@ def test_the_guards_streaks_travel_in_checkpoints(model_dir, batch):
     fresh = poisoned_policy(model_dir, batch, poison=())
     fresh.on_load_checkpoint({"sgrpo": {"rollout_step": 3}})  # a checkpoint from before the streaks were kept
     assert (fresh.divergence_watch.streak, fresh.reward_watch.streak) == (0, 0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_mixed_steps_with_no_gradient_anywhere_as_32_true_does(model_dir, batch, fused):
+    """Every group constant under dynamic sampling: no process runs a backward. The GradScaler then raised (found by a
+    review): "Attempted unscale_ but _scale is None" before its first scaled loss, "No inf checks were recorded"
+    after. Now such a step passes over the parameters as 32-true does (none has a gradient: the weights stay) and
+    leaves the scale as it was."""
+    optimizer = lambda p: torch.optim.AdamW(p, lr=1e-3, fused=fused)  # noqa: E731
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    fp16 = [MixedPrecision("16-mixed", "cpu", scaler)]
+
+    def idle_steps() -> None:
+        constant = {p: [1.0] * G for p in PROMPTS}
+        policy = make_policy(model_dir, batch, GRPO(), rewards=constant, dynamic_sampling=True, max_sampling_rounds=1,
+                             optimizer=optimizer)  # fmt: skip
+        policy.configure_model()
+        before = [p.detach().clone() for p in policy.model.parameters()]
+        assert run_steps(policy, steps=2, plugins=fp16).global_step == 2
+        assert all(torch.equal(p, b) for p, b in zip(policy.model.parameters(), before))
+
+    idle_steps()  # before the scaler's first scaled loss
+    varied = make_policy(model_dir, batch, GRPO(), optimizer=optimizer)
+    varied.configure_model()
+    before = [p.detach().clone() for p in varied.model.parameters()]
+    run_steps(varied, steps=1, plugins=fp16)
+    assert not all(torch.equal(p, b) for p, b in zip(varied.model.parameters(), before))
+    scale = scaler.get_scale()
+    idle_steps()  # after it
+    assert scaler.is_enabled() and scaler.get_scale() == scale

@@ -29,8 +29,10 @@ Lightning's strategy and precision plugin. Everything that must line up across p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -235,6 +237,7 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         # every process runs as many backwards (DDP, FSDP collectives); one zero-loss pass when every row
         # had advantage 0 gives the zero gradient running them would have (AdamW still decays)
         backwards = max(max_over_processes(self.trainer.strategy, len(chunks)), 1 if sequences > 0 else 0)
+        self._no_gradients = backwards == 0  # the same on every process: no sequence anywhere (_optimizer_step)
         scale = float(data_parallel_size(self.trainer.strategy))
         names = ("loss", "entropy", "tokens", *self.loss.stats, *self.loss.offpolicy_stats)
         stats = {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in names}  # not bf16-true's
@@ -287,10 +290,13 @@ class PolicyUpdate(BalancedRows, MicroBatchLogprobs):
         """
         self._grad_norm = torch.zeros((), dtype=torch.float32, device=self.device)
         self._step_loss, self._step_skipped = loss, False
-        if last:  # the step Lightning counts: trainer.global_step == training steps
-            optimizer.step()
-        else:
-            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        idle = scaler is not None and getattr(self, "_no_gradients", False)
+        with scaler_paused(scaler) if idle else contextlib.nullcontext():
+            if last:  # the step Lightning counts: trainer.global_step == training steps
+                optimizer.step()
+            else:
+                self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None, model=self)
         optimizer.zero_grad(set_to_none=True)
         self.divergence_watch.observe(self._step_skipped, self.rollout_step + 1, self._divergence_hint(optimizer))
         if not self._step_skipped and not bool(torch.isfinite(largest_magnitude(self.model.parameters()))):
@@ -348,3 +354,18 @@ def clip_gradients(model: nn.Module, max_norm: float | None) -> Tensor:
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.detach()
+
+
+@contextlib.contextmanager
+def scaler_paused(scaler) -> Iterator[None]:
+    """16-mixed's GradScaler off for an optimiser step no process computed a gradient for (every group dropped by
+    dynamic sampling, every kept row truncated under ``mask_truncated``): it has nothing to unscale and raises
+    (``Attempted unscale_ but _scale is None`` at the first step, ``No inf checks were recorded`` later). Off, it
+    calls the optimiser's own ``step``, which passes over parameters without a gradient, as under 32-true and
+    bf16-mixed, and leaves its scale as it was."""
+    enabled = scaler._enabled
+    scaler._enabled = False
+    try:
+        yield
+    finally:
+        scaler._enabled = enabled
