@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -145,8 +146,13 @@ def test_servers_started_on_the_first_node_at_a_loopback_host_are_refused_on_sev
     check_launch_nodes(SimpleNamespace(num_nodes=1), policy)
     with pytest.raises(ConfigError, match="model.rollout.launch: the servers start on the first node at 127.0.0.1"):
         check_launch_nodes(SimpleNamespace(num_nodes=2), policy)
-    policy.rollout.launch.host = "10.0.0.5"  # an address the other nodes reach
-    check_launch_nodes(SimpleNamespace(num_nodes=2), policy)
+    for host in ("0.0.0.0", "::", "[::1]", "localhost", "127.0.1.1"):  # every interface: callers reach themselves
+        policy.rollout.launch.host = host
+        with pytest.raises(ConfigError, match=f"start on the first node at {re.escape(host)}, which the other 1 node"):
+            check_launch_nodes(SimpleNamespace(num_nodes=2), policy)
+    for host in ("10.0.0.5", "node-001"):  # an address, or a name, the other nodes reach
+        policy.rollout.launch.host = host
+        check_launch_nodes(SimpleNamespace(num_nodes=2), policy)
 
 
 def test_generate_builds_a_batch_and_pushes_only_changed_weights(servers, tiny):

@@ -5,6 +5,7 @@ tensor parallelism, nodes started by hand, and vLLM servers launched where other
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any
 
@@ -68,15 +69,28 @@ def check_tensor_parallel(strategy: Any) -> None:
 
 
 def check_launch_nodes(trainer: Any, policy: Any) -> None:
-    """``launch`` starts vLLM servers on the first node; at a loopback ``host`` another node's processes would call
-    their own machine: refused with ``trainer.num_nodes > 1`` in one line naming the key."""
+    """``launch`` starts vLLM servers on the first node; at a loopback ``host``, or one that names every interface
+    (0.0.0.0, ::), another node's processes would call their own machine: refused with ``trainer.num_nodes > 1`` in
+    one line naming the key."""
     nodes = getattr(trainer, "num_nodes", 1) or 1
     for key in ("rollout", "val_rollout"):
         launch = getattr(getattr(policy, key, None), "launch", None)
-        if nodes > 1 and launch is not None and str(launch.host).startswith(("127.", "localhost", "::1")):
+        if nodes > 1 and launch is not None and _this_machine_only(str(launch.host)):
             raise ConfigError(f"model.{key}.launch: the servers start on the first node at {launch.host}, which the "
                               f"other {nodes - 1} node(s) cannot reach: give launch.host an address they can, or start "
                               f"the servers yourself and list them in model.{key}.urls (docs/servers.md)")  # fmt: skip
+
+
+def _this_machine_only(host: str) -> bool:
+    """Whether calling ``host`` reaches the caller's own machine whichever node calls: a loopback address or name, or
+    an unspecified one (a server listens on every interface there, but a client calling it reaches itself)."""
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:  # a host name: whatever it resolves to on each node
+        return False
+    return address.is_loopback or address.is_unspecified
 
 
 def check_episode_sharding(trainer: Any, policy: Any) -> None:
