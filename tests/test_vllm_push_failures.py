@@ -160,3 +160,31 @@ def test_a_restarted_server_of_a_transport_that_cannot_rejoin_raises_instead_of_
     server.version = "default"
     with pytest.raises(ServerError, match=f"{server.url}: restarted; GroupTransport cannot bring a server back"):
         engine.sync_weights(model, pause="keep")
+
+
+def test_chunk_files_a_killed_trainer_left_are_deleted_at_the_first_push(tmp_path, monkeypatch):
+    """A trainer killed mid-push (``kill -9``, ``hard_exit``'s ``os._exit``) runs no ``finally``: its chunk stayed in
+    ``/dev/shm`` until a reboot (found by a review). The first push into the default folder deletes the files of
+    processes that no longer run, and only those."""
+    import os
+    import subprocess
+    import sys
+
+    from sgrpo.rollout import vllm_push
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale = tmp_path / f"sgrpo-weights-{ended.pid}-0123abcd-0.safetensors"
+    kept = [tmp_path / f"sgrpo-weights-{os.getpid()}-0123abcd-0.safetensors", tmp_path / "sgrpo-weights-notes.txt"]
+    for path in (stale, *kept):
+        path.write_bytes(b"x")
+    monkeypatch.setattr(vllm_push, "default_chunk_folder", lambda: str(tmp_path))
+    transport = CPUTransport(folder=str(tmp_path))  # a folder given (maybe shared between machines): not swept
+    transport.send(None, iter([]), 256, sender=True)
+    assert stale.exists()
+    transport = CPUTransport()
+    transport.send(None, iter([]), 256, sender=True)
+    assert not stale.exists() and all(path.exists() for path in kept)
+    stale.write_bytes(b"x")
+    transport.send(None, iter([]), 256, sender=True)  # once per transport: a push is not slowed by a listing
+    assert stale.exists()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
@@ -211,13 +212,15 @@ class CPUTransport(WeightTransport):
 
     Args:
         folder: Where the chunk files go (null: ``/dev/shm`` where it exists, else the temp folder): the same
-            machine, or a shared filesystem. A file is deleted once every server has loaded it.
+            machine, or a shared filesystem. A file is deleted once every server has loaded it; in the default
+            folder the first push also deletes those a trainer killed mid-push left (``sweep_stale_chunks``).
     """
 
     backend = CPU_BACKEND
 
     def __init__(self, folder: str | None = None) -> None:
         self.folder = folder
+        self._swept = False
 
     def connect(self, pool: ServerPool, weights: Callable[[], Weights], sender: bool) -> None:
         if sender:
@@ -230,8 +233,11 @@ class CPUTransport(WeightTransport):
             return
         from safetensors.torch import save_file
 
-        folder = self.folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        folder = self.folder or default_chunk_folder()
         os.makedirs(folder, exist_ok=True)
+        if self.folder is None and not self._swept:
+            sweep_stale_chunks(folder)
+            self._swept = True
         for i, chunk in enumerate(weight_chunks(weights, chunk_bytes)):
             if not calls.live:  # every server failed: iterate on (the gathers), write nothing
                 continue
@@ -241,6 +247,47 @@ class CPUTransport(WeightTransport):
                 calls.post("/update_weights", {"update_info": {"path": path}})
             finally:
                 os.unlink(path)
+
+
+def default_chunk_folder() -> str:
+    """``CPUTransport``'s folder by default: ``/dev/shm`` (memory, this machine's own) where it exists, else the
+    temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+#: a chunk file's name: the writing process's PID, a random tag, the chunk's index
+CHUNK_FILE = re.compile(r"sgrpo-weights-(\d+)-[0-9a-f]{8}-\d+\.safetensors")
+
+
+def sweep_stale_chunks(folder: str) -> list[str]:
+    """Delete the chunk files in ``folder`` whose writing process no longer runs, and return their paths: a trainer
+    killed mid-push (``kill -9``, the OOM killer, ``hard_exit``'s ``os._exit`` after another process's error) runs
+    no ``finally``, and each left a chunk of up to ``weight_chunk_mib`` in ``/dev/shm``, memory, until a reboot.
+    For a folder of this machine only: on a shared one another machine's PIDs are not this one's."""
+    removed = []
+    for name in os.listdir(folder):
+        match = CHUNK_FILE.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            os.unlink(path)
+        except OSError:  # another trainer swept it first, or it is not ours to delete
+            continue
+        removed.append(path)
+    if removed:
+        log.info("deleted %d weight chunk file(s) that killed trainers left in %s", len(removed), folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class NCCLTransport(WeightTransport):
