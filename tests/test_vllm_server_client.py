@@ -88,6 +88,24 @@ def test_a_hung_server_raises_within_the_timeout_naming_its_url(servers):
     assert time.monotonic() - start < 2
 
 
+def test_a_connection_reset_while_the_request_is_sent_is_a_lost_connection(monkeypatch):
+    """A server that dies while a request is sent resets the connection inside ``urlopen``: that was reported as
+    "unreachable ... is the vLLM server running there?" (a refused connection's words), and the message depended on
+    when the reset came (a CI run's flaky test); now it is a lost connection, as a reset while the answer is read."""
+    import urllib.error
+    import urllib.request
+
+    for reset in (ConnectionResetError(104, "Connection reset by peer"), BrokenPipeError(32, "Broken pipe")):
+        monkeypatch.setattr(urllib.request, "urlopen", lambda *a, _e=reset, **k: (_ for _ in ()).throw(
+            urllib.error.URLError(_e)))  # fmt: skip
+        with pytest.raises(ServerError, match=r"http://h:1/x: connection lost \(.*\); did the vLLM server stop\?"):
+            call("http://h:1/x", {"a": 1})
+    refused = urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: (_ for _ in ()).throw(refused))
+    with pytest.raises(ServerError, match=r"http://h:1/x: unreachable \(.*refused\); is the vLLM server running"):
+        call("http://h:1/x")
+
+
 def test_an_error_status_raises_with_the_server_s_message(servers):
     bad = servers(status=500)
     with pytest.raises(ServerError, match=f"{bad.url}/start_weight_update: HTTP 500 .*fake failure"):

@@ -48,6 +48,8 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
     except urllib.error.URLError as err:
         if isinstance(err.reason, TimeoutError):
             raise ServerError(f"{url}: no answer within {timeout:g} s") from None
+        if isinstance(err.reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):  # while sending
+            raise ServerError(f"{url}: connection lost ({err.reason}); did the vLLM server stop?") from None
         raise ServerError(f"{url}: unreachable ({err.reason}); is the vLLM server running there?") from None
     except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
         raise ServerError(f"{url}: connection lost ({err}); did the vLLM server stop?") from None
