@@ -43,3 +43,26 @@ def test_processes_whose_reward_parts_differ_log_the_same_keys_in_one_order(tmp_
     assert [k for k, _ in logged[0]] == [k for k, _ in logged[1]] == keys
     assert dict(logged[1])["train/reward/parity"] == 0.0 and dict(logged[0])["train/reward/twopart"] == 0.0
     assert dict(logged[0])["train/loss"] == 2.0 and dict(logged[1])["train/loss"] == 3.0
+
+
+def _means_on(rank: int, advantages: torch.Tensor) -> dict:
+    import torch.distributed as dist
+
+    from sgrpo.train.step_logging import global_means
+
+    def add_up(sums):
+        dist.all_reduce(sums)
+        return sums
+
+    pairs = {"train/advantage/abs_mean": (advantages.abs().sum(), advantages.numel()),
+             "train/completion/truncated": (torch.tensor(0.0), 0)}  # fmt: skip
+    return {k: float(v) for k, v in global_means(pairs, add_up).items()}
+
+
+def test_step_means_weigh_each_process_by_what_it_holds(tmp_path):
+    """After dynamic sampling's last round one process kept 1 group and the other 3 (found by a review): the mean
+    of the two processes' means (here (4 + 1) / 2 = 2.5) weighed the single group as much as the three; the step's
+    mean over its 4 groups' 8 advantages is (2 x 4 + 6 x 1) / 8 = 1.75. A key with no value anywhere is 0."""
+    held = [torch.tensor([[4.0, -4.0]]), torch.tensor([[1.0, -1.0], [1.0, -1.0], [-1.0, 1.0]])]
+    logged = run_pair(_means_on, held, tmp_path)
+    assert logged[0] == logged[1] == {"train/advantage/abs_mean": 1.75, "train/completion/truncated": 0.0}

@@ -48,19 +48,22 @@ class StepLogging:
         if rollout.trajectory is not None:  # ... of each trajectory
             lengths = lengths.new_zeros(len(rollout.completions)).index_add_(0, rollout.trajectory, lengths)
         advantages = advantages.float()
+        add_up = lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum")  # noqa: E731
+        counted = {  # (sum, count): processes may hold different numbers of groups (dynamic sampling's last round)
+            "train/advantage/mean": (advantages.sum(), advantages.numel()),
+            "train/advantage/abs_mean": (advantages.abs().sum(), advantages.numel()),
+            "train/completion/length_mean": (lengths.sum(), lengths.numel()),
+            "train/completion/truncated": (rollout.truncated.float().sum(), rollout.truncated.numel()),
+        }
+        self.log_dict(global_means(counted | self._objective(rewards), add_up))  # already over every process
         self._log_mean(
             logs
             | {
-                "train/advantage/mean": advantages.mean(),
-                "train/advantage/abs_mean": advantages.abs().mean(),
-                "train/completion/length_mean": lengths.mean(),
-                "train/completion/truncated": rollout.truncated.float().mean(),
                 "train/time/rollout_s": timing["rollout_s"],
                 "train/time/step_s": timing["step_s"],
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             }
-            | self._objective(rewards)
-            | nucleus_log(rollout, lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum"))
+            | nucleus_log(rollout, add_up)
             | episode_log(rollout),
             prog_bar=("train/reward", "train/success_rate"),
         )
@@ -70,16 +73,16 @@ class StepLogging:
         mass = self.trainer.strategy.reduce(budget_mass(advantages, success.float().mean(-1)), reduce_op="sum")
         self.log_dict({f"train/budget/{k}": v.float() for k, v in budget_shares(mass).items()})
 
-    def _objective(self, rewards: Tensor) -> dict[str, Tensor]:
+    def _objective(self, rewards: Tensor) -> dict[str, tuple[Tensor, int]]:
         """``train/log_mgf``: the mean over groups of tau log mean_j exp(r_j / tau), each group's plug-in estimate of
         the log-MGF objective tau log E exp(r / tau) that SoftmaxGRPO's update approaches as G grows, not that
         objective itself (``estimators.softmax_grpo.log_mgf``, arXiv 2608.09271), at ``log_mgf_temperature``, else
         at a SoftmaxGRPO estimator's own temperature (per group under its ESS rule; not for z-scored rewards), else
-        not logged."""
+        not logged. A (sum over groups, groups) pair for ``global_means``."""
         tau = self.log_mgf_temperature
         if tau is None and isinstance(self.estimator, SoftmaxGRPO) and not self.estimator.standardize:
             tau = self.estimator.group_temperatures(rewards)
-        return {} if tau is None else {"train/log_mgf": log_mgf(rewards, tau).mean()}
+        return {} if tau is None else {"train/log_mgf": (log_mgf(rewards, tau).sum(), rewards.shape[0])}
 
     def _log_mean(self, values: dict[str, Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
         """Each value's mean over processes. Lightning reduces each key in a collective of its own, in the order
@@ -89,6 +92,19 @@ class StepLogging:
         for key in agreed_keys(values) if world > 1 else values:
             value = torch.as_tensor(values.get(key, 0.0), dtype=torch.float32, device=self.device)
             self.log(key, value, prog_bar=key in prog_bar, sync_dist=world > 1)
+
+
+def global_means(pairs: dict[str, tuple[Tensor, int]], add_up=lambda sums: sums) -> dict[str, Tensor]:
+    """Each key's mean over the values of every process, from ``(sum, count)`` pairs added over processes
+    (``add_up``: a sum over processes, one collective) before the division: a process holding more groups or
+    trajectories counts more (a mean of per-process means weighed a process with one group as one with eight). A
+    key no process has a value for is 0. Every process must give the same keys."""
+    keys = sorted(pairs)
+    if not keys:
+        return {}
+    sums = torch.stack([pairs[k][0].float().reshape(()) for k in keys])  # on the values' device
+    total = add_up(torch.cat([sums, sums.new_tensor([float(pairs[k][1]) for k in keys])]))
+    return dict(zip(keys, total[: len(keys)] / total[len(keys) :].clamp_min(1)))
 
 
 def agreed_keys(values: dict) -> list[str]:
