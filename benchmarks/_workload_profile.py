@@ -105,6 +105,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
     policy.rollout.generate = timed("rollout: HFRollout.generate", policy.rollout.generate)
     records: list[tuple[dict, dict]] = []
     marks: dict[str, float] = {}
+    profiled: list = []  # the profiler of the last step (not among the timed ones)
 
     class Phases(Callback):
         def on_fit_start(self, trainer, pl_module) -> None:
@@ -117,7 +118,16 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
                 cpu[PHASES[0][0]] = _cpu_s() - marks["cpu"]
                 records.append((dict(wall), dict(cpu)))
             wall.clear(), cpu.clear()
+            if len(records) == work.steps:  # the last step: profiled inside the fit (device, autocast as trained)
+                profiled.append(_profiler(cuda))
+                profiled[0].__enter__()
             marks.update(wall=time.perf_counter(), cpu=_cpu_s())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if profiled:
+                if cuda:
+                    torch.cuda.synchronize()
+                profiled[0].__exit__(None, None, None)
 
     trainer = quiet_trainer(work.steps + 1, Phases(), "sgrpo_profile_", work.device)
     trainer.fit(policy)
@@ -133,7 +143,7 @@ def profile_sgrpo(work: Workload, warmup: int, top_ops: int = 15) -> None:
         w = statistics.median(r[0].get(label, 0.0) for r in measured)
         c = statistics.median(r[1].get(label, 0.0) for r in measured)
         print(f"| {'&nbsp;&nbsp;' * depth}{label} | {w:.3f} | {w / step_wall:.1%} | {c:.3f} |")
-    _top_ops(policy, top_ops, cuda)
+    _top_ops(profiled[0], top_ops, cuda)
 
 
 def _derive_phases(times: dict[str, float]) -> None:
@@ -167,26 +177,16 @@ class _TimedLoss:
         return getattr(self._loss, name)
 
 
-def _top_ops(policy, limit: int, cuda: bool = False) -> None:
-    """torch.profiler's top operators over one rollout + update outside Lightning's loop: by self CPU time, or on a
-    GPU by self GPU time (the update alone as well: the rollout's many small decode kernels would fill the table)."""
+def _profiler(cuda: bool):
+    """torch.profiler over CPU operators, and the GPU's kernels on a GPU."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    return profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
+
+
+def _top_ops(prof, limit: int, cuda: bool = False) -> None:
+    """torch.profiler's top operators over the fit's last step (rollout + update, inside Lightning's loop: after the
+    fit Lightning moves the model to the CPU): by self CPU time, or on a GPU by self GPU time."""
     sort, unit = ("self_device_time_total", "GPU") if cuda else ("self_cpu_time_total", "CPU")
-    examples = list(policy.task.examples("train"))[: policy.prompts_per_step]
-    with profile(activities=activities) as prof:
-        rollout = policy.rollout.generate(policy.model, policy.tokenizer, examples, policy.group_size)
-        rewards, _, _, _ = policy.score(examples, rollout)
-        advantages, keep = policy.estimator(rewards), policy.informative_groups(rewards)
-        if not cuda:
-            policy.update(rollout, advantages, keep)
-    if cuda:
-        with profile(activities=activities) as update_prof:
-            policy.update(rollout, advantages, keep)
-            torch.cuda.synchronize()
-        print(f"\n### torch.profiler, the update of one more step, top {limit} operators by self {unit} time\n")
-        print(update_prof.key_averages().table(sort_by=sort, row_limit=limit))
-    print(f"\n### torch.profiler, one more step (rollout{'' if cuda else ' + update'}), top {limit} operators by self "
-          f"{unit} time\n")  # fmt: skip
+    print(f"\n### torch.profiler, one more step (rollout + update), top {limit} operators by self {unit} time\n")
     print(prof.key_averages().table(sort_by=sort, row_limit=limit))

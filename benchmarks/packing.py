@@ -132,7 +132,7 @@ def run(model, rollout, mode: str, budget: int | str, bf16: bool = False) -> tup
 
     from sgrpo.model.logprobs import completion_logprobs
     from sgrpo.model.packed_path import choose_attention
-    from sgrpo.model.packing import layout_tokens, shared_layout_tokens, shared_pays
+    from sgrpo.model.packing import layout_tokens, shared_layout_tokens, shared_pays, sharing_problem
     from sgrpo.train.batching import trim, update_micro_batches
 
     packing, share = MODES[mode]
@@ -155,7 +155,8 @@ def run(model, rollout, mode: str, budget: int | str, bf16: bool = False) -> tup
     for chunk in plan:
         batch = trim(rollout, chunk, rollout.completion_mask)
         real, padded, ran = layout_tokens(batch["attention_mask"], batch["mask"], False, hidden)
-        if packing and share and shared_pays(batch["attention_mask"], batch["mask"], batch["input_ids"], hidden):
+        shares = packing and share and sharing_problem(model) is None  # flash-attention's varlen kernel: unshared
+        if shares and shared_pays(batch["attention_mask"], batch["mask"], batch["input_ids"], hidden):
             ran = shared_layout_tokens(batch["input_ids"], batch["attention_mask"], batch["mask"], hidden)[1]
         with cast:
             logp, _ = completion_logprobs(
