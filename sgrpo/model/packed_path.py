@@ -69,9 +69,9 @@ def flex_in_autocast_dtype() -> None:
     as autocast casts SDPA's (registered once, through ``AttentionInterface.register``).
 
     Under bf16-mixed the rotary embedding multiplies the bf16 projections by float32 cos and sin, so the query and the
-    keys reach the attention in float32 while the values are bf16. Autocast casts all three back for SDPA; flex
-    attention is not on its lists, and its kernel computes in the query's dtype: the packed path's attention ran in
-    float32 on a GPU, slower than the SDPA it replaced (and its q/k activations twice the size)."""
+    keys reach the attention in float32 while the values are bf16. Autocast casts all three back for SDPA; flex's
+    kernel computes in the query's dtype, and only recent torch (2.13 has it) gives the flex operator an autocast cast
+    of its own: without it the packed path's attention ran in float32 on a GPU, slower than the SDPA it replaced."""
     from transformers import AttentionInterface
     from transformers.integrations.flex_attention import flex_attention_forward
 
