@@ -175,9 +175,13 @@ def test_chunk_files_a_killed_trainer_left_are_deleted_at_the_first_push(tmp_pat
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     stale = tmp_path / f"sgrpo-weights-{ended.pid}-0123abcd-0.safetensors"
-    kept = [tmp_path / f"sgrpo-weights-{os.getpid()}-0123abcd-0.safetensors", tmp_path / "sgrpo-weights-notes.txt"]
+    kept = [tmp_path / f"sgrpo-weights-{os.getpid()}-0123abcd-0.safetensors", tmp_path / "sgrpo-weights-notes.txt",
+            tmp_path / f"sgrpo-weights-{ended.pid}-4567abcd-0.safetensors"]  # the last one written just now: its PID
+    # may be another PID namespace's (a container sharing /dev/shm), so it is left until it is STALE_AFTER_S old
     for path in (stale, *kept):
         path.write_bytes(b"x")
+    old = time.time() - vllm_push.STALE_AFTER_S - 60
+    os.utime(stale, (old, old))
     monkeypatch.setattr(vllm_push, "default_chunk_folder", lambda: str(tmp_path))
     transport = CPUTransport(folder=str(tmp_path))  # a folder given (maybe shared between machines): not swept
     transport.send(None, iter([]), 256, sender=True)
@@ -186,5 +190,6 @@ def test_chunk_files_a_killed_trainer_left_are_deleted_at_the_first_push(tmp_pat
     transport.send(None, iter([]), 256, sender=True)
     assert not stale.exists() and all(path.exists() for path in kept)
     stale.write_bytes(b"x")
+    os.utime(stale, (old, old))
     transport.send(None, iter([]), 256, sender=True)  # once per transport: a push is not slowed by a listing
     assert stale.exists()

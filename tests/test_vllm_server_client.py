@@ -287,12 +287,12 @@ def test_a_process_that_ends_at_once_stops_the_servers_it_launched(tmp_path, mon
 
 
 #: a stand-in server (``python -c LINGERS PORT READY``) whose forked child, as vLLM's engine process, holds the
-#: listening port 2 s after a SIGTERM; the child creates the file READY once it handles the signal
+#: listening port 2 s after a SIGTERM; the child writes its PID to the file READY once it handles the signal
 LINGERS = """import http.server, os, signal, sys, time
 server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.BaseHTTPRequestHandler)
 if os.fork() == 0:
     signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), os._exit(0)))
-    open(sys.argv[2], "w").close()  # its handler is set
+    open(sys.argv[2], "w").write(str(os.getpid()))  # its handler is set
     while True:
         time.sleep(1)
 server.serve_forever()
@@ -316,11 +316,37 @@ def test_stop_returns_once_the_servers_child_processes_have_released_the_port(tm
             time.sleep(0.05)
         assert ready.exists() and vllm_launch._serving("127.0.0.1", port)
         launch.stop()
-        assert not vllm_launch._group_running(group), "stop() returned while a server process still ran"
+        child = Path(f"/proc/{ready.read_text()}/stat")  # gone, or a zombie (exited, awaiting its parent's wait)
+        assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z", "stop() returned early"
         assert not vllm_launch._serving("127.0.0.1", port), "stop() returned while the port was still held"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
+
+
+def test_stop_ends_engine_processes_at_once_when_their_guard_has_exited(tmp_path):
+    """A group whose leader (the guard) exited but whose engine process still runs got no SIGTERM: ``stop`` waited
+    its whole grace before the SIGKILL (found by a review). Now the group is signalled as one that runs."""
+    pid_file = tmp_path / "child"
+    leader = subprocess.Popen([sys.executable, "-c", f"""import os, sys, time
+if os.fork() == 0:
+    open({str(pid_file)!r}, "w").write(str(os.getpid()))
+    time.sleep(600)
+"""], start_new_session=True)  # fmt: skip
+    leader.wait(20)
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launch = VLLMServers(ports=[8000], log_dir=str(tmp_path))
+    launch.processes = [leader]
+    try:
+        assert vllm_launch._group_running(leader.pid)
+        start = time.monotonic()
+        launch.stop(grace=10)
+        assert time.monotonic() - start < 5 and not vllm_launch._group_running(leader.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
 
 
 def test_a_port_another_process_serves_is_refused_not_taken_for_the_started_server(servers, tmp_path, monkeypatch):

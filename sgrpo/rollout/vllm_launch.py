@@ -159,8 +159,8 @@ class VLLMServers:
         """Stop the servers this object started (their process groups, by PID: SIGTERM, SIGKILL after ``grace`` s);
         the others are not touched. Returns once no process of those groups runs: the engine processes can outlive
         the guard a moment, holding the port and the GPU (a server started at once on that port was refused)."""
-        for process in self.processes:
-            if process.poll() is None:
+        for process in self.processes:  # a group whose guard exited may still hold engine processes
+            if process.poll() is None or _group_running(process.pid):
                 _signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for process in self.processes:

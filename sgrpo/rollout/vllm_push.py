@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -257,20 +258,26 @@ def default_chunk_folder() -> str:
 
 #: a chunk file's name: the writing process's PID, a random tag, the chunk's index
 CHUNK_FILE = re.compile(r"sgrpo-weights-(\d+)-[0-9a-f]{8}-\d+\.safetensors")
+#: seconds after which a chunk whose writer is gone counts as left behind (a push's chunk lives for seconds)
+STALE_AFTER_S = 600.0
 
 
 def sweep_stale_chunks(folder: str) -> list[str]:
-    """Delete the chunk files in ``folder`` whose writing process no longer runs, and return their paths: a trainer
-    killed mid-push (``kill -9``, the OOM killer, ``hard_exit``'s ``os._exit`` after another process's error) runs
-    no ``finally``, and each left a chunk of up to ``weight_chunk_mib`` in ``/dev/shm``, memory, until a reboot.
-    For a folder of this machine only: on a shared one another machine's PIDs are not this one's."""
-    removed = []
+    """Delete the chunk files in ``folder`` whose writing process no longer runs and that are older than
+    ``STALE_AFTER_S``, and return their paths: a trainer killed mid-push (``kill -9``, the OOM killer, ``hard_exit``'s
+    ``os._exit`` after another process's error) runs no ``finally``, and each left a chunk of up to
+    ``weight_chunk_mib`` in ``/dev/shm``, memory, until a reboot. For a folder of this machine only: on a shared one
+    another machine's PIDs are not this one's; the age spares the live chunk of a container that shares
+    ``/dev/shm`` but not its PIDs with this one (``docker --ipc=host``)."""
+    removed, now = [], time.time()
     for name in os.listdir(folder):
         match = CHUNK_FILE.fullmatch(name)
         if match is None or _alive(int(match.group(1))):
             continue
         path = os.path.join(folder, name)
         try:
+            if now - os.stat(path).st_mtime < STALE_AFTER_S:
+                continue
             os.unlink(path)
         except OSError:  # another trainer swept it first, or it is not ours to delete
             continue
