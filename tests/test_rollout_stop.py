@@ -1,4 +1,4 @@
-"""A stop during a rollout over several processes (sgrpo.distributed.RolloutStop), in one process: the signal
+"""A stop during a rollout over several processes (sgrpo.rollout_stop.RolloutStop), in one process: the signal
 handler's request, the watch that posts it in the process group's store and reads another process's, the
 decoder's checks and the lockstep all-reduce that carries it, SIGTERM ignored while a stop saves. The 2-process
 jobs (a SIGTERM in the rollout, both processes exit 143, the resume equals the uninterrupted run) are
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sgrpo.distributed import ROLLOUT_STOP, RolloutStop, RolloutStopped
 from sgrpo.rollout import decode as decoding
+from sgrpo.rollout_stop import ROLLOUT_STOP, RolloutStop, RolloutStopped
 from sgrpo.run.faults import STOP_KEY, AbortWatch
 from sgrpo.run.signals import StopRequests
 

@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from sgrpo.distributed import ROLLOUT_STOP, RolloutStopped, is_sharded, world_size
+from sgrpo.distributed import is_sharded, world_size
 from sgrpo.model.head import LMHead
 from sgrpo.model.logprobs import final_hidden_states
 from sgrpo.rollout.sampling import sample_with_logprobs
+from sgrpo.rollout_stop import ROLLOUT_STOP, RolloutStopped
 
 if TYPE_CHECKING:
     from sgrpo.rollout.graphs import GraphCache
@@ -240,7 +241,7 @@ def decode(
     interval, except through the drops, which happen at check steps only (a sampled row then draws
     other random numbers: the same distribution, not the same draws).
     Under FSDP2 every process checks at the same steps (one all-reduce per check). At each check a stop asked for
-    during a training rollout of several processes (``sgrpo.distributed.RolloutStop``) ends the loop
+    during a training rollout of several processes (``sgrpo.rollout_stop.RolloutStop``) ends the loop
     (``RolloutStopped``): under FSDP2 on every process at once, read in that all-reduce.
     ``nucleus_mass`` ``[R, max_new_tokens]`` float32, if given, receives each token's kept mass (``sample``;
     0 after EOS); the log-probs stay the full softmax's, as the policy loss computes them.
@@ -282,7 +283,7 @@ def decode(
             if not (running_anywhere(n_running > 0, device) if synced else n_running > 0):
                 break
             if not synced:  # (synced: a stop is learnt in the all-reduce, by every process at once)
-                ROLLOUT_STOP.check()  # a stop asked for: leave the rollout (sgrpo.distributed.RolloutStop)
+                ROLLOUT_STOP.check()  # a stop asked for: leave the rollout (sgrpo.rollout_stop.RolloutStop)
             if n_running < compact_below * running.numel():  # drop finished rows from the batch and the cache
                 keep = running.nonzero().squeeze(-1)
                 if n_running == 0:  # done here but not everywhere (synced): one finished row keeps the forwards

@@ -32,14 +32,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sgrpo.checks import ConfigError
-from sgrpo.distributed import BEFORE_EXIT, ROLLOUT_STOP, RolloutStop, default_store, store_key
+from sgrpo.distributed import BEFORE_EXIT, default_store, store_key
+from sgrpo.rollout_stop import ROLLOUT_STOP, RolloutStop
 from sgrpo.run.checkpoints import evaluation_load_failure
 from sgrpo.run.guards import GuardError
 from sgrpo.run.resume import ResumeError
 from sgrpo.run.signals import Stopped
 
 ABORT_KEY, FAILURES_KEY = store_key("abort"), store_key("failures")  # in the process group's store
-STOP_KEY = store_key("stop")  # a signal during a rollout (sgrpo.distributed.RolloutStop)
+STOP_KEY = store_key("stop")  # a signal during a rollout (sgrpo.rollout_stop.RolloutStop)
 
 
 #: errors that every process raises at the same point of the run (agreed through collectives or by construction)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from sgrpo.distributed import ROLLOUT_STOP
+from sgrpo.rollout_stop import ROLLOUT_STOP
 from sgrpo.run.checkpoints import (
     PARTIAL,
     checksum_path,
@@ -161,7 +161,7 @@ class RunCheckpoint(ModelCheckpoint):
     def _at_step_end(self, trainer) -> bool:
         """The state is a step's end (the rollout after it, a validation) whose metrics are logged (``_after_step``
         has run for it), no checkpoint being written. Several processes stop there only where they agree
-        (``sgrpo.distributed.RolloutStop``: during a rollout).
+        (``sgrpo.rollout_stop.RolloutStop``: during a rollout).
 
         Between ``on_train_batch_end`` (the step's end) and ``_after_step``, Lightning is still logging the step's
         metrics; a stop saved there kept the step and lost its ``metrics.jsonl`` row. A signal there is noted, and

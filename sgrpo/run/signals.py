@@ -9,7 +9,7 @@ validation runs again on resume. The processes agree on the stop (one all-reduce
 validation batch), so they all save at the same step: the save is a collective under FSDP2. A single
 process does not wait where the state is still the last step's end (the rollout after it, a validation):
 it saves and stops at once (``StoppedNow``), as a step can outlast the scheduler's grace period. Several
-processes do so during a rollout, once they agree (``sgrpo.distributed.RolloutStop``: the signal is posted in
+processes do so during a rollout, once they agree (``sgrpo.rollout_stop.RolloutStop``: the signal is posted in
 the store, ``STOP_KEY``, by the fault watch, ``sgrpo.run.faults.AbortWatch``, which reads the others'); a SIGTERM
 while a stop saves is ignored. A second Ctrl-C stops at once (``KeyboardInterrupt``), saving only where the state is
 a step's end; one after the stop began exits 130 with one line. Under Lightning's own launcher the first process
@@ -58,7 +58,7 @@ class StopRequests:
         """Take over SIGTERM and SIGINT; ``forward(signum)`` passes a SIGTERM on (to the processes this one started);
         where ``now()`` holds when a signal arrives (the state is a step's end and may be saved from here: one
         process), the fit stops at once (``StoppedNow``) instead of at the end of the step under way; where
-        ``agree(signum)`` takes it (several processes, in a rollout: ``sgrpo.distributed.RolloutStop``), every
+        ``agree(signum)`` takes it (several processes, in a rollout: ``sgrpo.rollout_stop.RolloutStop``), every
         process stops at that rollout's end or one of its checks."""
         if threading.current_thread() is not threading.main_thread():
             return

@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from estimators.base import constant_groups
-from sgrpo.distributed import ROLLOUT_STOP, any_process
+from sgrpo.distributed import any_process
 from sgrpo.rollout.episodes import EpisodeError
+from sgrpo.rollout_stop import ROLLOUT_STOP
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import EnvironmentFailure
 from sgrpo.run.signals import StoppedNow
@@ -84,7 +85,7 @@ class GroupCollection:
         the same. With ``async_rollout`` the producer's groups of this step or round (sampled with this seed).
 
         Under several processes a signal during the rollout stops every process at its end or at one of its checks
-        (``sgrpo.distributed.RolloutStop``): ``StoppedNow``, which saves ``last.ckpt`` (the last step's end)."""
+        (``sgrpo.rollout_stop.RolloutStop``): ``StoppedNow``, which saves ``last.ckpt`` (the last step's end)."""
         if getattr(self, "_producer", None) is not None:
             return self.take_rollout(examples, sampling_round)
         seed = mix_seed(self.seed, self.rollout_step, self.global_rank, *([sampling_round] if sampling_round else []))
