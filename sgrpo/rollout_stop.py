@@ -4,6 +4,7 @@ step's end at once instead of after a long rollout and update (``sgrpo.run.signa
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,9 @@ class RolloutStop:
 
     def run(self, rollout: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
         """``rollout()`` with the window open (more than one process), and the signal every process agreed to stop
-        for (0: none; the rollout's result is then complete). A collective: every process calls it."""
+        for (0: none; the rollout's result is then complete). A collective: every process calls it. A rollout that
+        raises after this process was asked to stop ends as a stop, not as an error: what it waited on (vLLM servers
+        that got the same SIGTERM) may have gone; one that raises otherwise raises."""
         if world_size() == 1:
             return rollout(), 0
         self.signum, self.open, self.posted = 0, True, False
@@ -70,6 +73,11 @@ class RolloutStop:
             result = rollout()
         except RolloutStopped:
             pass
+        except Exception as err:  # once a stop is asked for: vLLM servers sgrpo launched got the same SIGTERM (SLURM
+            if not self.requested:  # signals every process of the job step) and the rollout waiting on them failed
+                raise
+            print(f"the rollout failed while stopping ({type(err).__name__}: {err}); stopping as asked, at the last "
+                  f"step's end", file=sys.stderr, flush=True)  # fmt: skip
         finally:
             self.open = False  # a signal from here on stops at the step's end
         value = torch.tensor(float(self.signum), device=device)

@@ -126,3 +126,31 @@ def test_sigterm_during_the_rollout_is_taken_and_ignored_while_the_stop_saves(wi
         assert "SIGTERM: already stopping" in capsys.readouterr().err
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _rollout_that_fails(rank: int, asked: bool):
+    from sgrpo.rollout.vllm_http import ServerError
+
+    stop = RolloutStop()
+
+    def rollout():
+        if asked:  # the SIGTERM every process of the job step got: recorded by the handler
+            stop.request(signal.SIGTERM)
+        raise ServerError("http://127.0.0.1:8000/inference/v1/generate: connection lost; did the vLLM server stop?")
+
+    try:
+        return stop.run(rollout, torch.device("cpu"))
+    except ServerError as err:
+        return f"raised: {err}"
+
+
+def test_a_rollout_that_fails_once_a_stop_was_asked_for_stops_every_process(tmp_path, capsys):
+    """SLURM's SIGTERM reaches the vLLM servers sgrpo launched as well (a job step's every process): a multi-process
+    rollout waiting on them failed with the servers' error, which ended the job as a failure with nothing saved
+    (found by a review). A rollout that fails after its process was asked to stop now ends as the stop: every
+    process gets the signal back and saves the last step's end. Without a stop asked for, the error stands."""
+    from tests.gloo_pair import run_pair
+
+    assert run_pair(_rollout_that_fails, [True, True], tmp_path / "asked") == {0: (None, 15), 1: (None, 15)}
+    failed = run_pair(_rollout_that_fails, [False, False], tmp_path / "not")
+    assert all(str(failed[r]).startswith("raised: http://127.0.0.1:8000") for r in (0, 1))

@@ -159,3 +159,9 @@ def forward_signal(trainer) -> Callable[[int], None]:
                 process.send_signal(signum)
 
     return forward
+
+
+def stop_recorded(trainer) -> bool:
+    """Whether this process has a SIGTERM or Ctrl-C recorded to stop the fit at the end of the step under way (a
+    callback's ``StopRequests``, ``RunCheckpoint.stops``)."""
+    return any(getattr(getattr(callback, "stops", None), "signum", None) for callback in trainer.callbacks)

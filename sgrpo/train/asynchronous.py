@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 
 import torch
@@ -17,10 +18,14 @@ from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import RolloutProducer
 from sgrpo.rollout.producer_process import ProducerSpec
 from sgrpo.rollout.server_producer import ServerProducer
+from sgrpo.rollout.vllm_http import ServerError
 from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.data import mix_seed
 from sgrpo.run.precision import sampling_precision
+from sgrpo.run.signals import stop_recorded
 from sgrpo.types import Example, RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def async_rollout_error(
@@ -183,7 +188,14 @@ class AsyncRollouts:
         """After a training step: the weights, version ``rollout_step``, to the producer (every ``sync_every``
         steps; between pushes the producer keeps sampling under the last ones, and admission waits for newer)."""
         if self._producer is not None and self.rollout_step % self.sync_every == 0:
-            self._async["weight_sync_s"] = self._producer.push(self._plain_weights(), self.rollout_step)
+            try:
+                self._async["weight_sync_s"] = self._producer.push(self._plain_weights(), self.rollout_step)
+            except ServerError as err:  # SLURM's SIGTERM reaches the vLLM servers sgrpo launched too, and they go
+                if not stop_recorded(self.trainer):
+                    raise
+                log.warning("the weights of step %d reached no vLLM server (%s) while the run stops: the step's end "
+                            "is saved as it is, and the resumed run pushes them first", self.rollout_step, err)
+                self._async["weight_sync_s"] = 0.0
         elif self._producer is not None:
             self._async["weight_sync_s"] = 0.0
 
