@@ -60,11 +60,14 @@ class RolloutStop:
         if self.requested:
             raise RolloutStopped
 
-    def run(self, rollout: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
+    def run(
+        self, rollout: Callable[[], Any], device: torch.device, gone: tuple[type[Exception], ...] = ()
+    ) -> tuple[Any, int]:
         """``rollout()`` with the window open (more than one process), and the signal every process agreed to stop
         for (0: none; the rollout's result is then complete). A collective: every process calls it. A rollout that
-        raises after this process was asked to stop ends as a stop, not as an error: what it waited on (vLLM servers
-        that got the same SIGTERM) may have gone; one that raises otherwise raises."""
+        raises one of ``gone`` (an engine outside the process group failing: vLLM servers, which SLURM's SIGTERM
+        reaches too) after this process was asked to stop ends as that stop, not as an error; any other error
+        raises (one inside the rollout's own collectives must not meet the all-reduce below)."""
         if world_size() == 1:
             return rollout(), 0
         self.signum, self.open, self.posted = 0, True, False
@@ -73,7 +76,7 @@ class RolloutStop:
             result = rollout()
         except RolloutStopped:
             pass
-        except Exception as err:  # once a stop is asked for: vLLM servers sgrpo launched got the same SIGTERM (SLURM
+        except gone as err:  # once a stop is asked for: vLLM servers sgrpo launched got the same SIGTERM (SLURM
             if not self.requested:  # signals every process of the job step) and the rollout waiting on them failed
                 raise
             print(f"the rollout failed while stopping ({type(err).__name__}: {err}); stopping as asked, at the last "

@@ -128,18 +128,20 @@ def test_sigterm_during_the_rollout_is_taken_and_ignored_while_the_stop_saves(wi
         signal.signal(signal.SIGTERM, previous)
 
 
-def _rollout_that_fails(rank: int, asked: bool):
+def _rollout_that_fails(rank: int, asked: bool | None):
+    """True: a stop asked for, then the servers' error; False: the error alone; None: a stop asked for, then an error
+    that is not an outside engine's (the same error, not in ``gone``)."""
     from sgrpo.rollout.vllm_http import ServerError
 
     stop = RolloutStop()
 
     def rollout():
-        if asked:  # the SIGTERM every process of the job step got: recorded by the handler
+        if asked is not False:  # the SIGTERM every process of the job step got: recorded by the handler
             stop.request(signal.SIGTERM)
         raise ServerError("http://127.0.0.1:8000/inference/v1/generate: connection lost; did the vLLM server stop?")
 
     try:
-        return stop.run(rollout, torch.device("cpu"))
+        return stop.run(rollout, torch.device("cpu"), gone=(ServerError,) if asked is not None else ())
     except ServerError as err:
         return f"raised: {err}"
 
@@ -153,4 +155,7 @@ def test_a_rollout_that_fails_once_a_stop_was_asked_for_stops_every_process(tmp_
 
     assert run_pair(_rollout_that_fails, [True, True], tmp_path / "asked") == {0: (None, 15), 1: (None, 15)}
     failed = run_pair(_rollout_that_fails, [False, False], tmp_path / "not")
+    assert all(str(failed[r]).startswith("raised: http://127.0.0.1:8000") for r in (0, 1))
+    # an error that is not an outside engine's (one in the rollout's own collectives) raises even while stopping
+    failed = run_pair(_rollout_that_fails, [None, None], tmp_path / "own")
     assert all(str(failed[r]).startswith("raised: http://127.0.0.1:8000") for r in (0, 1))

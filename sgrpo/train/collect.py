@@ -12,6 +12,7 @@ from torch import Tensor
 from estimators.base import constant_groups
 from sgrpo.distributed import any_process
 from sgrpo.rollout.episodes import EpisodeError
+from sgrpo.rollout.vllm_http import ServerError
 from sgrpo.rollout_stop import ROLLOUT_STOP
 from sgrpo.run.data import mix_seed
 from sgrpo.run.guards import EnvironmentFailure
@@ -92,7 +93,7 @@ class GroupCollection:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             rollout, signum = ROLLOUT_STOP.run(lambda: self.generate_with(self.rollout, examples, self.group_size),
-                                               self.device)  # fmt: skip
+                                               self.device, gone=(ServerError,))  # fmt: skip
         if signum:  # a signal on some process during the rollout: every process stops here, the last step's end
             raise StoppedNow(signum)
         return rollout
