@@ -182,8 +182,11 @@ def test_with_sync_every_the_producer_samples_only_pushed_versions_within_the_bo
     either side runs: no step is sampled under a version that was never pushed, none passes S, every step trains
     its 4 whole groups. With a push after every step (sync_every 1) the lags would depend on the two sides'
     speeds (step 2 sampled under version 0, 1 or 2); here every one is fixed by the pushes."""
-    lags = check_bounded(fit(tmp_path / "k3", *asynchronous(2), "--model.sync_every=3", steps=4), 2, 4, 4)
-    assert lags == [0.0, 1.0, 2.0, 0.0]
+    metrics = fit(tmp_path / "k3", *asynchronous(2), "--model.sync_every=3", steps=4)
+    lags = check_bounded(metrics, 2, 4, 4)
+    assert lags == [0.0, 1.0, 2.0, 0.0] and [v for _, v in metrics["train/async/staleness_mean"]] == lags
+    shares = [[v for _, v in metrics[f"train/async/staleness_hist/{k}"]] for k in range(3)]
+    assert [list(step) for step in zip(*shares)] == [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
 
 
 def check_bounded(metrics: dict, staleness: int, steps: int, groups: int, dynamic: bool = False) -> list[float]:

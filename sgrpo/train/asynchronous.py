@@ -23,6 +23,7 @@ from sgrpo.rollout.vllm_server import VLLMServerRollout
 from sgrpo.run.data import mix_seed
 from sgrpo.run.precision import sampling_precision
 from sgrpo.run.signals import stop_recorded
+from sgrpo.train.step_logging import global_means
 from sgrpo.types import Example, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -209,13 +210,15 @@ class AsyncRollouts:
         for key, groups in (("groups", rollout.num_groups), ("groups_sampled", self._async["groups_sampled"])):
             count = torch.tensor(float(groups), dtype=torch.float32, device=self.device)  # not bf16 under bf16-true
             self.log(f"train/async/{key}", count, sync_dist=True, reduce_fx="sum")
-        logs: dict[str, Tensor | float] = {"train/async/staleness_mean": staleness.mean()}
+        groups = staleness.numel()  # (sum, count) over every process's groups: processes may hold different numbers
+        counted = {"train/async/staleness_mean": (staleness.sum(), groups)}
         for k in range(self.max_staleness + 1):
-            logs[f"train/async/staleness_hist/{k}"] = (staleness == k).float().mean()
+            counted[f"train/async/staleness_hist/{k}"] = ((staleness == k).float().sum(), groups)
         if rollout.newest_versions is not None:  # vLLM servers with requests kept across pushes: versions spanned
             newest, oldest = (v.view(-1, rollout.group_size)[:, 0] for v in (rollout.newest_versions, rollout.versions))
-            logs["train/async/version_span_mean"] = (newest - oldest).float().mean()
-        logs |= {
+            counted["train/async/version_span_mean"] = ((newest - oldest).float().sum(), groups)
+        self.log_dict(global_means(counted, lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum")))
+        logs: dict[str, Tensor | float] = {
             "train/async/producer_idle_s": self._async.get("idle_s", 0.0),
             "train/async/producer_sample_s": self._async.get("sample_s", 0.0),
             "train/async/trainer_wait_s": self._async["wait_s"],
