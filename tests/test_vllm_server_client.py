@@ -333,7 +333,7 @@ if os.fork() == 0:
     open({str(pid_file)!r}, "w").write(str(os.getpid()))
     time.sleep(600)
 """], start_new_session=True)  # fmt: skip
-    leader.wait(20)
+    os.waitid(os.P_PID, leader.pid, os.WEXITED | os.WNOWAIT)  # it exited; not reaped, as stop() finds a dead guard
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -344,6 +344,14 @@ if os.fork() == 0:
         start = time.monotonic()
         launch.stop(grace=10)
         assert time.monotonic() - start < 5 and not vllm_launch._group_running(leader.pid)
+        # a guard reaped before stop(): its PID, the group's id, may be another process's by now: left alone
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        reaped = SimpleNamespace(pid=other.pid, returncode=0, poll=lambda: 0, wait=lambda timeout=None: 0)
+        launch.processes = [reaped]
+        launch.stop(grace=1)
+        assert other.poll() is None, "stop() signalled a group that may not be its server's"
+        other.kill()
+        other.wait(10)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(leader.pid, signal.SIGKILL)

@@ -159,7 +159,10 @@ class VLLMServers:
         """Stop the servers this object started (their process groups, by PID: SIGTERM, SIGKILL after ``grace`` s);
         the others are not touched. Returns once no process of those groups runs: the engine processes can outlive
         the guard a moment, holding the port and the GPU (a server started at once on that port was refused)."""
-        for process in self.processes:  # a group whose guard exited may still hold engine processes
+        # a guard not yet reaped (running, or a zombie) still holds its PID, so its group's id is still this server's;
+        # once reaped, another process may have taken it: such a group is left alone
+        ours = [process for process in self.processes if process.returncode is None]
+        for process in ours:  # a group whose guard exited may still hold engine processes
             if process.poll() is None or _group_running(process.pid):
                 _signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -169,7 +172,7 @@ class VLLMServers:
             except subprocess.TimeoutExpired:
                 _signal_group(process.pid, signal.SIGKILL)
                 process.wait(timeout=grace)
-        for process in self.processes:
+        for process in ours:
             if not _group_ends(process.pid, deadline):
                 _signal_group(process.pid, signal.SIGKILL)
                 _group_ends(process.pid, time.monotonic() + grace)
