@@ -346,11 +346,12 @@ class GRPOPolicy(
         advantages = self.estimator(rewards)  # [B, G]
         if self.log_completions_every and self.rollout_step % self.log_completions_every == 0:
             self.log_completions(rollout, rewards, success, parts, advantages)
-        update_log = self.update(rollout, advantages, self.informative_groups(rewards))
+        trained = self.informative_groups(rewards)  # [B] bool
+        update_log = self.update(rollout, advantages, trained)
         self.rollout_step += 1
         self.push_weights()  # async_rollout: version rollout_step to the producer
         timing = {"rollout_s": reward_log.pop("rollout_s"), "step_s": time.perf_counter() - started}
         logs = reward_log | update_log | {"train/prompts_dropped": float(self.prompts_dropped)}
         if self._producer is not None:
-            logs |= self.async_logs(rollout, self.rollout_step - 1)
+            logs |= self.async_logs(rollout, self.rollout_step - 1, trained)
         self._log_step(rollout, rewards, success, advantages, logs, timing)

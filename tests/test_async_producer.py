@@ -226,6 +226,22 @@ def test_staleness_0_under_bf16_is_the_synchronous_run(precision, tmp_path):
     assert same_weights(tmp_path / "sync", tmp_path / "async0")
 
 
+@pytest.mark.slow
+def test_staleness_0_samples_with_the_attention_the_trainer_s_first_update_chose(tmp_path, monkeypatch):
+    """On an accelerator the first update switches the trainer's model to the packed path's attention (flash or flex:
+    ``choose_attention``), and the synchronous rollout samples through that model from step 1 on. The producer's
+    model kept SDPA, so S = 0 was not the synchronous run on a GPU (other sampler log-probs in fp32, other tokens in
+    bf16); the push now carries the implementation. Eager stands in for the GPU's choice (none on a CPU), patched
+    in the trainer's process only, as the GPU's choice is made there."""
+    from sgrpo.model import packed_path
+
+    monkeypatch.setattr(packed_path, "preferred_attention", lambda *args, **kwargs: "eager")
+    sync = fit(tmp_path / "sync")
+    stale0 = fit(tmp_path / "async0", *asynchronous(0))
+    assert untimed(stale0) == untimed(sync)
+    assert same_weights(tmp_path / "sync", tmp_path / "async0")
+
+
 def test_a_push_copies_each_weight_as_it_comes_under_the_lock():
     """Each weight reaches the shared buffer before the next is gathered (under FSDP2 a gathered full tensor each, not
     the whole model, on the device at once), with the producer's lock held throughout."""

@@ -17,12 +17,13 @@ def test_a_push_that_fails_while_the_run_stops_is_skipped_and_logged(caplog):
     from sgrpo.train.asynchronous import AsyncRollouts
 
     class Dead:
-        def push(self, weights, version):
+        def push(self, weights, version, attention=None):
             raise ServerError("http://127.0.0.1:8000/pause: connection lost; did the vLLM server stop?")
 
     class Policy(AsyncRollouts):
         def __init__(self, signum) -> None:
             self._producer, self.rollout_step, self.sync_every, self._async = Dead(), 4, 1, {"weight_sync_s": 9.0}
+            self.model = None  # no attention implementation to carry
             self.trainer = SimpleNamespace(callbacks=[SimpleNamespace(), SimpleNamespace(stops=SimpleNamespace(
                 signum=signum))])  # fmt: skip
 

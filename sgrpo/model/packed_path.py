@@ -52,16 +52,26 @@ def choose_attention(model: nn.Module, device_type: str) -> str | None:
         wanted = preferred_attention(device_type, is_flash_attn_2_available(), is_torch_flex_attn_available(), half)
         if wanted is not None:
             with contextlib.suppress(ImportError, ValueError):  # the model's class does not support it: SDPA stays
-                model.set_attn_implementation(wanted)
-        if attention_implementation(model) == "flex_attention":
-            import torch._dynamo
-
-            flex_in_autocast_dtype()
-            for name in ("recompile_limit", "accumulated_recompile_limit"):
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), FLEX_RECOMPILE_LIMIT))
+                use_attention(model, wanted)
     deterministic_flash(model)
     return attention_implementation(model)
+
+
+def use_attention(model: nn.Module, implementation: str) -> None:
+    """Switch ``model`` to attention ``implementation`` (``set_attn_implementation``: ImportError or ValueError where
+    its class cannot), with what flex attention needs in this process (``flex_in_autocast_dtype``, dynamo's
+    recompile limits raised to ``FLEX_RECOMPILE_LIMIT``) and flash-attention's deterministic backward where asked
+    (``deterministic_flash``). The async producer calls it to sample with the attention the trainer's model has."""
+    if attention_implementation(model) != implementation:
+        model.set_attn_implementation(implementation)
+    if implementation == "flex_attention":
+        import torch._dynamo
+
+        flex_in_autocast_dtype()
+        for name in ("recompile_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), FLEX_RECOMPILE_LIMIT))
+    deterministic_flash(model)
 
 
 def flex_in_autocast_dtype() -> None:

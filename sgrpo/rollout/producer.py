@@ -53,6 +53,8 @@ from sgrpo.rollout.shared_weights import shared_weights, weight_views
 DELAY_ENV, FAULT_ENV = "SGRPO_TEST_PRODUCER_DELAY", "SGRPO_TEST_PRODUCER_FAULT"
 #: seconds a producer may take to start (fork, model load) before ``take`` calls it hung, at least
 STARTUP_S = 300.0
+#: room for an attention implementation's name (``config._attn_implementation``) shared with the producer
+ATTENTION_BYTES = 256
 
 
 def _unpack(path: str) -> Block:
@@ -80,6 +82,9 @@ class RolloutProducer:
         self._flat, self._layout = shared_weights(weights)
         self._shared = weight_views(self._flat, self._layout)
         self._version = context.Value("q", spec.start_step, lock=False)
+        # the trainer's attention implementation with the weights: its first update may switch it (choose_attention)
+        self._attention = context.Array("c", ATTENTION_BYTES, lock=False)
+        self._attention.value = (spec.attention or "").encode()
         self._lock, self._pushed = context.Lock(), context.Event()  # the shared weights' lock; "a push came"
         self._blocks = context.Queue(maxsize=spec.max_staleness + 1)  # paths of block files in self.folder
         self._refills = context.Queue(maxsize=1)  # dynamic sampling: the path of the refill block asked for
@@ -89,7 +94,7 @@ class RolloutProducer:
         self._lifeline, self._held = context.Pipe(duplex=False)  # the producer's end reads EOF once we are gone
         self.process = context.Process(
             target=_produce,
-            args=(spec, (self._flat, self._layout), self._version, self._lock, self._pushed,
+            args=(spec, (self._flat, self._layout), (self._version, self._attention), self._lock, self._pushed,
                   (self._blocks, self._refills), self._asked, self._stop, self._lifeline, self.folder, self._ready),
             name="sgrpo-rollout-producer",
             daemon=True,
@@ -109,8 +114,9 @@ class RolloutProducer:
     def describe(self) -> str:
         return f"the rollout producer (process {self.process.pid})"
 
-    def push(self, weights: Iterable[tuple[str, Tensor]], version: int) -> float:
-        """Copy the trainer's weights of ``version`` (its training step count) to the producer; seconds taken.
+    def push(self, weights: Iterable[tuple[str, Tensor]], version: int, attention: str | None = None) -> float:
+        """Copy the trainer's weights of ``version`` (its training step count) to the producer, and the attention
+        implementation its model samples with (``attention``; None: unchanged); seconds taken.
 
         Each weight is copied as ``weights`` yields it, under the lock the producer reads them under: under FSDP2 one
         gathered bucket of full tensors is on the device at a time, not the whole model. Raises ``ProducerError`` when
@@ -126,6 +132,8 @@ class RolloutProducer:
         try:
             for name, value in weights:  # gathered as they are iterated (FSDP2: collectives, every process in step)
                 self._shared[name].copy_(value.detach())
+            if attention is not None:
+                self._attention.value = attention.encode()
             self._version.value = version
         finally:
             self._lock.release()

@@ -54,6 +54,8 @@ class ProducerSpec:
     convert: str | None = None  # the dtype the loaded model is converted to, buffers too (trainer's bf16-true, ...)
     autocast: str | None = None  # the dtype it samples under autocast in (the trainer's bf16-mixed / 16-mixed)
     gather_dtype: str | None = None  # FSDP2 mixed precision's block dtype (model.sgrpo_gather_dtype), under autocast
+    attention: str | None = None  # the trainer's model's attention implementation at the start (pushes may change it)
+    deterministic: tuple[bool, bool] = (False, False)  # the trainer's use_deterministic_algorithms (on, warn_only)
     delay_s: float = 0.0  # test hook: seconds slept after each block
     fault: str = ""  # test hook: "die@STEP" or "hang@STEP"
     refill_prompts: Callable[[int, int], list[Example]] | None = None  # (step, round >= 1) -> dynamic sampling's
@@ -98,6 +100,7 @@ def _produce(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, s
     parent, which the trainer then does not mistake for the producer's end (``sgrpo.rollout.producer.exit_code``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.use_deterministic_algorithms(spec.deterministic[0], warn_only=spec.deterministic[1])  # the trainer's flag
     try:
         _sample_steps(spec, shared, version, lock, pushed, queues, asked, stop, parent, folder, ready)
     finally:
@@ -128,9 +131,14 @@ def sampling_model(spec: ProducerSpec) -> torch.nn.Module:
 
 def _sample_steps(spec: ProducerSpec, shared, version, lock, pushed, queues, asked, stop, parent, folder: str,
                   ready) -> None:  # fmt: skip
-    """Sample each admitted step's groups under the newest weights and queue them; serve dynamic sampling's
-    refill requests first, whenever they come."""
+    """Sample each admitted step's groups under the newest weights, with the attention implementation the trainer's
+    model had when it pushed them, and queue them; serve dynamic sampling's refill requests first, whenever they
+    come."""
+    from sgrpo.model.packed_path import use_attention
+    from sgrpo.model.packing import attention_implementation
+
     blocks, refills = queues
+    version, attention = version
     shared = weight_views(*shared)
     for out in queues:
         out.cancel_join_thread()  # ending, never wait to flush blocks into a pipe nobody reads (a dead trainer)
@@ -161,6 +169,9 @@ def _sample_steps(spec: ProducerSpec, shared, version, lock, pushed, queues, ask
                 for name, param in targets.items():
                     if name in shared:
                         param.copy_(shared[name])
+            wanted = attention.value.decode()  # the synchronous rollout samples through the trainer's model as it is
+            if wanted and wanted != attention_implementation(model):
+                use_attention(model, wanted)
             held = version.value
         finally:
             lock.release()

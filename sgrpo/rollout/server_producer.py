@@ -150,11 +150,12 @@ class ServerProducer:
         return f"the vLLM server producer ({', '.join(self.engine.pool.urls)})"
 
     # ------------------------------------------------------------------------------------------ trainer side
-    def push(self, weights: Iterable[tuple[str, Tensor]] | None, version: int) -> float:
+    def push(self, weights: Iterable[tuple[str, Tensor]] | None, version: int, attention: str | None = None) -> float:
         """The model's weights, ``version`` (the trainer's training step count), to every server; seconds taken.
 
-        ``weights`` (``RolloutProducer``'s argument) is not read: the engine gathers the model itself, in the
-        servers' dtype, in buckets (``VLLMServerRollout.sync_weights``). Every process calls this together."""
+        ``weights`` and ``attention`` (``RolloutProducer``'s arguments) are not read: the engine gathers the model
+        itself, in the servers' dtype, in buckets (``VLLMServerRollout.sync_weights``), and vLLM runs its own
+        attention, as in the synchronous run. Every process calls this together."""
         started = time.perf_counter()
         self._leave.clear()  # no request leaves during the push: each is salted with the version it will run under
         try:

@@ -14,6 +14,7 @@ from lightning.pytorch import Callback
 from torch import Tensor
 
 from sgrpo.model.lora import plain_weights
+from sgrpo.model.packing import attention_implementation
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import RolloutProducer
 from sgrpo.rollout.producer_process import ProducerSpec
@@ -148,6 +149,9 @@ class AsyncRollouts:
             convert=convert,
             autocast=autocast,
             gather_dtype=None if gather is None else str(gather).removeprefix("torch."),
+            attention=attention_implementation(self.model),
+            deterministic=(torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled()),  # fmt: skip
             refill_prompts=refills,
         )
         self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
@@ -190,7 +194,9 @@ class AsyncRollouts:
         steps; between pushes the producer keeps sampling under the last ones, and admission waits for newer)."""
         if self._producer is not None and self.rollout_step % self.sync_every == 0:
             try:
-                self._async["weight_sync_s"] = self._producer.push(self._plain_weights(), self.rollout_step)
+                self._async["weight_sync_s"] = self._producer.push(
+                    self._plain_weights(), self.rollout_step, attention_implementation(self.model)
+                )
             except ServerError as err:  # SLURM's SIGTERM reaches the vLLM servers sgrpo launched too, and they go
                 if not stop_recorded(self.trainer):
                     raise
@@ -200,14 +206,16 @@ class AsyncRollouts:
         elif self._producer is not None:
             self._async["weight_sync_s"] = 0.0
 
-    def async_logs(self, rollout: RolloutBatch, trained_at: int) -> dict[str, Tensor | float]:
-        """``train/async/*``: staleness of the step's groups (mean, max over processes, and per value 0..S their
-        share: the histogram), groups trained and sampled (dynamic sampling's refills too; sums over processes),
-        producer idle and sampling seconds, trainer wait seconds, weight-sync seconds; with vLLM servers that keep
-        requests across pushes, the versions a group's sampling spanned (newest - oldest, mean)."""
-        staleness = (trained_at - rollout.versions.view(-1, rollout.group_size)[:, 0]).float()  # [B] per group
-        self.log("train/async/staleness_max", staleness.max(), sync_dist=True, reduce_fx="max")
-        for key, groups in (("groups", rollout.num_groups), ("groups_sampled", self._async["groups_sampled"])):
+    def async_logs(self, rollout: RolloutBatch, trained_at: int, trained: Tensor) -> dict[str, Tensor | float]:
+        """``train/async/*``: staleness of the step's trained groups (``trained``, ``[B]`` bool: dynamic sampling's
+        step whose every round was constant trains none; mean, max over processes, and per value 0..S their share:
+        the histogram), groups trained and sampled (dynamic sampling's refills too; sums over processes), producer
+        idle and sampling seconds, trainer wait seconds, weight-sync seconds; with vLLM servers that keep requests
+        across pushes, the versions a group's sampling spanned (newest - oldest, mean)."""
+        staleness = (trained_at - rollout.versions.view(-1, rollout.group_size)[:, 0]).float()[trained]  # per group
+        top = staleness.max() if staleness.numel() else staleness.new_zeros(())  # none trained here: 0, the least
+        self.log("train/async/staleness_max", top, sync_dist=True, reduce_fx="max")
+        for key, groups in (("groups", staleness.numel()), ("groups_sampled", self._async["groups_sampled"])):
             count = torch.tensor(float(groups), dtype=torch.float32, device=self.device)  # not bf16 under bf16-true
             self.log(f"train/async/{key}", count, sync_dist=True, reduce_fx="sum")
         groups = staleness.numel()  # (sum, count) over every process's groups: processes may hold different numbers
@@ -216,7 +224,7 @@ class AsyncRollouts:
             counted[f"train/async/staleness_hist/{k}"] = ((staleness == k).float().sum(), groups)
         if rollout.newest_versions is not None:  # vLLM servers with requests kept across pushes: versions spanned
             newest, oldest = (v.view(-1, rollout.group_size)[:, 0] for v in (rollout.newest_versions, rollout.versions))
-            counted["train/async/version_span_mean"] = ((newest - oldest).float().sum(), groups)
+            counted["train/async/version_span_mean"] = ((newest - oldest)[trained].float().sum(), groups)
         self.log_dict(global_means(counted, lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum")))
         logs: dict[str, Tensor | float] = {
             "train/async/producer_idle_s": self._async.get("idle_s", 0.0),
