@@ -120,7 +120,9 @@ class GRPOPolicy(
             ppo_epochs: Passes over each rollout batch (TRL ``num_iterations``).
             num_minibatches: Optimiser steps per pass; each takes 1/num_minibatches of the rows.
             micro_batch_size: Rows per forward/backward (null: no row limit).
-            micro_batch_tokens: Padded tokens per forward/backward; "auto": 1,024 on CPU, 8,192 on accelerators.
+            micro_batch_tokens: A forward/backward's budget: with ``packing``, its modelled cost (each sequence's
+                tokens plus attention's ``L^2 / 6H``: docs/packing.md), else its padded tokens; "auto": 1,024 on
+                CPU, 8,192 on accelerators.
             loss: The policy loss (default ``ClippedSurrogate()``: clip, aggregation, KL, importance sampling).
             mask_truncated: Completions cut off at ``max_new_tokens`` get no gradient (DAPO's overlong filter).
             dynamic_sampling: Drop groups whose rewards are all equal and sample more prompts (DAPO).
@@ -211,8 +213,11 @@ class GRPOPolicy(
         self.environment = environment
         for key in ("rollout", "val_rollout") if environment is not None else ():
             engine = getattr(self, key)
-            require(engine.runs_episodes, f"model.{key}: {type(engine).__name__} does not run multi-turn episodes, "
-                    "which model.environment needs: use sgrpo.rollout.HFRollout, or environment: null")  # fmt: skip
+            tp = getattr(engine, "tensor_parallel_size", 1)
+            require(engine.runs_episodes, f"model.{key}: {type(engine).__name__}"
+                    f"{f' with tensor_parallel_size {tp}' if tp > 1 else ''} does not run multi-turn episodes, which "
+                    "model.environment needs: use sgrpo.rollout.HFRollout, sgrpo.rollout.VLLMServerRollout or "
+                    "sgrpo.rollout.VLLMRollout with tensor_parallel_size 1, or environment: null")  # fmt: skip
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.ppo_epochs, self.num_minibatches, self.micro_batch_size = ppo_epochs, num_minibatches, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens

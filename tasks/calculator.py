@@ -8,7 +8,7 @@ message, so a model that answers at once from its head, and one that calls the t
 are graded alike: by exact match with the result.
 
 ``configs/tools_quickstart.yaml`` trains the tiny chat model of ``sgrpo/assets/tools_model`` on it
-(docs/environments.md, "The calculator task").
+(docs/tasks.md, "The calculator tool task").
 """
 
 from __future__ import annotations

@@ -66,3 +66,28 @@ def test_step_means_weigh_each_process_by_what_it_holds(tmp_path):
     held = [torch.tensor([[4.0, -4.0]]), torch.tensor([[1.0, -1.0], [1.0, -1.0], [-1.0, 1.0]])]
     logged = run_pair(_means_on, held, tmp_path)
     assert logged[0] == logged[1] == {"train/advantage/abs_mean": 1.75, "train/completion/truncated": 0.0}
+
+
+def _episode_means_on(rank: int, turns: list[int]) -> dict:
+    import torch.distributed as dist
+
+    from sgrpo.train.step_logging import episode_log, global_means
+    from sgrpo.types import Episode
+
+    def add_up(sums):
+        dist.all_reduce(sums)
+        return sums
+
+    rollout = SimpleNamespace(episodes=[Episode(messages=[], turns=t, tool_calls=t - 1) for t in turns])
+    return {k: float(v) for k, v in global_means(episode_log(rollout), add_up).items()}
+
+
+def test_episode_means_weigh_each_process_by_its_episodes(tmp_path):
+    """Dynamic sampling left process 0 with 1 group of 4 episodes of 3 turns and process 1 with 8 groups of 4 of 1
+    turn (found by a review): the logged mean of the two processes' means was 2 turns; over the 36 episodes it is
+    (4 x 3 + 32 x 1) / 36 = 11/9."""
+    logged = run_pair(_episode_means_on, [[3] * 4, [1] * 32], tmp_path)
+    assert logged[0] == logged[1]
+    assert abs(logged[0]["train/episode/turns"] - 11 / 9) < 1e-6
+    assert abs(logged[0]["train/episode/tool_use_rate"] - 4 / 36) < 1e-6
+    assert abs(logged[0]["train/episode/tool_calls"] - 8 / 36) < 1e-6

@@ -54,7 +54,8 @@ def test_vllm_episodes_keep_the_engines_tokens_and_logprobs(fake_vllm, model_dir
 
 
 def test_pooled_vllm_engines_are_refused_for_episodes(model_dir):  # noqa: F811
-    with pytest.raises(ValueError, match="model.rollout: VLLMRollout does not run multi-turn episodes"):
+    with pytest.raises(ValueError, match="model.rollout: VLLMRollout with tensor_parallel_size 2 does not run multi-"
+                       "turn episodes.*VLLMRollout with tensor_parallel_size 1"):
         GradCapture(model_dir, ChatTask(), GRPO(), rollout=VLLMRollout(tensor_parallel_size=2), environment=Digits())
     assert VLLMRollout().runs_episodes
 

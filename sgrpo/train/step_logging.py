@@ -55,7 +55,8 @@ class StepLogging:
             "train/completion/length_mean": (lengths.sum(), lengths.numel()),
             "train/completion/truncated": (rollout.truncated.float().sum(), rollout.truncated.numel()),
         }
-        self.log_dict(global_means(counted | self._objective(rewards), add_up))  # already over every process
+        counted |= self._objective(rewards) | episode_log(rollout, advantages.device)
+        self.log_dict(global_means(counted, add_up))  # already over every process
         self._log_mean(
             logs
             | {
@@ -63,8 +64,7 @@ class StepLogging:
                 "train/time/step_s": timing["step_s"],
                 "train/throughput/rollout_tok_s": lengths.sum() / max(timing["rollout_s"], 1e-9),
             }
-            | nucleus_log(rollout, add_up)
-            | episode_log(rollout),
+            | nucleus_log(rollout, add_up),
             prog_bar=("train/reward", "train/success_rate"),
         )
         maxima = {"train/advantage/max": advantages.max(), "train/completion/length_max": lengths.max()}
@@ -134,13 +134,16 @@ def nucleus_log(rollout, add_up=lambda sums: sums) -> dict[str, Tensor]:
     return {"train/rollout/nucleus_mass": mass / tokens.clamp_min(1.0)}
 
 
-def episode_log(rollout) -> dict[str, Tensor]:
-    """Multi-turn episodes' means (``sgrpo.types.Episode``): ``train/episode/turns``, ``tool_calls``, ``tool_failures``,
-    ``tool_use_rate`` (the share of episodes with a tool call), ``tokens/generated`` and ``tokens/observation``
-    (tokens after the opening by role), ``forks`` (rows started where the chat template broke the prefix) and
-    ``env_reward`` (the environment's per-turn rewards, summed per episode); nothing without episodes."""
+def episode_log(rollout, device: torch.device | str = "cpu") -> dict[str, tuple[Tensor, int]]:
+    """Multi-turn episodes' quantities (``sgrpo.types.Episode``) as (sum on ``device``, episodes) pairs for
+    ``global_means``, whose means are over every process's episodes: ``train/episode/turns``, ``tool_calls``,
+    ``tool_failures``, ``tool_use_rate`` (the share of episodes with a tool call), ``tokens/generated`` and
+    ``tokens/observation`` (tokens after the opening by role), ``forks`` (rows started where the chat template broke
+    the prefix) and ``env_reward`` (the environment's per-turn rewards, summed per episode); nothing without
+    episodes. Processes may hold different numbers of episodes (dynamic sampling's last round): a mean of each
+    process's means weighed one episode as much as eight."""
     if rollout.episodes is None:
         return {}
     values = episode_values(rollout.episodes)
-    return {f"train/episode/{name}": torch.tensor(v, dtype=torch.float32, device="cpu").mean()
-            for name, v in values.items()}
+    return {f"train/episode/{name}": (torch.tensor(sum(v), dtype=torch.float32, device=device), len(v))
+            for name, v in values.items()}  # fmt: skip
