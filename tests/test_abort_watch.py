@@ -132,3 +132,27 @@ def test_a_wandb_run_is_finished_with_the_exit_code(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "_exit", lambda status: None)
     faults.hard_exit([logger], 1)
     assert wandb.run is None and run._is_finished  # finished: no longer the active run
+
+
+def test_lightning_s_launcher_does_not_kill_process_0_while_it_ends(tmp_path):
+    """Process 0 of ``python -m sgrpo.fit --trainer.devices=2`` runs Lightning's observer of the processes it started:
+    one ended with an error, and the observer SIGKILLed process 0 within 5 s, in the middle of its ``hard_exit``
+    (the loggers finalizing, the linger): exit 137, a W&B run left "crashed" (found by a review). The observer,
+    polling every 0.1 s here, watches a child that fails at once; process 0 ends by ``hard_exit`` with status 1 after
+    a 1 s linger."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "process0.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver\n"
+        "from sgrpo.run import faults\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'raise SystemExit(1)'])\n"
+        "observer = _ChildProcessObserver(os.getpid(), [child], sleep_period=0.1)\n"
+        "observer.start()\n"
+        "child.wait()\n"
+        "faults.hard_exit([], 1, linger=1.0)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])

@@ -201,6 +201,7 @@ def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE, l
     thread of their own, so that one stuck (a network, a lock the main thread holds) cannot keep the process.
     Meanwhile the servers this process launched stop (``stop_launched``), as ``os._exit`` skips their atexit hook."""
     start = time.monotonic()
+    stop_child_observer()
     worker = threading.Thread(target=finalize_loggers, args=(loggers, status), name="sgrpo-finalize", daemon=True)
     worker.start()
     stop_launched(EXIT_GRACE)
@@ -209,6 +210,20 @@ def hard_exit(loggers: list, status: int, deadline: float = FINALIZE_DEADLINE, l
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def stop_child_observer() -> None:
+    """Stop Lightning's launcher from killing this process as it ends (``hard_exit``).
+
+    ``python -m sgrpo.fit`` with ``devices`` > 1 starts the other processes from process 0, where a thread of
+    Lightning's (``_ChildProcessObserver``) polls them every 5 s and, once one has ended with an error, SIGKILLs every
+    process, process 0 included. Process 0 ending on its own path (its loggers finalizing, the linger for the
+    others to read its notice) was cut there: exit 137 where 1 was due, a W&B run left "crashed" (found by a
+    review). Emptied of processes, the observer ends at its next poll without a signal; ``fail_fast`` kills the
+    processes it started itself."""
+    for thread in threading.enumerate():
+        if type(thread).__name__ == "_ChildProcessObserver" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []
 
 
 def stop_launched(grace: float) -> None:
