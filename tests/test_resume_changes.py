@@ -124,6 +124,28 @@ def test_a_record_from_before_hidden_files_were_skipped_still_matches(tmp_path):
     assert base_change(hub, "Qwen/Qwen2.5-0.5B") == 'model.model: "Qwen/Qwen2.5-1.5B" -> "Qwen/Qwen2.5-0.5B"'
 
 
+def test_the_same_model_and_data_under_another_path_are_no_change(tmp_path, monkeypatch):
+    """A run trained on ``model`` (relative) resumed with its absolute path, or with a copy elsewhere, was refused
+    (``model.model: "model" -> "/.../model"``, after the model loaded) though both records fingerprint the same
+    content; a data file likewise. Another content at the new path is still a change."""
+    import shutil
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    monkeypatch.chdir(tmp_path)
+    task = {"class_path": "tasks.DeepMath", "init_args": {"path": "train.jsonl"}}
+    trained = experiment_record({"model": "model", "task": task}, 0)
+    shutil.copytree(tmp_path / "model", tmp_path / "copy")
+    shutil.copy(tmp_path / "train.jsonl", tmp_path / "moved.jsonl")
+    moved = {"class_path": "tasks.DeepMath", "init_args": {"path": str(tmp_path / "moved.jsonl")}}
+    for model in (str(tmp_path / "model"), "copy"):
+        assert experiment_changes(trained, experiment_record({"model": model, "task": moved}, 0)) == []
+    (tmp_path / "copy" / "config.json").write_text('{"a": 1}')
+    changes = experiment_changes(trained, experiment_record({"model": "copy", "task": moved}, 0))
+    assert [c.split(":")[0] for c in changes] == ["model.model", "model.model@content"]
+
+
 def test_processes_that_see_other_content_at_a_path_are_named():
     """Each process fingerprints its own copy: a node whose model differed refused the resume alone, and the others
     waited in a collective. ``agree_checkpoint`` compares the records first (every process raises)."""

@@ -184,11 +184,17 @@ def _recorded_since(key: str) -> bool:
 def experiment_changes(trained: dict[str, str], resumed: dict[str, str]) -> list[str]:
     """``key: old -> new`` for every key whose value differs (``unset`` where one side lacks it); a class that
     changed is one line, without its arguments. A key the checkpoint lacks whose new value is null (a setting added
-    since, left off: ``model.environment``) is no change."""
+    since, left off: ``model.environment``) is no change, nor is a path whose content both records fingerprint
+    alike (the model or a data file named another way, or copied elsewhere: as ``base_change`` has it)."""
+
+    def same(k: str) -> bool:
+        return k in trained and same_content(k, trained[k], resumed)
+
     keys = [k for k in sorted(set(trained) | set(resumed))
             if trained.get(k) != resumed.get(k) and (k in trained or not _recorded_since(k))
             and (k in trained or resumed.get(k) != "null")  # a setting added since, at its off default
-            and not (k.endswith(CONTENT) and k in trained and same_content(k, trained[k], resumed))]  # fmt: skip
+            and not (k.endswith(CONTENT) and same(k))
+            and not (k + CONTENT in resumed and same(k + CONTENT))]  # the same content under another path  # fmt: skip
     classes = tuple(k.removesuffix("class_path") + "init_args." for k in keys if k.endswith(".class_path"))
     return [f"{k}: {trained.get(k, 'unset')} -> {resumed.get(k, 'unset')}" for k in keys if not k.startswith(classes)]
 
