@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --case large_vocab   # vocab 151,936: peak RSS of one 16 x 512-token step
     python benchmarks/throughput.py --case profile       # where sgrpo's step time goes (phases + top torch ops)
     python benchmarks/throughput.py --case ablation      # sgrpo with each optimisation undone in turn
+    python benchmarks/throughput.py --malloc-mmap-threshold 262144  # peak RSS as memory in use (see below)
     python benchmarks/throughput.py --device cuda --prompts 16 --group-size 8 --new-tokens 256 --force-length \
         --hidden 1024 --layers 24 --heads 16 --intermediate 4096   # one GPU, bf16-mixed: the 0.44B workload
 
@@ -40,6 +41,13 @@ steps after ``--warmup`` steps; the best step and the process CPU time per step 
 since a busy machine stretches wall times (``OMP_WAIT_POLICY=PASSIVE`` in the environment, inherited
 by both workers, makes them much less sensitive to other load).
 
+Peak RSS on CPU is the memory in use plus what glibc's malloc keeps: a freed block below its mmap threshold stays
+in the process's heap, and the threshold rises to the largest block freed (up to 32 MiB), so after the first step
+most activations come from the heap, whose free pieces the next step's blocks fit only in part; a framework's
+peak then varies from step to step and grows over a long run. ``--malloc-mmap-threshold BYTES`` fixes the
+threshold in both workers: every block above it is mapped afresh and given back when freed, so the peak is the
+memory in use, and every step is slower (the page faults of mapping them afresh).
+
 FLOP limit: 2N FLOPs per generated token plus 6N per trained (completion) token, against the fp32
 matmul peak measured here with the same thread count (a 2048^3 matmul, best of several, before and
 after the runs). ``--device cuda``: one GPU, both frameworks in bf16-mixed (fp32 master weights,
@@ -49,12 +57,13 @@ rate (``--sgrpo-cuda-graphs`` turns on sgrpo's CUDA-graph decode steps).
 rows, 512 new tokens with EOS masked, a binary reward on the first character since the random model
 never matches), one process at a time, under a memory cap (killed above it: reported as OOM).
 Prints tables; never asserts. What a case prints is published to ``benchmarks/reports/throughput[_CASE][_forced]
-[_cuda]/`` (``benchmarks/artefact.py``; ``--no-publish`` skips it), with the case's figures as its ``result``.
+[_cuda][_mmap]/`` (``benchmarks/artefact.py``; ``--no-publish`` skips it), with the case's figures as its ``result``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -90,7 +99,7 @@ def case_throughput(args, tmp: Path) -> dict:
     print(
         f"{kind} matmul peak {peak / 1e9:.0f} GFLOP/s; {args.warmup} warm-up + {args.steps} measured steps each, "
         f"alternating; micro-batch {args.micro_batch or 'none'}; TRL gradient checkpointing "
-        f"{'on' if args.trl_gradient_checkpointing else 'off'}\n"
+        f"{'on' if args.trl_gradient_checkpointing else 'off'}; {allocator(args)}\n"
     )
     summaries = {f: summarise(results[f], n, peak, work.rows) for f in FRAMEWORKS}
     values = {label: tuple(summaries[f] and summaries[f][key] for f in FRAMEWORKS) for label, key, _ in ROWS}
@@ -136,7 +145,7 @@ def case_ablation(args, tmp: Path) -> dict:
     print(
         f"\n## What each optimisation buys: sgrpo variants, N = {n:,}, {args.prompts} x {args.group_size} x "
         f"{args.new_tokens} tokens{' (forced)' if base.force_length else ' (EOS allowed)'}, {args.threads} threads, "
-        f"{args.warmup} warm-up + {args.steps} measured steps each, alternating\n"
+        f"{args.warmup} warm-up + {args.steps} measured steps each, alternating; {allocator(args)}\n"
     )
     print("| variant | step (s) | vs configured | rollout (s) | update (s) | peak RSS (MiB) |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -153,6 +162,16 @@ def case_ablation(args, tmp: Path) -> dict:
             f"{summary['rollout_s']:.3f} | {summary['update_s']:.3f} | {summary['peak_mib']:,.0f} |"
         )
     return out
+
+
+def allocator(args) -> str:
+    """The workers' allocator setting, as the report states it."""
+    if args.malloc_mmap_threshold is None:
+        return "glibc's malloc as it comes (its mmap threshold rises to the largest block freed)"
+    return (
+        f"glibc's mmap threshold fixed at {args.malloc_mmap_threshold:,} bytes in both workers (freed blocks above it "
+        "return to the OS at once: the peak RSS is memory in use)"
+    )
 
 
 def throughput_workload(args, tmp: Path) -> Workload:
@@ -276,12 +295,22 @@ def main() -> None:
     parser.add_argument("--large-tokens", type=int, default=512, help="new tokens per completion, large-vocab case")
     parser.add_argument("--sgrpo-chunk-mib", type=float, default=128.0, help="sgrpo's logits_chunk_mib (its default)")
     parser.add_argument("--mem-cap-gib", type=float, default=16.0, help="kill a worker whose RSS exceeds this")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="glibc's mmap threshold in every worker, fixed (MALLOC_MMAP_THRESHOLD_): each freed block above it goes "
+        "back to the OS at once, so the peak RSS is the memory in use rather than what the allocator keeps (and "
+        "the steps slower); default glibc's own, which rises to the largest block freed",
+    )
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = artefact.publish_option(parser).parse_args()
     if args.worker:
         worker_main(args.worker, args.work)
         return
+    if args.malloc_mmap_threshold is not None:  # glibc reads it as a process starts: the workers, not this one
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     with tempfile.TemporaryDirectory(prefix="sgrpo_throughput_") as tmp:
         started = time.perf_counter()
         cases = {
@@ -296,7 +325,8 @@ def main() -> None:
             print(f"\n(wall time {wall:.0f} s)")
         result["wall_s"] = float(round(wall))
     name = "throughput" + "".join(f"_{part}" for part, on in ((args.case, args.case != "throughput"),
-                                  ("forced", args.force_length), ("cuda", args.device == "cuda")) if on)  # fmt: skip
+                                  ("forced", args.force_length), ("cuda", args.device == "cuda"),
+                                  ("mmap", args.malloc_mmap_threshold is not None)) if on)  # fmt: skip
     report = f"# sgrpo against TRL: {args.case}\n" + printed.getvalue()
     artefact.publish_run(args, name, result, report, __file__)
 

@@ -36,6 +36,7 @@ RENDERS = {
     "throughput": "perf:throughput",
     "throughput_forced": "perf:throughput",
     "throughput_ablation": "perf:throughput_ablation",
+    "throughput_mmap": "perf:throughput_mmap",
     "packing": "packing:packing",
     "async_rollouts": "asynchronous:async_rollouts",
     "tools_quickstart": "tools:tools_quickstart",
