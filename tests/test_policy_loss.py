@@ -42,6 +42,23 @@ def test_clipped_surrogate_by_hand():
     assert half.item() == pytest.approx(loss.item() / 2)
 
 
+def test_a_sampler_log_prob_of_minus_inf_leaves_the_loss_and_gradient_finite():
+    """With ``bypass`` the sampler's log-probs are the ratio's denominator: one of -inf, or 93 below the trainer's,
+    made rho inf in float32 (A > 0: a NaN gradient; A < 0: an infinite loss), and the step was skipped on every
+    process (found by a review). The log-ratio is clamped at 20 as the importance weights' is: A = +1 clips there
+    (gradient 0), A = -1 gives -(e^20 x -1) = e^20, finite; the other tokens' values are unchanged."""
+    from sgrpo.train.loss import clipped_surrogate
+
+    for bad in (-math.inf, -95.0):
+        logp = torch.full((2, 2), -2.0, requires_grad=True)
+        old = torch.tensor([[-2.0, bad], [-2.0, bad]])
+        loss, _, high = clipped_surrogate(logp, old, torch.tensor([1.0, -1.0]), 0.2, 0.28)
+        assert torch.isfinite(loss).all() and high[0, 1]
+        assert loss[0, 0].item() == -1.0 and loss[1, 1].item() == pytest.approx(math.exp(20), rel=1e-6)
+        loss.sum().backward()
+        assert torch.isfinite(logp.grad).all() and logp.grad[0, 1].item() == 0.0
+
+
 def test_aggregations_kl_and_truncated_importance_sampling_by_hand():
     # seq_sum_const (Dr.GRPO): sum of token losses / (B x L_max) = (-1.28 - 1 + 0.8) / (2 x 4)
     dr = ClippedSurrogate(clip_low=0.2, clip_high=0.28, aggregation="seq_sum_const")

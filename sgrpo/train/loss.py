@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from sgrpo.train.correction import (
+    MAX_LOG_RATIO,
     OFFPOLICY_STATS,
     ImportanceCorrection,
     ImportanceWeights,
@@ -38,9 +39,12 @@ def clipped_surrogate(
 
     ``logp``/``old_logp`` ``[N, T]``, ``advantages`` ``[N]`` (broadcast over tokens). Returns the loss
     ``[N, T]`` and where the clip was active below / above (bool ``[N, T]``). DAPO's clip-higher is
-    ``clip_high > clip_low``.
+    ``clip_high > clip_low``. The log-ratio is clamped to +-``MAX_LOG_RATIO`` (20) before ``exp``, as the importance
+    weights' is (``sgrpo.train.correction``): with ``bypass`` the sampler's log-probs are ``old``, and one of -inf
+    or some 88 below the trainer's (a sampler's bad value) made rho inf in float32, so the step's loss or gradient
+    was not finite and the whole step was skipped; within the clamp nothing changes.
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     adv = advantages.unsqueeze(-1).to(logp.dtype)  # [N, 1]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
