@@ -96,6 +96,22 @@ def test_lora_reference_is_the_base_with_the_adapters_off(model_dir, batch, monk
     assert all(p.requires_grad == is_adapter(n) for n, p in model.named_parameters())
 
 
+def test_a_lora_reference_with_dropout_kept_is_deterministic(model_dir, batch):
+    """LoRA with ``keep_dropout`` (a LoRA dropout > 0 keeps the model's dropout): the reference, the policy with its
+    adapters off, ran in train mode, so the base model's own dropout made its log-probs differ call to call (found
+    by a review); a built reference is an eval-mode copy. It runs in eval mode now, every module's mode put back."""
+    from sgrpo.model.lora import apply_lora
+    from sgrpo.train.reference import reference_model
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attention_dropout=0.5)
+    apply_lora(model, LoRA(rank=4, dropout=0.1))
+    model.train()
+    with reference_model(model, None) as reference:
+        first, second = logprobs(reference, batch), logprobs(reference, batch)
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    assert all(module.training for module in model.modules())
+
+
 def test_validate_and_test_build_no_reference_and_a_fit_after_them_does(model_dir, batch):
     """``sgrpo.fit validate|test`` never use the KL reference: it is not built (a second model's memory); a fit
     after a validation (``validate_before``) builds it then, from the policy's still initial weights."""

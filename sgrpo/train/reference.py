@@ -84,13 +84,21 @@ def copy_shards(source: nn.Module, target: nn.Module) -> None:
 @contextlib.contextmanager
 def reference_model(policy: nn.Module, reference: nn.Module | None) -> Iterator[nn.Module]:
     """The model whose log-probs the KL is taken against: ``reference``, or with LoRA (no reference built) the
-    policy with its adapters off. A sharded reference's root is resharded after use (FSDP2 keeps a root
-    gathered after its forward, for the backward a no-grad pass never runs)."""
+    policy with its adapters off, in eval mode as a built reference is (with ``keep_dropout`` the base model's own
+    dropout made the reference's log-probs random; found by a review), each module's mode restored after. A sharded
+    reference's root is resharded after use (FSDP2 keeps a root gathered after its forward, for the backward a
+    no-grad pass never runs)."""
     if reference is None:
         if not has_lora(policy):
             raise RuntimeError("the loss needs a KL reference and none was built (configure_model)")
-        with adapters_off(policy):
-            yield policy
+        modes = [(module, module.training) for module in policy.modules()]
+        policy.eval()
+        try:
+            with adapters_off(policy):
+                yield policy
+        finally:
+            for module, training in modes:
+                module.training = training
         return
     try:
         yield reference
