@@ -52,6 +52,22 @@ def test_least_outstanding_routing_balances_and_avoids_the_busy_server(servers):
     assert pool.acquire() == first and pool.outstanding() == {first: 1, second: 1}
 
 
+def test_processes_that_tie_start_on_different_servers():
+    """4 processes x 2 prompts a step on 4 servers, each process's pool at 0 in flight as a step starts: in list
+    order every process sent both to the first two servers, then both to the last two (4, 4, 0, 0 each step; found
+    by a review). Rotated by rank, every server gets 2 a step."""
+    urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
+    pools = [ServerPool(urls, rank=rank) for rank in range(4)]
+    for _ in range(3):  # steps
+        load = dict.fromkeys(urls, 0)
+        for pool in pools:
+            taken = [pool.acquire(), pool.acquire()]
+            for url in taken:
+                load[url] += 1
+                pool.release(url)
+        assert list(load.values()) == [2, 2, 2, 2]
+
+
 def test_a_slow_server_gets_fewer_requests_and_answers_keep_request_order(servers):
     slow, fast = servers(delay=0.3), servers()
     pool = ServerPool([slow.url, fast.url], request_timeout=5)
@@ -102,6 +118,34 @@ def test_an_error_status_raises_with_the_server_s_message(servers):
     bad = servers(status=500)
     with pytest.raises(ServerError, match=f"{bad.url}/start_weight_update: HTTP 500 .*fake failure"):
         ServerPool([bad.url]).post(bad.url, "/start_weight_update")
+
+
+def test_a_404_on_an_endpoint_a_flag_turns_on_names_the_flag(servers):
+    """A server started by hand without VLLM_SERVER_DEV_MODE=1 or --enable-scale-out answered the first push or
+    rollout with a bare "HTTP 404 Not Found" (found by a review): the error now names what starts it with the
+    endpoint; another 404 stays as it was."""
+    missing = servers(status=404)
+    pool = ServerPool([missing.url])
+    with pytest.raises(ServerError, match="/init_weight_transfer_engine: HTTP 404 .*VLLM_SERVER_DEV_MODE=1"):
+        pool.post(missing.url, "/init_weight_transfer_engine")
+    with pytest.raises(ServerError, match="/inference/v1/generate: HTTP 404 .*--enable-scale-out"):
+        pool.post(missing.url, "/inference/v1/generate", {"token_ids": [1]})
+    with pytest.raises(ServerError, match=r"/v1/models: HTTP 404 [^;]*$"):
+        pool.get(missing.url, "/v1/models")
+
+
+def test_a_server_unreachable_through_a_proxy_names_the_proxy(monkeypatch):
+    """A cluster shell's http_proxy without a no_proxy entry carried every call, 127.0.0.1's too, and its refusal
+    read as if the server were down (found by a review)."""
+    url = closed_port_url()
+    monkeypatch.setenv("http_proxy", url)  # a proxy that refuses, as that one did
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    with pytest.raises(ServerError, match=f"through the proxy {url}: add 127.0.0.1 to no_proxy"):
+        ServerPool([url]).check_health(timeout=5)
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    with pytest.raises(ServerError, match=r"is the vLLM server running there\?$"):
+        ServerPool([url]).check_health(timeout=5)
 
 
 def test_one_failing_request_fails_the_batch_naming_the_server(servers):

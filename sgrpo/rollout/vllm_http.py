@@ -13,6 +13,7 @@ import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -42,7 +43,7 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
             detail = err.read()[:300].decode(errors="replace").strip()
         except (http.client.HTTPException, OSError):  # the error's body cut short too
             detail = "(its message cut short)"
-        raise ServerError(f"{url}: HTTP {err.code} {err.reason}: {detail}") from None
+        raise ServerError(f"{url}: HTTP {err.code} {err.reason}: {detail}{_missing_endpoint(url, err.code)}") from None
     except TimeoutError as err:
         raise ServerError(f"{url}: no answer within {timeout:g} s ({err or 'timed out'})") from None
     except urllib.error.URLError as err:
@@ -50,7 +51,8 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
             raise ServerError(f"{url}: no answer within {timeout:g} s") from None
         if isinstance(err.reason, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):  # while sending
             raise ServerError(f"{url}: connection lost ({err.reason}); did the vLLM server stop?") from None
-        raise ServerError(f"{url}: unreachable ({err.reason}); is the vLLM server running there?") from None
+        where = f"is the vLLM server running there?{_proxied(url)}"
+        raise ServerError(f"{url}: unreachable ({err.reason}); {where}") from None
     except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
         raise ServerError(f"{url}: connection lost ({err}); did the vLLM server stop?") from None
     except http.client.HTTPException as err:  # an answer cut short (IncompleteRead) or garbled (BadStatusLine)
@@ -63,6 +65,46 @@ def call(url: str, payload: Any = None, timeout: float = 30.0, method: str | Non
         raise ServerError(f"{url}: answered something that is not JSON: {body[:200]!r}") from None
 
 
+#: vLLM's endpoints that sgrpo calls and a server serves only when started so (docs/servers.md)
+SCALE_OUT_PATHS = ("/inference/v1/generate",)
+DEV_MODE_PATHS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/update_weight_version", "/weight_info", "/get_world_size", "/pause", "/resume")  # fmt: skip
+
+
+def _missing_endpoint(url: str, status: int) -> str:
+    """The fix for a 404 on an endpoint vLLM serves only when started with it: a server started by hand without
+    the flag answered a bare "Not Found"."""
+    if status != 404:
+        return ""
+    path = urllib.parse.urlsplit(url).path
+    if path in SCALE_OUT_PATHS:
+        return "; the server serves it only when started with --enable-scale-out (docs/servers.md)"
+    if path in DEV_MODE_PATHS:
+        return "; the server serves it only with VLLM_SERVER_DEV_MODE=1 in its environment (docs/servers.md)"
+    return ""
+
+
+def _proxied(url: str) -> str:
+    """Where a proxy carries the call (``http_proxy`` set, the host not in ``no_proxy``), the note that names it: a
+    cluster shell's proxy refuses a server that is up, and the error read as if the server were down."""
+    proxy = urllib.request.getproxies().get(urllib.parse.urlsplit(url).scheme)
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if not proxy or urllib.request.proxy_bypass(host):
+        return ""
+    return f" (the call went through the proxy {proxy}: add {host} to no_proxy)"
+
+
+def _process_rank() -> int:
+    """torch.distributed's rank where a process group exists, else the launcher's ``RANK``, else 0."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 @dataclass
 class Answer:
     """One request's JSON answer and the server (base URL) that gave it."""
@@ -73,15 +115,23 @@ class Answer:
 
 class ServerPool:
     """Base URLs of vLLM servers; requests go to the one with the fewest requests in flight (ties: the one given
-    fewest so far, then the first listed).
+    fewest so far, then the first in this process's order: the list rotated by the process's rank, ``rank``).
+
+    Every data-parallel process has a pool of its own and they all start a step at 0 in flight: with the list's
+    order alone every process sent its first requests to the first servers (4 processes x 2 prompts on 4 servers:
+    4, 4, 0 and 0 requests, half the servers idle each step; found by a review).
 
     Args:
         urls: Base URLs (``http://host:port``), without a trailing path.
         request_timeout: Seconds a generation request may take (per socket operation and in all).
         timeout: Seconds any other call (health, weight transfer steps) may take.
+        rank: This process's data-parallel rank (default: torch.distributed's, else the ``RANK`` variable, else 0;
+            read at the first request, once the process group exists).
     """
 
-    def __init__(self, urls: Sequence[str], request_timeout: float = 600.0, timeout: float = 60.0) -> None:
+    def __init__(
+        self, urls: Sequence[str], request_timeout: float = 600.0, timeout: float = 60.0, rank: int | None = None
+    ) -> None:
         if not urls:
             raise ValueError("urls: give at least one vLLM server URL (http://host:port)")
         self.urls = [u.rstrip("/") for u in urls]
@@ -91,11 +141,21 @@ class ServerPool:
         self._lock = threading.Lock()
         self._outstanding = dict.fromkeys(self.urls, 0)
         self._given = dict.fromkeys(self.urls, 0)
+        self._rank, self._place = rank, None
+
+    def _order(self) -> dict[str, int]:
+        """Each server's place in this process's order: the list rotated by the rank."""
+        if self._place is None:
+            rank = self._rank if self._rank is not None else _process_rank()
+            n = len(self.urls)
+            self._place = {u: (i - rank) % n for i, u in enumerate(self.urls)}
+        return self._place
 
     def acquire(self, url: str | None = None) -> str:
         """The least-outstanding server (or ``url``), its count raised by one (``release`` lowers it)."""
         with self._lock:
-            url = url or min(self.urls, key=lambda u: (self._outstanding[u], self._given[u]))
+            place = self._order()
+            url = url or min(self.urls, key=lambda u: (self._outstanding[u], self._given[u], place[u]))
             self._outstanding[url] += 1
             self._given[url] += 1
             return url
@@ -126,8 +186,8 @@ class ServerPool:
         """POST each payload to ``path`` of the least-outstanding server (or its entry of ``urls``, where not None:
         an episode's turns go to one server, its prefix cache); the answers in payload order.
 
-        The first failure raises (its ``ServerError``) once the requests in flight end or time out; the
-        requests not yet sent are dropped. Nothing waits longer than ``request_timeout`` after the last send.
+        The first failure raises (its ``ServerError``) at once; the requests in flight go on in the background
+        until they end or time out (``request_timeout``), and those not yet sent are dropped.
         """
         if not payloads:
             return []
