@@ -20,6 +20,7 @@ from sgrpo.model.lora import LoRA, is_adapter
 from sgrpo.policy_model import PolicyModel
 from sgrpo.rollout.engine import RolloutEngine, bump_weights_version
 from sgrpo.rollout.hf import HFRollout
+from sgrpo.rollout.vllm_server import shared_servers_error
 from sgrpo.run.data import EpochStepBatches, PromptBatch, RefillStream, StepBatches, prompt_collate, stopping_rule_error
 from sgrpo.run.guards import DivergenceWatch, RewardFailureWatch, guard_state, restore_guards
 from sgrpo.train.asynchronous import AsyncRollouts, async_rollout_error, unused_async_settings
@@ -210,6 +211,7 @@ class GRPOPolicy(
             "and min_new_tokens 0 (top_p is allowed), and give truncated sampling to val_rollout for evaluation",
         )
         self.val_rollout = val_rollout if val_rollout is not None else self.rollout
+        require((shared := shared_servers_error(self.rollout, self.val_rollout)) is None, shared or "")
         self.environment = environment
         for key in ("rollout", "val_rollout") if environment is not None else ():
             engine = getattr(self, key)

@@ -259,3 +259,27 @@ def test_answers_from_other_weights_raise(servers, tiny):
 
 def sent(server: FakeServer, path: str = "/inference/v1/generate") -> list:
     return [body for p, body in server.calls if p.split("?")[0] == path]
+
+
+def test_a_second_server_engine_on_the_rollout_s_servers_is_refused_where_it_cannot_push():
+    """``val_rollout`` a second VLLMServerRollout on the same servers (other sampling settings for validation): each
+    engine takes the other's push for a restart, and NCCL cannot bring a restarted server back, so the first
+    training rollout after a validation raised (found by a review). Refused before any model loads; a transport
+    that rejoins only pushes once more, and servers of its own share nothing."""
+    from estimators import GRPO
+    from sgrpo.policy import GRPOPolicy
+    from sgrpo.rollout.vllm_push import NCCLTransport
+    from tasks.synthetic import SyntheticTask
+
+    task, url = SyntheticTask(kind="sort", levels=[3], num_train=8, num_validation=2), "http://10.0.0.1:8000"
+
+    def policy(val_url: str, transport) -> GRPOPolicy:
+        train = VLLMServerRollout(urls=[url], transport=transport())
+        val = VLLMServerRollout(urls=[val_url], temperature=0.6, transport=transport())
+        return GRPOPolicy("unused", task, GRPO(), rollout=train, val_rollout=val)
+
+    with pytest.raises(ValueError, match=r"model.val_rollout: a second VLLMServerRollout on model.rollout's servers "
+                                         r"\(http://10.0.0.1:8000\).*NCCLTransport.*val_rollout: null"):  # fmt: skip
+        policy(url, NCCLTransport)
+    policy("http://10.0.0.2:8000", NCCLTransport)
+    policy(url, lambda: None)  # CPUTransport: rejoins

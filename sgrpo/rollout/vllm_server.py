@@ -323,6 +323,26 @@ class VLLMServerRollout(RolloutEngine):
         self._pushed, self._synced, self._connected = None, None, False
 
 
+def shared_servers_error(rollout: RolloutEngine, val_rollout: RolloutEngine) -> str | None:
+    """Why ``val_rollout`` cannot be a second ``VLLMServerRollout`` on ``rollout``'s servers, or None.
+
+    Each engine tags the weight versions it pushes, so each takes the other's push for a server's restart and pushes
+    again; a transport that cannot bring a restarted server back into its group (``NCCLTransport``) raised at the
+    first training rollout after a validation, telling the user to restart the servers and resume, which failed
+    the same way (found by a review). Transports that rejoin only push once more per validation."""
+    if val_rollout is rollout or not (isinstance(rollout, VLLMServerRollout) and
+                                      isinstance(val_rollout, VLLMServerRollout)):  # fmt: skip
+        return None
+    shared = sorted(set(rollout.pool.urls) & set(val_rollout.pool.urls))
+    stuck = [type(e.transport).__name__ for e in (rollout, val_rollout) if not e.transport.rejoins]
+    if not shared or not stuck:
+        return None
+    return (f"model.val_rollout: a second VLLMServerRollout on model.rollout's servers ({', '.join(shared)}): each "
+            f"pushes weights of its own, which the other takes for a restart, and {stuck[0]} cannot bring a "
+            "restarted server back into its transfer group; give val_rollout: null (validation samples with "
+            "model.rollout's settings) or servers of its own")  # fmt: skip
+
+
 def _rank_world() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
