@@ -13,7 +13,14 @@ from sgrpo.distributed import defers_gradient_sync
 from sgrpo.model.head import check_logit_head
 from sgrpo.model.lean_mlp import apply_lean_mlp
 from sgrpo.model.lean_norm import apply_lean_norm
-from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path, shard_model
+from sgrpo.model.loading import (
+    disable_dropout,
+    frequency_buffers,
+    keep_frequencies,
+    load_causal_lm,
+    resolve_model_path,
+    shard_model,
+)
 from sgrpo.model.lora import apply_lora
 from sgrpo.rollout.engine import bump_weights_version, with_pad_token
 from sgrpo.rollout.episodes import multi_turn_problem, opening_text
@@ -44,6 +51,15 @@ class PolicyModel:
         # the KL reference for fits only (validate, test never use it); LoRA: the policy, adapters off (train.reference)
         if self.loss.needs_reference and self.peft is None and self._reference is None and not self._evaluating():
             self.__dict__["_reference"] = build_reference(self.model, precision, gather, mesh)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (every ``to``, ``half``, ``cuda``), RoPE's frequencies kept in float32 where it converts
+        the policy to half precision (``keep_frequencies``: Lightning's ``bf16-true`` and ``16-true`` convert so)."""
+        model = self._modules.get("model")
+        kept = frequency_buffers(model) if model is not None else []
+        result = super()._apply(fn, recurse)
+        keep_frequencies(kept)
+        return result
 
     def _stage(self) -> str | None:  # the trainer's entry point: fit, validate, test (None: no trainer)
         fn = getattr(getattr(self._trainer, "state", None), "fn", None)

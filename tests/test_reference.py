@@ -77,6 +77,22 @@ def test_bf16_true_reference_is_the_initial_policy_number_for_number(model_dir, 
     assert float(trainer.callback_metrics["train/kl"]) == 0.0
 
 
+def test_bf16_true_keeps_rope_s_frequencies_in_float32_so_the_export_is_the_trained_policy(model_dir, batch,
+                                                                                            tmp_path):  # fmt: skip
+    """Lightning's bf16-true converts the module whole, buffers too: RoPE's inverse frequencies were rounded to bf16
+    in the trained policy (and its reference), while the export loaded with transformers, and vLLM, rotate with
+    float32 ones, so the export's logits were not the trained policy's (0.008 apart on this tiny model; found by a
+    review). The frequencies stay float32 now, in the policy and its reference, and the export gives its logits."""
+    policy = make_policy(model_dir, batch, GRPO(), loss=KL)
+    run_steps(policy, precision="bf16-true", root=tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model", dtype=torch.bfloat16)
+    for model in (policy.model, policy._reference, loaded):
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+    policy.model.eval()
+    torch.testing.assert_close(logprobs(policy.model, batch), logprobs(loaded, batch), atol=0, rtol=0)
+
+
 def test_lora_reference_is_the_base_with_the_adapters_off(model_dir, batch, monkeypatch):
     """With LoRA no second model is built: the KL is taken against the policy with its adapters off, whose
     log-probs are those of the base loaded on its own; the adapters (trained away from 0) are back on after."""

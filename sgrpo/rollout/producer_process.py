@@ -114,13 +114,13 @@ def sampling_model(spec: ProducerSpec) -> torch.nn.Module:
     precision (``gather_dtype``), cast as the synchronous rollout's copy (``snapshot.RolloutWeights``) is: blocks in
     the gather dtype (norm weights too, which autocast alone leaves in float32), other ``nn.Linear`` but the LM head
     in autocast's, buffers as loaded. Pushed weights are rounded as they are copied in, as into that copy."""
-    from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path
+    from sgrpo.model.loading import disable_dropout, load_causal_lm, resolve_model_path, to_dtype_keeping_frequencies
     from sgrpo.rollout.snapshot import cast_to_forward_dtypes
 
     model = load_causal_lm(resolve_model_path(spec.model_path), getattr(torch, spec.dtype), spec.device)  # as trainer's
     disable_dropout(model)
-    if spec.convert:
-        model.to(getattr(torch, spec.convert))
+    if spec.convert:  # as Lightning converts the trainer's, RoPE's frequencies kept (policy_model's ``_apply``)
+        to_dtype_keeping_frequencies(model, getattr(torch, spec.convert))
     if spec.gather_dtype and spec.autocast:
         gathered = getattr(torch, spec.gather_dtype)
         buffers = {name: buffer.dtype for name, buffer in model.named_buffers()}

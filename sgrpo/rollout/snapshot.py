@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from sgrpo.distributed import is_sharded
-from sgrpo.model.loading import transformer_blocks
+from sgrpo.model.loading import frequency_buffers, transformer_blocks
 from sgrpo.model.lora import plain_weights
 
 
@@ -84,12 +84,18 @@ def plain_shell(
     transformer blocks (FSDP2 mixed precision gathers them in it), then ``linear_dtype`` for every ``nn.Linear``
     but the LM head (autocast casts those at each use; the head is ``sgrpo.model.head``'s, outside autocast). Without
     ``dtype`` every buffer keeps its dtype in ``model`` (the casts above took them along: RoPE's inverse frequencies,
-    float32 in a bf16 model, were rounded to bf16, and a 2,048th position's rotation was another)."""
+    float32 in a bf16 model, were rounded to bf16, and a 2,048th position's rotation was another); with a half
+    ``dtype`` RoPE's frequencies stay float32, as the policy's do through Lightning's conversion."""
     with torch.device("meta"):
         shell = plain_class(model)(model.config).to(dtype or next(model.parameters()).dtype)
     # a given dtype is Lightning's -true conversion, yet to come for the model's buffers too (the reference is built
-    # before it); otherwise the buffers stay as the model has them
-    kept = {} if dtype is not None else {n.replace(".base_layer.", "."): b.dtype for n, b in model.named_buffers()}
+    # before it), which keeps RoPE's frequencies in float32 when it halves (``keep_frequencies``); otherwise the
+    # buffers stay as the model has them
+    if dtype is None:
+        kept = {n.replace(".base_layer.", "."): b.dtype for n, b in model.named_buffers()}
+    else:
+        frequencies = {id(b) for _, _, b in frequency_buffers(model)} if dtype.itemsize < 4 else set()
+        kept = {n.replace(".base_layer.", "."): torch.float32 for n, b in model.named_buffers() if id(b) in frequencies}
     cast_to_forward_dtypes(shell, block_dtype, linear_dtype, kept)
     return shell.eval().requires_grad_(False)
 
