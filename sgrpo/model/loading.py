@@ -41,7 +41,12 @@ def shard_model(model: torch.nn.Module, mesh, param_dtype: torch.dtype | None = 
 
 
 def _inputs_cast_outside_autocast(dtype: torch.dtype):
-    """A forward pre-hook casting a module's floating-point inputs to ``dtype`` unless autocast is on."""
+    """A forward pre-hook casting a module's floating-point inputs to ``dtype`` unless autocast is on.
+
+    An additive attention mask (eager attention's: float32's least value where masked) is cast with its masked
+    entries at ``dtype``'s least finite value: cast as it is, float32's least rounds to -inf in bf16, a left-padded
+    row's pad positions see only -inf and their softmax is NaN, which reached the real tokens through their keys
+    and values (found by a review)."""
     from torch.utils._pytree import tree_map
 
     def cast(value):
@@ -51,7 +56,11 @@ def _inputs_cast_outside_autocast(dtype: torch.dtype):
         device = next(module.parameters()).device.type
         if torch.is_autocast_enabled(device):
             return None
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        kwargs = tree_map(cast, kwargs)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            kwargs["attention_mask"] = mask.clamp_min(torch.finfo(dtype).min)
+        return tree_map(cast, args), kwargs
 
     return hook
 
