@@ -81,6 +81,7 @@ class FakeServer:
         self.fail_after = 0  # calls of the fail_on paths that still succeed first
         self.pause_delay = 0.0  # seconds /pause takes on top of ``delay`` (vLLM's mode=wait: requests in flight finish)
         self.paused = self.active = False
+        self.logprobs_mode = "processed_logprobs"  # what /server_info reports (vLLM's default: raw_logprobs)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def check_update(self, path: str) -> None:
@@ -113,6 +114,8 @@ class FakeServer:
             self.active = True
         if path == "/weight_info":
             return {"weight_version": self.version}
+        if path == "/server_info":  # vLLM's development endpoint, the parts sgrpo reads
+            return {"vllm_config": {"model_config": {"logprobs_mode": self.logprobs_mode}}, "vllm_env": {}}
         if path == "/finish_weight_update":  # vLLM's trainer engines finish without a version, then set it
             self.active = False
             self.version = (payload or {}).get("weight_version", self.version)

@@ -28,7 +28,7 @@ from sgrpo.rollout.engine import bump_weights_version
 from sgrpo.rollout.vllm_http import ServerError, ServerPool
 from sgrpo.rollout.vllm_launch import VLLMServers
 from sgrpo.rollout.vllm_push import UPDATE_ACTIVE, CPUTransport, push
-from sgrpo.rollout.vllm_server import GENERATE, VLLMServerRollout
+from sgrpo.rollout.vllm_server import GENERATE, VLLMServerRollout, sampler_problem
 from sgrpo.types import Example
 from tests.vllm_server_helpers import (
     DISTRIBUTED,
@@ -82,6 +82,10 @@ def test_after_a_push_greedy_completions_are_hf_s_and_without_one_they_differ(en
     model = policy(model_dir, seed=3)
     if not launch.processes:
         launch.start(model_dir, "float32", 64, engine.transport.server_args())
+    # the preflight's read of a real server's /server_info: the log-probs mode sgrpo starts its servers with
+    info = ServerPool(launch.urls).get(launch.urls[0], "/server_info?config_format=json")
+    assert info["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"  # where sampler_problem reads
+    assert VLLMServerRollout(urls=launch.urls).preflight() is None and sampler_problem(ServerPool(launch.urls)) is None
     # the no-sync control: the server as started (the folder's weights), asked directly, before any push
     prompts = [tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] for ex in EXAMPLES]
     answers = ServerPool(launch.urls).map(GENERATE, engine.request_payloads(prompts, [None] * 4, 1, [2], greedy=True))

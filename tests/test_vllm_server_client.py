@@ -185,6 +185,21 @@ def test_preflight_names_the_key_of_a_server_that_is_not_up(servers, tmp_path):
         check_rollout_servers(SimpleNamespace(rollout=policy.rollout, val_rollout=missing))
 
 
+def test_preflight_refuses_a_server_whose_log_probs_are_not_the_sampler_s(servers):
+    """A server started by hand without ``--logprobs-mode processed_logprobs`` answers vLLM's default, log-probs
+    before temperature and top-p: every importance ratio was off at temperature != 1, and nothing said so (found by
+    a review). The preflight reads each server's mode (``/server_info``) and refuses naming it and the flag."""
+    good, raw = servers(), servers()
+    raw.logprobs_mode = "raw_logprobs"
+    policy = SimpleNamespace(rollout=VLLMServerRollout(urls=[good.url, raw.url]), val_rollout=None)
+    with pytest.raises(ConfigError, match=f"model.rollout: urls: {raw.url} reports log-probs raw_logprobs.*"
+                                          "--logprobs-mode processed_logprobs"):  # fmt: skip
+        check_rollout_servers(policy, keys=("rollout",))
+    raw.logprobs_mode = "processed_logprobs"
+    check_rollout_servers(policy, keys=("rollout",))
+    assert ("/server_info?config_format=json", None) in raw.calls
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def tiny():

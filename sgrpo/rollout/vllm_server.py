@@ -135,8 +135,8 @@ class VLLMServerRollout(RolloutEngine):
 
     def preflight(self) -> str | None:
         """Why this engine cannot run, checked before the model loads (``sgrpo.run.preflight``), or None: the
-        transport can reach the servers (``WeightTransport.preflight``); the servers of ``urls`` answer ``/health``;
-        ``launch``'s interpreter exists."""
+        transport can reach the servers (``WeightTransport.preflight``); the servers of ``urls`` answer ``/health``
+        and report the sampler's log-probs (``sampler_problem``); ``launch``'s interpreter exists."""
         problem = self.transport.preflight(None if self.launch is not None else self.pool.urls)
         if problem:
             return problem
@@ -147,9 +147,9 @@ class VLLMServerRollout(RolloutEngine):
             return None
         try:
             self.pool.check_health(self.health_timeout)
+            return sampler_problem(self.pool)
         except ServerError as err:
             return f"urls: {err}"
-        return None
 
     # ------------------------------------------------------------------------------------------ generate
     def generate(
@@ -321,6 +321,24 @@ class VLLMServerRollout(RolloutEngine):
         if self.launch is not None:
             self.launch.stop()
         self._pushed, self._synced, self._connected = None, None, False
+
+
+def sampler_problem(pool: ServerPool) -> str | None:
+    """Why a server of ``pool`` would answer other log-probs than the loss assumes, or None: each server's
+    ``logprobs_mode`` (``GET /server_info``, a development endpoint sgrpo's RL calls need anyway) must be
+    ``processed_logprobs``. vLLM's default, ``raw_logprobs``, is taken before temperature and top-p: at a temperature
+    other than 1 every sampler log-prob, and so every importance ratio and mismatch metric, was off, silently
+    (found by a review). A server whose answer does not say is let through."""
+    for url in pool.urls:
+        info = pool.get(url, "/server_info?config_format=json")
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        model = config.get("model_config") if isinstance(config, dict) else None
+        mode = model.get("logprobs_mode") if isinstance(model, dict) else None
+        if mode is not None and mode != "processed_logprobs":
+            return (f"urls: {url} reports log-probs {mode}, not those of the distribution it samples from (after "
+                    "temperature and top-p), which the loss's importance ratios take; start it with --logprobs-mode "
+                    "processed_logprobs (docs/servers.md)")  # fmt: skip
+    return None
 
 
 def shared_servers_error(rollout: RolloutEngine, val_rollout: RolloutEngine) -> str | None:
