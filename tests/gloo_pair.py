@@ -3,8 +3,9 @@ already imported in the parent, so no interpreter starts)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -32,3 +33,24 @@ def run_pair(target: Callable, args: list, folder: Path, timeout: float = 60) ->
         worker.join(timeout=30)
         assert worker.exitcode == 0
     return results
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """A one-process gloo group in this interpreter (the test is skipped where one exists already), destroyed after:
+    FSDP2 on CPU with a mesh of one."""
+    import socket
+
+    import pytest
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this interpreter")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -3,13 +3,11 @@ autocast: the blocks' inputs are cast to bf16, and eager attention's additive ma
 
 from __future__ import annotations
 
-import socket
-
-import pytest
 import torch
 
 from sgrpo.model.loading import shard_model
 from sgrpo.model.tiny import SYNTHETIC_CHARS, build_char_tokenizer, build_tiny_llama
+from tests.gloo_pair import one_process_group
 
 
 def test_a_left_padded_row_stays_finite_with_eager_attention_outside_autocast():
@@ -18,13 +16,7 @@ def test_a_left_padded_row_stays_finite_with_eager_attention_outside_autocast():
     values (NaN logits; found by a review). SDPA's boolean mask never had it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this interpreter")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_process_group():
         torch.manual_seed(0)
         model = build_tiny_llama(build_char_tokenizer(SYNTHETIC_CHARS)).eval()
         model.set_attn_implementation("eager")
@@ -38,5 +30,3 @@ def test_a_left_padded_row_stays_finite_with_eager_attention_outside_autocast():
         assert torch.isfinite(logits).all()
         real = attention.bool()
         assert (logits[real] - plain[real]).abs().max() < 0.1  # bf16 blocks: the float32 model's logits, rounded
-    finally:
-        torch.distributed.destroy_process_group()

@@ -5,8 +5,6 @@ mirrored by the stand-ins of ``tests/vllm_fakes.py``."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from torch import nn
@@ -17,6 +15,7 @@ from sgrpo.rollout import HFRollout
 from sgrpo.rollout.vllm_requests import prompt_token_ids, rollout_batch_from_outputs, sampling_kwargs
 from sgrpo.rollout.weightsync import engine_weights, hf_parameter_name, weight_chunks
 from sgrpo.types import Example
+from tests.gloo_pair import one_process_group
 from tests.test_vllm_rollout import model_dir as model_dir  # the module's tiny model (a fixture)
 from tests.test_vllm_rollout import tokenizer as tokenizer  # a fixture
 from tests.vllm_fakes import (
@@ -144,13 +143,7 @@ def test_engine_weights_gather_fsdp2_shards(tokenizer):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this interpreter")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_process_group():
         model = build_tiny_llama(tokenizer)
         expected = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         mesh = init_device_mesh("cpu", (1,))
@@ -177,8 +170,6 @@ def test_engine_weights_gather_fsdp2_shards(tokenizer):
             assert all(torch.equal(small[k], v.to(torch.bfloat16)) for k, v in expected.items())
         finally:
             setattr(torch.distributed, name, real)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_weight_chunks_bound_bytes():
