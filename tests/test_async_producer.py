@@ -264,6 +264,35 @@ def test_a_push_copies_each_weight_as_it_comes_under_the_lock():
         producer.close()
 
 
+def test_the_producer_s_buffer_takes_each_weight_as_it_comes_where_the_layout_is_known(monkeypatch):
+    """At the producer's start the trainer's weights were all gathered before the shared buffer was laid out: under
+    FSDP2 the whole model on the device at once, where a push holds one bucket (7B in float32: 28 GB). Laid out first
+    from ``plain_layout`` (no gather: LoRA's merged weights under their base's names, dtypes and shapes), the buffer
+    takes each weight before the next is gathered."""
+    from transformers import AutoModelForCausalLM
+
+    from sgrpo.model.lora import LoRA, apply_lora, plain_layout
+    from sgrpo.rollout import shared_weights as module
+
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    apply_lora(model, LoRA(rank=2))
+    pairs = list(plain_weights(model, buffers=False))
+    assert plain_layout(model) == [(name, value.dtype, tuple(value.shape)) for name, value in pairs]
+    views, copied = {}, []
+    real = module.weight_views
+    monkeypatch.setattr(module, "weight_views", lambda flat, layout: views.update(real(flat, layout)) or views)
+
+    def stream():
+        for i, (name, value) in enumerate(pairs):
+            if i:
+                copied.append(torch.equal(views[pairs[i - 1][0]], pairs[i - 1][1]))
+            yield name, value
+
+    flat, layout = module.shared_weights(stream(), plain_layout(model))
+    assert len(copied) == len(pairs) - 1 > 10 and all(copied)
+    assert all(torch.equal(real(flat, layout)[name], value) for name, value in pairs)
+
+
 def test_the_engine_sent_to_the_producer_carries_no_model_or_graphs():
     """An engine that already sampled (a validation before the fit, a second fit) holds the weights' shell and, with
     ``cuda_graphs``, graphs over the trainer's model and buffers: none of it is pickled into the producer's spec."""
@@ -298,7 +327,7 @@ def test_under_fsdp2_bf16_mixed_the_producer_holds_each_weight_as_the_synchronou
             if "norm" in name:  # norm weights of 1.0 are exact in bf16; trained ones are not
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
     specs = []
-    monkeypatch.setattr(asynchronous, "RolloutProducer", lambda spec, weights, timeout: specs.append(spec))
+    monkeypatch.setattr(asynchronous, "RolloutProducer", lambda spec, weights, timeout, shapes: specs.append(spec))
     policy = asynchronous.AsyncRollouts()
     vars(policy).update(seed=0, global_rank=0, _refill=None, rollout=HFRollout(max_new_tokens=4), max_staleness=0,
                         device=torch.device("cpu"), trainer=SimpleNamespace(precision="bf16-mixed"),

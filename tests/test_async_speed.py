@@ -34,7 +34,7 @@ class Recorder:
 
     started: list = []
 
-    def __init__(self, spec, weights, timeout) -> None:
+    def __init__(self, spec, weights, timeout, shapes=None) -> None:
         Recorder.started.append(spec)
 
     def close(self) -> None:
@@ -44,7 +44,7 @@ class Recorder:
 class Policy(AsyncRollouts):
     """The attributes ``start_producer`` reads, without a model."""
 
-    model_path, model_dtype, tokenizer, rollout, model = "unused", "float32", None, HFRollout(), None
+    model_path, model_dtype, tokenizer, rollout, model = "unused", "float32", None, HFRollout(), torch.nn.Module()
     seed, global_rank, group_size, device, producer_timeout = 0, 0, 2, torch.device("cpu"), 60.0
     _refill = None  # dynamic sampling's refill stream (unused here)
     trainer = SimpleNamespace(precision="32-true")  # the sampling precision's source

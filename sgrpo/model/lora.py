@@ -195,6 +195,21 @@ def plain_weights(
         yield name.replace(".base_layer.", "."), buffer
 
 
+def plain_layout(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each tensor ``plain_weights(model, buffers=False)`` yields, in its order, without
+    gathering anything: an FSDP2 parameter's shape is its whole tensor's, and an adapted layer's merged weight has
+    its base weight's dtype and shape. What a buffer for the gathered weights needs before the first is gathered."""
+    adapted = {name for name, module in model.named_modules() if hasattr(module, "base_layer")}
+    layout = []
+    for name, param in model.named_parameters():
+        if is_adapter(name):
+            continue
+        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        plain = f"{owner}.weight" if owner in adapted and name.endswith(".base_layer.weight") else name
+        layout.append((plain.replace(".base_layer.", "."), param.dtype, tuple(param.shape)))
+    return layout
+
+
 def adapter_state(model: nn.Module) -> dict[str, Tensor]:
     """The adapters' weights, gathered (a collective under FSDP2), under PEFT's saved names
     (``base_model.model.<module>.lora_A.weight``), on the CPU."""

@@ -71,15 +71,24 @@ class RolloutProducer:
         weights: (name, tensor) of the model's plain weights (``sgrpo.model.lora.plain_weights``), version
             ``spec.start_step``; later pushes must give the same names and shapes.
         timeout: Seconds ``take`` waits for a block before it raises (a hung producer).
+        shapes: (name, dtype, shape) of each weight (``sgrpo.model.lora.plain_layout``): the shared buffer laid out
+            before the first weight is gathered, each copied as it comes (under FSDP2 one bucket on the device at a
+            time); None: ``weights`` held whole first.
     """
 
-    def __init__(self, spec: ProducerSpec, weights: Iterable[tuple[str, Tensor]], timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        spec: ProducerSpec,
+        weights: Iterable[tuple[str, Tensor]],
+        timeout: float = 600.0,
+        shapes: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+    ) -> None:
         hooks = {"delay_s": float(os.environ.get(DELAY_ENV) or 0.0), "fault": os.environ.get(FAULT_ENV, "")}
         spec = dataclasses.replace(spec, **{k: v for k, v in hooks.items() if v})
         self.spec, self.timeout = spec, timeout
         context = producer_context()
         # one shared buffer for every weight: one file descriptor to the fork server, which refuses 252 or more
-        self._flat, self._layout = shared_weights(weights)
+        self._flat, self._layout = shared_weights(weights, shapes)  # with shapes: each weight copied as it comes
         self._shared = weight_views(self._flat, self._layout)
         self._version = context.Value("q", spec.start_step, lock=False)
         # the trainer's attention implementation with the weights: its first update may switch it (choose_attention)

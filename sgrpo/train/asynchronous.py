@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import Tensor
 
-from sgrpo.model.lora import plain_weights
+from sgrpo.model.lora import plain_layout, plain_weights
 from sgrpo.model.packing import attention_implementation
 from sgrpo.rollout.hf import HFRollout
 from sgrpo.rollout.producer import RolloutProducer
@@ -154,7 +154,7 @@ class AsyncRollouts:
                            torch.is_deterministic_algorithms_warn_only_enabled()),  # fmt: skip
             refill_prompts=refills,
         )
-        self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout)
+        self._producer = RolloutProducer(spec, self._plain_weights(), self.producer_timeout, plain_layout(self.model))
         torch.set_num_threads(trainer_threads)  # once the producer runs (stop_producer gives them back)
 
     def configure_callbacks(self):
