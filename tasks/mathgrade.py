@@ -30,6 +30,8 @@ from tasks.similarity import final_text, strip_think, template_opens_think
 
 #: a number in free text: a minus sign only where no word, digit or bracket comes just before it ("3-4" is a range or
 #: a difference, not -4), and an exponent ("1.5e3" is 1500, not 3)
+#: U+2212, the minus sign of typeset text: read as "-" (as math-verify reads it), or "−18" was 18 and right against 18
+MINUS_SIGN = "\u2212"
 _NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 #: a comma between a digit and three more groups them (``1,000``); any other separates (``(2,-5)``: -5, not the
 #: range ``2-5``; ``3,-4,5``: 5)
@@ -305,7 +307,7 @@ def numeric_answer(text: str) -> float | None:
     """The number a response gives: its last ``\\boxed{}`` read as one number (``box_number``), else the text's last
     number; None for a box that holds no single number or was cut off (the last number of a cut box's start was read
     as the answer, and ``\\boxed{\\frac{1}{2}}`` or ``\\boxed{2^{10}}`` as 2 or 10)."""
-    text = strip_think(text)
+    text = strip_think(text).replace(MINUS_SIGN, "-")
     if _BOX.search(text):
         box = last_boxed(text)
         return None if box is None else box_number(box)
@@ -320,7 +322,7 @@ def box_number(box: str) -> float | None:
     ``^\\circ``, a unit's ``^2``, outer braces, words after it, ``Total = `` before it), or a fraction
     (``\\frac{1}{2}``, ``3/4``); else None: an expression (``5\\pi``, ``18!``, ``20/x``, ``50 - x``, ``{18}^2``,
     ``x != 18``), several numbers."""
-    plain = box
+    plain = box.replace(MINUS_SIGN, "-")
     while (unwrapped := _WRAPPER.sub(r" \1 ", plain)) != plain:
         plain = unwrapped
     plain = _DIGIT_GROUP.sub("", _UNIT_POWER.sub(r"\1", _DEGREES.sub("", plain)))

@@ -170,6 +170,9 @@ def test_numeric_match_reads_the_box_as_one_number(gold, completion, expected):
     ("5", "the list 3,-4,5", 1.0),  # a comma before one digit separates
     ("1000000", "1,000,000 of them", 1.0),
     ("3", "so $\\pi-3$", 1.0),  # a difference: \\pi is no relation
+    ("18", "The answer is \u221218.", 0.0),  # U+2212, typeset text's minus sign: -18 (before: 18, right)
+    ("-18", "The answer is \u221218.", 1.0),
+    ("-18", "\\boxed{\u221218}", 1.0),  # before: no number
 ])  # fmt: skip
 def test_numeric_match_reads_unboxed_text_s_last_number_with_its_sign_and_exponent(gold, completion, expected):
     assert NumericMatch().score([Example("q", gold)], [completion]).total.tolist() == [expected]
