@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from sgrpo.types import Example
 from tasks.reward import SampleReward
+from tasks.similarity import template_opens_think
 
 
 def think_format(completion: str) -> tuple[float, str]:
@@ -25,9 +29,17 @@ def think_format(completion: str) -> tuple[float, str]:
 
 
 class ThinkFormat(SampleReward):
-    """``think_format`` of each completion, in {0, 1} (``scale`` "pm1": -1 / +1); the example is not read."""
+    """``think_format`` of each completion, in {0, 1} (``scale`` "pm1": -1 / +1); the example is not read.
+
+    Where the chat template opens the ``<think>`` block in the prompt (DeepSeek-R1-Distill's does:
+    ``adapt_to_tokenizer``), a completion starts inside it and is read after that ``<think>``: every completion
+    scored 0 there, its opening tag being the prompt's (found by a review)."""
 
     name = "format"
+    opened = False  # the chat template opens <think> in the prompt (adapt_to_tokenizer)
+
+    def adapt_to_tokenizer(self, tokenizer, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.opened = template_opens_think(tokenizer, chat_template_kwargs)
 
     def score_one(self, example: Example, completion: str) -> tuple[float, str]:
-        return think_format(completion)
+        return think_format("<think>" + completion if self.opened else completion)

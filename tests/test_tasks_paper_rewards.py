@@ -181,6 +181,21 @@ FORMAT = [
 ]
 
 
+def test_think_format_reads_a_completion_inside_the_block_the_template_opened():
+    """A template that opens ``<think>`` in the prompt (R1-Distill's) leaves the tag out of every completion: each
+    scored 0 ("tags"; found by a review). Adapted to such a tokenizer the reward reads the completion after it."""
+    from sgrpo.model.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<think>\n{% endif %}")  # fmt: skip
+    reward = ThinkFormat()
+    assert reward.score([Example("q", "a")], ["a</think>b"]).total.item() == 0.0
+    reward.adapt_to_tokenizer(tokenizer)
+    completions = ["a</think>b", "a", "<think>a</think>b"]  # inside the block; never closed; a second <think>
+    assert reward.score([Example("q", "a")] * 3, completions).total.tolist() == [1, 0, 0]
+
+
 @pytest.mark.parametrize(("completion", "label"), FORMAT)
 def test_think_format(completion, label):
     assert think_format(completion) == (float(label == "ok"), label)
