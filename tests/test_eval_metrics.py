@@ -165,14 +165,19 @@ def test_one_table_per_evaluation_set_and_a_single_set_as_before():
 
 def test_the_report_calls_only_step_0_the_base_and_averages_the_levels_both_measured():
     """Without --validate_before the first validation is a trained step: it was headed "(base)". A level the last
-    validation lacks counted 0 in its mean (a -15 pts change for a level that was not measured; found by a review)."""
+    validation lacks counted 0 in its mean (a -15 pts change for a level that was not measured; found by a review);
+    it shows "-" on the side that lacks it, and a level only the last validation has is shown too."""
     from sgrpo.eval.report import accuracy_table
 
     first = {"step": 25, "accuracy": 0.5, "by_difficulty": {"3": 0.6, "5": 0.4}, "pass_at_k": {1: 0.5}, "prompts": 4}
     last = first | {"step": 50, "by_difficulty": {"3": 0.7}}
     table = accuracy_table([first, last])
     assert table.startswith("| difficulty | step 25 (first validation) | step 50 (trained) | change |")
-    assert "| 5 | 40.0% | nan% | +nan pts |" in table
+    assert "| 5 | 40.0% | - | - |" in table  # it printed "nan%" and "+nan pts"
+    assert table.endswith("| mean over levels in both | 60.0% | 70.0% | +10.0 pts |")
+    # a level only the last validation measured (other evaluation data on resume) was left out of the table
+    table = accuracy_table([first, last | {"by_difficulty": {"3": 0.7, "9": 0.1}}])
+    assert "| 9 | - | 10.0% | - |" in table
     assert table.endswith("| mean over levels in both | 60.0% | 70.0% | +10.0 pts |")
 
 

@@ -31,15 +31,19 @@ def accuracy_table(history: list[dict[str, Any]]) -> str:
             "|---|---|---|---|",
         ]
         pairs = {}  # level -> (before, after), both measured (a level with no prompt there is nan or absent)
-        for level, before in before_set["by_difficulty"].items():
-            after = after_set["by_difficulty"].get(level, float("nan"))
-            lines.append(f"| {level} | {before:.1%} | {after:.1%} | {100 * (after - before):+.1f} pts |")
+        levels = [*before_set["by_difficulty"], *(k for k in after_set["by_difficulty"] if k not in
+                                                  before_set["by_difficulty"])]  # fmt: skip
+        for level in levels:  # a level one validation lacks (other evaluation data on resume): "-" on its side
+            before, after = (s["by_difficulty"].get(level, float("nan")) for s in (before_set, after_set))
+            cells = [f"{v:.1%}" if v == v else "-" for v in (before, after)]
+            change = f"{100 * (after - before):+.1f} pts" if before == before and after == after else "-"
+            lines.append(f"| {level} | {cells[0]} | {cells[1]} | {change} |")
             if before == before and after == after:
                 pairs[level] = (before, after)
         if pairs:  # the mean over the levels both validations measured (a missing one counted 0 before)
             mean_before, mean_after = (sum(p[i] for p in pairs.values()) / len(pairs) for i in (0, 1))
             change = 100 * (mean_after - mean_before)
-            label = "mean over levels" if len(pairs) == len(before_set["by_difficulty"]) else "mean over levels in both"
+            label = "mean over levels" if len(pairs) == len(levels) else "mean over levels in both"
             lines.append(f"| {label} | {mean_before:.1%} | {mean_after:.1%} | {change:+.1f} pts |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
