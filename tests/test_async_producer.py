@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 from estimators import SoftmaxGRPO
 from sgrpo.model.lora import plain_weights
 from sgrpo.policy import GRPOPolicy
+from sgrpo.processes import running
 from sgrpo.rollout import HFRollout
 from sgrpo.rollout.producer_process import ProducerError
 from sgrpo.train.update import PolicyUpdate
@@ -140,14 +140,6 @@ def test_an_interpreter_that_exits_without_close_stops_its_producer(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     folder, pid = done.stdout.split()
     assert not os.path.exists(folder) and not running(int(pid))
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie has ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_push_while_a_killed_producer_holds_the_weights_lock_raises_naming_it():
@@ -356,7 +348,7 @@ def test_a_producer_whose_fork_server_a_sigterm_ended_samples_on_and_close_ends_
     """A SIGTERM to the job's process group ends the fork server (it does not ignore SIGTERM; the producer does), and
     multiprocessing then read exit code 255 for a producer still sampling: a run of several processes failed with
     "ended with exit code 255" where it should have stopped at the step's end, and close() left the producer running."""
-    from sgrpo.rollout.producer import exit_code, running
+    from sgrpo.rollout.producer import exit_code
 
     producer, _ = shipped_producer()
     prompts = [ex.prompt for ex in two_prompts(0)]

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from sgrpo.checks import ConfigError
+from sgrpo.processes import group_running
 from sgrpo.rollout import vllm_launch
 from sgrpo.rollout.vllm_http import ServerError, call
 from sgrpo.rollout.vllm_launch import VLLMServers, server_command
@@ -146,10 +147,10 @@ if os.fork() == 0:
     launch = VLLMServers(ports=[8000], log_dir=str(tmp_path))
     launch.processes = [leader]
     try:
-        assert vllm_launch._group_running(leader.pid)
+        assert group_running(leader.pid)
         start = time.monotonic()
         launch.stop(grace=10)
-        assert time.monotonic() - start < 5 and not vllm_launch._group_running(leader.pid)
+        assert time.monotonic() - start < 5 and not group_running(leader.pid)
         # a guard reaped before stop(): its PID, the group's id, may be another process's by now: left alone
         other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         reaped = SimpleNamespace(pid=other.pid, returncode=0, poll=lambda: 0, wait=lambda timeout=None: 0)

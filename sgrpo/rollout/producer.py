@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sgrpo.processes import running
 from sgrpo.rollout.producer_process import Block, ProducerError, ProducerSpec, _produce
 from sgrpo.rollout.shared_weights import shared_weights, weight_views
 
@@ -227,23 +228,6 @@ def exit_code(process) -> int | None:
     reads the server's closed pipe as exit code 255. So 255 counts only once the producer's pid is gone."""
     code = process.exitcode
     return None if code == 255 and running(process.pid) else code
-
-
-def running(pid: int | None) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie has)."""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)  # no /proc (macOS): exists
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def producer_context():

@@ -94,15 +94,13 @@ def _proxied(url: str) -> str:
     return f" (the call went through the proxy {proxy}: add {host} to no_proxy)"
 
 
-def _process_rank() -> int:
-    """torch.distributed's rank where a process group exists, else the launcher's ``RANK``, else 0."""
-    import os
-
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (torch.distributed's; 0 and 1 without a process group)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 @dataclass
@@ -125,8 +123,8 @@ class ServerPool:
         urls: Base URLs (``http://host:port``), without a trailing path.
         request_timeout: Seconds a generation request may take (per socket operation and in all).
         timeout: Seconds any other call (health, weight transfer steps) may take.
-        rank: This process's data-parallel rank (default: torch.distributed's, else the ``RANK`` variable, else 0;
-            read at the first request, once the process group exists).
+        rank: This process's rank (default: torch.distributed's, read at the first request, once the process
+            group exists).
     """
 
     def __init__(
@@ -146,7 +144,7 @@ class ServerPool:
     def _order(self) -> dict[str, int]:
         """Each server's place in this process's order: the list rotated by the rank."""
         if self._place is None:
-            rank = self._rank if self._rank is not None else _process_rank()
+            rank = self._rank if self._rank is not None else rank_world()[0]
             n = len(self.urls)
             self._place = {u: (i - rank) % n for i, u in enumerate(self.urls)}
         return self._place

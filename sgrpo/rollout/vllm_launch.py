@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sgrpo.distributed import stop_before_exit
+from sgrpo.processes import group_running
 from sgrpo.rollout.vllm_http import ServerError, wait_until_healthy
 
 #: what every server needs for sgrpo: the RL endpoints, the sampler's log-probs after temperature, token ids in
@@ -163,7 +164,7 @@ class VLLMServers:
         # once reaped, another process may have taken it: such a group is left alone
         ours = [process for process in self.processes if process.returncode is None]
         for process in ours:  # a group whose guard exited may still hold engine processes
-            if process.poll() is None or _group_running(process.pid):
+            if process.poll() is None or group_running(process.pid):
                 _signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for process in self.processes:
@@ -191,35 +192,11 @@ def _serving(host: str, port: int) -> bool:
 def _group_ends(group: int, deadline: float) -> bool:
     """Wait until no process of process group ``group`` runs, or ``deadline`` (``time.monotonic``) passes; whether
     none runs."""
-    while _group_running(group):
+    while group_running(group):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
     return True
-
-
-def _group_running(group: int) -> bool:
-    """Whether a process of process group ``group`` still runs. One that has exited and awaits its parent's ``wait``
-    (a zombie) holds no port, memory or GPU, so it does not count; without ``/proc``, whether the group has any."""
-    try:
-        pids = [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:  # "PID (NAME) STATE PPID PGRP ...": NAME may hold ")"
-                state, _, pgrp = stat.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):  # it ended meanwhile
-            continue
-        if int(pgrp) == group and state not in ("Z", "X"):
-            return True
-    return False
 
 
 def _signal_group(pid: int, sig: int) -> None:

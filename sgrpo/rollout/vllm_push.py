@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from sgrpo.processes import running
 from sgrpo.rollout.vllm_http import ServerError, ServerPool
 from sgrpo.rollout.vllm_plugin import CPU_BACKEND
 from sgrpo.rollout.weightsync import weight_chunks
@@ -272,7 +273,7 @@ def sweep_stale_chunks(folder: str) -> list[str]:
     removed, now = [], time.time()
     for name in os.listdir(folder):
         match = CHUNK_FILE.fullmatch(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or running(int(match.group(1))):
             continue
         path = os.path.join(folder, name)
         try:
@@ -285,16 +286,6 @@ def sweep_stale_chunks(folder: str) -> list[str]:
     if removed:
         log.info("deleted %d weight chunk file(s) that killed trainers left in %s", len(removed), folder)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class NCCLTransport(WeightTransport):

@@ -29,7 +29,7 @@ from torch import nn
 
 from sgrpo.distributed import close_before_release
 from sgrpo.rollout.engine import RolloutEngine, stop_and_pad_ids, weights_version
-from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool
+from sgrpo.rollout.vllm_http import Answer, ServerError, ServerPool, rank_world
 from sgrpo.rollout.vllm_launch import VLLMServers
 from sgrpo.rollout.vllm_push import CPUTransport, WeightTransport, dtype_of, push, server_versions
 from sgrpo.rollout.vllm_requests import fitting_prompt_ids, rollout_batch_from_outputs, sampling_kwargs
@@ -245,7 +245,7 @@ class VLLMServerRollout(RolloutEngine):
     def ready(self, model: nn.Module) -> None:
         """Servers started (``launch``, rank 0) and healthy; the policy's weights pushed if they changed or a server
         lost them. Every process calls this together (the push's gathers are collectives)."""
-        world = _rank_world()[1]
+        world = rank_world()[1]
         if self.launch is not None and not self._connected:  # rank 0 starts them; the others learn how that went
             _decided_by_rank0(lambda: None if self.launch.processes else self._start_servers(model), world)
         self.pool.check_health(self.health_timeout)
@@ -275,7 +275,7 @@ class VLLMServerRollout(RolloutEngine):
     ) -> None:
         """Push ``model``'s weights to every server (``only``: these); every process calls this together.
         ``pause``: vLLM's pause mode for the push (``sgrpo.rollout.vllm_push.push``)."""
-        rank, world = _rank_world()
+        rank, world = rank_world()
         dtype = dtype_of(self.dtype)
         chunk = int(self.weight_chunk_mib * 2**20)
         if self._pushed is not None and not self.transport.rejoins:  # a push to a group with a member gone would hang
@@ -361,18 +361,11 @@ def shared_servers_error(rollout: RolloutEngine, val_rollout: RolloutEngine) -> 
             "model.rollout's settings) or servers of its own")  # fmt: skip
 
 
-def _rank_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _decided_by_rank0(action, world: int, everyone: bool = False) -> Any:
     """Run ``action`` on rank 0 (``everyone``: on every process, for its collectives) and return rank 0's result on
     every process. An error on rank 0 (a server that died, a chunk file that could not be written) raises there
     and, as a ``ServerError`` with its message, on every other process: none waits for a rank 0 that gave up."""
-    rank = _rank_world()[0]
+    rank = rank_world()[0]
     result, error = None, None
     try:
         result = action() if (everyone or rank == 0) else None
